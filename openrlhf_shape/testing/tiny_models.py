@@ -97,7 +97,7 @@ def _config(arch: str, vocab_size: int, num_layers: int, tie: bool | None, **ove
         rms_norm_eps=1e-6,
         hidden_act="silu",
         initializer_range=0.05,
-        torch_dtype="float32",
+        dtype="float32",
     )
     if arch == "qwen3":
         cfg = Qwen3Config(head_dim=32, tie_word_embeddings=bool(tie) if tie is not None else False, **common)
@@ -138,7 +138,7 @@ def make_tiny_model(
     cfg.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     cfg.bos_token_id = None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     gen = {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen))

@@ -1,0 +1,67 @@
+"""SHAPE maths: pure torch, no Ray / vLLM / Megatron imports.
+
+Public, stable API (DESIGN.md section 3):
+``token_entropy``, ``entropy_cutpoints``, ``dynamic_gamma``, ``shape_segment_advantages``,
+``mrt_segment_advantages``, ``grpo_advantages``, ``redistribute_token_credit``, ``policy_loss``,
+plus ``ShapeConfig`` and the batched helpers in :mod:`.pipeline`.
+"""
+
+from openrlhf_shape.algorithms.advantages import (
+    dynamic_gamma,
+    grpo_advantages,
+    mrt_segment_advantages,
+    outcome_baseline,
+    segment_to_token_advantages,
+    shape_segment_advantages,
+)
+from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.algorithms.entropy import token_entropy, token_log_probs_and_entropy
+from openrlhf_shape.algorithms.loss import policy_loss
+from openrlhf_shape.algorithms.metrics import (
+    gain_by_start_regime,
+    gain_contribution_percent,
+    potential_drop_rate,
+)
+from openrlhf_shape.algorithms.pipeline import (
+    AdvantageResult,
+    boundaries_as_lists,
+    compute_token_advantages,
+    pad_potentials,
+    segment_batch,
+)
+from openrlhf_shape.algorithms.segmentation import (
+    boundaries_to_segment_ids,
+    delimiter_cutpoints,
+    entropy_cutpoints,
+    segment_lengths,
+    uniform_cutpoints,
+)
+from openrlhf_shape.algorithms.tcr import redistribute_token_credit, tcr_weights
+
+__all__ = [
+    "AdvantageResult",
+    "ShapeConfig",
+    "boundaries_as_lists",
+    "boundaries_to_segment_ids",
+    "compute_token_advantages",
+    "delimiter_cutpoints",
+    "dynamic_gamma",
+    "entropy_cutpoints",
+    "gain_by_start_regime",
+    "gain_contribution_percent",
+    "grpo_advantages",
+    "mrt_segment_advantages",
+    "outcome_baseline",
+    "pad_potentials",
+    "policy_loss",
+    "potential_drop_rate",
+    "redistribute_token_credit",
+    "segment_batch",
+    "segment_lengths",
+    "segment_to_token_advantages",
+    "shape_segment_advantages",
+    "tcr_weights",
+    "token_entropy",
+    "token_log_probs_and_entropy",
+    "uniform_cutpoints",
+]

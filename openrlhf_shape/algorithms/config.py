@@ -1,0 +1,121 @@
+"""``ShapeConfig``: the advantage estimator's settings with the paper's defaults, validated."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ESTIMATORS = ("shape", "mrt", "grpo")
+SEGMENTATIONS = ("entropy", "uniform", "delimiter")
+OUTCOME_BASELINES = ("none", "group_mean", "group_norm")
+
+# Appendix A.1 (task consistency) needs alpha < 0.5; appendix A.2 (reward-sign consistency with
+# m = 8 probes, worst case Phi 7/8 -> 1) needs gamma_min > 7/8.
+ALPHA_BOUND = 0.5
+GAMMA_MIN_BOUND = 0.875
+
+
+@dataclass
+class ShapeConfig:
+    """Settings of the advantage estimator (``--algo.advantage.estimator`` and ``--shape.*``).
+
+    Defaults follow the paper (alpha 0.3, gamma_min 0.9, K 8, m 8, probes of 16 tokens); TCR
+    defaults (beta 0.5, delta 0.5..1.5) are ours (the paper is silent). ``l_ref`` None means
+    ``max_response_len / num_segments`` (resolved by :meth:`resolved_l_ref`).
+    """
+
+    estimator: str = "shape"
+    alpha: float = 0.3
+    gamma_min: float = 0.9
+    l_ref: float | None = None
+    fixed_gamma: float | None = None  # ablation: constant gamma_k
+    num_segments: int = 8  # K
+    num_probes: int = 8  # m
+    probe_max_tokens: int = 16
+    segmentation: str = "entropy"
+    entropy_threshold: float | None = None  # absolute tau; None = per-response quantile
+    entropy_quantile: float = 0.8
+    min_segment_len: int = 8
+    delimiter: str = "\n\n"
+    tcr: bool = True
+    tcr_beta: float = 0.5
+    tcr_delta_min: float = 0.5
+    tcr_delta_max: float = 1.5
+    tcr_eps: float = 1e-6
+    outcome_baseline: str = "none"
+    allow_unsafe_hparams: bool = False  # --shape.allow_unsafe_hparams
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(flag: str, msg: str) -> ValueError:
+            return ValueError(f"--shape.{flag}: {msg}")
+
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(
+                f"--algo.advantage.estimator: unknown estimator {self.estimator!r}; choose one of {ESTIMATORS}"
+            )
+        if self.segmentation not in SEGMENTATIONS:
+            raise bad("segmentation", f"unknown segmentation {self.segmentation!r}; choose one of {SEGMENTATIONS}")
+        if self.outcome_baseline not in OUTCOME_BASELINES:
+            raise bad("outcome_baseline", f"unknown baseline {self.outcome_baseline!r}; choose one of {OUTCOME_BASELINES}")
+        if not 0.0 <= self.alpha:
+            raise bad("alpha", f"must be >= 0, got {self.alpha}")
+        if not 0.0 < self.gamma_min <= 1.0:
+            raise bad("gamma_min", f"must lie in (0, 1], got {self.gamma_min}")
+        if self.fixed_gamma is not None and not 0.0 < self.fixed_gamma <= 1.0:
+            raise bad("fixed_gamma", f"must lie in (0, 1], got {self.fixed_gamma}")
+        if self.estimator in ("shape", "mrt") and not self.allow_unsafe_hparams:
+            if self.alpha >= ALPHA_BOUND:
+                raise bad(
+                    "alpha",
+                    f"alpha={self.alpha} >= {ALPHA_BOUND} breaks strong task consistency (paper appendix A.1: "
+                    "a correct trajectory's total reward is only guaranteed to exceed every incorrect one's "
+                    f"when alpha < 0.5). Use alpha < 0.5, or pass --shape.allow_unsafe_hparams to run anyway.",
+                )
+            if self.estimator == "shape":
+                name, g = ("gamma_min", self.gamma_min) if self.fixed_gamma is None else ("fixed_gamma", self.fixed_gamma)
+                if g <= GAMMA_MIN_BOUND:
+                    raise bad(
+                        name,
+                        f"{g} <= 7/8 breaks reward-sign consistency (paper appendix A.2: with m = 8 probes a "
+                        "step from Phi = 7/8 to 1 must get a positive shaping reward, which needs gamma > 0.875; "
+                        "the paper's gamma_min = 0.7 ablation collapsed). Use a value in (0.875, 1], or pass "
+                        "--shape.allow_unsafe_hparams to run anyway.",
+                    )
+        if self.l_ref is not None and not self.l_ref > 0:
+            raise bad("l_ref", f"must be > 0 tokens (or unset for max_response_len / K), got {self.l_ref}")
+        if not 1 <= self.num_segments <= 256:
+            raise bad("num_segments", f"K must lie in [1, 256], got {self.num_segments}")
+        if not 1 <= self.num_probes <= 1024:
+            raise bad("num_probes", f"m must lie in [1, 1024], got {self.num_probes}")
+        if not 1 <= self.probe_max_tokens <= 4096:
+            raise bad("probe_max_tokens", f"must lie in [1, 4096], got {self.probe_max_tokens}")
+        if not 0.0 <= self.entropy_quantile <= 1.0:
+            raise bad("entropy_quantile", f"must lie in [0, 1], got {self.entropy_quantile}")
+        if self.min_segment_len < 1:
+            raise bad("min_segment_len", f"must be >= 1 token, got {self.min_segment_len}")
+        if not self.tcr_beta >= 0:
+            raise bad("tcr_beta", f"must be >= 0, got {self.tcr_beta}")
+        if not 0.0 <= self.tcr_delta_min <= 1.0 <= self.tcr_delta_max:
+            raise bad(
+                "tcr_delta_min",
+                f"need 0 <= delta_min <= 1 <= delta_max so average tokens keep A_k; got "
+                f"delta_min={self.tcr_delta_min}, delta_max={self.tcr_delta_max}",
+            )
+        if not self.tcr_eps > 0:
+            raise bad("tcr_eps", f"must be > 0, got {self.tcr_eps}")
+        if not self.delimiter:
+            raise bad("delimiter", "must be a non-empty string")
+
+    def resolved_l_ref(self, max_response_len: int) -> float:
+        """L_ref in tokens: the configured value, else ``max_response_len / K``."""
+        if self.l_ref is not None:
+            return float(self.l_ref)
+        if max_response_len < 1:
+            raise ValueError(f"max_response_len must be >= 1, got {max_response_len}")
+        return float(max_response_len) / float(self.num_segments)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,78 @@
+"""PPO policy loss with DAPO clip-higher and optional dual clip; token-mean over a global count.
+
+Token loss l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) with r_t = exp(logp - old).
+With ``dual_clip = c > 1``, tokens with A_t < 0 have l_t capped at -c A_t. The loss is
+sum_t l_t over valid tokens divided by ``num_global_tokens``: pass the number of valid tokens of
+the whole mini-batch (all data-parallel ranks, all micro-batches) so that summing micro-batch
+losses (and averaging gradients across DP with the right factor) yields the global token mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+    num_global_tokens: float | int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped PPO/DAPO policy loss.
+
+    Args:
+        log_probs: ``[B, T]`` current policy log-probs (requires grad).
+        old_log_probs: ``[B, T]`` behaviour log-probs; advantages: ``[B, T]``; mask: ``[B, T]`` bool.
+        eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` (DAPO clip-higher).
+        dual_clip: None or c > 1 (dual-clip PPO for negative advantages).
+        num_global_tokens: denominator of the token mean; None = this call's valid tokens.
+
+    Returns:
+        (loss scalar, metrics) where metrics hold detached sums over this call's valid tokens
+        (``*_sum`` keys, to be summed across micro-batches and ranks) and ``num_tokens``.
+    """
+    if not (log_probs.shape == old_log_probs.shape == advantages.shape == mask.shape):
+        raise ValueError(
+            "log_probs, old_log_probs, advantages and mask must share one shape [B, T]; got "
+            f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
+    if not (0 <= eps_low < 1 and eps_high >= 0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    m = mask.bool()
+    mf = m.to(log_probs.dtype)
+    n_local = mf.sum()
+    denom = n_local if num_global_tokens is None else torch.as_tensor(num_global_tokens, dtype=log_probs.dtype)
+    if float(denom) <= 0:
+        denom = torch.ones((), dtype=log_probs.dtype)
+    adv = advantages.to(log_probs.dtype)
+    # Padding may hold anything (even inf); zero it before exp so no NaN leaks into the gradient.
+    log_ratio = torch.where(m, log_probs - old_log_probs.to(log_probs.dtype), torch.zeros_like(log_probs))
+    ratio = torch.exp(log_ratio)
+    surr1 = ratio * adv
+    surr2 = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    tok_loss = -torch.minimum(surr1, surr2)
+    if dual_clip is not None:
+        capped = torch.minimum(tok_loss, -float(dual_clip) * adv)
+        tok_loss = torch.where(adv < 0, capped, tok_loss)
+    tok_loss = torch.where(m, tok_loss, torch.zeros_like(tok_loss))
+    loss = tok_loss.sum() / denom
+    with torch.no_grad():
+        clip_low = ((ratio < 1.0 - eps_low) & (adv < 0) & m).to(torch.float32).sum()
+        clip_high = ((ratio > 1.0 + eps_high) & (adv > 0) & m).to(torch.float32).sum()
+        approx_kl = (((ratio - 1.0) - log_ratio) * mf).sum()
+        metrics = {
+            "num_tokens": n_local.detach().to(torch.float32),
+            "pg_loss_sum": tok_loss.detach().sum().to(torch.float32),
+            "clipfrac_low_sum": clip_low,
+            "clipfrac_high_sum": clip_high,
+            "approx_kl_sum": approx_kl.to(torch.float32),
+            "ratio_sum": (ratio.detach() * mf).sum().to(torch.float32),
+            "advantage_sum": (adv * mf).sum().detach().to(torch.float32),
+        }
+    return loss, metrics

@@ -1,0 +1,79 @@
+"""The paper's analyses as batch metrics (pure functions over potentials and segments).
+
+Start regimes (appendix B.3, m = 8 grid): Low {0, 1/8}, Mid-Low {2/8, 3/8}, Mid-High {4/8, 5/8},
+High {6/8, 7/8}; for other m the same quarter intervals [0, .25), [.25, .5), [.5, .75), [.75, 1).
+A start potential of exactly 1 cannot gain and is excluded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+REGIMES = ("low", "mid_low", "mid_high", "high")
+
+
+def _transitions(potentials: torch.Tensor, num_segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``potentials`` [B, Kmax+1] padded, ``num_segments`` [B] -> (start, end, valid) all [B, Kmax]."""
+    if potentials.dim() != 2:
+        raise ValueError(f"potentials must be [B, K+1], got {tuple(potentials.shape)}")
+    kmax = potentials.shape[1] - 1
+    k = torch.arange(kmax, device=potentials.device)
+    valid = k[None, :] < num_segments.to(potentials.device)[:, None]
+    return potentials[:, :-1].float(), potentials[:, 1:].float(), valid
+
+
+def potential_drop_rate(potentials: torch.Tensor, num_segments: torch.Tensor) -> float:
+    """Share of transitions Phi_k -> Phi_{k+1} (including the last, into R) with Phi_{k+1} < Phi_k."""
+    start, end, valid = _transitions(potentials, num_segments)
+    n = int(valid.sum())
+    return float(((end < start) & valid).sum()) / n if n else 0.0
+
+
+def start_regime(phi: torch.Tensor) -> torch.Tensor:
+    """Regime index 0..3 for start potentials ``phi`` (any shape); -1 for phi >= 1."""
+    idx = torch.clamp((phi * 4.0 + 1e-6).floor().long(), max=3)
+    return torch.where(phi >= 1.0 - 1e-6, torch.full_like(idx, -1), idx)
+
+
+def gain_by_start_regime(potentials: torch.Tensor, num_segments: torch.Tensor) -> dict[str, tuple[float, int]]:
+    """Raw gains Delta_k = Phi_{k+1} - Phi_k summed by start regime: ``{regime: (sum, count)}``."""
+    start, end, valid = _transitions(potentials, num_segments)
+    reg = start_regime(start)
+    gain = end - start
+    out = {}
+    for i, name in enumerate(REGIMES):
+        sel = valid & (reg == i)
+        out[name] = (float(gain[sel].sum()), int(sel.sum()))
+    return out
+
+
+def gain_contribution_percent(avg_gains: dict[str, dict[str, float]], eps: float = 0.03) -> dict[str, dict[str, float]]:
+    """Appendix B.3 normalisation across methods.
+
+    Args: ``avg_gains[method][regime]`` = average raw gain of that regime.
+    Shift by the global minimum ``G_min - eps`` so all are positive, then each method's regimes
+    as percentages of that method's total shifted gain.
+    """
+    values = [v for per in avg_gains.values() for v in per.values()]
+    if not values:
+        return {}
+    g_min = min(values)
+    out = {}
+    for method, per in avg_gains.items():
+        shifted = {r: v - (g_min - eps) for r, v in per.items()}
+        total = sum(shifted.values())
+        out[method] = {r: 100.0 * s / total for r, s in shifted.items()}
+    return out
+
+
+def describe(values: torch.Tensor, prefix: str) -> dict[str, float]:
+    """mean / std / min / max of a 1-D tensor as ``{prefix/mean: ...}`` (empty -> zeros)."""
+    v = values.detach().float().reshape(-1)
+    if v.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/std": 0.0, f"{prefix}/min": 0.0, f"{prefix}/max": 0.0}
+    return {
+        f"{prefix}/mean": float(v.mean()),
+        f"{prefix}/std": float(v.std(unbiased=False)),
+        f"{prefix}/min": float(v.min()),
+        f"{prefix}/max": float(v.max()),
+    }

@@ -1,0 +1,170 @@
+"""Batched SHAPE/MRT/GRPO advantages for a padded batch of responses.
+
+Two stages, because potentials come from probes sampled at the boundaries:
+
+1. :func:`segment_batch` (after the old-policy pass gives entropy): boundaries ``[B, K-1]``.
+2. :func:`compute_token_advantages` (after probes give potentials): token advantages ``[B, T]``.
+
+All tensors are right-padded: ``mask[i, :T_i]`` is True. Potentials are ``[B, K+1]`` padded per row:
+``potentials[i, :n_i + 1]`` = Phi_0 .. Phi_{n_i} with ``n_i`` segments and Phi_{n_i} = R_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openrlhf_shape.algorithms.advantages import (
+    dynamic_gamma,
+    grpo_advantages,
+    outcome_baseline,
+    segment_to_token_advantages,
+)
+from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.algorithms.metrics import describe, gain_by_start_regime, potential_drop_rate
+from openrlhf_shape.algorithms.segmentation import (
+    PAD_BOUNDARY,
+    _valid_lengths,
+    boundaries_to_segment_ids,
+    delimiter_candidates,
+    entropy_candidates_batched,
+    segment_lengths,
+    select_cutpoints_batched,
+)
+from openrlhf_shape.algorithms.tcr import tcr_weights
+
+
+def segment_batch(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: ShapeConfig,
+    token_ids: torch.Tensor | None = None,
+    delimiter_token_ids: set[int] | None = None,
+) -> torch.Tensor:
+    """Boundaries for every response, ``[B, T]`` -> ``[B, K-1]`` (sorted, -1 padded).
+
+    ``cfg.segmentation``: ``entropy`` (EBS), ``uniform`` or ``delimiter`` (needs ``token_ids`` and
+    ``delimiter_token_ids``). GRPO needs no segments: callers skip this for it.
+    """
+    if entropy.dim() != 2 or mask.shape != entropy.shape:
+        raise ValueError(f"entropy and mask must be [B, T] of one shape, got {tuple(entropy.shape)} and {tuple(mask.shape)}")
+    mask = mask.bool()
+    lengths = _valid_lengths(mask)
+    if lengths.numel() and int(lengths.min()) < 1:
+        raise ValueError(f"response {int((lengths < 1).nonzero()[0])} is empty: cannot segment it")
+    k = cfg.num_segments
+    if cfg.segmentation == "entropy":
+        cand = entropy_candidates_batched(entropy, mask, cfg.entropy_threshold, cfg.entropy_quantile)
+    elif cfg.segmentation == "delimiter":
+        if token_ids is None or delimiter_token_ids is None:
+            raise ValueError("--shape.segmentation delimiter needs token_ids and the delimiter token ids")
+        cand = delimiter_candidates(token_ids, delimiter_token_ids) & mask
+    else:  # uniform: every position is a candidate, nearest to j*T/K wins -> equal lengths
+        cand = mask.clone()
+        cand[:, 0] = False
+    return select_cutpoints_batched(cand, lengths, k, cfg.min_segment_len)
+
+
+@dataclass
+class AdvantageResult:
+    """Output of :func:`compute_token_advantages`."""
+
+    token_advantages: torch.Tensor  # [B, T] float32, 0 at padding
+    segment_advantages: torch.Tensor | None  # [B, K] (0 for absent segments); None for GRPO
+    segment_ids: torch.Tensor | None  # [B, T]
+    metrics: dict[str, float]
+
+
+def compute_token_advantages(
+    cfg: ShapeConfig,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group_size: int,
+    max_response_len: int,
+    entropy: torch.Tensor | None = None,
+    boundaries: torch.Tensor | None = None,
+    potentials: torch.Tensor | None = None,
+) -> AdvantageResult:
+    """Token advantages for ``cfg.estimator`` over a padded batch.
+
+    Args:
+        mask: ``[B, T]`` bool; rewards: ``[B]`` outcomes R (B = prompts * group_size, samples of
+        one prompt contiguous); group_size: n samples per prompt; max_response_len: for L_ref.
+        entropy: ``[B, T]`` (TCR); boundaries: ``[B, K-1]``; potentials: ``[B, K+1]`` padded.
+    """
+    mask = mask.bool()
+    batch = mask.shape[0]
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if rewards.shape != (batch,):
+        raise ValueError(f"rewards must be [B] = [{batch}], got {tuple(rewards.shape)}")
+    if group_size < 1 or batch % group_size:
+        raise ValueError(f"batch {batch} is not a multiple of group_size {group_size} (--rollout.n_samples_per_prompt)")
+    grouped = rewards.view(-1, group_size)
+    metrics: dict[str, float] = {}
+    if cfg.estimator == "grpo":
+        adv = grpo_advantages(grouped).reshape(-1)
+        tok = torch.where(mask, adv[:, None].expand_as(mask).to(torch.float32), torch.zeros(mask.shape))
+        metrics.update(describe(adv, "adv/sequence"))
+        return AdvantageResult(tok, None, None, metrics)
+
+    if boundaries is None or potentials is None:
+        raise ValueError(f"estimator {cfg.estimator!r} needs boundaries and potentials")
+    lengths = _valid_lengths(mask)
+    seg_len, n_seg = segment_lengths(boundaries, lengths)  # [B, K], [B]
+    kmax = seg_len.shape[1]
+    phi = torch.as_tensor(potentials, dtype=torch.float32)
+    if phi.shape != (batch, kmax + 1):
+        raise ValueError(f"potentials must be [B, K+1] = [{batch}, {kmax + 1}], got {tuple(phi.shape)}")
+    k_idx = torch.arange(kmax + 1)
+    phi_valid = k_idx[None, :] <= n_seg[:, None]
+    if not torch.isfinite(phi[phi_valid]).all() or ((phi[phi_valid] < 0) | (phi[phi_valid] > 1)).any():
+        raise ValueError("potentials must be finite and lie in [0, 1] at every valid boundary")
+    final = phi.gather(1, n_seg[:, None]).squeeze(1)
+    if not torch.allclose(final, rewards.clamp(0, 1)):
+        raise ValueError("the last potential of each response must equal its outcome R (Phi_K = R, no probe)")
+    seg_valid = k_idx[None, :kmax] < n_seg[:, None]
+    r_term = outcome_baseline(grouped, cfg.outcome_baseline).reshape(-1)
+    phi_start, phi_end = phi[:, :-1], phi[:, 1:]
+    if cfg.estimator == "shape":
+        if cfg.fixed_gamma is not None:
+            gamma = torch.full_like(phi_start, float(cfg.fixed_gamma))
+        else:
+            gamma = dynamic_gamma(seg_len, cfg.gamma_min, cfg.resolved_l_ref(max_response_len))
+        seg_adv = r_term[:, None] + cfg.alpha * (gamma * phi_end - phi_start)
+        metrics.update(describe(gamma[seg_valid], "shape/gamma"))
+    else:  # mrt
+        seg_adv = r_term[:, None] + cfg.alpha * (rewards[:, None] - phi_start)
+    seg_adv = torch.where(seg_valid, seg_adv, torch.zeros_like(seg_adv))
+    seg_ids = boundaries_to_segment_ids(boundaries, mask.shape[1])
+    tok = segment_to_token_advantages(seg_adv, seg_ids, mask)
+    if cfg.tcr and entropy is not None:
+        w = tcr_weights(entropy, seg_ids, mask, cfg.tcr_beta, cfg.tcr_delta_min, cfg.tcr_delta_max, cfg.tcr_eps)
+        tok = torch.where(mask, tok * w, torch.zeros_like(tok))
+        metrics.update(describe(w[mask], "shape/tcr_weight"))
+    elif cfg.tcr:
+        raise ValueError("TCR needs the token entropy (or pass --shape.tcr off)")
+    metrics.update(describe(n_seg.float(), "shape/segments_per_response"))
+    metrics.update(describe(seg_len[seg_valid].float(), "shape/segment_length"))
+    metrics.update(describe(phi[phi_valid], "shape/phi"))
+    metrics.update(describe(seg_adv[seg_valid], "adv/segment"))
+    metrics["shape/potential_drop_rate"] = potential_drop_rate(phi, n_seg)
+    for name, (total, count) in gain_by_start_regime(phi, n_seg).items():
+        metrics[f"shape/gain_by_start/{name}/sum"] = total
+        metrics[f"shape/gain_by_start/{name}/count"] = float(count)
+    return AdvantageResult(tok, seg_adv, seg_ids, metrics)
+
+
+def pad_potentials(per_response: list[torch.Tensor], kmax: int) -> torch.Tensor:
+    """Stack variable-length potentials ``[n_i + 1]`` into ``[B, kmax + 1]`` (0-padded)."""
+    out = torch.zeros(len(per_response), kmax + 1, dtype=torch.float32)
+    for i, p in enumerate(per_response):
+        if p.numel() > kmax + 1:
+            raise ValueError(f"response {i} has {p.numel() - 1} segments > K = {kmax}")
+        out[i, : p.numel()] = p.float()
+    return out
+
+
+def boundaries_as_lists(boundaries: torch.Tensor) -> list[list[int]]:
+    """``[B, K-1]`` -1-padded -> per-response Python lists of interior boundaries."""
+    return [[int(b) for b in row if int(b) != PAD_BOUNDARY] for row in boundaries]

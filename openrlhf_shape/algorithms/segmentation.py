@@ -1,0 +1,261 @@
+"""Segment boundaries for a response: entropy-based (EBS), uniform and delimiter (ablations).
+
+A boundary ``b`` (``1 <= b <= T-1``) splits a response ``y[0..T-1]`` into ``y[:b] | y[b:]``; the state
+at the boundary is prompt + ``y[:b]``. Interior boundaries are returned sorted and unique; the
+closing boundaries 0 and T are implicit. ``T`` is the number of valid (mask == True) tokens, which
+must form a prefix of the row (right padding).
+
+Downsampling (DESIGN.md section 3): for ``j = 1..K-1`` take the unused candidate nearest to
+``j*T/K`` (ties: the earlier position) that keeps at least ``min_segment_len`` tokens between it and
+every boundary already chosen, and between it and both ends. Fewer candidates give fewer segments;
+no boundary is ever placed at a non-candidate position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD_BOUNDARY = -1  # padding value in batched boundary tensors
+
+
+def _valid_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` [B, T] bool, right-padded -> lengths [B]; raises if a row has holes."""
+    lengths = mask.sum(-1)
+    pos = torch.arange(mask.shape[-1], device=mask.device)
+    expected = pos[None, :] < lengths[:, None]
+    if not torch.equal(expected, mask):
+        bad = int((expected != mask).any(-1).nonzero()[0])
+        raise ValueError(
+            f"mask row {bad} is not right-padded (valid tokens must be a prefix of the row); "
+            "segmentation needs contiguous responses"
+        )
+    return lengths
+
+
+def _check_2d(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [batch, tokens], got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} shape {tuple(t.shape)} must equal {shape}")
+
+
+def _check_common(num_segments: int, min_segment_len: int) -> None:
+    if int(num_segments) < 1:
+        raise ValueError(f"num_segments (K) must be >= 1, got {num_segments}")
+    if int(min_segment_len) < 1:
+        raise ValueError(f"min_segment_len must be >= 1, got {min_segment_len}")
+
+
+def _check_nonempty(lengths: torch.Tensor) -> None:
+    if lengths.numel() and int(lengths.min()) < 1:
+        row = int((lengths < 1).nonzero()[0])
+        raise ValueError(f"response {row} is empty (no valid tokens): it cannot be segmented")
+
+
+def select_cutpoints_batched(
+    candidates: torch.Tensor, lengths: torch.Tensor, num_segments: int, min_segment_len: int = 1
+) -> torch.Tensor:
+    """Downsample candidate boundaries to at most ``num_segments - 1`` per row.
+
+    Args:
+        candidates: ``[B, T]`` bool; ``candidates[i, b]`` marks b as an allowed boundary.
+        lengths: ``[B]`` valid response lengths (T_i >= 1).
+        num_segments: K, the maximum number of segments.
+        min_segment_len: minimum tokens in every segment (including first and last).
+
+    Returns:
+        ``[B, K-1]`` long, each row sorted ascending with its boundaries first and
+        ``PAD_BOUNDARY`` (-1) after them.
+    """
+    _check_common(num_segments, min_segment_len)
+    batch, width = candidates.shape
+    k_minus_1 = int(num_segments) - 1
+    if k_minus_1 == 0 or batch == 0 or width == 0:
+        return torch.full((batch, max(k_minus_1, 0)), PAD_BOUNDARY, dtype=torch.long, device=candidates.device)
+    pos = torch.arange(width, device=candidates.device)
+    lengths = lengths.to(candidates.device).long()
+    # Allowed: a candidate with at least min_segment_len tokens on each side within [0, T_i].
+    available = (
+        candidates
+        & (pos[None, :] >= min_segment_len)
+        & (pos[None, :] <= lengths[:, None] - min_segment_len)
+    )
+    big = float(width + 1)
+    posf = pos.to(torch.float32)
+    chosen = torch.full((batch, k_minus_1), PAD_BOUNDARY, dtype=torch.long, device=candidates.device)
+    for j in range(1, k_minus_1 + 1):
+        target = lengths.to(torch.float32) * (j / float(num_segments))  # [B]
+        dist = (posf[None, :] - target[:, None]).abs()
+        dist = torch.where(available, dist, torch.full_like(dist, big))
+        best_dist, best = dist.min(dim=-1)  # first index on ties = earlier position
+        ok = best_dist < big
+        chosen[:, j - 1] = torch.where(ok, best, torch.full_like(best, PAD_BOUNDARY))
+        if min_segment_len > 1:
+            near = (pos[None, :] - best[:, None]).abs() < min_segment_len
+        else:
+            near = pos[None, :] == best[:, None]
+        available &= ~(near & ok[:, None])
+    # Sort each row ascending with padding (-1) moved to the end.
+    key = torch.where(chosen >= 0, chosen, torch.full_like(chosen, width + 1))
+    sorted_key, _ = key.sort(dim=-1)
+    return torch.where(sorted_key <= width, sorted_key, torch.full_like(sorted_key, PAD_BOUNDARY))
+
+
+def entropy_candidates_batched(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float | None = None,
+    quantile: float = 0.8,
+) -> torch.Tensor:
+    """Candidate boundaries ``[B, T]`` bool: valid positions b >= 1 with ``entropy[b] > tau``.
+
+    ``tau`` is ``threshold`` when given, else the per-response ``quantile`` of the valid entropies
+    (linear interpolation, as ``torch.quantile``). Raises on NaN/inf entropy at valid positions.
+    """
+    _check_2d("entropy", entropy)
+    _check_2d("mask", mask, tuple(entropy.shape))
+    mask = mask.bool()
+    ent = entropy.to(torch.float32)
+    if not torch.isfinite(ent[mask]).all():
+        row = int((~torch.isfinite(ent) & mask).any(-1).nonzero()[0])
+        raise ValueError(f"entropy of response {row} has NaN/inf at a valid position: check the log-prob pass")
+    lengths = _valid_lengths(mask)
+    if threshold is not None:
+        tau = torch.full((ent.shape[0],), float(threshold), dtype=torch.float32, device=ent.device)
+    else:
+        if not 0.0 <= float(quantile) <= 1.0:
+            raise ValueError(f"quantile must lie in [0, 1], got {quantile}")
+        filled = torch.where(mask, ent, torch.full_like(ent, float("inf")))
+        srt, _ = filled.sort(dim=-1)
+        n = lengths.clamp(min=1).to(torch.float32)
+        pos = float(quantile) * (n - 1)
+        lo = pos.floor().long()
+        hi = pos.ceil().long()
+        v_lo = srt.gather(1, lo[:, None]).squeeze(1)
+        v_hi = srt.gather(1, hi[:, None]).squeeze(1)
+        tau = v_lo + (v_hi - v_lo) * (pos - lo.to(torch.float32))
+    width = ent.shape[-1]
+    posi = torch.arange(width, device=ent.device)
+    return mask & (ent > tau[:, None]) & (posi[None, :] >= 1)
+
+
+def entropy_cutpoints(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    num_segments: int,
+    threshold: float | None = None,
+    quantile: float = 0.8,
+    min_segment_len: int = 8,
+) -> torch.Tensor:
+    """Entropy-based segmentation (EBS) of one response.
+
+    Args:
+        entropy: ``[T]`` token entropies H_t (nats); mask: ``[T]`` bool, valid tokens first.
+        num_segments: K (at most K-1 interior boundaries).
+        threshold: absolute tau; when None, tau is the per-response ``quantile`` of H
+            (default 0.8: the top 20% entropy tokens are candidates).
+        min_segment_len: minimum tokens per segment.
+
+    Returns:
+        LongTensor ``[n]``, ``n <= K-1``: sorted unique boundaries b with ``0 < b < T`` and
+        ``entropy[b] > tau``.
+    """
+    if not isinstance(entropy, torch.Tensor) or entropy.dim() != 1:
+        raise ValueError(f"entropy must be a 1-D tensor [T], got {getattr(entropy, 'shape', type(entropy))}")
+    if not isinstance(mask, torch.Tensor) or mask.shape != entropy.shape:
+        raise ValueError(f"mask must be a tensor with the shape of entropy {tuple(entropy.shape)}")
+    _check_common(num_segments, min_segment_len)
+    lengths = _valid_lengths(mask[None].bool())
+    _check_nonempty(lengths)
+    cand = entropy_candidates_batched(entropy[None], mask[None], threshold=threshold, quantile=quantile)
+    out = select_cutpoints_batched(cand, lengths, num_segments, min_segment_len)[0]
+    return out[out >= 0]
+
+
+def uniform_cutpoints(length: int, num_segments: int, min_segment_len: int = 1) -> torch.Tensor:
+    """Ablation (w/o EBS): K segments of (nearly) equal length; fewer when T < K * min_segment_len.
+
+    Returns LongTensor of sorted interior boundaries ``round(j*T/K)``, deduplicated.
+    """
+    _check_common(num_segments, min_segment_len)
+    length = int(length)
+    if length < 1:
+        raise ValueError("cannot segment an empty response (length 0)")
+    k = max(1, min(int(num_segments), length // int(min_segment_len)))
+    b = torch.tensor([round(j * length / k) for j in range(1, k)], dtype=torch.long)
+    b = b[(b > 0) & (b < length)]
+    return torch.unique(b)
+
+
+def delimiter_candidates(token_ids: torch.Tensor, delimiter_token_ids: set[int] | torch.Tensor) -> torch.Tensor:
+    """Candidates for delimiter segmentation: b where token ``y[b-1]`` is a delimiter token.
+
+    Args:
+        token_ids: ``[..., T]`` ids; delimiter_token_ids: ids whose text ends a step (e.g. contain "\\n\\n").
+    Returns: ``[..., T]`` bool.
+    """
+    ids = torch.as_tensor(sorted(delimiter_token_ids) if isinstance(delimiter_token_ids, set) else delimiter_token_ids)
+    is_delim = torch.isin(token_ids, ids.to(token_ids.device))
+    cand = torch.zeros_like(is_delim)
+    cand[..., 1:] = is_delim[..., :-1]
+    return cand
+
+
+def delimiter_cutpoints(
+    token_ids: torch.Tensor,
+    mask: torch.Tensor,
+    delimiter_token_ids: set[int] | torch.Tensor,
+    num_segments: int,
+    min_segment_len: int = 8,
+) -> torch.Tensor:
+    """Ablation (w/o EBS): boundaries right after delimiter tokens, downsampled like EBS. ``[T]`` -> ``[n]``."""
+    if token_ids.dim() != 1 or mask.shape != token_ids.shape:
+        raise ValueError("token_ids and mask must be 1-D tensors [T] of the same shape")
+    lengths = _valid_lengths(mask[None].bool())
+    _check_nonempty(lengths)
+    cand = delimiter_candidates(token_ids[None], delimiter_token_ids) & mask[None].bool()
+    out = select_cutpoints_batched(cand, lengths, num_segments, min_segment_len)[0]
+    return out[out >= 0]
+
+
+def boundaries_to_segment_ids(boundaries: torch.Tensor, width: int) -> torch.Tensor:
+    """Segment index of each token: ``segment_ids[t] = #{b in boundaries : b <= t}``.
+
+    Args:
+        boundaries: ``[n]`` sorted interior boundaries, or ``[B, K-1]`` padded with -1.
+        width: number of token positions T (padded width for batches).
+    Returns: ``[T]`` or ``[B, T]`` long.
+    """
+    pos = torch.arange(int(width), device=boundaries.device)
+    if boundaries.dim() == 1:
+        return (boundaries[None, :] <= pos[:, None]).sum(-1) if boundaries.numel() else torch.zeros_like(pos)
+    if boundaries.dim() != 2:
+        raise ValueError(f"boundaries must be [n] or [B, K-1], got shape {tuple(boundaries.shape)}")
+    valid = boundaries >= 0
+    hit = (boundaries[:, None, :] <= pos[None, :, None]) & valid[:, None, :]
+    return hit.sum(-1)
+
+
+def segment_lengths(boundaries: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lengths of every segment for padded batched boundaries.
+
+    Args:
+        boundaries: ``[B, K-1]`` (sorted, -1 padded); lengths: ``[B]`` response lengths T_i.
+    Returns:
+        (seg_lengths ``[B, K]`` long with 0 for absent segments, num_segments ``[B]`` long).
+    """
+    batch, km1 = boundaries.shape
+    n_b = (boundaries >= 0).sum(-1)
+    num_segments = n_b + 1
+    # edges: 0, b_1..b_n, T, then padding repeats T so padded lengths are 0.
+    lengths = lengths.long()
+    edges = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=boundaries.device), boundaries,
+                       lengths[:, None]], dim=1)
+    idx = torch.arange(km1 + 2, device=boundaries.device)
+    interior = (idx[None, :] >= 1) & (idx[None, :] <= km1)
+    is_pad = interior & (edges < 0)
+    edges = torch.where(is_pad, lengths[:, None].expand_as(edges), edges)
+    # padding sits after valid boundaries, so edges are non-decreasing with T repeated.
+    return edges[:, 1:] - edges[:, :-1], num_segments
