@@ -1,1 +1,32 @@
+"""vLLM rollout engines (in-process or Ray actors), balanced dispatch, weight receive, and the
+SHAPE potential probes. vLLM itself is imported only when an engine starts."""
 
+from openrlhf_shape.rollout.engine import (
+    EngineConfig,
+    EngineGroup,
+    Generation,
+    SamplingConfig,
+    VLLMEngine,
+    create_ray_engines,
+)
+from openrlhf_shape.rollout.probes import (
+    PotentialResult,
+    ProbeConfig,
+    ProbeSuffixes,
+    build_probe_prompt,
+    estimate_potentials,
+)
+
+__all__ = [
+    "EngineConfig",
+    "EngineGroup",
+    "Generation",
+    "PotentialResult",
+    "ProbeConfig",
+    "ProbeSuffixes",
+    "SamplingConfig",
+    "VLLMEngine",
+    "build_probe_prompt",
+    "create_ray_engines",
+    "estimate_potentials",
+]

@@ -1,0 +1,89 @@
+"""One front door for outcome rewards: Math-Verify (default) or an OpenRLHF reward plug-in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
+from openrlhf_shape.rewards.plugin import load_reward_fn
+
+
+@dataclass
+class RewardConfig:
+    """remote_url: None -> Math-Verify; else a .py file with reward_func or an http(s) endpoint."""
+
+    remote_url: str | None = None
+    num_workers: int = 2
+    timeout_s: float = 5.0
+    max_chars: int = 20000
+    remote_timeout_s: float = 60.0
+    remote_retries: int = 3
+
+
+class RewardComputer:
+    """compute(queries, prompts, labels) -> {"rewards": float32 [N], "scores": float32 [N], "extra_logs"}.
+
+    With Math-Verify the response is ``query[len(prompt):]`` when the query starts with its prompt
+    (OpenRLHF passes prompt + response as the query), else the whole query; pass ``responses=`` to
+    give them directly. ``score(texts, labels)`` makes it usable as the probe scorer.
+    """
+
+    def __init__(self, cfg: RewardConfig | None = None):
+        self.cfg = cfg or RewardConfig()
+        self.plugin = None
+        self.scorer: MathVerifyScorer | None = None
+        if self.cfg.remote_url:
+            self.plugin = load_reward_fn(
+                self.cfg.remote_url, timeout_s=self.cfg.remote_timeout_s, retries=self.cfg.remote_retries
+            )
+        else:
+            self.scorer = MathVerifyScorer(
+                num_workers=self.cfg.num_workers, timeout_s=self.cfg.timeout_s, max_chars=self.cfg.max_chars
+            )
+
+    def _math_verify(self) -> MathVerifyScorer:
+        if self.scorer is None:  # plug-in mode still scores probes with Math-Verify
+            self.scorer = MathVerifyScorer(
+                num_workers=self.cfg.num_workers, timeout_s=self.cfg.timeout_s, max_chars=self.cfg.max_chars
+            )
+        return self.scorer
+
+    def score(self, texts: list[str], labels: list[str]) -> list[float]:
+        """Math-Verify 1.0/0.0 per text (the probe scorer interface)."""
+        return self._math_verify().score(texts, labels)
+
+    def compute(
+        self, queries: list[str], prompts: list[str], labels: list[str], responses: list[str] | None = None, **kw
+    ) -> dict:
+        n = len(queries)
+        if len(prompts) != n or len(labels) != n or (responses is not None and len(responses) != n):
+            raise ValueError("compute: queries, prompts, labels (and responses) must have the same length")
+        if self.plugin is not None:
+            out = self.plugin(queries, prompts, labels, **kw)
+            rewards, scores, extra = out["rewards"], out["scores"], dict(out["extra_logs"])
+        else:
+            if responses is None:
+                responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+            before = self.scorer.stats()
+            rewards = self.scorer.score(responses, labels)
+            scores = list(rewards)
+            after = self.scorer.stats()
+            extra = {f"reward/{k}": float(after[k] - before[k]) for k in ("timeouts", "errors", "truncated", "unparsed")}
+        return {
+            "rewards": torch.tensor(rewards, dtype=torch.float32),
+            "scores": torch.tensor(scores, dtype=torch.float32),
+            "extra_logs": extra,
+        }
+
+    def close(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
+
+    def __enter__(self) -> "RewardComputer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

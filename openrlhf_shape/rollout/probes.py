@@ -1,0 +1,203 @@
+"""Potential probes (DESIGN.md section 3, "Potentials").
+
+Phi(s) = mean verifier score of m forced-termination probes from state s = prompt + y[:b]. A probe
+prompt is built in token space: prompt_ids + response_ids[:b] + suffix_ids, the suffix tokenised
+once, so the prefix is exactly the state the policy saw and its KV blocks come from the prefix cache.
+All probes of a step go to the engines in one batch, grouped by response (same affinity key as the
+main rollout of that prompt, so they land on the engine that cached the prefix).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from openrlhf_shape.rollout.engine import EngineGroup, SamplingConfig
+
+DEFAULT_THINK_SUFFIX = (
+    "\n\nTime is up. I should stop thinking and give the final answer now.\n</think>\n\n"
+    "The final answer is $\\boxed{"
+)
+DEFAULT_ANSWER_SUFFIX = "\n\nThe final answer is $\\boxed{"
+PROBE_TEXT_PREFIX = "\\boxed{"  # the suffix opened the box; scoring re-attaches it to the probe text
+
+
+@dataclass
+class ProbeConfig:
+    """Probe settings. num_probes = m (samples per state); max_tokens per probe sample."""
+
+    num_probes: int = 8
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    think_suffix: str = DEFAULT_THINK_SUFFIX
+    answer_suffix: str = DEFAULT_ANSWER_SUFFIX
+    think_end_token: str = "</think>"
+
+    def __post_init__(self) -> None:
+        if self.num_probes < 1:
+            raise ValueError(f"ProbeConfig.num_probes (m) must be >= 1, got {self.num_probes}")
+        if self.max_tokens < 1:
+            raise ValueError(f"ProbeConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"ProbeConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"ProbeConfig.top_p must be in (0, 1], got {self.top_p}")
+        if not self.answer_suffix:
+            raise ValueError("ProbeConfig.answer_suffix must be non-empty (it forces the final answer)")
+        if not self.think_suffix:
+            raise ValueError("ProbeConfig.think_suffix must be non-empty (it closes the thinking block)")
+
+
+@dataclass(frozen=True)
+class ProbeSuffixes:
+    """Suffixes tokenised once. ``think_end_id`` is the id of ``</think>`` or None when the vocab has
+    none (then the answer suffix is always used)."""
+
+    think_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+    think_end_id: int | None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, cfg: ProbeConfig) -> "ProbeSuffixes":
+        vocab = tokenizer.get_vocab()
+        think_end_id = vocab.get(cfg.think_end_token)
+        think_ids = tuple(tokenizer.encode(cfg.think_suffix, add_special_tokens=False))
+        answer_ids = tuple(tokenizer.encode(cfg.answer_suffix, add_special_tokens=False))
+        if think_end_id is not None and think_end_id not in think_ids:
+            raise ValueError(
+                f"ProbeConfig.think_suffix does not tokenise to a suffix containing {cfg.think_end_token!r} "
+                f"(id {think_end_id}); a probe from inside the thinking block must close it"
+            )
+        return cls(think_ids=think_ids, answer_ids=answer_ids, think_end_id=think_end_id)
+
+    def suffix_for(self, prefix_ids: Sequence[int]) -> tuple[int, ...]:
+        """Answer suffix when the response prefix already closed thinking (or no thinking format)."""
+        if self.think_end_id is None or self.think_end_id in prefix_ids:
+            return self.answer_ids
+        return self.think_ids
+
+
+def build_probe_prompt(
+    prompt_ids: Sequence[int], response_ids: Sequence[int], boundary: int, suffixes: ProbeSuffixes
+) -> list[int]:
+    """prompt_ids + response_ids[:boundary] + suffix ids (pure). boundary 0 = the prompt alone.
+    The suffix is chosen by whether ``</think>`` occurs in response_ids[:boundary]."""
+    if not 0 <= boundary <= len(response_ids):
+        raise ValueError(f"boundary {boundary} outside [0, {len(response_ids)}] (response length)")
+    prefix = list(response_ids[:boundary])
+    return [*prompt_ids, *prefix, *suffixes.suffix_for(prefix)]
+
+
+@dataclass
+class PotentialResult:
+    """potentials[i]: float32 [K_i + 1] = (Phi(s_0), Phi at each interior boundary, R_i).
+    probe_scores[i]: float32 [K_i, m] raw per-sample scores of the probed states (row 0 = prompt).
+    stats: probe_* counters for logging (tokens are summed over all m samples)."""
+
+    potentials: list[torch.Tensor]
+    probe_scores: list[torch.Tensor]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _score(scorer, texts: list[str], labels: list[str]) -> list[float]:
+    if hasattr(scorer, "score"):
+        return list(scorer.score(texts, labels))
+    if callable(scorer):
+        return list(scorer(texts, labels))
+    raise TypeError("scorer must have .score(texts, labels) or be callable(texts, labels) -> list[float]")
+
+
+def estimate_potentials(
+    engines: EngineGroup,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    boundaries: list[list[int]],
+    labels: list[str],
+    outcomes: list[float],
+    scorer: Callable | object,
+    cfg: ProbeConfig,
+    suffixes: ProbeSuffixes | None = None,
+) -> PotentialResult:
+    """Probe every state of a step in one batch and return Phi per boundary.
+
+    prompt_ids[i] / response_ids[i] / labels[i] / outcomes[i] describe response i; boundaries[i] are
+    its interior boundaries (sorted, 0 < b < T_i). Phi(s_0) is probed once per distinct prompt and
+    shared by all its samples; the last potential is outcomes[i] with no probe.
+    """
+    n = len(response_ids)
+    for name, seq in (("prompt_ids", prompt_ids), ("boundaries", boundaries), ("labels", labels), ("outcomes", outcomes)):
+        if len(seq) != n:
+            raise ValueError(f"estimate_potentials: len({name})={len(seq)} != len(response_ids)={n}")
+    for i, bs in enumerate(boundaries):
+        t = len(response_ids[i])
+        if any(not 0 < b < t for b in bs) or list(bs) != sorted(set(bs)):
+            raise ValueError(
+                f"boundaries[{i}]={list(bs)} must be strictly increasing interior positions in (0, {t})"
+            )
+    if suffixes is None:
+        suffixes = ProbeSuffixes.from_tokenizer(engines.get_tokenizer(), cfg)
+
+    # One request per probed state, grouped by response; the prompt-alone state once per prompt.
+    requests: list[list[int]] = []
+    keys: list[tuple[int, ...]] = []
+    req_labels: list[str] = []
+    prompt_req: dict[tuple[int, ...], int] = {}
+    state_req: list[list[int]] = []  # per response: request index of each probed state (incl. s_0)
+    for i in range(n):
+        key = tuple(prompt_ids[i])
+        if key not in prompt_req:
+            prompt_req[key] = len(requests)
+            requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], 0, suffixes))
+            keys.append(key)
+            req_labels.append(labels[i])
+        elif req_labels[prompt_req[key]] != labels[i]:
+            raise ValueError(f"response {i} shares its prompt with another response but has a different label")
+        rows = [prompt_req[key]]
+        for b in boundaries[i]:
+            rows.append(len(requests))
+            requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], b, suffixes))
+            keys.append(key)
+            req_labels.append(labels[i])
+        state_req.append(rows)
+
+    m = cfg.num_probes
+    sampling = SamplingConfig(
+        n=m, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, logprobs=False
+    )
+    t0 = time.perf_counter()
+    gens = engines.generate(requests, sampling, affinity_keys=keys)
+    gen_time = time.perf_counter() - t0
+    if len(gens) != len(requests) * m:
+        raise RuntimeError(f"engines returned {len(gens)} probe samples, expected {len(requests) * m}")
+    texts = [PROBE_TEXT_PREFIX + g.text for g in gens]
+    t1 = time.perf_counter()
+    scores = _score(scorer, texts, [req_labels[g.prompt_index] for g in gens])
+    score_time = time.perf_counter() - t1
+    score_mat = torch.tensor(scores, dtype=torch.float32).view(len(requests), m)
+    phi = score_mat.mean(dim=1)
+
+    potentials, probe_scores = [], []
+    for i in range(n):
+        rows = torch.tensor(state_req[i], dtype=torch.long)
+        potentials.append(torch.cat([phi[rows], torch.tensor([float(outcomes[i])], dtype=torch.float32)]))
+        probe_scores.append(score_mat[rows].clone())
+
+    prompt_tokens = sum(g.num_prompt_tokens for g in gens)
+    cached = sum(g.num_cached_tokens for g in gens)
+    stats = {
+        "probe_requests": float(len(requests)),
+        "probe_samples": float(len(gens)),
+        "probe_prompt_tokens": float(prompt_tokens),
+        "probe_cached_tokens": float(cached),
+        "probe_computed_prompt_tokens": float(prompt_tokens - cached),
+        "probe_decode_tokens": float(sum(len(g.token_ids) for g in gens)),
+        "probe_prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "probe_time_s": gen_time + score_time,
+        "probe_generate_time_s": gen_time,
+        "probe_score_time_s": score_time,
+    }
+    return PotentialResult(potentials=potentials, probe_scores=probe_scores, stats=stats)
