@@ -1,0 +1,154 @@
+"""HF <-> Megatron through mbridge, with the layer spec chosen in one place.
+
+mbridge 0.15.1 builds every model with the transformer-engine spec and TE parameter names
+(``linear_qkv.layer_norm_weight``). On a machine without CUDA we use Megatron's local spec
+(``get_gpt_layer_local_spec``) whose norms are separate modules (``input_layernorm``,
+``pre_mlp_layernorm``). :func:`make_bridge` returns an instance of a small subclass of the
+registered mbridge class (Qwen3 / Qwen2 / Llama) that
+
+* picks the spec: TE on GPU, local on CPU;
+* adds the local-spec key names (per instance, never in mbridge's class-level dicts);
+* maps ``output_layer.weight`` to ``model.embed_tokens.weight`` for tied embeddings (per instance);
+* reads ``rope_theta`` from ``rope_parameters`` (transformers 5) or the legacy attribute;
+* turns our :class:`MegatronConfig` into TransformerConfig overrides
+  (:func:`transformer_config_overrides`, the only place that does so).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from openrlhf_shape.megatron.config import MegatronConfig
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool) -> dict[str, Any]:
+    """Our config -> keyword overrides of Megatron's ``TransformerConfig`` (applied by mbridge).
+
+    mbridge fills the architecture fields from the HF config and the parallel sizes from
+    ``parallel_state``; everything else that we decide is here.
+    """
+    overrides: dict[str, Any] = {
+        "sequence_parallel": bool(cfg.sequence_parallel),
+        # Packed / dynamic micro-batches have different lengths; the PP schedule must exchange shapes.
+        "variable_seq_lengths": True,
+        # The policy loss is already normalised by the global valid-token count, so the schedule
+        # must not divide by the number of micro-batches and DDP must not average over DP.
+        "calculate_per_token_loss": True,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "batch_p2p_comm": False,
+    }
+    if cfg.recompute_activations:
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if on_cpu:
+        overrides.update(
+            # Fused CUDA kernels do not exist on CPU.
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+            use_cpu_initialization=True,
+        )
+    return overrides
+
+
+def _rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    if rope_type not in ("default", None):
+        raise NotImplementedError(
+            f"rope_type={rope_type!r} is not supported by the Megatron backend yet; only plain RoPE"
+        )
+    legacy_scaling = getattr(hf_config, "rope_scaling", None)
+    if legacy_scaling and legacy_scaling.get("rope_type", legacy_scaling.get("type")) not in ("default", None):
+        raise NotImplementedError(f"rope_scaling={legacy_scaling!r} is not supported by the Megatron backend yet")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:
+        raise ValueError("HF config has neither rope_parameters['rope_theta'] nor rope_theta")
+    return float(theta)
+
+
+class _ShapeBridgeMixin:
+    """Overrides shared by the Qwen3 / Qwen2 / Llama bridges (see module docstring)."""
+
+    _shape_overrides: dict[str, Any] = {}
+    _shape_local_spec: bool = True
+
+    def _build_base_config(self, text_config_key=None, **kwargs):  # type: ignore[override]
+        kwargs.update(self._shape_overrides)
+        return super()._build_base_config(text_config_key, **kwargs)  # type: ignore[misc]
+
+    def _adjust_mapping_for_shared_weights(self) -> None:
+        # Per-instance copies: upstream mutates class-level dicts, which leaks between bridges.
+        self._DIRECT_MAPPING = dict(type(self)._DIRECT_MAPPING)
+        self._ATTENTION_MAPPING = dict(type(self)._ATTENTION_MAPPING)
+        self._MLP_MAPPING = dict(type(self)._MLP_MAPPING)
+        self._OTHER_MAPPING = dict(type(self)._OTHER_MAPPING)
+        self._DIRECT_MAPPING["output_layer.weight"] = "lm_head.weight"
+        if self._shape_local_spec:
+            # Local spec: the pre-attention / pre-MLP norms are modules of the layer.
+            self._OTHER_MAPPING["input_layernorm.weight"] = ["model.layers.{layer_number}.input_layernorm.weight"]
+            self._MLP_MAPPING = {
+                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+                **self._MLP_MAPPING,
+            }
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            self._DIRECT_MAPPING["output_layer.weight"] = "model.embed_tokens.weight"
+
+    def _get_hf_shared_weight_keys(self) -> list[str]:
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            return ["model.embed_tokens.weight"]
+        return []
+
+    def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None):
+        self.has_vp_stage = False
+        if not self._shape_local_spec:
+            return super()._get_transformer_layer_spec(vp_stage)  # type: ignore[misc]
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(qk_layernorm=bool(self.config.qk_layernorm), normalization="RMSNorm")
+
+    def _get_gptmodel_args(self) -> dict:
+        return dict(
+            vocab_size=self.hf_config.vocab_size,
+            max_sequence_length=self.hf_config.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=_rope_theta(self.hf_config),
+        )
+
+
+def make_bridge(hf_config: Any, cfg: MegatronConfig, *, on_cpu: bool):
+    """An mbridge bridge for ``hf_config`` with our spec choice and TransformerConfig overrides.
+
+    Call after ``parallel_state.initialize_model_parallel`` (mbridge reads the parallel sizes).
+    """
+    from mbridge.core.bridge import _MODEL_REGISTRY
+
+    import mbridge.models  # noqa: F401  (registers the bridges)
+
+    model_type = hf_config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES or model_type not in _MODEL_REGISTRY:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by the Megatron backend; "
+            f"supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    base = _MODEL_REGISTRY[model_type]
+    cls = type(
+        f"Shape{base.__name__}",
+        (_ShapeBridgeMixin, base),
+        {"_shape_overrides": transformer_config_overrides(cfg, on_cpu=on_cpu), "_shape_local_spec": on_cpu},
+    )
+    return cls(hf_config, dtype=cfg.params_dtype)
+
+
+def hf_dtype_of(cfg: MegatronConfig) -> torch.dtype:
+    """dtype of exported HF weights: bf16 on GPU runs, float32 on CPU."""
+    return torch.bfloat16 if cfg.bf16 else torch.float32

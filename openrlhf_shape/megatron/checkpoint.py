@@ -1,0 +1,193 @@
+"""Atomic Megatron distributed checkpoints (model, optimizer, scheduler, RNG, step, trainer extra).
+
+Layout of one checkpoint directory (all ranks write into ``<dir>.tmp``; rank 0 renames it to
+``<dir>`` after a barrier, so a crash never leaves a directory that looks complete):
+
+    <dir>/dist/            megatron dist_checkpointing (torch_dist): model + optimizer
+    <dir>/rng/rank<r>.pt   per-rank RNG states (python, torch, Megatron tracker)
+    <dir>/meta.json        step, scheduler state, parallel layout, trainer ``extra``
+    <dir>/COMPLETE         written last, before the rename
+
+Assumes a filesystem shared by all ranks. ``latest_checkpoint(root)`` returns the complete
+checkpoint with the highest step under ``root`` (ties: newest mtime), ignoring ``*.tmp`` and any
+directory without ``COMPLETE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.megatron.worker import MegatronRankWorker
+
+COMPLETE_MARKER = "COMPLETE"
+TMP_SUFFIX = ".tmp"
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """Newest complete checkpoint directory under ``root`` (by step, then mtime), or None."""
+    if not os.path.isdir(root):
+        return None
+    best: Optional[tuple[int, float, str]] = None
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        marker = os.path.join(path, COMPLETE_MARKER)
+        if name.endswith(TMP_SUFFIX) or not os.path.isfile(marker):
+            continue
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                step = int(json.load(f).get("step", -1))
+        except (OSError, ValueError):
+            continue
+        key = (step, os.path.getmtime(marker), path)
+        if best is None or key > best:
+            best = key
+    return None if best is None else best[2]
+
+
+def _layout(worker: "MegatronRankWorker") -> dict[str, Any]:
+    cfg = worker.cfg
+    return {
+        "tp": cfg.tensor_model_parallel_size,
+        "pp": cfg.pipeline_model_parallel_size,
+        "dp": worker.dp_size,
+        "world_size": worker.world_size,
+        "use_distributed_optimizer": cfg.use_distributed_optimizer,
+    }
+
+
+def _sharded_state_dict(worker: "MegatronRankWorker", *, is_loading: bool) -> dict:
+    model_sd = worker.model.module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": worker.cfg.dist_optimizer_ckpt_format}
+    if worker.cfg.use_distributed_optimizer and is_loading:
+        _ensure_optimizer_state(worker)
+    opt_sd = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return {"model": model_sd, "optimizer": opt_sd}
+
+
+def _ensure_optimizer_state(worker: "MegatronRankWorker") -> None:
+    """A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
+    asserts; initialise zero state with step 0 (overwritten by the load)."""
+    inner = worker.optimizer.optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            st = inner.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p.data)
+                st["exp_avg_sq"] = torch.zeros_like(p.data)
+                st["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def _rng_state(worker: "MegatronRankWorker") -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str, extra: dict) -> None:
+    from megatron.core import dist_checkpointing
+
+    final = os.path.abspath(ckpt_dir)
+    tmp = final + TMP_SUFFIX
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "dist"))
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(worker, is_loading=False), os.path.join(tmp, "dist"))
+    torch.save(_rng_state(worker), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        meta = {
+            "step": worker.step,
+            "scheduler": worker.scheduler.state_dict(),
+            "layout": _layout(worker),
+            "hf_dir": worker.hf_dir,
+            "extra": extra,
+        }
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+            f.write("ok\n")
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def load_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str) -> dict:
+    from megatron.core import dist_checkpointing
+
+    path = os.path.abspath(ckpt_dir)
+    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); use latest_checkpoint(root) to find one"
+        )
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    same_layout = meta["layout"] == _layout(worker)
+    sd = _sharded_state_dict(worker, is_loading=True)
+    loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
+    worker.model.module.load_state_dict(loaded["model"], strict=True)
+    worker.scheduler.load_state_dict(meta["scheduler"])
+    worker.step = int(meta["step"])
+    with torch.no_grad():  # distributed-optimizer main params are views: no autograd here
+        _load_optimizer_state(worker, loaded["optimizer"], worker.step)
+    rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
+    if same_layout and os.path.isfile(rng_file):
+        # RNG streams only line up when every rank plays the same role as when saved.
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    dist.barrier()
+    return dict(meta.get("extra") or {})
+
+
+def _load_optimizer_state(worker: "MegatronRankWorker", state: dict, step: int) -> None:
+    """Load optimizer state; with the distributed optimizer, give each parameter its own Adam ``step``.
+
+    mcore 0.16.1 without TE/Apex hands back Adam's per-parameter ``step`` as 0 or as one tensor
+    shared by all parameters, so bias correction is wrong after resume (silent loss drift). Every
+    successful optimizer step updates every parameter, so each ``step`` equals the saved step count.
+    """
+    worker.optimizer.load_state_dict(state)
+    if worker.cfg.use_distributed_optimizer:
+        inner = worker.optimizer.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st is not None and "exp_avg" in st:
+                    st["step"] = torch.tensor(float(step), dtype=torch.float32)

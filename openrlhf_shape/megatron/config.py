@@ -1,0 +1,163 @@
+"""Configuration of the Megatron actor backend, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+_DECAY_STYLES = ("constant", "cosine", "linear")
+
+
+def _default_bf16() -> bool:
+    return torch.cuda.is_available()
+
+
+@dataclass
+class MegatronConfig:
+    """Parallel layout, optimiser, schedule and policy-loss settings of the actor.
+
+    Units: learning rates are absolute; ``micro_batch_max_tokens`` counts prompt+response tokens
+    of one micro-batch on one DP rank (dynamic batching); ``entropy_chunk_size`` counts tokens
+    per chunk of the vocab-parallel log-prob/entropy computation.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    recompute_activations: bool = False
+    # optimiser and schedule
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_fraction: float = 0.0
+    lr_warmup_steps: Optional[int] = None
+    lr_decay_style: str = "constant"
+    total_steps: int = 1000
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: Optional[bool] = None
+    seed: int = 42
+    # batching
+    micro_batch_max_tokens: int = 8192
+    # policy loss
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    dual_clip: Optional[float] = None
+    entropy_chunk_size: int = 1024
+    # checkpoint format for the distributed optimizer: "dp_reshardable" (same layout) or
+    # "fully_reshardable" (the layout may change between save and load)
+    dist_optimizer_ckpt_format: str = "fully_reshardable"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = _default_bf16()
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "total_steps",
+                     "micro_batch_max_tokens", "entropy_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MegatronConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "MegatronConfig.sequence_parallel=True needs tensor_model_parallel_size > 1; "
+                "set sequence_parallel=False or raise the TP size"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"MegatronConfig.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"MegatronConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if not 0.0 <= self.lr_warmup_fraction < 1.0:
+            raise ValueError(
+                f"MegatronConfig.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}"
+            )
+        if self.lr_warmup_steps is not None and not 0 <= self.lr_warmup_steps < self.total_steps:
+            raise ValueError(
+                f"MegatronConfig.lr_warmup_steps must be in [0, total_steps={self.total_steps}), "
+                f"got {self.lr_warmup_steps}"
+            )
+        if self.lr_decay_style not in _DECAY_STYLES:
+            raise ValueError(
+                f"MegatronConfig.lr_decay_style must be one of {_DECAY_STYLES}, got {self.lr_decay_style!r}"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(f"MegatronConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"MegatronConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"MegatronConfig.adam_eps must be > 0, got {self.adam_eps}")
+        if self.clip_grad < 0:
+            raise ValueError(f"MegatronConfig.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
+        if self.bf16 and not torch.cuda.is_available():
+            raise ValueError(
+                "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
+            )
+        if not 0 <= self.eps_clip_low < 1 or self.eps_clip_high < 0:
+            raise ValueError(
+                "MegatronConfig.eps_clip_low must be in [0, 1) and eps_clip_high >= 0, got "
+                f"{self.eps_clip_low}, {self.eps_clip_high}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"MegatronConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.dist_optimizer_ckpt_format not in ("dp_reshardable", "fully_reshardable"):
+            raise ValueError(
+                "MegatronConfig.dist_optimizer_ckpt_format must be 'dp_reshardable' or "
+                f"'fully_reshardable', got {self.dist_optimizer_ckpt_format!r}"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.lr_warmup_steps is not None:
+            return self.lr_warmup_steps
+        return int(self.lr_warmup_fraction * self.total_steps)
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size = {self.model_parallel_size}; change the world size "
+                "or the parallel sizes"
+            )
+        return world_size // self.model_parallel_size
+
+    def validate_against_model(self, hf_config: Any, world_size: int) -> None:
+        """Check the layout fits the model: heads % TP, kv heads % TP, layers % PP, world % (TP*PP)."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        self.data_parallel_size(world_size)
+        heads = int(hf_config.num_attention_heads)
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        layers = int(hf_config.num_hidden_layers)
+        if heads % tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} must divide num_attention_heads={heads}; "
+                "pick a TP size that divides the head count"
+            )
+        if kv_heads % tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} must divide num_key_value_heads={kv_heads} "
+                "(KV-head replication is not implemented for the local spec); lower the TP size"
+            )
+        if layers % pp:
+            raise ValueError(
+                f"pipeline_model_parallel_size={pp} must divide num_hidden_layers={layers}; "
+                "pick a PP size that divides the layer count"
+            )
+        vocab = int(hf_config.vocab_size)
+        if vocab % tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} must divide vocab_size={vocab} (no vocab padding, "
+                "so exported weights match the HF shapes); lower the TP size"
+            )

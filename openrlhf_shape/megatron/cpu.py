@@ -1,0 +1,243 @@
+"""CPU (gloo) compatibility layer for megatron-core 0.16.1: every patch in one place.
+
+megatron-core assumes CUDA in a few dozen spots (device literals, the CUDA RNG tracker,
+``torch.cuda.synchronize``, ``param.type() == 'torch.cuda.FloatTensor'`` checks). On a machine
+without CUDA :func:`apply_cpu_patches` makes the *same* Megatron code run on CPU tensors with gloo.
+On a GPU machine it is never called (:func:`on_cpu` is False) and nothing here is active.
+
+Each patch says what breaks without it. The patches are process-wide and idempotent. The
+TorchFunctionMode part is per thread: :func:`cpu_device_mode` must be entered in every thread that
+runs Megatron code (the worker enters it around each public call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_LOCK = threading.Lock()
+
+
+def on_cpu() -> bool:
+    """True when this process has no CUDA device: the CPU twin of the GPU path is used."""
+    return not torch.cuda.is_available()
+
+
+def _cuda_to_cpu(device: Any) -> Any:
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, int):
+        # torch.cuda.current_device()-style ordinals passed as device=0.
+        return "cpu"
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device requests to CPU inside Megatron code.
+
+    Without it: ``torch.zeros(..., device="cuda")`` in the pipeline schedules, the optimizer's
+    ``found_inf``/``_scale_one`` buffers and ``clip_grads`` raise "Torch not compiled with CUDA";
+    ``Tensor.cuda()`` in the distributed optimizer and model wrapping raises the same; and
+    ``param.type() == 'torch.cuda.FloatTensor'`` checks in the (distributed) optimizer reject every
+    CPU float32 parameter ("Wrapped parameters must be one of torch.cuda.FloatTensor ...").
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if "device" in kwargs:
+            kwargs["device"] = _cuda_to_cpu(kwargs["device"])
+        if func is torch.Tensor.to:
+            args = tuple(_cuda_to_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        return func(*args, **kwargs)
+
+
+_THREAD_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def cpu_device_mode() -> Iterator[None]:
+    """Enter the CUDA->CPU TorchFunctionMode in this thread (re-entrant; no-op on GPU)."""
+    if not on_cpu() or getattr(_THREAD_STATE, "active", False):
+        yield
+        return
+    _THREAD_STATE.active = True
+    try:
+        with _CudaToCpuMode():
+            yield
+    finally:
+        _THREAD_STATE.active = False
+
+
+def _patch_torch_cuda() -> None:
+    # Without it: every `device=torch.cuda.current_device()` (rotary embeddings, linear layers,
+    # p2p shape exchange, grad buffers) raises "Torch not compiled with CUDA enabled".
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # Without it: p2p communication and DDP call torch.cuda.synchronize() and crash.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    # Without it: model_parallel_cuda_manual_seed seeds the data-parallel state via CUDA and raises.
+    # (The CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))  # type: ignore[assignment]
+    # Without it: DDP/optimizer offload helpers call empty_cache and crash.
+    torch.cuda.empty_cache = lambda: None  # type: ignore[assignment]
+
+
+class CpuRNGStatesTracker:
+    """Megatron's named RNG-state tracker, backed by the CPU default generator.
+
+    Without it: ``model_parallel_cuda_manual_seed`` and every ``get_cuda_rng_tracker().fork()``
+    (weight init of TP-split layers, dropout in TP regions, activation recompute) read and write
+    ``torch.cuda`` generator states and raise. States are ``torch.ByteTensor`` from
+    ``torch.get_rng_state()``, so they are saved/restored in checkpoints like the CUDA ones.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._current_state_name = "default-rng"
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"RNG seed {seed} already registered in the CPU tracker")
+        if name in self.states_:
+            raise RuntimeError(f"RNG state {name!r} already registered in the CPU tracker")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"RNG state {name!r} is not registered in the CPU tracker")
+        orig = torch.get_rng_state()
+        orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig = self.states_[orig_name]
+            torch.set_rng_state(orig)
+            self._current_state_name = orig_name
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # `initialize_rng_tracker(force_reset=True)` would build a CUDA tracker again.
+    orig_init = mrandom.initialize_rng_tracker
+
+    def initialize_rng_tracker(*args: Any, **kwargs: Any) -> None:
+        if mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED and isinstance(
+            mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker
+        ):
+            return
+        orig_init(*args, **kwargs)
+
+    mrandom.initialize_rng_tracker = initialize_rng_tracker
+
+
+def _patch_sequence_parallel_norm() -> None:
+    """Sequence parallel with the torch RMSNorm fallback (no TE/Apex on CPU).
+
+    Without it: ``WrappedTorchNorm`` asserts "sequence parallel not supported by torch LayerNorm".
+    The norm itself is pointwise over tokens, so it is correct on a sequence shard; what SP needs
+    is that its weight grads are summed over the TP group, which ``finalize_model_grads`` does for
+    parameters tagged ``sequence_parallel=True``. We build with the flag off and tag the weights.
+    """
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls, "_shape_cpu_patched", False):
+        return
+    orig_new = cls.__new__
+
+    def __new__(klass, config, *args, **kwargs):  # noqa: N807
+        sp = bool(config.sequence_parallel)
+        if not sp:
+            return orig_new(klass, config, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            module = orig_new(klass, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for p in module.parameters():
+            p.sequence_parallel = True
+        return module
+
+    cls.__new__ = staticmethod(__new__)
+    cls._shape_cpu_patched = True
+
+
+def _patch_gloo_scatter() -> None:
+    """gloo ``scatter`` garbles non-contiguous inputs (mbridge scatters TP chunks of a weight).
+
+    Without it: TP>1 weight loading silently puts wrong values into some shards (column chunks of a
+    row-major tensor are views with strides); log-prob parity vs HF then fails.
+    """
+    import torch.distributed as dist
+
+    if getattr(dist.scatter, "_shape_cpu_patched", False):
+        return
+    orig = dist.scatter
+
+    def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, **kwargs):
+        if scatter_list is not None:
+            scatter_list = [t.contiguous() for t in scatter_list]
+        return orig(tensor, scatter_list, src=src, group=group, async_op=async_op, **kwargs)
+
+    scatter._shape_cpu_patched = True  # type: ignore[attr-defined]
+    dist.scatter = scatter
+
+
+def apply_cpu_patches() -> bool:
+    """Apply all CPU patches once, only when CUDA is absent. Returns True if active."""
+    global _APPLIED
+    if not on_cpu():
+        return False
+    with _LOCK:
+        if _APPLIED:
+            return True
+        _patch_torch_cuda()
+        _patch_rng_tracker()
+        _patch_sequence_parallel_norm()
+        _patch_gloo_scatter()
+        _APPLIED = True
+    return True

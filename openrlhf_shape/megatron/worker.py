@@ -1,0 +1,502 @@
+"""One Megatron rank of the actor: model, optimizer, log-probs/entropy, train step, checkpoints, export.
+
+SPMD: every rank of the job receives the same calls in the same order with the same arguments
+(the whole batch); each rank takes its own data-parallel shard. On CPU the CPU patches
+(:mod:`openrlhf_shape.megatron.cpu`) are applied and every public method runs inside the
+CUDA->CPU device mode; on GPU nothing of that is active and the only differences are the layer
+spec (transformer-engine), the dtype (bf16) and the backend (NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import random
+from datetime import timedelta
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from openrlhf_shape.megatron import cpu as cpu_compat
+from openrlhf_shape.megatron.batching import (
+    MicroBatch,
+    build_micro_batch,
+    plan_micro_batches,
+    shard_for_dp,
+    validate_batch,
+)
+from openrlhf_shape.megatron.checkpoint import (
+    latest_checkpoint,  # noqa: F401  (re-exported: module-level API of the worker)
+    load_distributed_checkpoint,
+    save_distributed_checkpoint,
+)
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
+
+__all__ = ["MegatronRankWorker", "merge_rank_outputs", "latest_checkpoint"]
+
+
+def merge_rank_outputs(outputs: list[dict], n: int) -> dict:
+    """Merge per-rank ``compute_logprobs_and_entropy`` outputs into batch order.
+
+    ``outputs``: one dict per rank (``{}`` for ranks without results). Returns
+    ``{"log_probs": [Tensor[T_i]] * n, "entropy": [...]}``; raises if a sample is missing.
+    """
+    log_probs: list[Optional[torch.Tensor]] = [None] * n
+    entropy: list[Optional[torch.Tensor]] = [None] * n
+    for out in outputs:
+        if not out:
+            continue
+        for idx, lp, en in zip(out["indices"], out["log_probs"], out["entropy"]):
+            if not 0 <= idx < n:
+                raise ValueError(f"rank output holds index {idx} outside the batch of {n}")
+            log_probs[idx], entropy[idx] = lp, en
+    missing = [i for i in range(n) if log_probs[i] is None]
+    if missing:
+        raise ValueError(f"no rank returned results for batch indices {missing[:10]} (of {len(missing)})")
+    return {"log_probs": log_probs, "entropy": entropy}
+
+
+@contextlib.contextmanager
+def _hidden_states_only(gpt) -> Iterator[None]:
+    """Make GPTModel.forward stop after the final norm (we apply the output layer in chunks)."""
+    saved = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = saved
+
+
+class MegatronRankWorker:
+    """Owns one Megatron rank (plain class; the trainer wraps it in a Ray actor)."""
+
+    def __init__(self, cfg: MegatronConfig, *, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.on_cpu = cpu_compat.on_cpu()
+        if self.on_cpu:
+            cpu_compat.apply_cpu_patches()
+        else:
+            n_dev = torch.cuda.device_count()
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(n_dev, 1))) if n_dev > 1 else 0)
+        self.dp_size = cfg.data_parallel_size(world_size)
+        with self._mode():
+            if not dist.is_initialized():
+                dist.init_process_group(
+                    backend="gloo" if self.on_cpu else "nccl",
+                    init_method=f"tcp://{master_addr}:{master_port}",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timedelta(minutes=30),
+                )
+            from megatron.core import parallel_state as mpu
+            from megatron.core import tensor_parallel
+
+            mpu.initialize_model_parallel(
+                tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            )
+            self._seed_all(cfg.seed)
+            tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        self.mpu = mpu
+        self.model = None
+        self.optimizer = None
+        self.scheduler = None
+        self.bridge = None
+        self.hf_config = None
+        self.hf_dir: Optional[str] = None
+        self.step = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _mode(self):
+        return cpu_compat.cpu_device_mode() if self.on_cpu else contextlib.nullcontext()
+
+    @staticmethod
+    def _seed_all(seed: int) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(seed % (2**32))
+        except ImportError:  # pragma: no cover
+            pass
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    def _gpt(self):
+        return _unwrap(self.model)
+
+    def _require_model(self) -> None:
+        if self.model is None:
+            raise RuntimeError("call init_model(hf_dir) before using the worker")
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.mpu.is_pipeline_last_stage()
+
+    @property
+    def holds_results(self) -> bool:
+        return self.is_last_stage and self.mpu.get_tensor_model_parallel_rank() == 0
+
+    # ------------------------------------------------------------------ model
+    def init_model(self, hf_dir: str) -> dict:
+        """Build the GPT model through the bridge, load HF weights, build optimizer + LR schedule."""
+        from transformers import AutoConfig
+
+        from openrlhf_shape.megatron.bridge import make_bridge
+
+        cfg = self.cfg
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+        cfg.validate_against_model(hf_config, self.world_size)
+        with self._mode():
+            from megatron.core import tensor_parallel
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+            from megatron.core.transformer.module import Float16Module
+
+            bridge = make_bridge(hf_config, cfg, on_cpu=self.on_cpu)
+            provider = bridge._model_provider([])
+            gpt = provider(pre_process=self.mpu.is_pipeline_first_stage(), post_process=self.is_last_stage)
+            for p in gpt.parameters():
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+            if not self.on_cpu:
+                gpt.cuda(torch.cuda.current_device())
+            bridge.load_weights([gpt], hf_dir)
+            tconfig = bridge.config
+            module = Float16Module(tconfig, gpt) if cfg.bf16 else gpt
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                overlap_param_gather=False,
+                use_distributed_optimizer=cfg.use_distributed_optimizer,
+                check_for_nan_in_grad=False,
+                bucket_size=None,
+            )
+            model = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=module)
+            model.broadcast_params()
+            # The loss is normalised by the global valid-token count already: no extra scaling.
+            tconfig.finalize_model_grads_func = _finalize_without_token_scaling(finalize_model_grads)
+            tconfig.no_sync_func = model.no_sync
+            tconfig.grad_scale_func = None
+            opt_config = OptimizerConfig(
+                optimizer="adam",
+                lr=cfg.lr,
+                min_lr=cfg.min_lr,
+                weight_decay=cfg.weight_decay,
+                adam_beta1=cfg.adam_beta1,
+                adam_beta2=cfg.adam_beta2,
+                adam_eps=cfg.adam_eps,
+                clip_grad=cfg.clip_grad,
+                bf16=bool(cfg.bf16),
+                params_dtype=cfg.params_dtype,
+                use_distributed_optimizer=cfg.use_distributed_optimizer,
+            )
+            optimizer = get_megatron_optimizer(opt_config, [model])
+            warmup = cfg.warmup_steps
+            scheduler = OptimizerParamScheduler(
+                optimizer,
+                init_lr=0.0 if warmup > 0 else cfg.lr,
+                max_lr=cfg.lr,
+                min_lr=cfg.min_lr,
+                lr_warmup_steps=warmup,
+                lr_decay_steps=cfg.total_steps,
+                lr_decay_style=cfg.lr_decay_style,
+                start_wd=cfg.weight_decay,
+                end_wd=cfg.weight_decay,
+                wd_incr_steps=cfg.total_steps,
+                wd_incr_style="constant",
+            )
+        self.bridge, self.hf_config, self.hf_dir = bridge, hf_config, hf_dir
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.tconfig = tconfig
+        n_local = sum(p.numel() for p in gpt.parameters())
+        totals = torch.tensor([n_local if self.mpu.get_data_parallel_rank() == 0 else 0], dtype=torch.long, device=self.device)
+        dist.all_reduce(totals)
+        return {
+            "num_parameters": int(totals.item()),
+            "num_parameters_local": int(n_local),
+            "model_type": hf_config.model_type,
+            "tp": cfg.tensor_model_parallel_size,
+            "pp": cfg.pipeline_model_parallel_size,
+            "dp": self.dp_size,
+            "dtype": str(cfg.params_dtype),
+        }
+
+    # ------------------------------------------------------------------ micro-batching
+    def _plan(self, batch: dict) -> tuple[list[int], list[MicroBatch]]:
+        """This DP rank's sample indices and its padded micro-batches (same on TP/PP peers)."""
+        validate_batch(batch)
+        seqs, plens = batch["sequences"], batch["prompt_lens"]
+        lengths = [len(s) for s in seqs]
+        shard = shard_for_dp(lengths, self.dp_size)[self.mpu.get_data_parallel_rank()]
+        pad_multiple = self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1
+        pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        if not shard:
+            # More DP ranks than samples: a fully masked dummy keeps the collectives in step.
+            dummy = [[pad_id, pad_id]]
+            return [], [build_micro_batch(dummy, [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)]
+        groups = plan_micro_batches([lengths[i] for i in shard], self.cfg.micro_batch_max_tokens, pad_multiple=pad_multiple)
+        mbs = [
+            build_micro_batch(seqs, plens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
+            for g in groups
+        ]
+        return shard, mbs
+
+    def _response_logprobs(self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool):
+        """hidden [s(/tp under SP), b, h] on the last stage -> (logp [N], entropy [N]) for mb's responses."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
+        )
+
+        gpt = self._gpt()
+        if self.cfg.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden)
+        h = hidden[mb.resp_pos.to(hidden.device), mb.resp_rows.to(hidden.device)]  # [N, h]
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+        vocab_start = self.mpu.get_tensor_model_parallel_rank() * weight.shape[0]
+        return vocab_parallel_logprobs_entropy(
+            h,
+            weight,
+            mb.resp_targets.to(hidden.device),
+            vocab_start=vocab_start,
+            temperature=temperature,
+            tp_group=self.mpu.get_tensor_model_parallel_group(),
+            chunk_size=self.cfg.entropy_chunk_size,
+            with_entropy=with_entropy,
+        )
+
+    def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        gpt = self._gpt()
+        device = self.device
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            with _hidden_states_only(gpt):
+                out = model(mb.input_ids.to(device), mb.position_ids.to(device), None)
+            return out, functools.partial(loss_fn, mb)
+
+        max_len = max(mb.input_ids.shape[1] for mb in mbs)
+        fb = get_forward_backward_func()
+        return fb(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=max_len,
+            micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    # ------------------------------------------------------------------ log-probs / entropy
+    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
+        """Forward only. Returns results on the last PP stage / TP rank 0, ``{}`` elsewhere.
+
+        Output: ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
+        position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
+        """
+        self._require_model()
+        temperature = float(batch.get("temperature", 1.0))
+        with self._mode():
+            shard, mbs = self._plan(batch)
+            self.model.eval()
+
+            def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
+                lp, en = self._response_logprobs(hidden, mb, temperature, with_entropy=True)
+                zero = torch.zeros((), device=hidden.device)
+                return zero, torch.tensor(0, dtype=torch.int), {"mb": mb, "logp": lp.float().cpu(), "entropy": en.float().cpu()}
+
+            with torch.no_grad():
+                store = self._run_schedule(mbs, loss_fn, forward_only=True)
+            self.model.train()
+        if not self.holds_results or not shard:
+            return {}
+        out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
+        for rec in store:
+            mb = rec["mb"]
+            for row, (a, b) in zip(mb.rows, mb.resp_offsets):
+                out["indices"].append(row)
+                out["log_probs"].append(rec["logp"][a:b].clone())
+                out["entropy"].append(rec["entropy"][a:b].clone())
+        return out
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer step over the whole mini-batch (this rank trains on its DP shard).
+
+        ``batch``: sequences, prompt_lens, temperature, old_log_probs [T_i], advantages [T_i],
+        optional loss_mask [T_i] bool. The PPO/DAPO loss is normalised by the number of valid
+        response tokens of the whole mini-batch. Returns float metrics, identical on all ranks.
+        """
+        from openrlhf_shape.algorithms import policy_loss
+
+        self._require_model()
+        cfg = self.cfg
+        validate_batch(batch)
+        n = len(batch["sequences"])
+        for key in ("old_log_probs", "advantages"):
+            if key not in batch or len(batch[key]) != n:
+                raise ValueError(f"train_step needs batch[{key!r}] with one tensor per sequence ({n})")
+        masks = batch.get("loss_mask")
+        resp_lens = [len(s) - p for s, p in zip(batch["sequences"], batch["prompt_lens"])]
+        for i in range(n):
+            for key in ("old_log_probs", "advantages") + (("loss_mask",) if masks is not None else ()):
+                if batch[key][i].numel() != resp_lens[i]:
+                    raise ValueError(
+                        f"batch[{key!r}][{i}] has {batch[key][i].numel()} entries but the response has {resp_lens[i]} tokens"
+                    )
+        if masks is None:
+            masks = [torch.ones(t, dtype=torch.bool) for t in resp_lens]
+        num_global_tokens = int(sum(int(m.bool().sum()) for m in masks))
+        temperature = float(batch.get("temperature", 1.0))
+        metric_keys = ("pg_loss_sum", "clipfrac_low_sum", "clipfrac_high_sum", "approx_kl_sum", "num_tokens", "entropy_sum", "nonfinite")
+
+        def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
+            lp, en = self._response_logprobs(hidden, mb, temperature, with_entropy=True)
+            rows = len(mb.rows)
+            tmax = max(1, max(b - a for a, b in mb.resp_offsets))
+            dev = lp.device
+            lp2 = lp.new_zeros(rows, tmax)
+            old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
+            adv = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
+            msk = torch.zeros(rows, tmax, dtype=torch.bool, device=dev)
+            ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
+            row_idx = torch.cat([torch.full((b - a,), k, dtype=torch.long) for k, (a, b) in enumerate(mb.resp_offsets)]) if lp.numel() else torch.zeros(0, dtype=torch.long)
+            col_idx = torch.cat([torch.arange(b - a) for a, b in mb.resp_offsets]) if lp.numel() else torch.zeros(0, dtype=torch.long)
+            lp2 = lp2.index_put((row_idx.to(dev), col_idx.to(dev)), lp)
+            for k, r in enumerate(mb.rows if shard else []):
+                t = resp_lens[r]
+                old[k, :t] = batch["old_log_probs"][r].float().to(dev)
+                adv[k, :t] = batch["advantages"][r].float().to(dev)
+                msk[k, :t] = masks[r].bool().to(dev)
+                ent[k, :t] = en[mb.resp_offsets[k][0] : mb.resp_offsets[k][1]]
+            loss, m = policy_loss(
+                lp2, old, adv, msk,
+                eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
+                num_global_tokens=max(num_global_tokens, 1),
+            )
+            stats = {k: m[k].detach().float().cpu() for k in metric_keys if k in m}
+            stats["entropy_sum"] = (ent * msk).sum().detach().float().cpu()
+            stats["nonfinite"] = torch.tensor(0.0 if bool(torch.isfinite(loss.detach())) else 1.0)
+            return loss, torch.tensor(int(msk.sum()), dtype=torch.int), stats
+
+        with self._mode():
+            shard, mbs = self._plan(batch)
+            self.model.train()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            store = self._run_schedule(mbs, loss_fn, forward_only=False)
+            sums = torch.zeros(len(metric_keys), dtype=torch.float64)
+            if self.holds_results and shard:
+                for rec in store:
+                    for j, k in enumerate(metric_keys):
+                        sums[j] += float(rec[k])
+            sums = sums.to(self.device)
+            dist.all_reduce(sums)  # results live on one rank per DP replica; others add zeros
+            sums = sums.cpu()
+            loss_finite = sums[metric_keys.index("nonfinite")].item() == 0
+            found_inf = self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm()) if not found_inf else float("nan")
+            ok = loss_finite and not found_inf and math.isfinite(grad_norm)
+            if ok:
+                if cfg.clip_grad > 0:
+                    self.optimizer.clip_grad_norm(cfg.clip_grad)
+                ok = bool(self.optimizer.step_with_ready_grads())
+            if ok:
+                self.scheduler.step(increment=1)
+                self.step += 1
+            else:
+                self.optimizer.zero_grad()
+        n_tok = max(sums[metric_keys.index("num_tokens")].item(), 1.0)
+        return {
+            "loss": sums[0].item() / n_tok,
+            "pg_clipfrac_low": sums[1].item() / n_tok,
+            "pg_clipfrac_high": sums[2].item() / n_tok,
+            "pg_clipfrac": (sums[1].item() + sums[2].item()) / n_tok,
+            "approx_kl": sums[3].item() / n_tok,
+            "num_tokens": float(sums[4].item()),
+            "entropy": sums[5].item() / n_tok,
+            "grad_norm": grad_norm,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "skipped": 0.0 if ok else 1.0,
+            "step": float(self.step),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:
+        """Atomically write model + optimizer + scheduler + RNG + step (+ ``extra``) to ``ckpt_dir``."""
+        self._require_model()
+        with self._mode():
+            save_distributed_checkpoint(self, ckpt_dir, extra or {})
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        """Restore everything saved by :meth:`save_checkpoint`; returns its ``extra``."""
+        self._require_model()
+        with self._mode():
+            return load_distributed_checkpoint(self, ckpt_dir)
+
+    # ------------------------------------------------------------------ HF export
+    def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named weights in buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
+
+        All ranks must iterate in lockstep (the bridge gathers TP shards and PP stages per
+        parameter); rank 0 yields real buckets of detached CPU copies, other ranks yield ``[]``
+        as often as rank 0 yields a bucket.
+        """
+        from openrlhf_shape.megatron.export import iter_buckets
+
+        self._require_model()
+        with self._mode():
+            yield from iter_buckets(self, bucket_bytes)
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write an HF directory (safetensors + config + tokenizer) atomically to ``out_dir``."""
+        from openrlhf_shape.megatron.export import export_hf_dir
+
+        self._require_model()
+        with self._mode():
+            export_hf_dir(self, out_dir)
+
+    # ------------------------------------------------------------------ teardown
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        """Destroy model-parallel state and the process group (idempotent)."""
+        try:
+            if self.model is not None:
+                self.model = self.optimizer = self.scheduler = None
+            from megatron.core import parallel_state as mpu
+
+            mpu.destroy_model_parallel()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _finalize_without_token_scaling(finalize):
+    def finalize_model_grads_func(model, num_tokens=None, *args, **kwargs):
+        return finalize(model, None, *args, **kwargs)
+
+    return finalize_model_grads_func

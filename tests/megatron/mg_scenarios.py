@@ -1,0 +1,112 @@
+"""Rank-side scenarios for the Megatron tests (run in subprocesses by ``launch.run_ranks``).
+
+Each function drives the real :class:`MegatronRankWorker` on CPU/gloo and returns plain data
+(lists of tensors, floats) that the pytest side compares against Hugging Face or other layouts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.megatron.worker import MegatronRankWorker
+
+
+def _train_batches(batch: dict, steps: int, seed: int) -> list[dict]:
+    """Deterministic per-step training batches (same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        resp = [len(s) - p for s, p in zip(batch["sequences"], batch["prompt_lens"])]
+        old = [(-6.93 + 0.3 * torch.randn(t, generator=g)).float() for t in resp]
+        adv = [torch.randn(t, generator=g).float() for t in resp]
+        mask = [(torch.rand(t, generator=g) > 0.15) for t in resp]
+        out.append({**batch, "old_log_probs": old, "advantages": adv, "loss_mask": mask})
+    return out
+
+
+def layout_run(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    cfg: dict,
+    model_dirs: dict,
+    batch: dict,
+    train_arch: str | None = None,
+    train_steps: int = 0,
+    save_at: int | None = None,
+    ckpt_root: str | None = None,
+    resume_from: str | None = None,
+    export_dir: str | None = None,
+    bucket_bytes: int | None = None,
+    wrong_qkv_arch: str | None = None,
+    nan_step: bool = False,
+) -> dict:
+    """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export on ``train_arch``."""
+    t0 = time.time()
+    worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    res: dict = {"logprobs": {}, "timing": {}}
+    for arch, path in model_dirs.items():
+        worker.init_model(path)
+        res["logprobs"][arch] = worker.compute_logprobs_and_entropy(batch)
+        if arch == wrong_qkv_arch:
+            res["wrong_qkv"] = _wrong_qkv_logprobs(worker, path, batch)
+    res["timing"]["parity_s"] = time.time() - t0
+    if train_arch is not None:
+        t1 = time.time()
+        info = worker.init_model(model_dirs[train_arch])
+        res["info"] = info
+        start = 0
+        if resume_from is not None:
+            extra = worker.load_checkpoint(resume_from)
+            res["extra"] = extra
+            start = int(extra["step"])
+        batches = _train_batches(batch, train_steps, seed=1234)
+        metrics = []
+        for step in range(start, train_steps):
+            metrics.append(worker.train_step(batches[step]))
+            if save_at is not None and step + 1 == save_at:
+                worker.save_checkpoint(os.path.join(ckpt_root, f"step_{step + 1}"), extra={"step": step + 1, "data_pos": 7})
+        res["metrics"] = metrics
+        res["after_train"] = worker.compute_logprobs_and_entropy(batch)
+        if nan_step:
+            bad = dict(batches[0])
+            bad["advantages"] = [a.clone() for a in bad["advantages"]]
+            bad["advantages"][0][0] = float("nan")
+            res["nan_metrics"] = worker.train_step(bad)
+            res["after_nan"] = worker.compute_logprobs_and_entropy(batch)
+        res["timing"]["train_s"] = time.time() - t1
+        if export_dir is not None:
+            t2 = time.time()
+            worker.export_hf(export_dir)
+            res["timing"]["export_s"] = time.time() - t2
+        if bucket_bytes is not None:
+            buckets = list(worker.iter_hf_weights(bucket_bytes))
+            res["buckets"] = [[(n, t.shape, t.dtype, float(t.double().sum())) for n, t in b] for b in buckets]
+    worker.shutdown()
+    return res
+
+
+def _wrong_qkv_logprobs(worker: MegatronRankWorker, path: str, batch: dict) -> dict:
+    """Negative control: load q/k/v concatenated flat (no per-KV-group interleave) and re-run."""
+    bridge = worker.bridge
+    right = bridge._weight_to_mcore_format
+
+    def wrong(name, hf_weights):
+        if "linear_qkv" in name and "layer_norm" not in name and len(hf_weights) == 3:
+            return torch.cat(hf_weights, dim=0).contiguous()
+        return right(name, hf_weights)
+
+    bridge._weight_to_mcore_format = wrong
+    try:
+        bridge.load_weights([worker._gpt()], path)
+        if worker.cfg.use_distributed_optimizer:
+            raise RuntimeError("negative control expects the plain optimizer")
+        return worker.compute_logprobs_and_entropy(batch)
+    finally:
+        bridge._weight_to_mcore_format = right
