@@ -1,0 +1,230 @@
+"""``evaluate(cfg) -> EvalReport``: the paper's avg@N pass@1 protocol over vLLM engines.
+
+Flow per benchmark: load problems -> skip those already in ``<out_dir>/samples/<name>.jsonl`` ->
+generate N samples per problem in chunks of ``chunk_size`` problems -> score every response with
+Math-Verify -> append the finished problems -> (after all benchmarks) the report with bootstrap CIs.
+
+The generation backend is anything with ``generate(prompt_token_ids: [prompts][tokens],
+sampling: SamplingConfig) -> list[Generation]`` (``VLLMEngine`` or ``EngineGroup``). Engines
+are started only when some problem still needs generating, so a fully resumed run never starts vLLM.
+"""
+
+from __future__ import annotations
+
+
+from collections import defaultdict
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from openrlhf_shape.eval.config import BenchmarkSpec, EvalConfig, fingerprint
+from openrlhf_shape.eval.data import Problem, load_problems
+from openrlhf_shape.eval.metrics import ProblemResult
+from openrlhf_shape.eval.model import resolve_model_path
+from openrlhf_shape.eval.report import EvalReport, build_report, summarize_benchmark
+from openrlhf_shape.eval.store import ResultStore
+
+
+class GenerationBackend(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]: ...
+
+
+class Scorer(Protocol):
+    def score(self, responses: list[str], labels: list[str]) -> list[float]: ...
+
+
+def build_prompt_ids(tokenizer, question: str, cfg: EvalConfig) -> list[int]:
+    """Prompt token ids: the template with the question, inside the chat template when asked."""
+    text = cfg.prompt_template.replace("{question}", question)
+    if cfg.apply_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the model's tokenizer has no chat template; pass --no_chat_template to feed raw prompts"
+            )
+        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + [
+            {"role": "user", "content": text}
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if cfg.system_prompt:
+        text = cfg.system_prompt + "\n\n" + text
+    return list(tokenizer(text)["input_ids"])
+
+
+def _record(problem: Problem, gens: Sequence[Any], scores: Sequence[float], save_responses: bool) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "problem_id": problem.problem_id,
+        "index": problem.index,
+        "question": problem.question,
+        "answer": problem.answer,
+        "difficulty": problem.difficulty,
+        "scores": [float(s) for s in scores],
+        "num_tokens": [len(g.token_ids) for g in gens],
+        "finish_reasons": [str(g.finish_reason) for g in gens],
+    }
+    if save_responses:
+        rec["responses"] = [g.text for g in gens]
+    return rec
+
+
+def run_benchmark_chunk(
+    backend: GenerationBackend,
+    scorer: Scorer,
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[list[int]],
+    sampling: Any,
+    save_responses: bool = True,
+) -> list[dict[str, Any]]:
+    """Generate ``sampling.n`` samples for each problem, score them, return one record per problem."""
+    gens = backend.generate([list(p) for p in prompt_ids], sampling)
+    by_prompt: dict[int, list[Any]] = defaultdict(list)
+    for g in gens:
+        by_prompt[g.prompt_index].append(g)
+    for i, p in enumerate(problems):
+        got = len(by_prompt.get(i, []))
+        if got != sampling.n:
+            raise RuntimeError(f"problem {p.problem_id!r}: the engine returned {got} samples, expected {sampling.n}")
+    ordered = [sorted(by_prompt[i], key=lambda g: g.sample_index) for i in range(len(problems))]
+    texts = [g.text for gs in ordered for g in gs]
+    labels = [p.answer for p, gs in zip(problems, ordered) for _ in gs]
+    scores = scorer.score(texts, labels)
+    if len(scores) != len(texts):
+        raise RuntimeError(f"scorer returned {len(scores)} scores for {len(texts)} responses")
+    out, k = [], 0
+    for p, gs in zip(problems, ordered):
+        out.append(_record(p, gs, scores[k : k + len(gs)], save_responses))
+        k += len(gs)
+    return out
+
+
+def _problem_result(rec: dict[str, Any]) -> ProblemResult:
+    return ProblemResult(
+        problem_id=str(rec["problem_id"]),
+        scores=list(rec["scores"]),
+        num_tokens=list(rec["num_tokens"]),
+        finish_reasons=list(rec.get("finish_reasons", [])),
+        difficulty=rec.get("difficulty"),
+    )
+
+
+def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int):
+    """One in-process VLLMEngine, or ``num_engines`` Ray engine actors in an EngineGroup."""
+    from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, VLLMEngine, create_ray_engines
+
+    ecfg = EngineConfig(
+        model_path=hf_dir,
+        seed=cfg.seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        block_size=cfg.block_size,
+        kv_cache_gib=cfg.kv_cache_gib,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        enforce_eager=cfg.enforce_eager,
+    )
+    if cfg.num_engines == 1:
+        return EngineGroup([VLLMEngine(ecfg)])
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True)
+    return EngineGroup(create_ray_engines(cfg.num_engines, ecfg))
+
+
+def _make_scorer(cfg: EvalConfig):
+    from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
+
+    return MathVerifyScorer(num_workers=cfg.scorer_workers, timeout_s=cfg.scorer_timeout_s)
+
+
+def evaluate(
+    cfg: EvalConfig,
+    *,
+    backend: GenerationBackend | None = None,
+    scorer: Scorer | None = None,
+    tokenizer=None,
+    progress: bool = True,
+) -> EvalReport:
+    """Run (or resume) the evaluation described by ``cfg``; writes ``report.json`` / ``report.md``
+    into ``cfg.out_dir`` and returns the report.
+
+    ``backend`` / ``scorer`` / ``tokenizer`` default to vLLM engines on the resolved model, a
+    Math-Verify process pool and the model's tokenizer; pass your own to share engines with a trainer.
+    """
+    from tqdm.auto import tqdm
+
+    from openrlhf_shape.rollout.engine import SamplingConfig
+
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sv = cfg.sampling_values()
+    with ExitStack() as stack:
+        hf_dir = resolve_model_path(cfg.model_path, out_dir / "exported_hf") if backend is None else cfg.model_path
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+
+        # Load everything first: errors in data surface before any engine starts.
+        plan: list[tuple[BenchmarkSpec, list[Problem], ResultStore, list[Problem], list[list[int]]]] = []
+        for bench in cfg.benchmarks:
+            problems = load_problems(bench, cfg.limit)
+            store = ResultStore(out_dir, bench.name, fingerprint(cfg, bench), overwrite=cfg.overwrite)
+            todo = [p for p in problems if p.problem_id not in store.done]
+            ids = [build_prompt_ids(tokenizer, p.question, cfg) for p in todo]
+            plan.append((bench, problems, store, todo, ids))
+
+        n_todo = sum(len(t) for _, _, _, t, _ in plan)
+        if n_todo and backend is None:
+            longest = max(len(x) for *_, ids in plan for x in ids)
+            max_len = cfg.max_model_len or longest + sv["max_new_tokens"]
+            group = _make_engines(cfg, hf_dir, max_len)
+            stack.callback(group.shutdown)
+            backend = group
+        if n_todo and scorer is None:
+            scorer = _make_scorer(cfg)
+            if hasattr(scorer, "close"):
+                stack.callback(scorer.close)
+
+        bar = tqdm(total=n_todo, desc="eval problems", unit="prob", disable=not progress or n_todo == 0)
+        for bench, problems, store, todo, ids in plan:
+            sampling = SamplingConfig(
+                n=cfg.n_for(bench),
+                temperature=sv["temperature"],
+                top_p=sv["top_p"],
+                top_k=sv["top_k"],
+                max_tokens=sv["max_new_tokens"],
+            )
+            for start in range(0, len(todo), cfg.chunk_size):
+                chunk = todo[start : start + cfg.chunk_size]
+                bar.set_postfix_str(bench.name)
+                records = run_benchmark_chunk(
+                    backend, scorer, chunk, ids[start : start + cfg.chunk_size], sampling, cfg.save_responses
+                )
+                store.append(records)
+                bar.update(len(chunk))
+        bar.close()
+
+    results = []
+    for bench, problems, store, _, _ in plan:
+        probs = [_problem_result(store.done[p.problem_id]) for p in problems]
+        results.append(
+            summarize_benchmark(
+                bench.name,
+                probs,
+                max_new_tokens=sv["max_new_tokens"],
+                n_boot=cfg.bootstrap_samples,
+                confidence=cfg.confidence,
+                seed=cfg.bootstrap_seed,
+            )
+        )
+    report = build_report(
+        cfg.model_path,
+        results,
+        n_boot=cfg.bootstrap_samples,
+        confidence=cfg.confidence,
+        seed=cfg.bootstrap_seed,
+        config={**cfg.to_dict(), **sv},
+        generated_problems=n_todo,
+    )
+    report.save(out_dir)
+    return report
