@@ -71,6 +71,8 @@ def _worker_main(conn, inner_timeout: int) -> None:
     mv_logger.addFilter(_InnerTimeoutCounter())
     for name in ("math_verify.parser", "math_verify.grader", "math_verify.utils"):
         logging.getLogger(name).addFilter(_InnerTimeoutCounter())
+    verify_one("\\boxed{1}", "1", inner_timeout)  # warm sympy/latex2sympy caches
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             job = conn.recv()
@@ -102,11 +104,18 @@ class _Worker:
     started: float = 0.0
 
 
+STARTUP_TIMEOUT_S = 120.0  # importing sympy on a loaded 2-core machine can take many seconds
+
+
 def _default_context() -> mp.context.BaseContext:
     # forkserver: a clean, single-threaded server process forks the workers, so restarts are cheap
-    # and safe even when this process holds vLLM/torch threads (plain fork could deadlock).
-    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    return mp.get_context(method)
+    # and safe even when this process holds vLLM/torch threads (plain fork could deadlock). The
+    # server preloads math_verify once (only takes effect if the forkserver is not running yet).
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["math_verify", "openrlhf_shape.rewards.math_verify_pool"])
+    return ctx
 
 
 class MathVerifyScorer:
@@ -145,6 +154,16 @@ class MathVerifyScorer:
         proc = self._ctx.Process(target=_worker_main, args=(child, self._inner_timeout), daemon=True)
         proc.start()
         child.close()
+        # The deadline covers verification only: wait for the worker to finish its imports first.
+        if not parent.poll(STARTUP_TIMEOUT_S):
+            proc.kill()
+            raise RuntimeError(f"Math-Verify worker did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        try:
+            msg = parent.recv()
+        except EOFError as exc:
+            raise RuntimeError("Math-Verify worker died while starting (is math-verify installed?)") from exc
+        if not (isinstance(msg, tuple) and msg[0] == "ready"):
+            raise RuntimeError(f"Math-Verify worker sent {msg!r} instead of its ready message")
         return _Worker(proc=proc, conn=parent)
 
     def _ensure_workers(self) -> None:
