@@ -34,31 +34,28 @@ def tcr_weights(
         raise ValueError(f"eps must be > 0, got {eps}")
     mask = mask.bool()
     ent = entropy.to(torch.float32)
-    if not torch.isfinite(ent[mask]).all():
-        raise ValueError("entropy has NaN/inf at a valid token")
     if entropy.numel() == 0:
         return torch.ones_like(ent)
-    seg = segment_ids.long()
-    if (seg[mask] < 0).any():
+    if not (torch.isfinite(ent) | ~mask).all():
+        raise ValueError("entropy has NaN/inf at a valid token")
+    seg = torch.where(mask, segment_ids.long(), torch.zeros((), dtype=torch.long))
+    if int(seg.min()) < 0:
         raise ValueError("segment_ids must be >= 0 at valid tokens")
     width = ent.shape[-1]
-    rows = ent.reshape(-1, width)
-    segs = seg.reshape(-1, width)
-    m = mask.reshape(-1, width)
-    n_rows = rows.shape[0]
-    n_seg = int(segs[m].max()) + 1 if m.any() else 1
-    flat_idx = (torch.arange(n_rows, device=ent.device)[:, None] * n_seg + segs.clamp(0, n_seg - 1)).reshape(-1)
-    mf = m.reshape(-1).to(torch.float32)
-    x = rows.reshape(-1)
-    count = torch.zeros(n_rows * n_seg, dtype=torch.float32, device=ent.device).index_add_(0, flat_idx, mf)
-    total = torch.zeros_like(count).index_add_(0, flat_idx, x * mf)
-    mu = total / count.clamp(min=1)
-    centered = (x - mu[flat_idx]) * mf
-    var = torch.zeros_like(count).index_add_(0, flat_idx, centered * centered) / count.clamp(min=1)
-    sigma = var.sqrt()
-    z = centered / (sigma[flat_idx] + eps)
-    w = torch.clamp(1.0 + float(beta) * z, float(delta_min), float(delta_max))
-    w = torch.where(m.reshape(-1), w, torch.ones_like(w))
+    n_rows = ent.numel() // width
+    n_seg = int(seg.max()) + 1
+    # One flat bucket per (row, segment); padding tokens carry weight 0 so they never count.
+    flat_idx = (seg.reshape(n_rows, width) + n_seg * torch.arange(n_rows)[:, None]).reshape(-1)
+    mf = mask.reshape(-1).to(torch.float32)
+    x = ent.reshape(-1) * mf
+    buckets = n_rows * n_seg
+    count = torch.zeros(buckets).scatter_add_(0, flat_idx, mf)
+    mu = torch.zeros(buckets).scatter_add_(0, flat_idx, x) / count.clamp(min=1)
+    centered = (x - mu.gather(0, flat_idx)) * mf  # two-pass variance: stable for any entropy scale
+    var = torch.zeros(buckets).scatter_add_(0, flat_idx, centered * centered) / count.clamp(min=1)
+    inv = 1.0 / (var.sqrt() + eps)
+    w = torch.clamp(1.0 + float(beta) * centered * inv.gather(0, flat_idx), float(delta_min), float(delta_max))
+    w = torch.where(mask.reshape(-1), w, torch.ones((), dtype=w.dtype))
     return w.reshape(ent.shape)
 
 
