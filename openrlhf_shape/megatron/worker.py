@@ -206,7 +206,8 @@ class MegatronRankWorker:
             warmup = cfg.warmup_steps
             scheduler = OptimizerParamScheduler(
                 optimizer,
-                init_lr=0.0 if warmup > 0 else cfg.lr,
+                # step k < warmup uses lr * (k + 1) / (warmup + 1): no wasted zero-lr first step
+                init_lr=cfg.lr / (warmup + 1),
                 max_lr=cfg.lr,
                 min_lr=cfg.min_lr,
                 lr_warmup_steps=warmup,
@@ -410,6 +411,7 @@ class MegatronRankWorker:
             dist.all_reduce(sums)  # results live on one rank per DP replica; others add zeros
             sums = sums.cpu()
             loss_finite = sums[metric_keys.index("nonfinite")].item() == 0
+            lr_used = float(self.optimizer.param_groups[0]["lr"])
             found_inf = self.optimizer.prepare_grads()
             grad_norm = float(self.optimizer.get_grad_norm()) if not found_inf else float("nan")
             ok = loss_finite and not found_inf and math.isfinite(grad_norm)
@@ -432,7 +434,7 @@ class MegatronRankWorker:
             "num_tokens": float(sums[4].item()),
             "entropy": sums[5].item() / n_tok,
             "grad_norm": grad_norm,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": lr_used,
             "skipped": 0.0 if ok else 1.0,
             "step": float(self.step),
         }

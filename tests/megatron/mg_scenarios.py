@@ -37,7 +37,7 @@ def layout_run(
     cfg: dict,
     model_dirs: dict,
     batch: dict,
-    train_arch: str | None = None,
+    train_dir: str | None = None,
     train_steps: int = 0,
     save_at: int | None = None,
     ckpt_root: str | None = None,
@@ -47,7 +47,7 @@ def layout_run(
     wrong_qkv_arch: str | None = None,
     nan_step: bool = False,
 ) -> dict:
-    """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export on ``train_arch``."""
+    """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export of ``train_dir``."""
     t0 = time.time()
     worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     res: dict = {"logprobs": {}, "timing": {}}
@@ -57,9 +57,9 @@ def layout_run(
         if arch == wrong_qkv_arch:
             res["wrong_qkv"] = _wrong_qkv_logprobs(worker, path, batch)
     res["timing"]["parity_s"] = time.time() - t0
-    if train_arch is not None:
+    if train_dir is not None:
         t1 = time.time()
-        info = worker.init_model(model_dirs[train_arch])
+        info = worker.init_model(train_dir)
         res["info"] = info
         start = 0
         if resume_from is not None:
