@@ -14,21 +14,30 @@ def is_hf_model_dir(path: Path) -> bool:
 
 
 def is_megatron_checkpoint(path: Path) -> bool:
-    """Our Megatron checkpoints: a torch_dist checkpoint dir (``metadata.json`` with ``.distcp``
-    shards), or a parent holding ``iter_*`` / ``step_*`` such checkpoints, or a
-    ``latest_checkpointed_iteration.txt`` tracker."""
-    if (path / "metadata.json").is_file() and any(path.glob("*.distcp")):
+    """One of our Megatron checkpoints (``openrlhf_shape.megatron.checkpoint`` layout: ``dist/``,
+    ``meta.json`` and the ``COMPLETE`` marker), or a directory of them (the newest complete one is used)."""
+    if (path / "COMPLETE").is_file() and (path / "meta.json").is_file() and (path / "dist").is_dir():
         return True
-    if (path / "latest_checkpointed_iteration.txt").is_file():
-        return True
-    return any(is_megatron_checkpoint(p) for p in path.iterdir() if p.is_dir() and p.name.startswith(("iter_", "step_")))
+    return any((p / "COMPLETE").is_file() and (p / "dist").is_dir() for p in path.iterdir() if p.is_dir())
+
+
+def _pick_checkpoint(path: Path) -> Path:
+    if (path / "COMPLETE").is_file():
+        return path
+    from openrlhf_shape.megatron.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(str(path))
+    if found is None:
+        raise ValueError(f"--model {path}: no complete Megatron checkpoint (with a COMPLETE marker) inside")
+    return Path(found)
 
 
 def resolve_model_path(model_path: str, export_dir: str | Path) -> str:
     """An HF directory vLLM can load: ``model_path`` itself, or its HF export in ``export_dir``.
 
-    The export goes through ``openrlhf_shape.megatron.export_hf`` (the Megatron package's API) and
-    is reused when ``export_dir`` already holds a complete HF model.
+    The export goes through ``openrlhf_shape.megatron.export_hf(ckpt_dir, out_dir)`` (the Megatron
+    package's API) into ``export_dir/<checkpoint name>``, and is reused when that already holds a
+    complete HF model.
     """
     path = Path(model_path).expanduser()
     if not path.is_dir():
@@ -41,9 +50,10 @@ def resolve_model_path(model_path: str, export_dir: str | Path) -> str:
     if not is_megatron_checkpoint(path):
         raise ValueError(
             f"--model {model_path!r} is neither an HF model directory (config.json + *.safetensors) nor a "
-            "Megatron checkpoint (metadata.json + *.distcp, or iter_*/ subdirectories)"
+            "Megatron checkpoint (dist/ + meta.json + COMPLETE, or a directory of such checkpoints)"
         )
-    export_dir = Path(export_dir)
+    ckpt = _pick_checkpoint(path)
+    export_dir = Path(export_dir) / ckpt.name
     if is_hf_model_dir(export_dir):
         return str(export_dir)
     try:
@@ -55,7 +65,7 @@ def resolve_model_path(model_path: str, export_dir: str | Path) -> str:
             "available in this build; export it with `openrlhf-shape convert` first and pass the HF "
             "directory to --model"
         ) from exc
-    export_hf(str(path), str(export_dir))
+    export_hf(str(ckpt), str(export_dir))
     if not is_hf_model_dir(export_dir):
-        raise RuntimeError(f"export_hf({path}, {export_dir}) did not write an HF model directory")
+        raise RuntimeError(f"export_hf({ckpt}, {export_dir}) did not write an HF model directory")
     return str(export_dir)
