@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block_size", type=int, default=None)
     p.add_argument("--max_model_len", type=int, default=None, help="default: longest prompt + max_new_tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk_size", type=int, default=64, help="problems per generate call (resume granularity)")
+    p.add_argument("--chunk_size", type=int, default=None,
+                   help="problems per generate call, the resume granularity (default: ~512 sequences per engine)")
     p.add_argument("--scorer_workers", type=int, default=2)
     p.add_argument("--bootstrap_samples", type=int, default=1000)
     p.add_argument("--confidence", type=float, default=0.95)

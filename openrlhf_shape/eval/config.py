@@ -116,7 +116,9 @@ class EvalConfig:
     enforce_eager: bool | None = None
     max_model_len: int | None = None  # default: longest prompt + max_new_tokens
     seed: int = 0
-    chunk_size: int = 64  # problems per generate call; results are saved after every chunk
+    # Problems per generate call (results are saved after every call, the resume granularity).
+    # None: about 512 sequences per engine per call, i.e. max(1, 512 * num_engines // N).
+    chunk_size: int | None = None
     # Scoring and statistics.
     scorer_workers: int = 2
     scorer_timeout_s: float = 5.0
@@ -144,7 +146,7 @@ class EvalConfig:
             raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
         if self.num_engines < 1 or self.tensor_parallel_size < 1:
             raise ValueError("--num_engines and --tensor_parallel_size must be >= 1")
-        if self.chunk_size < 1:
+        if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"--chunk_size must be >= 1, got {self.chunk_size}")
         if "{question}" not in self.prompt_template:
             raise ValueError("--prompt_template must contain '{question}'")
@@ -170,6 +172,12 @@ class EvalConfig:
                 "those, or give its N with --n_samples (or BenchmarkSpec.n_samples)"
             )
         return n
+
+    def chunk_for(self, bench: BenchmarkSpec) -> int:
+        """Problems per generate call for ``bench``."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return max(1, 512 * self.num_engines // self.n_for(bench))
 
     def sampling_values(self) -> dict[str, Any]:
         """Resolved temperature / top_p / top_k / max_new_tokens (overrides > preset)."""

@@ -158,7 +158,8 @@ def evaluate(
     out_dir.mkdir(parents=True, exist_ok=True)
     sv = cfg.sampling_values()
     with ExitStack() as stack:
-        hf_dir = resolve_model_path(cfg.model_path, out_dir / "exported_hf") if backend is None else cfg.model_path
+        need_hf = backend is None or tokenizer is None
+        hf_dir = resolve_model_path(cfg.model_path, out_dir / "exported_hf") if need_hf else cfg.model_path
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -194,11 +195,12 @@ def evaluate(
                 top_k=sv["top_k"],
                 max_tokens=sv["max_new_tokens"],
             )
-            for start in range(0, len(todo), cfg.chunk_size):
-                chunk = todo[start : start + cfg.chunk_size]
+            step = cfg.chunk_for(bench)
+            for start in range(0, len(todo), step):
+                chunk = todo[start : start + step]
                 bar.set_postfix_str(bench.name)
                 records = run_benchmark_chunk(
-                    backend, scorer, chunk, ids[start : start + cfg.chunk_size], sampling, cfg.save_responses
+                    backend, scorer, chunk, ids[start : start + step], sampling, cfg.save_responses
                 )
                 store.append(records)
                 bar.update(len(chunk))

@@ -2,7 +2,8 @@
 
 Writes into ``out_dir``:
 
-    fig_training_curves.png     accuracy and response length over steps (fig. 3 style)
+    fig_training_curves.png     accuracy and response length over steps (fig. 3; plus any logged
+                                "eval/<benchmark>/accuracy" keys)
     fig7_potential_drop.png     potential drop rate over steps (runs with SHAPE metrics)
     fig6_gain_contribution.png  gain contribution by start regime, appendix B.3 normalisation
     fig10_lengths_train.png     response-length histograms + KDE from the last training steps
@@ -88,11 +89,15 @@ def analyze(
     # Training curves: accuracy and response length.
     acc = {r.label: c for r in runs if (c := compute.curve(r, "rollout/accuracy", smooth))}
     length = {r.label: c for r in runs if (c := compute.curve(r, "rollout/response_length/mean", smooth))}
-    data["training_curves"] = {"accuracy": acc, "response_length": length}
+    # Held-out accuracy the trainer may log every few steps as "eval/<benchmark>/accuracy" (fig. 3a).
+    eval_keys = sorted({k for r in runs for rec in r.records for k in rec if k.startswith("eval/") and k.endswith("/accuracy")})[:4]
+    eval_curves = {k: {r.label: c for r in runs if (c := compute.curve(r, k, 1))} for k in eval_keys}
+    data["training_curves"] = {"accuracy": acc, "response_length": length, "eval": eval_curves}
     png = None
     if acc or length:
         png = plots.plot_curves(
-            [("Rollout accuracy", "accuracy", acc), ("Response length", "tokens", length)],
+            [("Rollout accuracy", "accuracy", acc), ("Response length", "tokens", length)]
+            + [(k[len("eval/"):-len("/accuracy")] + " accuracy", "avg@N pass@1", c) for k, c in eval_curves.items()],
             colors, out / "fig_training_curves.png", f"Training curves (thin: raw, bold: trailing mean of {smooth})",
         )
     figures.append({"key": "training_curves", "title": "Accuracy and response length over steps", "png": png,
