@@ -107,8 +107,9 @@ def _problem_result(rec: dict[str, Any]) -> ProblemResult:
     )
 
 
-def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int):
-    """One in-process VLLMEngine, or ``num_engines`` Ray engine actors in an EngineGroup."""
+def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int, stack: ExitStack | None = None):
+    """One in-process VLLMEngine, or ``num_engines`` Ray engine actors in an EngineGroup (Ray is
+    started here when needed, and shut down by ``stack`` when this call started it)."""
     from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, VLLMEngine, create_ray_engines
 
     ecfg = EngineConfig(
@@ -126,7 +127,9 @@ def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int):
     import ray
 
     if not ray.is_initialized():
-        ray.init(ignore_reinit_error=True)
+        ray.init()
+        if stack is not None:
+            stack.callback(ray.shutdown)
     return EngineGroup(create_ray_engines(cfg.num_engines, ecfg))
 
 
@@ -178,7 +181,7 @@ def evaluate(
         if n_todo and backend is None:
             longest = max(len(x) for *_, ids in plan for x in ids)
             max_len = cfg.max_model_len or longest + sv["max_new_tokens"]
-            group = _make_engines(cfg, hf_dir, max_len)
+            group = _make_engines(cfg, hf_dir, max_len, stack)
             stack.callback(group.shutdown)
             backend = group
         if n_todo and scorer is None:
