@@ -137,6 +137,14 @@ def test_grpo_only_run_skips_potential_figures_with_reasons(tmp_path):
     assert "no run has an eval report" in html
 
 
+def test_response_length_limit_found_in_nested_config():
+    from openrlhf_shape.eval.analysis.compute import response_length_limit
+
+    assert response_length_limit({"rollout": {"n_samples_per_prompt": 8, "generate_max_len": 8192}}) == 8192
+    assert response_length_limit({"max_response_len": 64, "x": {"max_tokens": 16}}) == 64
+    assert response_length_limit({"lr": 1e-6}) is None
+
+
 def test_read_metrics_last_record_of_a_step_wins(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 2, "a": 1}\n{"step": 1, "a": 0}\n\n{"step": 2, "a": 5}\n')

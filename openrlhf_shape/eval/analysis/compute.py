@@ -108,6 +108,21 @@ def length_distribution(lengths: Sequence[int], limit: int | None = None, grid_p
     }
 
 
+LENGTH_LIMIT_KEYS = ("max_response_len", "generate_max_len", "max_new_tokens", "max_tokens")
+
+
+def response_length_limit(config: dict[str, Any]) -> int | None:
+    """The training response-length limit from a run's config (searched in nested sections too)."""
+    stack = [config]
+    while stack:
+        d = stack.pop(0)
+        for k in LENGTH_LIMIT_KEYS:
+            if isinstance(d.get(k), (int, float)) and d[k] > 0:
+                return int(d[k])
+        stack.extend(v for v in d.values() if isinstance(v, dict))
+    return None
+
+
 def training_lengths(run: Run, window: int) -> list[int]:
     """Every response length of the last ``window`` steps (``rollout/response_lengths`` lists)."""
     out: list[int] = []

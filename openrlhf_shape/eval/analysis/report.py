@@ -136,8 +136,8 @@ def analyze(
     for r in runs:
         lens = compute.training_lengths(r, window)
         if lens:
-            limit = r.config.get("max_response_len") or r.config.get("generate_max_len")
-            train_cells[r.label] = {f"last {window} steps": compute.length_distribution(lens, int(limit) if limit else None)}
+            limit = compute.response_length_limit(r.config)
+            train_cells[r.label] = {f"last {window} steps": compute.length_distribution(lens, limit)}
     data["lengths_train"] = train_cells
     png = plots.plot_length_grid(train_cells, colors, out / "fig10_lengths_train.png",
                                  "Training response lengths: histogram + KDE (fig. 10 style)") if train_cells else None
