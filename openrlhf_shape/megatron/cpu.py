@@ -227,6 +227,37 @@ def _patch_gloo_scatter() -> None:
     dist.scatter = scatter
 
 
+def _patch_distopt_adam_step_load() -> None:
+    """Distributed-optimizer checkpoint load with torch's AdamW (the fallback without TE/Apex).
+
+    torch AdamW keeps a per-parameter ``step`` tensor in its state; the reshardable loaders hand
+    over only param/exp_avg/exp_avg_sq. Without it: ``KeyError: 'step'`` on load. We copy the keys
+    that arrive and leave ``step`` alone; the checkpoint module then gives every parameter its own
+    ``step`` equal to the saved step count (a shared or zero step makes resumed losses drift).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(orig, "_shape_cpu_patched", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        missing = [k for k in dst if k not in tensors and k != "step"]
+        if missing:
+            raise KeyError(f"distributed optimizer checkpoint lacks state {missing}")
+        for key, value in dst.items():
+            if key in tensors:
+                value.copy_(tensors[key])
+
+    _set_main_param_and_optimizer_states._shape_cpu_patched = True  # type: ignore[attr-defined]
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
 def apply_cpu_patches() -> bool:
     """Apply all CPU patches once, only when CUDA is absent. Returns True if active."""
     global _APPLIED
@@ -239,5 +270,6 @@ def apply_cpu_patches() -> bool:
         _patch_rng_tracker()
         _patch_sequence_parallel_norm()
         _patch_gloo_scatter()
+        _patch_distopt_adam_step_load()
         _APPLIED = True
     return True
