@@ -54,8 +54,10 @@ def test_curves_match_hand_values(result):
     assert acc["steps"] == [1, 2, 3, 4]
     assert acc["smoothed"] == pytest.approx([0.25, 0.375, 0.625, 0.75])
     assert data["training_curves"]["response_length"]["GRPO"]["smoothed"] == pytest.approx([40, 42, 46, 50])
-    ev = data["training_curves"]["eval"]["eval/toy/accuracy"]
-    assert set(ev) == {"MRT", "SHAPE"} and ev["SHAPE"]["steps"] == [2, 4] and ev["SHAPE"]["values"] == [0.3, 0.4]
+    ev = data["training_curves"]["eval"]
+    assert set(ev) == {"eval/accuracy", "eval/response_length/mean"} and set(ev["eval/accuracy"]) == {"MRT", "SHAPE"}
+    assert ev["eval/accuracy"]["SHAPE"]["steps"] == [2, 4] and ev["eval/accuracy"]["SHAPE"]["values"] == [0.3, 0.4]
+    assert ev["eval/response_length/mean"]["MRT"]["values"] == [50.0, 45.0]
     drop = data["potential_drop_rate"]
     assert set(drop) == {"MRT", "SHAPE"}  # GRPO logs no potentials
     assert drop["SHAPE"]["smoothed"] == pytest.approx([0.4, 0.35, 0.25, 0.15])

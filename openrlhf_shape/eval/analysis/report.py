@@ -2,8 +2,8 @@
 
 Writes into ``out_dir``:
 
-    fig_training_curves.png     accuracy and response length over steps (fig. 3; plus any logged
-                                "eval/<benchmark>/accuracy" keys)
+    fig_training_curves.png     accuracy and response length over steps (fig. 3), rollout and
+                                held-out (eval/accuracy, eval/response_length/mean when logged)
     fig7_potential_drop.png     potential drop rate over steps (runs with SHAPE metrics)
     fig6_gain_contribution.png  gain contribution by start regime, appendix B.3 normalisation
     fig10_lengths_train.png     response-length histograms + KDE from the last training steps
@@ -89,15 +89,18 @@ def analyze(
     # Training curves: accuracy and response length.
     acc = {r.label: c for r in runs if (c := compute.curve(r, "rollout/accuracy", smooth))}
     length = {r.label: c for r in runs if (c := compute.curve(r, "rollout/response_length/mean", smooth))}
-    # Held-out accuracy the trainer may log every few steps as "eval/<benchmark>/accuracy" (fig. 3a).
-    eval_keys = sorted({k for r in runs for rec in r.records for k in rec if k.startswith("eval/") and k.endswith("/accuracy")})[:4]
+    # Held-out metrics the trainer logs every few steps (fig. 3): "eval/accuracy",
+    # "eval/response_length/mean", or per benchmark "eval/<benchmark>/accuracy".
+    eval_keys = sorted({k for r in runs for rec in r.records for k in rec
+                        if k.startswith("eval/") and k.endswith(("accuracy", "response_length/mean"))})[:4]
     eval_curves = {k: {r.label: c for r in runs if (c := compute.curve(r, k, 1))} for k in eval_keys}
     data["training_curves"] = {"accuracy": acc, "response_length": length, "eval": eval_curves}
     png = None
     if acc or length:
         png = plots.plot_curves(
             [("Rollout accuracy", "accuracy", acc), ("Response length", "tokens", length)]
-            + [(k[len("eval/"):-len("/accuracy")] + " accuracy", "avg@N pass@1", c) for k, c in eval_curves.items()],
+            + [("held-out " + k[len("eval/"):], "tokens" if k.endswith("length/mean") else "accuracy", c)
+               for k, c in eval_curves.items()],
             colors, out / "fig_training_curves.png", f"Training curves (thin: raw, bold: trailing mean of {smooth})",
         )
     figures.append({"key": "training_curves", "title": "Accuracy and response length over steps", "png": png,
