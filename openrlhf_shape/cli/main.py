@@ -56,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     parser = build_parser(chosen)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Commands that take dotted config flags (train) receive the rest; others reject it.
+        module = _load(args.command) if args.command else None
+        if module is None or not getattr(module, "ACCEPTS_OVERRIDES", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = unknown
     if args.command is None:
         parser.print_help()
         return 0

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The paper's 1.5B runs: MODEL=DeepSeek-R1-Distill-Qwen-1.5B (default) or DeepScaleR-1.5B-Preview,
+# K = 8 segments and 8192 response tokens, one 8-GPU node. ESTIMATOR=shape|mrt|grpo.
+set -euo pipefail
+MODEL="${MODEL:-DeepSeek-R1-Distill-Qwen-1.5B}"
+case "$MODEL" in
+  DeepSeek-R1-Distill-Qwen-1.5B) preset=deepseek-r1-distill-qwen-1.5b ;;
+  DeepScaleR-1.5B-Preview) preset=deepscaler-1.5b ;;
+  *) echo "MODEL must be DeepSeek-R1-Distill-Qwen-1.5B or DeepScaleR-1.5B-Preview (got '$MODEL')" >&2; exit 2 ;;
+esac
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+args=(--config "$root/configs/$preset.yaml" --algo.advantage.estimator "${ESTIMATOR:-shape}")
+[ -n "${MODEL_PATH:-}" ] && args+=(--actor.pretrain "$MODEL_PATH")
+[ -n "${DATA:-}" ] && args+=(--data.prompt_data "$DATA")
+exec openrlhf-shape train "${args[@]}" "$@"

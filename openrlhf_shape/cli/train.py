@@ -1,0 +1,41 @@
+"""``openrlhf-shape train --config configs/X.yaml [--section.key VALUE ...]``."""
+
+from __future__ import annotations
+
+import argparse
+
+ACCEPTS_OVERRIDES = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML preset (see configs/); dotted flags override it")
+    parser.add_argument("--resume", default=None, help="auto | none | a checkpoint directory (= --trainer.resume)")
+    parser.add_argument("--print_config", action="store_true", help="print the resolved config and exit")
+    parser.epilog = (
+        "Any option of the config can be given as a dotted flag, e.g. --data.prompt_data FILE "
+        "--rollout.n_samples_per_prompt 8 --actor.eps_clip_low_high 0.2 0.28 --algo.advantage.estimator shape "
+        "--shape.alpha 0.3 --megatron.tensor_model_parallel_size 2 --reward.remote_url my_reward.py"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from openrlhf_shape.trainer.config import load_config
+
+    overrides = list(getattr(args, "overrides", []) or [])
+    if args.resume is not None:
+        overrides += ["--trainer.resume", args.resume]
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"openrlhf-shape train: error: {exc}")
+    if args.print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    from openrlhf_shape.trainer.ppo_trainer import run_training
+
+    summary = run_training(cfg)
+    if summary:
+        print(f"done: steps {summary['steps'][0]}..{summary['steps'][-1]}, report in {cfg.trainer.output_dir}/report.md")
+    return 0
