@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_model_len", type=int, default=None, help="default: longest prompt + max_new_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk_size", type=int, default=None,
-                   help="problems per generate call, the resume granularity (default: ~512 sequences per engine)")
+                   help="problems per generate call, the resume granularity (default: 512 sequences per engine "
+                        "with --preset paper, 16 with cpu)")
     p.add_argument("--scorer_workers", type=int, default=2)
     p.add_argument("--bootstrap_samples", type=int, default=1000)
     p.add_argument("--confidence", type=float, default=0.95)

@@ -46,12 +46,14 @@ class Preset:
     max_new_tokens: int
     n_by_benchmark: dict[str, int]
     default_n: int | None
+    chunk_sequences: int  # sequences per engine per generate call when --chunk_size is not given
 
 
 PRESETS: dict[str, Preset] = {
-    "paper": Preset("paper", 0.6, 0.95, 40, 32768, PAPER_N_SAMPLES, None),
+    "paper": Preset("paper", 0.6, 0.95, 40, 32768, PAPER_N_SAMPLES, None, 512),
     # Same sampling, but short answers and N = 2 everywhere: a CPU smoke of the protocol.
-    "cpu": Preset("cpu", 0.6, 0.95, 40, 256, {}, 2),
+    # Small generate calls so an interrupted CPU run loses little.
+    "cpu": Preset("cpu", 0.6, 0.95, 40, 256, {}, 2, 16),
 }
 
 
@@ -117,7 +119,7 @@ class EvalConfig:
     max_model_len: int | None = None  # default: longest prompt + max_new_tokens
     seed: int = 0
     # Problems per generate call (results are saved after every call, the resume granularity).
-    # None: about 512 sequences per engine per call, i.e. max(1, 512 * num_engines // N).
+    # None: the preset's sequences per engine per call: max(1, chunk_sequences * num_engines // N).
     chunk_size: int | None = None
     # Scoring and statistics.
     scorer_workers: int = 2
@@ -177,7 +179,7 @@ class EvalConfig:
         """Problems per generate call for ``bench``."""
         if self.chunk_size is not None:
             return self.chunk_size
-        return max(1, 512 * self.num_engines // self.n_for(bench))
+        return max(1, self.preset_obj.chunk_sequences * self.num_engines // self.n_for(bench))
 
     def sampling_values(self) -> dict[str, Any]:
         """Resolved temperature / top_p / top_k / max_new_tokens (overrides > preset)."""

@@ -144,6 +144,8 @@ def test_paper_preset_n_by_benchmark_name(tmp_path):
     assert spec.n_for(spec.benchmarks[0]) == 8
     cpu = EvalConfig("m", [BenchmarkSpec("anything", "x")], str(tmp_path), preset="cpu")
     assert cpu.n_for(cpu.benchmarks[0]) == 2 and cpu.sampling_values()["max_new_tokens"] == 256
+    assert cpu.chunk_for(cpu.benchmarks[0]) == 8  # 16 sequences per call / N = 2
+    assert [cfg.chunk_for(cfg.benchmarks[i]) for i in (0, 3)] == [16, 256]  # 512 sequences / N (32, 2)
 
 
 def test_bad_inputs_name_the_flag(tmp_path, tiny_model_dir, tiny_tokenizer, scorer):
