@@ -6,6 +6,7 @@ Each function drives the real :class:`MegatronRankWorker` on CPU/gloo and return
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -46,6 +47,7 @@ def layout_run(
     bucket_bytes: int | None = None,
     wrong_qkv_arch: str | None = None,
     nan_step: bool = False,
+    sp_variant: bool = False,
 ) -> dict:
     """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export of ``train_dir``."""
     t0 = time.time()
@@ -88,6 +90,20 @@ def layout_run(
         if bucket_bytes is not None:
             buckets = list(worker.iter_hf_weights(bucket_bytes))
             res["buckets"] = [[(n, t.shape, t.dtype, float(t.double().sum())) for n, t in b] for b in buckets]
+    if sp_variant:
+        # Sequence parallel is a TransformerConfig switch, not a process-group layout: the same
+        # TP ranks rebuild the models with SP on (saves a process launch per test run).
+        t3 = time.time()
+        worker.cfg = dataclasses.replace(worker.cfg, sequence_parallel=True)
+        sp: dict = {"logprobs": {}}
+        for arch, path in model_dirs.items():
+            worker.init_model(path)
+            sp["logprobs"][arch] = worker.compute_logprobs_and_entropy(batch)
+        worker.init_model(train_dir)
+        batches = _train_batches(batch, train_steps, seed=1234)
+        sp["metrics"] = [worker.train_step(b) for b in batches]
+        res["sp"] = sp
+        res["timing"]["sp_s"] = time.time() - t3
     worker.shutdown()
     return res
 

@@ -25,8 +25,8 @@ TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_decay_style="cosine
 LAYOUTS = {
     "tp2": dict(tensor_model_parallel_size=2),
     "pp2": dict(pipeline_model_parallel_size=2),
-    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
 }
+ALL_LAYOUTS = ["tp2", "pp2", "tp2_sp"]  # tp2_sp runs inside the tp2 processes (SP is a config switch)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def layouts(tiny_models, ragged_batch):
     out = {}
     for name, extra in LAYOUTS.items():
         out[name] = run_layout(2, cfg={**TRAIN_CFG, **extra}, model_dirs=tiny_models, batch=ragged_batch,
-                               train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS)
+                               train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS, sp_variant=name == "tp2")
+    out["tp2_sp"] = [r["sp"] for r in out["tp2"]]
     return out
 
 
@@ -58,7 +59,7 @@ def layouts(tiny_models, ragged_batch):
 def dp2_distopt(tiny_models, ragged_batch, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp2")
     cfg = {**TRAIN_CFG, "use_distributed_optimizer": True}
-    first = run_layout(2, cfg=cfg, model_dirs={"qwen3": tiny_models["qwen3"]}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
+    first = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
                        train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(root / "ckpt"))
     resumed = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
                          train_steps=TRAIN_STEPS, resume_from=str(root / "ckpt" / f"step_{SAVE_AT}"))
@@ -80,7 +81,7 @@ def test_world1_logprob_entropy_parity_with_hf_on_cpu(world1, hf_refs, ragged_ba
     assert got["log_probs"][3].numel() == 0  # empty response stays empty, in batch order
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_parallel_logprob_entropy_parity_with_hf_on_cpu(layouts, hf_refs, ragged_batch, layout, arch):
     n = len(ragged_batch["sequences"])

@@ -1,0 +1,141 @@
+"""Fast in-process tests of the Megatron backend's pure parts (no torch.distributed)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from openrlhf_shape.megatron.batching import build_micro_batch, plan_micro_batches, shard_for_dp, validate_batch
+from openrlhf_shape.megatron.checkpoint import COMPLETE_MARKER, latest_checkpoint
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
+from openrlhf_shape.megatron.worker import merge_rank_outputs
+
+
+# ---------------------------------------------------------------- config
+def test_config_defaults_on_cpu():
+    cfg = MegatronConfig()
+    assert cfg.bf16 is False and cfg.params_dtype == torch.float32
+    assert cfg.eps_clip_low == 0.2 and cfg.eps_clip_high == 0.28
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tensor_model_parallel_size": 0}, "tensor_model_parallel_size"),
+        ({"sequence_parallel": True}, "sequence_parallel"),
+        ({"lr_decay_style": "exp"}, "lr_decay_style"),
+        ({"min_lr": 1.0, "lr": 1e-3}, "min_lr"),
+        ({"dual_clip": 0.5}, "dual_clip"),
+        ({"bf16": True}, "bf16"),
+        ({"lr_warmup_steps": 10, "total_steps": 5}, "lr_warmup_steps"),
+        ({"micro_batch_max_tokens": 0}, "micro_batch_max_tokens"),
+    ],
+)
+def test_config_errors_name_the_field_on_cpu(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        MegatronConfig(**kwargs)
+
+
+def test_validate_against_model_on_cpu():
+    hf = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=1024)
+    MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).validate_against_model(hf, 8)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        MegatronConfig(tensor_model_parallel_size=4).validate_against_model(hf, 4)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        MegatronConfig(pipeline_model_parallel_size=4).validate_against_model(hf, 4)
+    with pytest.raises(ValueError, match="world size"):
+        MegatronConfig(tensor_model_parallel_size=2).validate_against_model(hf, 3)
+
+
+# ---------------------------------------------------------------- batching
+def test_dp_shards_are_balanced_deterministic_and_complete_on_cpu():
+    lengths = [50, 10, 40, 30, 20, 60, 5]
+    shards = shard_for_dp(lengths, 2)
+    assert shards == shard_for_dp(lengths, 2)
+    assert sorted(i for s in shards for i in s) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert abs(loads[0] - loads[1]) <= max(lengths)
+    assert shard_for_dp([3], 2) == [[0], []]
+
+
+def test_micro_batches_respect_the_padded_token_budget_on_cpu():
+    lengths = [50, 10, 40, 30, 20, 60, 5, 33]
+    plan = plan_micro_batches(lengths, 100)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    for mb in plan:
+        assert len(mb) == 1 or max(lengths[i] for i in mb) * len(mb) <= 100
+    # sorted by length: padding stays small compared with arrival order
+    padded = sum(max(lengths[i] for i in mb) * len(mb) for mb in plan)
+    assert padded <= 1.35 * sum(lengths)
+    # a sequence over the budget still gets a micro-batch of its own
+    assert plan_micro_batches([500, 3], 100) == [[0], [1]]
+
+
+def test_build_micro_batch_indexes_response_positions_on_cpu():
+    seqs = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    mb = build_micro_batch(seqs, [2, 3], [0, 1], pad_id=0, pad_multiple=4)
+    assert mb.input_ids.shape == (2, 8)
+    assert mb.resp_pos.tolist() == [1, 2, 3]  # positions predicting tokens 3, 4, 5 of row 0
+    assert mb.resp_targets.tolist() == [3, 4, 5]
+    assert mb.resp_offsets == [(0, 3), (3, 3)]
+
+
+def test_validate_batch_errors_on_cpu():
+    with pytest.raises(ValueError, match="prompt_lens"):
+        validate_batch({"sequences": [[1, 2]], "prompt_lens": [0]})
+    with pytest.raises(KeyError, match="prompt_lens"):
+        validate_batch({"sequences": [[1, 2]]})
+
+
+# ---------------------------------------------------------------- log-probs / entropy
+def _naive(hidden, weight, targets, temperature):
+    logits = (hidden @ weight.t()).float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_logprobs_entropy_match_naive_with_grad_on_cpu(chunk):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (23,), generator=g)
+    lp, ent = vocab_parallel_logprobs_entropy(hidden, weight, targets, vocab_start=0, temperature=0.6, chunk_size=chunk)
+    ref_lp, ref_ent = _naive(hidden, weight, targets, 0.6)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent.detach(), atol=1e-5)
+    assert not ent.requires_grad
+    (gh, gw) = torch.autograd.grad(lp.sum(), [hidden, weight])
+    (rh, rw) = torch.autograd.grad(ref_lp.sum(), [hidden, weight])
+    assert torch.allclose(gh, rh, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
+
+
+# ---------------------------------------------------------------- checkpoints / merge
+def _fake_ckpt(root, name, step, complete=True):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"step": step}))
+    if complete:
+        (d / COMPLETE_MARKER).write_text("ok")
+    return d
+
+
+def test_latest_checkpoint_ignores_incomplete_on_cpu(tmp_path):
+    assert latest_checkpoint(str(tmp_path / "missing")) is None
+    _fake_ckpt(tmp_path, "step_2", 2)
+    best = _fake_ckpt(tmp_path, "step_10", 10)
+    _fake_ckpt(tmp_path, "step_12", 12, complete=False)
+    _fake_ckpt(tmp_path, "step_14.tmp", 14)
+    assert latest_checkpoint(str(tmp_path)) == str(best)
+
+
+def test_merge_rank_outputs_orders_and_checks_on_cpu():
+    a = {"indices": [2, 0], "log_probs": [torch.tensor([2.0]), torch.tensor([0.0])], "entropy": [torch.tensor([2.0]), torch.tensor([0.0])]}
+    b = {"indices": [1], "log_probs": [torch.tensor([1.0])], "entropy": [torch.tensor([1.0])]}
+    out = merge_rank_outputs([a, {}, b], 3)
+    assert [float(x) for x in out["log_probs"]] == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="indices"):
+        merge_rank_outputs([a], 3)
