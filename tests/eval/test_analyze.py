@@ -46,6 +46,7 @@ def test_every_figure_is_written_and_not_blank(result):
         assert img.shape[0] > 200 and img.shape[1] > 300 and float(img[..., :3].std()) > 0.05, name
         assert f"<img src='{name}'>" in html
     assert "GRPO" in html and "SHAPE" in html and "MRT" in html
+    assert "<td>SHAPE</td><td>toy</td><td>2</td><td>40</td>" in html  # final-model eval table (4/10 correct)
 
 
 def test_curves_match_hand_values(result):

@@ -198,8 +198,15 @@ def _html(runs: list[Run], figures: list[dict[str, Any]], summary: list[dict[str
         "<p>Runs: " + ", ".join(f"<b>{html.escape(r.label)}</b> ({html.escape(r.estimator)}, {len(r.records)} steps, <code>{html.escape(r.path)}</code>)" for r in runs) + "</p>",
         f"<h2>Summary (mean of the last {window} steps)</h2>",
         _table(["run", "estimator"] + keys, [[s["label"], s["estimator"]] + [s[k] for k in keys] for s in summary]),
-        "<h2>Figures</h2><div class='grid'>",
     ]
+    ev_rows = [
+        [r.label, b["name"], b["n_samples"], 100 * b["accuracy"], f"[{100 * b['accuracy_ci'][0]:.1f}, {100 * b['accuracy_ci'][1]:.1f}]", b["mean_tokens"]]
+        for r in runs if r.eval_report for b in r.eval_report["benchmarks"]
+    ]
+    if ev_rows:
+        parts += ["<h2>Final-model evaluation (avg@N pass@1, Math-Verify)</h2>",
+                  _table(["run", "benchmark", "N", "accuracy %", "CI", "mean tokens"], ev_rows)]
+    parts.append("<h2>Figures</h2><div class='grid'>")
     for f in figures:
         parts.append(f"<div class='card'><h3>{html.escape(f['title'])}</h3>")
         if f["png"]:
