@@ -182,3 +182,25 @@ def test_bootstrap_ci_hand_cases():
     assert lo == hi == 0.5
     with pytest.raises(ValueError):
         bootstrap_ci([], seed=0)
+
+
+def test_problem_files_jsonl_json_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from openrlhf_shape.eval.data import load_problems, read_rows
+
+    rows = [{"problem": "1+1?", "answer": 2, "uid": "a"}, {"problem": "2+2?", "answer": "4", "uid": "b"}]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    (tmp_path / "p.json").write_text(json.dumps({"data": rows}))
+    pq.write_table(pa.Table.from_pylist([{**r, "answer": str(r["answer"])} for r in rows]), tmp_path / "p.parquet")
+    for suffix in ("jsonl", "json", "parquet"):
+        assert [r["problem"] for r in read_rows(str(tmp_path / f"p.{suffix}"))] == ["1+1?", "2+2?"]
+        probs = load_problems(BenchmarkSpec("p", str(tmp_path / f"p.{suffix}"), id_key="uid"))
+        assert [(p.problem_id, p.index, p.answer) for p in probs] == [("a", 0, "2"), ("b", 1, "4")]
+    assert len(load_problems(BenchmarkSpec("p", str(tmp_path / "p.jsonl")), limit=1)) == 1
+    write_jsonl(tmp_path / "dup.jsonl", rows + rows[:1])
+    with pytest.raises(ValueError, match="duplicate problem id 'a'"):
+        load_problems(BenchmarkSpec("p", str(tmp_path / "dup.jsonl"), id_key="uid"))
+    with pytest.raises(FileNotFoundError):
+        read_rows(str(tmp_path / "nope.parquet"))
