@@ -75,11 +75,11 @@ def test_generate_contract_and_logprob_parity_with_hf(group, prompts, tiny_model
 
 def test_probes_hit_the_prefix_cache_and_potentials(group, prompts, tiny_tokenizer):
     block = group.get_block_size()
-    rollout = group.generate(prompts, SamplingConfig(n=2, max_tokens=160, temperature=1.0))
+    rollout = group.generate(prompts, SamplingConfig(n=2, max_tokens=112, temperature=1.0))
     resp = [g.token_ids for g in rollout]
     prm = [prompts[g.prompt_index] for g in rollout]
     bounds = [sorted({len(r) * j // 4 for j in (1, 2, 3)} - {0, len(r)}) for r in resp]
-    cfg = ProbeConfig(num_probes=3, max_tokens=8, temperature=0.0)
+    cfg = ProbeConfig(num_probes=2, max_tokens=8, temperature=0.0)
     suf = ProbeSuffixes.from_tokenizer(tiny_tokenizer, cfg)
 
     # A deterministic real scorer (greedy probes make all m samples equal): parity of the text length.

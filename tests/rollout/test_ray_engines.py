@@ -52,7 +52,7 @@ def test_balanced_dispatch_and_same_weights_same_greedy(ray_group, chat_ids):
 
 def test_probes_follow_their_prompt_to_its_engine(ray_group, chat_ids):
     prompts = [chat_ids(q + " Explain.") for q in QUESTIONS]
-    rollout = ray_group.generate(prompts, SamplingConfig(n=2, max_tokens=96))
+    rollout = ray_group.generate(prompts, SamplingConfig(n=2, max_tokens=64))
     resp = [g.token_ids for g in rollout]
     prm = [prompts[g.prompt_index] for g in rollout]
     bounds = [sorted({len(r) // 3, 2 * len(r) // 3} - {0, len(r)}) for r in resp]
