@@ -181,6 +181,11 @@ def evaluate(
         if n_todo and backend is None:
             longest = max(len(x) for *_, ids in plan for x in ids)
             max_len = cfg.max_model_len or longest + sv["max_new_tokens"]
+            if max_len < longest + sv["max_new_tokens"]:
+                raise ValueError(
+                    f"--max_model_len {max_len} < longest prompt ({longest} tokens) + --max_new_tokens "
+                    f"({sv['max_new_tokens']}): responses would be cut short; raise --max_model_len or leave it unset"
+                )
             group = _make_engines(cfg, hf_dir, max_len, stack)
             stack.callback(group.shutdown)
             backend = group
