@@ -63,21 +63,24 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_THREAD_STATE = threading.local()
+def _mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, _CudaToCpuMode) for m in _get_current_function_mode_stack())
 
 
 @contextlib.contextmanager
 def cpu_device_mode() -> Iterator[None]:
-    """Enter the CUDA->CPU TorchFunctionMode in this thread (re-entrant; no-op on GPU)."""
-    if not on_cpu() or getattr(_THREAD_STATE, "active", False):
+    """Enter the CUDA->CPU TorchFunctionMode here unless already active (no-op on GPU).
+
+    The mode stack is per thread and the autograd engine does not carry it into backward, so
+    code that re-runs forward code in backward (activation recompute) enters it again.
+    """
+    if not on_cpu() or _mode_active():
         yield
         return
-    _THREAD_STATE.active = True
-    try:
-        with _CudaToCpuMode():
-            yield
-    finally:
-        _THREAD_STATE.active = False
+    with _CudaToCpuMode():
+        yield
 
 
 def _patch_torch_cuda() -> None:
@@ -172,6 +175,22 @@ def _patch_rng_tracker() -> None:
         orig_init(*args, **kwargs)
 
     mrandom.initialize_rng_tracker = initialize_rng_tracker
+    # Without it: activation recompute (tensor_parallel.checkpoint) saves/restores the "CUDA" RNG
+    # state around each recomputed block and raises "Torch not compiled with CUDA enabled".
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    # Without it: the recomputed forward runs in backward, outside the CUDA->CPU mode, and hits
+    # `torch.ones(..., device="cuda")` (default causal mask) -> "Torch not compiled with CUDA".
+    ckpt_fn = mrandom.CheckpointFunction
+    if not getattr(ckpt_fn.backward, "_shape_cpu_patched", False):
+        orig_backward = ckpt_fn.backward
+
+        def backward(ctx, *grads):
+            with cpu_device_mode():
+                return orig_backward(ctx, *grads)
+
+        backward._shape_cpu_patched = True  # type: ignore[attr-defined]
+        ckpt_fn.backward = staticmethod(backward)
 
 
 def _patch_sequence_parallel_norm() -> None:

@@ -47,7 +47,7 @@ def layout_run(
     bucket_bytes: int | None = None,
     wrong_qkv_arch: str | None = None,
     nan_step: bool = False,
-    sp_variant: bool = False,
+    variants: dict | None = None,
 ) -> dict:
     """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export of ``train_dir``."""
     t0 = time.time()
@@ -90,20 +90,20 @@ def layout_run(
         if bucket_bytes is not None:
             buckets = list(worker.iter_hf_weights(bucket_bytes))
             res["buckets"] = [[(n, t.shape, t.dtype, float(t.double().sum())) for n, t in b] for b in buckets]
-    if sp_variant:
-        # Sequence parallel is a TransformerConfig switch, not a process-group layout: the same
-        # TP ranks rebuild the models with SP on (saves a process launch per test run).
+    for vname, overrides in (variants or {}).items():
+        # Sequence parallel and activation recompute are TransformerConfig switches, not process
+        # groups: the same ranks rebuild the models with the switch on (saves process launches).
         t3 = time.time()
-        worker.cfg = dataclasses.replace(worker.cfg, sequence_parallel=True)
-        sp: dict = {"logprobs": {}}
+        worker.cfg = dataclasses.replace(worker.cfg, **overrides)
+        var: dict = {"logprobs": {}}
         for arch, path in model_dirs.items():
             worker.init_model(path)
-            sp["logprobs"][arch] = worker.compute_logprobs_and_entropy(batch)
+            var["logprobs"][arch] = worker.compute_logprobs_and_entropy(batch)
         worker.init_model(train_dir)
         batches = _train_batches(batch, train_steps, seed=1234)
-        sp["metrics"] = [worker.train_step(b) for b in batches]
-        res["sp"] = sp
-        res["timing"]["sp_s"] = time.time() - t3
+        var["metrics"] = [worker.train_step(b) for b in batches]
+        res.setdefault("variants", {})[vname] = var
+        res["timing"][f"{vname}_s"] = time.time() - t3
     worker.shutdown()
     return res
 

@@ -41,6 +41,7 @@ def world1(tiny_models, ragged_batch, tmp_path_factory):
         1, cfg=TRAIN_CFG, model_dirs=tiny_models, batch=ragged_batch, train_dir=tiny_models["qwen3"],
         train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(root / "ckpt"), export_dir=str(root / "hf"),
         bucket_bytes=200_000, wrong_qkv_arch="qwen3", nan_step=True,
+        variants={"recompute": {"recompute_activations": True}},
     )
     return {"res": res, "root": root}
 
@@ -50,8 +51,9 @@ def layouts(tiny_models, ragged_batch):
     out = {}
     for name, extra in LAYOUTS.items():
         out[name] = run_layout(2, cfg={**TRAIN_CFG, **extra}, model_dirs=tiny_models, batch=ragged_batch,
-                               train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS, sp_variant=name == "tp2")
-    out["tp2_sp"] = [r["sp"] for r in out["tp2"]]
+                               train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS,
+                               variants={"sp": {"sequence_parallel": True}} if name == "tp2" else None)
+    out["tp2_sp"] = [r["variants"]["sp"] for r in out["tp2"]]
     return out
 
 
@@ -109,7 +111,8 @@ def test_training_trajectory_is_layout_invariant_on_cpu(world1, layouts, dp2_dis
     ref_losses = [m["loss"] for m in ref]
     # the model moves: the same-data loss trajectory is not flat (the comparison can fail)
     assert max(ref_losses) - min(ref_losses) > 1e-3
-    runs = {**layouts, "dp2_distopt": dp2_distopt["first"]}
+    runs = {**layouts, "dp2_distopt": dp2_distopt["first"],
+            "world1_recompute": [r["variants"]["recompute"] for r in world1["res"]]}
     for name, res in runs.items():
         for rank_res in res:  # metrics are identical on every rank
             got = rank_res["metrics"]
