@@ -108,9 +108,16 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
     from openrlhf_shape.eval.runner import evaluate
 
-    report = evaluate(config_from_args(args))
+    cfg = config_from_args(args)
+    # SIGTERM (a scheduler's kill, `timeout`) -> SystemExit, so engines, Ray and the scorer pool are
+    # shut down on the way out; finished problems are already on disk and the next run resumes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    report = evaluate(cfg)
     print(report.to_markdown())
     print(f"wrote {report.json_path} and {report.markdown_path}")
     return 0
