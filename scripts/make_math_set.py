@@ -7,8 +7,8 @@ verify against itself and against the exact rational value, and must NOT verify 
 value (answer + 1), so a broken answer string cannot slip through.
 
 Difficulty levels (1-5):
-  1  one-step integer arithmetic with small numbers           ("What is 7 + 5?")
-  2  one-step arithmetic with larger numbers, negatives, exact division
+  1  one-step integer arithmetic with one-digit numbers       ("What is 7 + 5?")
+  2  one-step arithmetic with two-digit numbers, negative results, exact division
   3  two operations, or a one-step word problem
   4  fractions (sum, difference, product, "3/4 of 20"), linear equations, two-step word problems
   5  multi-step word problems and expressions mixing fractions and negatives
@@ -66,30 +66,34 @@ Problem = tuple[str, Fraction]
 def level1(rng: random.Random) -> Problem:
     kind = rng.choice(["add", "sub", "mul"])
     if kind == "add":
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
         return f"What is {a} + {b}?", Fraction(a + b)
     if kind == "sub":
-        a = rng.randint(2, 20)
+        a = rng.randint(2, 9)
         b = rng.randint(1, a)
         return f"What is {a} - {b}?", Fraction(a - b)
-    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    a, b = rng.randint(2, 5), rng.randint(2, 9)
     return f"What is {a} times {b}?", Fraction(a * b)
 
 
 def level2(rng: random.Random) -> Problem:
-    kind = rng.choice(["add", "sub_neg", "mul", "div"])
+    kind = rng.choice(["add", "sub", "sub_neg", "mul", "div"])
     if kind == "add":
-        a, b = rng.randint(20, 99), rng.randint(20, 99)
+        a, b = rng.randint(10, 60), rng.randint(2, 30)
         return f"What is {a} + {b}?", Fraction(a + b)
+    if kind == "sub":
+        a = rng.randint(11, 40)
+        b = rng.randint(2, a - 1)
+        return f"What is {a} - {b}?", Fraction(a - b)
     if kind == "sub_neg":
-        a, b = rng.randint(5, 40), rng.randint(5, 60)
-        while a == b:
-            b = rng.randint(5, 60)
+        a, b = rng.randint(1, 15), rng.randint(5, 30)
+        while a >= b:
+            b = rng.randint(5, 30)
         return f"What is {a} - {b}?", Fraction(a - b)
     if kind == "mul":
-        a, b = rng.randint(11, 30), rng.randint(3, 12)
+        a, b = rng.randint(6, 12), rng.randint(3, 12)
         return f"What is {a} times {b}?", Fraction(a * b)
-    b, q = rng.randint(3, 12), rng.randint(3, 15)
+    b, q = rng.randint(2, 9), rng.randint(2, 12)
     return f"What is {b * q} divided by {b}?", Fraction(q)
 
 
