@@ -1,0 +1,158 @@
+"""Megatron actor ranks (TP x PP x DP) as Ray actors, driven SPMD from the trainer.
+
+Each Ray actor owns one :class:`~openrlhf_shape.megatron.worker.MegatronRankWorker`; every call is
+sent to all ranks in the same order (Megatron collectives need that) and the results are merged
+here. Rank 0's address and a free port form the torch.distributed rendezvous.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+import torch
+
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.megatron.worker import MegatronRankWorker, merge_rank_outputs
+
+
+class MegatronRankActor:
+    """Ray actor body: one Megatron rank. Methods run on the actor's main thread (sync actor)."""
+
+    def __init__(self, cfg: MegatronConfig, rank: int, world_size: int, master_addr: str, master_port: int,
+                 num_threads: int | None = None):
+        if num_threads:
+            # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the rank and the engines
+            # take turns (rollout, then update), so the rank may use the node's cores while it trains.
+            torch.set_num_threads(num_threads)
+        self.worker = MegatronRankWorker(
+            cfg, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port
+        )
+
+    def init_model(self, hf_dir: str) -> dict:
+        return self.worker.init_model(hf_dir)
+
+    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
+        return self.worker.compute_logprobs_and_entropy(batch)
+
+    def train_step(self, batch: dict) -> dict:
+        return self.worker.train_step(batch)
+
+    def save_checkpoint(self, ckpt_dir: str, extra: dict | None = None) -> None:
+        self.worker.save_checkpoint(ckpt_dir, extra)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        return self.worker.load_checkpoint(ckpt_dir)
+
+    def export_hf(self, out_dir: str) -> None:
+        self.worker.export_hf(out_dir)
+
+    def push_weights(self, engines: list, bucket_bytes: int) -> dict:
+        """Stream HF-named weights to the vLLM engines; every rank iterates, rank 0 sends.
+
+        All ranks walk the bridge's export generator in lockstep (it gathers TP/PP shards per
+        parameter); rank 0 puts each bucket into the object store and each engine loads all of them
+        in one reload call (fused q/k/v and gate/up must arrive together), then resets its cache.
+        """
+        import time
+
+        from openrlhf_shape.rollout.engine import EngineGroup
+
+        t0 = time.perf_counter()
+        buckets = self.worker.iter_hf_weights(bucket_bytes)
+        if self.worker.rank != 0:
+            for _ in buckets:
+                pass
+            return {}
+        nbytes = 0
+        kept = []
+        for bucket in buckets:
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            kept.append(bucket)
+        EngineGroup(engines).update_weights(iter(kept))
+        return {"sync/bytes": float(nbytes), "sync/buckets": float(len(kept)), "sync/seconds": time.perf_counter() - t0}
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MegatronActorGroup:
+    """All Megatron ranks of the actor model.
+
+    Args:
+        cfg: the Megatron layout/optimiser settings.
+        world_size: number of ranks (TP x PP x DP).
+        num_cpus_per_rank / num_gpus_per_rank: Ray resources of each rank.
+        placement_group: optional; bundle i hosts rank i.
+    """
+
+    def __init__(
+        self,
+        cfg: MegatronConfig,
+        world_size: int,
+        num_cpus_per_rank: float = 0.5,
+        num_gpus_per_rank: float = 0.0,
+        num_threads_per_rank: int | None = None,
+        placement_group=None,
+        env: dict[str, str] | None = None,
+    ):
+        self.cfg = cfg
+        self.world_size = world_size
+        master_addr = "127.0.0.1" if num_gpus_per_rank == 0 else ray.util.get_node_ip_address()
+        port = _free_port()
+        actor_cls = ray.remote(MegatronRankActor)
+        self.actors = []
+        for rank in range(world_size):
+            opts: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)
+            if env:
+                opts["runtime_env"] = {"env_vars": dict(env)}
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=rank
+                )
+            self.actors.append(actor_cls.options(**opts).remote(cfg, rank, world_size, master_addr, port,
+                                                                       num_threads_per_rank))
+
+    def _all(self, method: str, *args) -> list:
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def init_model(self, hf_dir: str) -> dict:
+        return self._all("init_model", hf_dir)[0]
+
+    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
+        """Batch as in the worker; returns {"log_probs": [...], "entropy": [...]} in batch order."""
+        outs = self._all("compute_logprobs_and_entropy", batch)
+        return merge_rank_outputs(outs, len(batch["sequences"]))
+
+    def train_step(self, batch: dict) -> dict:
+        return self._all("train_step", batch)[0]
+
+    def save_checkpoint(self, ckpt_dir: str, extra: dict | None = None) -> None:
+        self._all("save_checkpoint", ckpt_dir, extra)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        return self._all("load_checkpoint", ckpt_dir)[0]
+
+    def export_hf(self, out_dir: str) -> None:
+        self._all("export_hf", out_dir)
+
+    def push_weights(self, engines: list, bucket_bytes: int) -> dict:
+        return self._all("push_weights", engines, bucket_bytes)[0]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        except Exception:
+            pass
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []

@@ -1,0 +1,101 @@
+"""Run logging: metrics.jsonl (always), run.json, TensorBoard and W&B when asked, console lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+log = logging.getLogger("openrlhf_shape")
+
+
+def setup_console_logging(level: int = logging.INFO) -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
+        return _jsonable(v.item())
+    return v
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``<run>/metrics.jsonl`` and mirrors scalars elsewhere.
+
+    The JSONL file is flushed and fsynced every step, so a crash loses at most the running step.
+    On resume, lines of steps after the checkpoint are dropped (they will be redone).
+    """
+
+    def __init__(self, run_dir: str, run_info: dict, tensorboard: bool = False, wandb_project: str | None = None,
+                 resume_step: int | None = None):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        tmp = os.path.join(run_dir, "run.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(run_info, f, indent=2, default=str)
+        os.replace(tmp, os.path.join(run_dir, "run.json"))
+        if resume_step is not None and os.path.exists(self.path):
+            self._truncate_after(resume_step)
+        elif resume_step is None and os.path.exists(self.path):
+            os.replace(self.path, self.path + f".{int(time.time())}.old")
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise RuntimeError("--trainer.use_tensorboard needs the tensorboard package (pip install tensorboard)") from exc
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise RuntimeError("--trainer.wandb_project needs the wandb package (pip install wandb)") from exc
+            self._wandb = wandb.init(project=wandb_project, config=run_info.get("config"), name=run_info.get("name"))
+
+    def _truncate_after(self, step: int) -> None:
+        with open(self.path) as f:
+            lines = [ln for ln in f if ln.strip()]
+        kept = []
+        for ln in lines:
+            try:
+                if json.loads(ln).get("step", 0) <= step:
+                    kept.append(ln)
+            except json.JSONDecodeError:
+                continue  # a torn last line from a crash
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
