@@ -100,7 +100,9 @@ def vocab_parallel_logprobs_entropy(
         raise ValueError(f"hidden [N, h] and weight [V/tp, h] expected, got {tuple(hidden.shape)}, {tuple(weight.shape)}")
     n = hidden.shape[0]
     if n == 0:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
+        # Empty but still attached to hidden/weight, so a micro-batch without response tokens
+        # (or a DP rank's fully masked filler) still gives a loss that backward accepts.
+        empty = hidden[:0, 0].float() + weight[:0, 0].float()
         return empty, empty.detach()
     inv_t = 1.0 / float(temperature)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

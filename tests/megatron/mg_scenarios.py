@@ -48,6 +48,7 @@ def layout_run(
     wrong_qkv_arch: str | None = None,
     nan_step: bool = False,
     variants: dict | None = None,
+    single_sequence_check: bool = False,
 ) -> dict:
     """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export of ``train_dir``."""
     t0 = time.time()
@@ -90,6 +91,11 @@ def layout_run(
         if bucket_bytes is not None:
             buckets = list(worker.iter_hf_weights(bucket_bytes))
             res["buckets"] = [[(n, t.shape, t.dtype, float(t.double().sum())) for n, t in b] for b in buckets]
+    if single_sequence_check:
+        # fewer sequences than DP ranks: the rank without data runs a fully masked filler
+        one = {"sequences": batch["sequences"][:1], "prompt_lens": batch["prompt_lens"][:1], "temperature": batch["temperature"]}
+        res["single_logprobs"] = worker.compute_logprobs_and_entropy(one)
+        res["single_metrics"] = worker.train_step(_train_batches(one, 1, seed=5)[0])
     for vname, overrides in (variants or {}).items():
         # Sequence parallel and activation recompute are TransformerConfig switches, not process
         # groups: the same ranks rebuild the models with the switch on (saves process launches).

@@ -64,7 +64,8 @@ def dp2_distopt(tiny_models, ragged_batch, tmp_path_factory):
     first = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
                        train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(root / "ckpt"))
     resumed = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
-                         train_steps=TRAIN_STEPS, resume_from=str(root / "ckpt" / f"step_{SAVE_AT}"))
+                         train_steps=TRAIN_STEPS, resume_from=str(root / "ckpt" / f"step_{SAVE_AT}"),
+                         single_sequence_check=True)
     return {"first": first, "resumed": resumed}
 
 
@@ -171,6 +172,17 @@ def test_resume_equals_uninterrupted_dp2_distributed_optimizer_on_cpu(dp2_distop
         assert got == pytest.approx(ref, abs=1e-6)
         assert [m["grad_norm"] for m in resumed[r]["metrics"]] == pytest.approx(
             [m["grad_norm"] for m in first[r]["metrics"][SAVE_AT:]], rel=1e-5)
+
+
+def test_fewer_sequences_than_dp_ranks_on_cpu(dp2_distopt, ragged_batch):
+    resumed = dp2_distopt["resumed"]
+    merged = merge_rank_outputs([r["single_logprobs"] for r in resumed], 1)
+    assert merged["log_probs"][0].numel() == len(ragged_batch["sequences"][0]) - ragged_batch["prompt_lens"][0]
+    assert sum(bool(r["single_logprobs"]) for r in resumed) == 1
+    for r in resumed:
+        m = r["single_metrics"]
+        assert m["skipped"] == 0.0 and 0 < m["num_tokens"] <= merged["log_probs"][0].numel()
+    assert resumed[0]["single_metrics"] == resumed[1]["single_metrics"]
 
 
 def test_export_loads_in_transformers_with_same_logprobs_on_cpu(world1, ragged_batch):
