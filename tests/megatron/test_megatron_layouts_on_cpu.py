@@ -220,3 +220,27 @@ def test_iter_hf_weights_buckets_match_export_on_cpu(world1):
         for name, shape, _, total in b:
             assert tuple(saved[name].shape) == tuple(shape)
             assert total == pytest.approx(float(saved[name].double().sum()), rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.vllm
+def test_export_loads_in_vllm_with_same_logprobs_on_cpu(world1, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import gc
+
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    export_dir = str(world1["root"] / "hf")
+    prompt = [11, 12, 13, 14, 15]
+    llm = LLM(model=export_dir, enforce_eager=True, block_size=32, dtype="float32", max_model_len=256, seed=0)
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0.0, logprobs=1))[0].outputs[0]
+    finally:
+        del llm
+        gc.collect()
+    model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + list(out.token_ids)])).logits[0].float(), -1)
+    for j, tok in enumerate(out.token_ids):
+        assert out.logprobs[j][tok].logprob == pytest.approx(logp[len(prompt) - 1 + j, tok].item(), abs=1e-4)
