@@ -54,7 +54,8 @@ def _chunk(
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: hidden [c, h], weight [V/tp, h], targets [c] (global ids) -> (logp [c], H [c])."""
-    z = torch.matmul(hidden, weight.t()).float() * inv_temperature  # [c, V/tp]
+    # bf16 on GPU: Float16Module hands the last stage float32 hidden states; match the weight.
+    z = torch.matmul(hidden.to(weight.dtype), weight.t()).float() * inv_temperature  # [c, V/tp]
     with torch.no_grad():
         zmax = z.max(dim=-1).values
         _allreduce(zmax, group, dist.ReduceOp.MAX)
