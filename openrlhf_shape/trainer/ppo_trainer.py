@@ -21,6 +21,13 @@ import torch
 from openrlhf_shape.trainer.config import TrainConfig
 from openrlhf_shape.trainer.logging_utils import MetricsLogger, log, setup_console_logging
 
+# Import-time notices that every Megatron/vLLM worker prints and that say nothing about the run.
+QUIET_WARNINGS = ",".join(
+    f"ignore:{m}"
+    for m in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated",
+              "`torch.jit.script_method` is deprecated", "`torch.distributed.reduce_op` is deprecated")
+)
+
 PHASES = ("generate", "rewards", "logprobs", "segment", "probes", "advantages", "train", "sync", "eval", "checkpoint")
 
 
@@ -139,7 +146,7 @@ class ShapeTrainer:
                 ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
             else:
                 ray.init(include_dashboard=False, log_to_driver=True,
-                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": QUIET_WARNINGS}})
         self._own_ray = not cfg.trainer.ray_address
         gpus_rank = cfg.megatron.gpus_per_rank if on_gpu else 0.0
         gpus_engine = None if on_gpu else 0.0
@@ -154,6 +161,7 @@ class ShapeTrainer:
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             max_model_len=cfg.max_model_len(),
             enable_sleep_mode=bool(on_gpu and cfg.rollout.colocate),
+            dtype=("float32" if not on_gpu else "auto") if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
         )
         log.info("starting %d vLLM engine(s) and %d Megatron rank(s) (TP %d, PP %d, DP %d)",
                  cfg.rollout.num_engines, cfg.megatron.world_size, mcfg.tensor_model_parallel_size,
