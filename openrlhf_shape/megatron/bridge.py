@@ -151,4 +151,4 @@ def make_bridge(hf_config: Any, cfg: MegatronConfig, *, on_cpu: bool):
 
 def hf_dtype_of(cfg: MegatronConfig) -> torch.dtype:
     """dtype of exported HF weights: bf16 on GPU runs, float32 on CPU."""
-    return torch.bfloat16 if cfg.bf16 else torch.float32
+    return torch.bfloat16 if cfg.use_bf16 else torch.float32

@@ -40,7 +40,7 @@ class MegatronConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    bf16: Optional[bool] = None
+    bf16: Optional[bool] = None  # None = auto: True on GPU ranks, False on CPU
     seed: int = 42
     # batching
     micro_batch_max_tokens: int = 8192
@@ -55,8 +55,6 @@ class MegatronConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.bf16 is None:
-            self.bf16 = _default_bf16()
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "total_steps",
                      "micro_batch_max_tokens", "entropy_chunk_size"):
             value = getattr(self, name)
@@ -93,10 +91,6 @@ class MegatronConfig:
             raise ValueError(f"MegatronConfig.adam_eps must be > 0, got {self.adam_eps}")
         if self.clip_grad < 0:
             raise ValueError(f"MegatronConfig.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
-        if self.bf16 and not torch.cuda.is_available():
-            raise ValueError(
-                "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
-            )
         if not 0 <= self.eps_clip_low < 1 or self.eps_clip_high < 0:
             raise ValueError(
                 "MegatronConfig.eps_clip_low must be in [0, 1) and eps_clip_high >= 0, got "
@@ -121,8 +115,21 @@ class MegatronConfig:
         return int(self.lr_warmup_fraction * self.total_steps)
 
     @property
+    def use_bf16(self) -> bool:
+        """bf16=None means auto, resolved where this is read: in the rank process, so a driver
+        without a GPU (a Ray head node) still gives GPU ranks bf16."""
+        return _default_bf16() if self.bf16 is None else bool(self.bf16)
+
+    @property
     def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
+        return torch.bfloat16 if self.use_bf16 else torch.float32
+
+    def check_device(self) -> None:
+        """Called by each rank: refuse bf16 where there is no GPU."""
+        if self.use_bf16 and not torch.cuda.is_available():
+            raise ValueError(
+                "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
+            )
 
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:

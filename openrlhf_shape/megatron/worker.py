@@ -80,6 +80,7 @@ class MegatronRankWorker:
         self.rank = rank
         self.world_size = world_size
         self.on_cpu = cpu_compat.on_cpu()
+        cfg.check_device()
         if self.on_cpu:
             cpu_compat.apply_cpu_patches()
         else:
@@ -174,7 +175,7 @@ class MegatronRankWorker:
                 gpt.cuda(torch.cuda.current_device())
             bridge.load_weights([gpt], hf_dir)
             tconfig = bridge.config
-            module = Float16Module(tconfig, gpt) if cfg.bf16 else gpt
+            module = Float16Module(tconfig, gpt) if cfg.use_bf16 else gpt
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
@@ -198,7 +199,7 @@ class MegatronRankWorker:
                 adam_beta2=cfg.adam_beta2,
                 adam_eps=cfg.adam_eps,
                 clip_grad=cfg.clip_grad,
-                bf16=bool(cfg.bf16),
+                bf16=cfg.use_bf16,
                 params_dtype=cfg.params_dtype,
                 use_distributed_optimizer=cfg.use_distributed_optimizer,
             )

@@ -18,7 +18,9 @@ from openrlhf_shape.megatron.worker import merge_rank_outputs
 # ---------------------------------------------------------------- config
 def test_config_defaults_on_cpu():
     cfg = MegatronConfig()
-    assert cfg.bf16 is False and cfg.params_dtype == torch.float32
+    assert cfg.bf16 is None and cfg.use_bf16 is False and cfg.params_dtype == torch.float32
+    with pytest.raises(ValueError, match="bf16"):
+        MegatronConfig(bf16=True).check_device()
     assert cfg.eps_clip_low == 0.2 and cfg.eps_clip_high == 0.28
 
 
@@ -30,7 +32,6 @@ def test_config_defaults_on_cpu():
         ({"lr_decay_style": "exp"}, "lr_decay_style"),
         ({"min_lr": 1.0, "lr": 1e-3}, "min_lr"),
         ({"dual_clip": 0.5}, "dual_clip"),
-        ({"bf16": True}, "bf16"),
         ({"lr_warmup_steps": 10, "total_steps": 5}, "lr_warmup_steps"),
         ({"micro_batch_max_tokens": 0}, "micro_batch_max_tokens"),
     ],
