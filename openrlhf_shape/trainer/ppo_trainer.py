@@ -236,7 +236,7 @@ class ShapeTrainer:
         rows = []
         for _epoch in range(cfg.actor.max_epochs):
             order = torch.randperm(n, generator=gen).tolist()
-            for start in range(0, n - mb + 1, mb):
+            for start in range(0, n, mb):  # a short last mini-batch (after DAPO filtering) still trains
                 rows.append(self.actor.train_step(exp.as_train_batch(order[start : start + mb], cfg.rollout.temperature)))
         out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
         out["actor/updates"] = float(len(rows))
@@ -365,12 +365,14 @@ def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dic
     for p, v in phase_tot.items():
         if v > 0:
             lines.append(f"| {p} | {v:.1f} | {100 * v / max(step_tot, 1e-9):.1f}% |")
-    lines += ["", "| step | accuracy | mean length | segments | drop rate | loss |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["", "| step | accuracy | mean length | segments | drop rate | loss | held-out accuracy |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for h in history:
+        held_out = f"{h['eval/accuracy']:.3f}" if "eval/accuracy" in h else ""
         lines.append(
             f"| {h['step']} | {h.get('rollout/accuracy', float('nan')):.3f} | {h.get('rollout/response_length/mean', 0):.0f} | "
             f"{h.get('shape/segments_per_response/mean', float('nan')):.2f} | {h.get('shape/potential_drop_rate', float('nan')):.2f} | "
-            f"{h.get('actor/loss', float('nan')):.4f} |"
+            f"{h.get('actor/loss', float('nan')):.4f} | {held_out} |"
         )
     with open(os.path.join(run_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -104,7 +104,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
             break
         if proc.poll() is not None:
             pytest.fail(f"the run ended before it could be killed:\n{proc.stdout.read()[-4000:]}")
-        time.sleep(0.5)
+        time.sleep(0.05)
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("no step-2 checkpoint appeared")
@@ -117,9 +117,13 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
     with open(os.path.join(half, "meta.json"), "w") as f:
         json.dump({"step": 99}, f)
 
+    killed_at = time.time()
     out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir) + ["--trainer.resume", "auto"]))
-    assert "resumed from" in out and "step_000002" in out
+    notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
+    assert "resumed from" in out and "step_000002" in out, notes + "\n---\n" + out[-3000:]
     resumed = _metrics(crash_dir)
     assert sorted(resumed) == [1, 2, 3]
+    # steps 1-2 are the crashed run's lines (not redone); step 3 was run after the restart
+    assert resumed[1]["time"] < killed_at and resumed[2]["time"] < killed_at < resumed[3]["time"]
     for key in COMPARED:
         assert resumed[3][key] == pytest.approx(ref[3][key], rel=1e-4, abs=1e-6), key
