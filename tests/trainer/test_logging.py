@@ -1,0 +1,44 @@
+"""Run logging: JSONL per step (fsynced), resume truncation of redone steps, TensorBoard events."""
+
+import json
+import os
+
+from openrlhf_shape.trainer.logging_utils import MetricsLogger
+
+
+def _steps(path):
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def test_jsonl_and_tensorboard(tmp_path):
+    run = str(tmp_path / "run")
+    lg = MetricsLogger(run, {"estimator": "shape", "config": {}}, tensorboard=True)
+    lg.log(1, {"rollout/accuracy": 0.25, "rollout/response_lengths": [3, 4], "actor/loss": float("nan")})
+    lg.log(2, {"rollout/accuracy": 0.5})
+    lg.close()
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["rollout/response_lengths"] == [3, 4]
+    assert rows[0]["actor/loss"] == "nan"  # strict JSON: non-finite floats become strings
+    assert json.load(open(os.path.join(run, "run.json")))["estimator"] == "shape"
+    events = [f for f in os.listdir(os.path.join(run, "tensorboard")) if f.startswith("events.out.tfevents")]
+    assert events and os.path.getsize(os.path.join(run, "tensorboard", events[0])) > 0
+
+
+def test_resume_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
+    run = str(tmp_path / "run")
+    lg = MetricsLogger(run, {}, resume_step=None)
+    for s in (1, 2, 3):
+        lg.log(s, {"x": float(s)})
+    lg.close()
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 4, "x": ')  # a crash mid-write
+    lg = MetricsLogger(run, {}, resume_step=2)
+    lg.log(3, {"x": 30.0})
+    lg.close()
+    assert _steps(os.path.join(run, "metrics.jsonl")) == [1, 2, 3]
+    # a fresh (non-resumed) run keeps the old file aside instead of appending to it
+    lg = MetricsLogger(run, {}, resume_step=None)
+    lg.close()
+    assert os.path.getsize(os.path.join(run, "metrics.jsonl")) == 0
+    assert any(name.endswith(".old") for name in os.listdir(run))
