@@ -22,17 +22,17 @@ from openrlhf_shape.trainer.config import load_config
 from openrlhf_shape.trainer.ppo_trainer import resolve_model_dir, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPT = "{question}\nPut your final answer within \\boxed{{}}."
+# The training prompt (configs/cpu-smoke.yaml's input_template), so base and trained policies see the same task.
+PROMPT = "{question}\nGive only the final answer, in the form \\boxed{answer}."
 
 
-def _eval(model: str, out_dir: str, args) -> dict:
+def _eval(model: str, out_dir: str, args) -> None:
     bench = BenchmarkSpec(name="bundled_test", source=bundled_math_path("test"), input_key="question",
                           label_key="answer", n_samples=args.n)
     cfg = EvalConfig(model_path=model, benchmarks=[bench], out_dir=out_dir, preset="cpu", n_samples=args.n,
-                     max_new_tokens=args.max_new_tokens, limit=args.eval_problems, seed=args.seed)
-    report = evaluate(cfg)
-    with open(os.path.join(out_dir, "report.json")) as f:
-        return json.load(f)
+                     max_new_tokens=args.max_new_tokens, limit=args.eval_problems, seed=args.seed,
+                     prompt_template=PROMPT)
+    evaluate(cfg)  # writes report.md / report.json into out_dir (resumable)
 
 
 def main() -> None:
@@ -48,8 +48,8 @@ def main() -> None:
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     base_dir = os.path.join(out, "base_eval")
-    base = _eval(resolve_model_dir("demo"), base_dir, args)
-    runs, summary = [], {"base": base}
+    _eval(resolve_model_dir("demo"), base_dir, args)
+    runs = []
     for est in args.estimators.split(","):
         run_dir = os.path.join(out, est)
         cfg = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), [
@@ -57,12 +57,18 @@ def main() -> None:
             "--trainer.output_dir", run_dir, "--trainer.seed", str(args.seed), "--trainer.resume", "auto",
             "--trainer.eval_steps", "0", "--trainer.export_hf", "true", *extra])
         run_training(cfg)
-        summary[est] = _eval(os.path.join(run_dir, "hf"), os.path.join(run_dir, "eval"), args)
+        _eval(os.path.join(run_dir, "hf"), os.path.join(run_dir, "eval"), args)
         runs.append(run_dir)
     report = analyze(runs, os.path.join(out, "report"), labels=args.estimators.split(","), base_eval=base_dir)
     print(f"comparison report: {report}")
-    for name, rep in summary.items():
-        print(name, json.dumps(rep.get("overall", rep.get("summary", {})))[:300])
+    for name, folder in [("base", base_dir)] + [(r.rsplit(os.sep, 1)[-1], os.path.join(r, "eval")) for r in runs]:
+        with open(os.path.join(folder, "report.md")) as f:
+            overall = [line for line in f if line.startswith("| **Overall")]
+        print(f"{name:>6}: {overall[0].strip() if overall else '(no overall row)'}")
+    for r in runs:
+        with open(os.path.join(r, "metrics.jsonl")) as f:
+            steps = [json.loads(line)["time/step"] for line in f]
+        print(f"{os.path.basename(r):>6}: mean step {sum(steps) / len(steps):.1f} s over {len(steps)} steps")
 
 
 if __name__ == "__main__":
