@@ -25,6 +25,7 @@ from openrlhf_shape.algorithms.config import ShapeConfig
 from openrlhf_shape.algorithms.metrics import describe, gain_by_start_regime, potential_drop_rate
 from openrlhf_shape.algorithms.segmentation import (
     PAD_BOUNDARY,
+    _check_nonempty,
     _valid_lengths,
     boundaries_to_segment_ids,
     delimiter_candidates,
@@ -51,8 +52,7 @@ def segment_batch(
         raise ValueError(f"entropy and mask must be [B, T] of one shape, got {tuple(entropy.shape)} and {tuple(mask.shape)}")
     mask = mask.bool()
     lengths = _valid_lengths(mask)
-    if lengths.numel() and int(lengths.min()) < 1:
-        raise ValueError(f"response {int((lengths < 1).nonzero()[0])} is empty: cannot segment it")
+    _check_nonempty(lengths)
     k = cfg.num_segments
     if cfg.segmentation == "entropy":
         cand = entropy_candidates_batched(entropy, mask, cfg.entropy_threshold, cfg.entropy_quantile)
