@@ -6,7 +6,8 @@ mbridge 0.15.1 builds every model with the transformer-engine spec and TE parame
 ``pre_mlp_layernorm``). :func:`make_bridge` returns an instance of a small subclass of the
 registered mbridge class (Qwen3 / Qwen2 / Llama) that
 
-* picks the spec: TE on GPU, local on CPU;
+* picks the spec from ``MegatronConfig.layer_spec`` ("auto": TE on GPU, local on CPU; the local
+  spec's core attention is Megatron's or torch SDPA, ``MegatronConfig.local_attention``);
 * adds the local-spec key names (per instance, never in mbridge's class-level dicts);
 * maps ``output_layer.weight`` to ``model.embed_tokens.weight`` for tied embeddings (per instance);
 * reads ``rope_theta`` from ``rope_parameters`` (transformers 5) or the legacy attribute;
@@ -25,12 +26,15 @@ from openrlhf_shape.megatron.config import MegatronConfig
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
-def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool) -> dict[str, Any]:
+def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spec: Optional[bool] = None) -> dict[str, Any]:
     """Our config -> keyword overrides of Megatron's ``TransformerConfig`` (applied by mbridge).
 
     mbridge fills the architecture fields from the HF config and the parallel sizes from
-    ``parallel_state``; everything else that we decide is here.
+    ``parallel_state``; everything else that we decide is here. ``local_spec`` defaults to
+    ``on_cpu`` (the "auto" choice).
     """
+    if local_spec is None:
+        local_spec = on_cpu
     overrides: dict[str, Any] = {
         "sequence_parallel": bool(cfg.sequence_parallel),
         # Packed / dynamic micro-batches have different lengths; the PP schedule must exchange shapes.
@@ -44,17 +48,20 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool) -> dict[s
     }
     if cfg.recompute_activations:
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if on_cpu:
+    if local_spec or on_cpu:
         overrides.update(
-            # Fused CUDA kernels do not exist on CPU.
+            # The fused kernels behind these switches come from transformer-engine / Apex / Megatron's
+            # compiled extensions: absent on CPU and on a GPU without TE (mbridge turns
+            # masked_softmax_fusion on, which then fails at the first attention with sk <= 4096).
             masked_softmax_fusion=False,
             bias_activation_fusion=False,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             persist_layer_norm=False,
-            use_cpu_initialization=True,
         )
+    if on_cpu:
+        overrides.update(use_cpu_initialization=True)
     return overrides
 
 
@@ -81,6 +88,7 @@ class _ShapeBridgeMixin:
 
     _shape_overrides: dict[str, Any] = {}
     _shape_local_spec: bool = True
+    _shape_local_attention: str = "megatron"
 
     def _build_base_config(self, text_config_key=None, **kwargs):  # type: ignore[override]
         kwargs.update(self._shape_overrides)
@@ -112,9 +120,9 @@ class _ShapeBridgeMixin:
         self.has_vp_stage = False
         if not self._shape_local_spec:
             return super()._get_transformer_layer_spec(vp_stage)  # type: ignore[misc]
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from openrlhf_shape.megatron.attention import local_layer_spec
 
-        return get_gpt_layer_local_spec(qk_layernorm=bool(self.config.qk_layernorm), normalization="RMSNorm")
+        return local_layer_spec(qk_layernorm=bool(self.config.qk_layernorm), attention=self._shape_local_attention)
 
     def _get_gptmodel_args(self) -> dict:
         return dict(
@@ -141,10 +149,20 @@ def make_bridge(hf_config: Any, cfg: MegatronConfig, *, on_cpu: bool):
             f"supported: {SUPPORTED_MODEL_TYPES}"
         )
     base = _MODEL_REGISTRY[model_type]
+    if cfg.layer_spec == "auto":
+        local_spec = on_cpu
+    else:
+        local_spec = cfg.layer_spec == "local"
+    if on_cpu and not local_spec:
+        raise ValueError("MegatronConfig.layer_spec='te' needs a GPU; on CPU use layer_spec='auto' or 'local'")
     cls = type(
         f"Shape{base.__name__}",
         (_ShapeBridgeMixin, base),
-        {"_shape_overrides": transformer_config_overrides(cfg, on_cpu=on_cpu), "_shape_local_spec": on_cpu},
+        {
+            "_shape_overrides": transformer_config_overrides(cfg, on_cpu=on_cpu, local_spec=local_spec),
+            "_shape_local_spec": local_spec,
+            "_shape_local_attention": cfg.local_attention,
+        },
     )
     return cls(hf_config, dtype=cfg.params_dtype)
 

@@ -8,6 +8,8 @@ from typing import Any, Optional
 import torch
 
 _DECAY_STYLES = ("constant", "cosine", "linear")
+_LAYER_SPECS = ("auto", "local", "te")
+_LOCAL_ATTENTIONS = ("megatron", "sdpa")
 
 
 def _default_bf16() -> bool:
@@ -28,6 +30,13 @@ class MegatronConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False
+    # Megatron layer spec: "te" (transformer-engine modules and key names), "local" (Megatron's
+    # torch modules), "auto" = te on GPU ranks, local on CPU (resolved in the rank process).
+    layer_spec: str = "auto"
+    # Core attention of the local spec: "megatron" (DotProductAttention: materialises the
+    # [batch*heads, s, s] scores in a persistent buffer) or "sdpa" (torch scaled_dot_product_attention,
+    # causal; flash / memory-efficient kernels on GPU). Ignored under the TE spec.
+    local_attention: str = "megatron"
     # optimiser and schedule
     lr: float = 1e-6
     min_lr: float = 0.0
@@ -98,6 +107,17 @@ class MegatronConfig:
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"MegatronConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.layer_spec not in _LAYER_SPECS:
+            raise ValueError(f"MegatronConfig.layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
+        if self.local_attention not in _LOCAL_ATTENTIONS:
+            raise ValueError(
+                f"MegatronConfig.local_attention must be one of {_LOCAL_ATTENTIONS}, got {self.local_attention!r}"
+            )
+        if self.layer_spec == "te" and self.local_attention != "megatron":
+            raise ValueError(
+                "MegatronConfig.local_attention applies to the local layer spec only; with layer_spec='te' "
+                "leave local_attention='megatron' (TE brings its own fused attention)"
+            )
         if self.dist_optimizer_ckpt_format not in ("dp_reshardable", "fully_reshardable"):
             raise ValueError(
                 "MegatronConfig.dist_optimizer_ckpt_format must be 'dp_reshardable' or "
@@ -124,12 +144,32 @@ class MegatronConfig:
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.use_bf16 else torch.float32
 
+    @property
+    def resolved_layer_spec(self) -> str:
+        """"te" or "local"; "auto" resolves where this is read (the rank process): te on GPU."""
+        if self.layer_spec != "auto":
+            return self.layer_spec
+        return "te" if torch.cuda.is_available() else "local"
+
     def check_device(self) -> None:
-        """Called by each rank: refuse bf16 where there is no GPU."""
+        """Called by each rank: refuse bf16 or the TE spec where they cannot run."""
         if self.use_bf16 and not torch.cuda.is_available():
             raise ValueError(
                 "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
             )
+        if self.resolved_layer_spec == "te":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "MegatronConfig.layer_spec='te' needs a GPU; on CPU use layer_spec='auto' or 'local'"
+                )
+            try:
+                import transformer_engine.pytorch  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(
+                    f"MegatronConfig.layer_spec={self.layer_spec!r} resolves to the transformer-engine spec "
+                    f"on this GPU rank, but transformer_engine is not importable ({exc}); install "
+                    "transformer-engine[pytorch] or set layer_spec='local'"
+                ) from exc
 
     def data_parallel_size(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:

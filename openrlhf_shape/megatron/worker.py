@@ -140,6 +140,10 @@ class MegatronRankWorker:
         if self.model is None:
             raise RuntimeError("call init_model(hf_dir) before using the worker")
 
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{what} needs a model built with init_model(hf_dir, train=True)")
+
     @property
     def is_last_stage(self) -> bool:
         return self.mpu.is_pipeline_last_stage()
@@ -149,8 +153,13 @@ class MegatronRankWorker:
         return self.is_last_stage and self.mpu.get_tensor_model_parallel_rank() == 0
 
     # ------------------------------------------------------------------ model
-    def init_model(self, hf_dir: str) -> dict:
-        """Build the GPT model through the bridge, load HF weights, build optimizer + LR schedule."""
+    def init_model(self, hf_dir: str, *, load_weights: bool = True, train: bool = True) -> dict:
+        """Build the GPT model through the bridge, load HF weights, build optimizer + LR schedule.
+
+        ``load_weights=False`` keeps Megatron's random initialisation (benchmarks: only the
+        shapes of ``hf_dir``'s config matter). ``train=False`` builds a forward-only model: no
+        DDP gradient buffers, no optimizer or schedule (``train_step`` and checkpoints refuse).
+        """
         from transformers import AutoConfig
 
         from openrlhf_shape.megatron.bridge import make_bridge
@@ -173,9 +182,17 @@ class MegatronRankWorker:
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
             if not self.on_cpu:
                 gpt.cuda(torch.cuda.current_device())
-            bridge.load_weights([gpt], hf_dir)
+            if load_weights:
+                bridge.load_weights([gpt], hf_dir)
             tconfig = bridge.config
             module = Float16Module(tconfig, gpt) if cfg.use_bf16 else gpt
+            if not train:
+                for p in module.parameters():
+                    p.requires_grad_(False)
+                self.bridge, self.hf_config, self.hf_dir = bridge, hf_config, hf_dir
+                self.model, self.optimizer, self.scheduler = module, None, None
+                self.tconfig = tconfig
+                return self._model_info(gpt)
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=False,
@@ -222,6 +239,10 @@ class MegatronRankWorker:
         self.bridge, self.hf_config, self.hf_dir = bridge, hf_config, hf_dir
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.tconfig = tconfig
+        return self._model_info(gpt)
+
+    def _model_info(self, gpt) -> dict:
+        cfg, hf_config = self.cfg, self.hf_config
         n_local = sum(p.numel() for p in gpt.parameters())
         totals = torch.tensor([n_local if self.mpu.get_data_parallel_rank() == 0 else 0], dtype=torch.long, device=self.device)
         dist.all_reduce(totals)
@@ -348,6 +369,7 @@ class MegatronRankWorker:
         from openrlhf_shape.algorithms import policy_loss
 
         self._require_model()
+        self._require_optimizer("train_step")
         cfg = self.cfg
         validate_batch(batch)
         n = len(batch["sequences"])
@@ -444,12 +466,14 @@ class MegatronRankWorker:
     def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:
         """Atomically write model + optimizer + scheduler + RNG + step (+ ``extra``) to ``ckpt_dir``."""
         self._require_model()
+        self._require_optimizer("save_checkpoint")
         with self._mode():
             save_distributed_checkpoint(self, ckpt_dir, extra or {})
 
     def load_checkpoint(self, ckpt_dir: str) -> dict:
         """Restore everything saved by :meth:`save_checkpoint`; returns its ``extra``."""
         self._require_model()
+        self._require_optimizer("load_checkpoint")
         with self._mode():
             return load_distributed_checkpoint(self, ckpt_dir)
 

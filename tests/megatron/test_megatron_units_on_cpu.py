@@ -34,11 +34,22 @@ def test_config_defaults_on_cpu():
         ({"dual_clip": 0.5}, "dual_clip"),
         ({"lr_warmup_steps": 10, "total_steps": 5}, "lr_warmup_steps"),
         ({"micro_batch_max_tokens": 0}, "micro_batch_max_tokens"),
+        ({"layer_spec": "transformer_engine"}, "layer_spec"),
+        ({"local_attention": "flash"}, "local_attention"),
+        ({"layer_spec": "te", "local_attention": "sdpa"}, "local_attention"),
     ],
 )
 def test_config_errors_name_the_field_on_cpu(kwargs, field):
     with pytest.raises(ValueError, match=field):
         MegatronConfig(**kwargs)
+
+
+def test_layer_spec_resolution_on_cpu():
+    assert MegatronConfig().layer_spec == "auto" and MegatronConfig().resolved_layer_spec == "local"
+    assert MegatronConfig(layer_spec="local").resolved_layer_spec == "local"
+    MegatronConfig(layer_spec="local", local_attention="sdpa").check_device()
+    with pytest.raises(ValueError, match="layer_spec='te' needs a GPU"):
+        MegatronConfig(layer_spec="te").check_device()
 
 
 def test_validate_against_model_on_cpu():
