@@ -15,11 +15,12 @@ directory without ``COMPLETE``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,36 @@ def load_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str) -> 
     return dict(meta.get("extra") or {})
 
 
+@contextlib.contextmanager
+def _missing_step_tolerated(optimizer) -> Iterator[None]:
+    """mcore 0.16.1's fully_reshardable load copies every key of each live Adam state from the loaded
+    per-parameter tensors, but those never carry ``step`` (it is skipped on purpose): KeyError 'step'
+    (seen with bf16 on an H100; docs/gpu_results.md). Keep the live ``step`` for that copy; the
+    caller sets the right per-parameter ``step`` afterwards."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        orig = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        inner = getattr(opt, "optimizer", None)
+        if orig is None or inner is None:
+            continue
+
+        def tolerant(model_param, tensors, _orig=orig, _opt=opt, _inner=inner):
+            if "step" not in tensors and not _opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                group_index, group_order = _opt.model_param_group_index_map[model_param]
+                live = _inner.state[_inner.param_groups[group_index]["params"][group_order]]
+                if "step" in live:
+                    tensors = {**tensors, "step": live["step"]}
+            return _orig(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = tolerant
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+
+
 def _load_optimizer_state(worker: "MegatronRankWorker", state: dict, step: int) -> None:
     """Load optimizer state; with the distributed optimizer, give each parameter its own Adam ``step``.
 
@@ -183,7 +214,8 @@ def _load_optimizer_state(worker: "MegatronRankWorker", state: dict, step: int) 
     shared by all parameters, so bias correction is wrong after resume (silent loss drift). Every
     successful optimizer step updates every parameter, so each ``step`` equals the saved step count.
     """
-    worker.optimizer.load_state_dict(state)
+    with _missing_step_tolerated(worker.optimizer):
+        worker.optimizer.load_state_dict(state)
     if worker.cfg.use_distributed_optimizer:
         inner = worker.optimizer.optimizer
         for group in inner.param_groups:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU verification kit: one command on a single-GPU machine, from the repository root.
+#
+#   bash scripts/gpu_check.sh OUTDIR            # GPU: parity, train + resume + export, throughput
+#   bash scripts/gpu_check.sh OUTDIR --smoke    # CPU: same code, tiny model (tests/gpu_kit/)
+#   extra flags go to benchmarks/gpu/gpu_kit.py (--sections, --cases, --timeout, --workdir)
+#
+# Packages: if megatron.core / mbridge are not importable, the wheels carried in .whl/ (see
+# docs/gpu_results.md for the exact download command) are installed with --no-index --no-deps
+# into a scratch directory ($SHAPE_KIT_SITE, default /tmp/shape_kit_site) that goes on PYTHONPATH.
+# The repository root goes on PYTHONPATH only when openrlhf_shape is not installed.
+# Python: $PYTHON, else python3. Results: OUTDIR/gpu_kit.json, OUTDIR/gpu_kit.md.
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == -* ]]; then
+    echo "usage: bash scripts/gpu_check.sh OUTDIR [--smoke] [gpu_kit.py flags]" >&2
+    exit 2
+fi
+OUT_DIR="$1"
+shift
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+SITE="${SHAPE_KIT_SITE:-/tmp/shape_kit_site}"
+WHEELS="${SHAPE_KIT_WHEELS:-$REPO_ROOT/.whl}"
+export PYTHONUNBUFFERED=1
+
+if ! (cd / && "$PY" -c "import megatron.core, mbridge") >/dev/null 2>&1; then
+    shopt -s nullglob
+    wheels=("$WHEELS"/*.whl)
+    if [[ ${#wheels[@]} -eq 0 ]]; then
+        echo "gpu_check: megatron.core/mbridge not importable and no wheels in $WHEELS;" \
+             "download megatron-core==0.16.1 and mbridge==0.15.1 wheels there (docs/gpu_results.md)" >&2
+        exit 3
+    fi
+    echo "gpu_check: installing ${#wheels[@]} carried wheel(s) into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! (cd / && "$PY" -c "import openrlhf_shape") >/dev/null 2>&1; then
+    export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$PY" -c "import megatron.core, mbridge, openrlhf_shape.megatron.worker" 2>&1 | grep -v -i "warn" || true
+
+exec "$PY" "$REPO_ROOT/benchmarks/gpu/gpu_kit.py" "$OUT_DIR" "$@"

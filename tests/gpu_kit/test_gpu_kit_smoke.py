@@ -1,0 +1,75 @@
+"""The GPU verification kit's CPU smoke: ``bash scripts/gpu_check.sh OUT --smoke`` runs every section
+(parity with a negative control, PPO steps with the distributed optimizer + resume in a new process,
+bucketed HF export, a tiny throughput case) on CPU/gloo, so the kit cannot rot between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _numbers(obj):
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, (int, float)):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_kit_smoke")
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(out), "--smoke"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    path = out / "gpu_kit.json"
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"proc": proc, "res": json.loads(path.read_text()), "md": (out / "gpu_kit.md").read_text()}
+
+
+def test_every_section_passes(smoke):
+    res = smoke["res"]
+    assert res["mode"] == "smoke"
+    assert set(res["sections"]) == {"parity", "train_resume", "export", "throughput"}
+    failed = {k: v.get("error", "") for k, v in res["sections"].items() if not v.get("passed")}
+    assert not failed, failed
+    assert smoke["proc"].returncode == 0, smoke["proc"].stdout[-2000:]
+
+
+def test_numbers_are_finite_and_meaningful(smoke):
+    sec = smoke["res"]["sections"]
+    for name in ("parity", "train_resume", "export"):
+        assert all(math.isfinite(x) for x in _numbers(sec[name])), name
+    for att in ("megatron", "sdpa"):
+        assert sec["parity"]["attention"][att]["log_probs"]["megatron_vs_hf_fp32"]["max"] <= 1e-4
+    # the negative control lands far outside the tolerance, so the parity check can fail
+    assert sec["parity"]["negative_control_wrong_qkv"]["caught"]
+    assert sec["parity"]["negative_control_wrong_qkv"]["log_probs_vs_hf_fp32"]["max"] > 1e-2
+    tr = sec["train_resume"]
+    assert len(tr["losses"]) == 2 and tr["losses"][1] < tr["losses"][0]
+    assert tr["resumed_losses"] == pytest.approx(tr["uninterrupted_losses"], abs=1e-6)
+    ex = sec["export"]
+    assert ex["export_max_abs_diff_vs_buckets"] == 0.0 and ex["num_buckets"] > 1
+    cases = sec["throughput"]["cases"]
+    assert {c["case"]["mode"] for c in cases} == {"update", "logprob"}
+    for c in cases:
+        assert c["tokens_per_second"] > 0 and math.isfinite(c["mfu"])
+        pi = c["planner_inputs"]
+        for key in ("model_config", "tp", "pp", "dp", "micro_batch_tokens", "recompute", "sequence_parallel",
+                    "dtype", "optimizer", "logprob_chunk_size", "measured_peak_bytes"):
+            assert key in pi, key
+    assert "| throughput | yes |" in smoke["md"]
