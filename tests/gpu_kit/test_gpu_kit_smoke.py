@@ -34,8 +34,8 @@ def _numbers(obj):
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_kit_smoke")
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(out), "--smoke"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(out), "--smoke", "--timeout", "420"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
     path = out / "gpu_kit.json"
     assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"proc": proc, "res": json.loads(path.read_text()), "md": (out / "gpu_kit.md").read_text()}
