@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-ESTIMATORS = ("shape", "mrt", "grpo")
+ESTIMATORS = ("shape", "mrt", "grpo")  # registered in algorithms/estimators.py
 SEGMENTATIONS = ("entropy", "uniform", "delimiter")
 OUTCOME_BASELINES = ("none", "group_mean", "group_norm")
 
