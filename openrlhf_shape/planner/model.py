@@ -24,6 +24,15 @@ MODELS_DIR = REPO_ROOT / "configs" / "models"
 DEMO_CONFIG = "SmolLM2-135M-Instruct.json"
 
 
+def display_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the repository when it lies inside it (stable in generated docs)."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(p)
+
+
 def resolve_model_config(pretrain: str, override: str | None = None) -> Path:
     """The ``config.json`` the planner reads for ``--actor.pretrain`` (see the module rule)."""
     if override:

