@@ -134,3 +134,14 @@ def test_update_peak_function_for_the_gpu_kit():
     assert b["total"] > a["total"] > 18 * n
     lp = megatron_update_peak_bytes(cfg, micro_batch_tokens=8192, forward_only=True)
     assert lp["total"] < a["total"] and "activations (forward only)" in lp
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_margin_stated_in_each_preset_is_the_planners(preset):
+    from openrlhf_shape.planner.docs import _plan
+    from openrlhf_shape.planner.memory import GiB
+
+    path = REPO / "configs" / preset
+    sizing = next(line for line in path.read_text().splitlines() if line.startswith("# Sizing (`openrlhf-shape train"))
+    stated = float(sizing.split(" GiB free")[0].split()[-1])
+    assert stated == round(_plan(path).min_free[1] / GiB, 1), f"update the '# Sizing' comment of {preset}"
