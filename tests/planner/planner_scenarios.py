@@ -8,8 +8,8 @@ What is measured, per rank process, in bytes of resident memory (``/proc/self/st
   the terms; the warm-up model is released when the measured one replaces it);
 * ``after_init``: RSS after ``init_model`` (weights + DDP grad buffer);
 * ``after_warmup``: RSS after one tiny training step (Adam's state is created by the first step);
-* ``peaks[tokens]``: the high-water mark ``VmHWM`` of a training step on one micro-batch of
-  ``tokens`` tokens, reset right before the step (``echo 5 > /proc/self/clear_refs``).
+* ``peaks[tokens]``: the high-water mark ``VmHWM`` of a training step whose DP shard is one
+  micro-batch of ``tokens`` tokens on this rank, reset right before the step (``echo 5 > /proc/self/clear_refs``).
 
 The launcher sets ``MALLOC_MMAP_THRESHOLD_`` so every tensor of 64 KiB or more is its own mmap and
 goes back to the OS when freed, and ``malloc_trim(0)`` runs before each RSS reading: RSS then
@@ -81,11 +81,12 @@ def measure_update_peaks(
     out["after_warmup"] = _rss()
     out["peaks"] = {}
     for k, rows in enumerate(rows_list):
-        worker.cfg.micro_batch_max_tokens = rows * seq_len  # the whole batch is one micro-batch
+        tokens = rows // worker.dp_size * seq_len  # this rank's DP shard is one micro-batch
+        worker.cfg.micro_batch_max_tokens = tokens
         batch = _batch(rows, seq_len, vocab, seed=10 + k)
         _reset_peak()
         metrics = worker.train_step(batch)
-        out["peaks"][rows * seq_len] = _status("VmHWM")
+        out["peaks"][tokens] = _status("VmHWM")
         assert metrics["skipped"] == 0.0
     out["after_steps"] = _rss()
     worker.shutdown()

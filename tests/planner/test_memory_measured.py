@@ -1,7 +1,8 @@
 """The planner's Megatron terms against the memory real CPU ranks reach (world 1 and TP2+SP world 2).
 
 A tiny random Qwen3 (hidden 512, 4 layers, vocab 8192, 21M parameters, fp32 on CPU) runs through
-the real :class:`MegatronRankWorker` (local spec, gloo) in rank subprocesses; each rank reports
+the real :class:`MegatronRankWorker` (local spec, gloo) in rank subprocesses (world 1; world 2 as
+TP2 + sequence parallel and as DP2 with the distributed optimizer); each rank reports
 its resident memory above a warmed-up baseline (see ``planner_scenarios.py`` for exactly what is
 read and when). The planner's terms, computed from the model's config.json alone, must be within
 25% of: weights + grads (after init), the optimizer state (created by the first step), the
@@ -44,39 +45,48 @@ def _close(pred: float, meas: float, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "world,cfg",
+    "world,cfg,rows",
     [
-        (1, {"entropy_chunk_size": 512}),
-        (2, {"entropy_chunk_size": 512, "tensor_model_parallel_size": 2, "sequence_parallel": True}),
+        (1, {"entropy_chunk_size": 512}, ROWS),
+        (2, {"entropy_chunk_size": 512, "tensor_model_parallel_size": 2, "sequence_parallel": True}, ROWS),
+        # DP2: Adam state sharded by the distributed optimizer; one size (each rank trains on 3 rows).
+        (2, {"entropy_chunk_size": 512, "use_distributed_optimizer": True}, [6]),
     ],
-    ids=["world1", "tp2-sp"],
+    ids=["world1", "tp2-sp", "dp2-distopt"],
 )
-def test_planner_terms_match_measured_rank_memory(models, world, cfg):
+def test_planner_terms_match_measured_rank_memory(models, world, cfg, rows):
     model_dir, warmup_dir, hf_cfg = models
     results = run_ranks(
         "planner_scenarios:measure_update_peaks", world,
-        kwargs=dict(model_dir=model_dir, warmup_dir=warmup_dir, cfg=cfg, vocab=8192, seq_len=SEQ_LEN, rows_list=ROWS),
+        kwargs=dict(model_dir=model_dir, warmup_dir=warmup_dir, cfg=cfg, vocab=8192, seq_len=SEQ_LEN, rows_list=rows),
         timeout=400, env=MALLOC_ENV, extra_pythonpath=[HERE],
     )
     tp = cfg.get("tensor_model_parallel_size", 1)
+    distopt = cfg.get("use_distributed_optimizer", False)
     for rank, r in enumerate(results):
         base = r["base"]
         for tokens, peak in r["peaks"].items():
             pred = megatron_update_peak_bytes(
                 hf_cfg, tp=tp, pp=1, dp=world // tp, micro_batch_tokens=tokens, seq_len=SEQ_LEN, recompute="none",
-                sequence_parallel=cfg.get("sequence_parallel", False), dtype="fp32", distributed_optimizer=False,
+                sequence_parallel=cfg.get("sequence_parallel", False), dtype="fp32", distributed_optimizer=distopt,
                 logprob_chunk=cfg["entropy_chunk_size"], spec="local",
             )
             states = pred["weights"] + pred["grads"]
+            print(f"world {world} {cfg} rank {rank} {tokens} tokens: planner vs measured MiB: "
+                  f"weights+grads {states / 2**20:.0f} vs {(r['after_init'] - base) / 2**20:.0f}, "
+                  f"Adam {pred['optimizer'] / 2**20:.0f} vs {(r['after_warmup'] - r['after_init']) / 2**20:.0f}, "
+                  f"peak {pred['total'] / 2**20:.0f} vs {(peak - base) / 2**20:.0f}")
             _close(states, r["after_init"] - base, f"rank {rank}: weights + grads")
             _close(pred["optimizer"], r["after_warmup"] - r["after_init"], f"rank {rank}: Adam state")
             dyn = pred["total"] - states - pred["optimizer"]
             _close(dyn, peak - r["after_warmup"], f"rank {rank}, {tokens} tokens: activations + scratch")
             _close(pred["total"], peak - base, f"rank {rank}, {tokens} tokens: peak")
+        if len(r["peaks"]) < 2:
+            continue
         # The larger micro-batch must cost more, by about what the planner says.
         (t1, p1), (t2, p2) = sorted(r["peaks"].items())
         d_pred = [megatron_update_peak_bytes(hf_cfg, tp=tp, dp=world // tp, micro_batch_tokens=t, seq_len=SEQ_LEN,
                                              recompute="none", sequence_parallel=cfg.get("sequence_parallel", False),
-                                             dtype="fp32", distributed_optimizer=False, logprob_chunk=512,
+                                             dtype="fp32", distributed_optimizer=distopt, logprob_chunk=512,
                                              spec="local")["total"] for t in (t1, t2)]
         _close(d_pred[1] - d_pred[0], p2 - p1, f"rank {rank}: peak growth {t1} -> {t2} tokens")
