@@ -60,10 +60,14 @@ def grads_term(n_local: int, grad_dtype: str = "fp32") -> Term:
     )
 
 
-def optimizer_term(n_local: int, dtype: str, dp: int, distributed: bool) -> Term:
-    per = 8 + (4 if dtype != "fp32" else 0)
+def optimizer_term(n_local: int, dtype: str, dp: int, distributed: bool, adam_state: bool = True) -> Term:
+    """``adam_state=False``: before the first optimizer step (Adam's m and v are created by the
+    step; the fp32 master copy of bf16 weights exists from the optimizer's construction)."""
+    master = 4 if dtype != "fp32" else 0
+    per = (8 if adam_state else 0) + master
     shard = dp if distributed else 1
-    what = "fp32 master + Adam m, v" if per == 12 else "Adam m, v (fp32 weights: no master copy)"
+    what = {12: "fp32 master + Adam m, v", 8: "Adam m, v (fp32 weights: no master copy)",
+            4: "fp32 master; Adam m, v not created yet", 0: "nothing yet: fp32 weights, Adam m, v not created"}[per]
     how = f"/ DP {dp} (distributed optimizer)" if distributed else "(not sharded: --megatron.use_distributed_optimizer false)"
     return Term("optimizer", n_local * per // shard, f"{n_local:,} local params x {per} B ({what}) {how}")
 
@@ -259,6 +263,7 @@ def megatron_memory(
     num_micro_batches: int = 1,
     forward_only: bool = False,
     with_optimizer: bool = True,
+    adam_state: bool = True,
 ) -> MegatronMemory:
     """All Megatron terms for every pipeline stage; returns the stage with the highest peak.
 
@@ -268,7 +273,7 @@ def megatron_memory(
         model, tp=tp, pp=pp, dp=dp, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, grad_dtype=grad_dtype, distributed_optimizer=distributed_optimizer,
         logprob_chunk=logprob_chunk, spec=spec, num_micro_batches=num_micro_batches, forward_only=forward_only,
-        with_optimizer=with_optimizer,
+        with_optimizer=with_optimizer, adam_state=adam_state,
     )
     return max(stages, key=lambda mem: mem.peak)
 
@@ -291,6 +296,7 @@ def megatron_memory_stages(
     num_micro_batches: int = 1,
     forward_only: bool = False,
     with_optimizer: bool = True,
+    adam_state: bool = True,
 ) -> list[MegatronMemory]:
     """:func:`megatron_memory` for every pipeline stage, stage 0 first."""
     if spec not in SPECS:
@@ -302,7 +308,7 @@ def megatron_memory_stages(
         static = [weights_term(n_local, dtype)]
         if not forward_only or with_optimizer:
             static.append(grads_term(n_local, grad_dtype))
-            static.append(optimizer_term(n_local, dtype, dp, distributed_optimizer))
+            static.append(optimizer_term(n_local, dtype, dp, distributed_optimizer, adam_state))
         acts = activation_terms(
             model, tp=tp, pp=pp, stage=stage, sp=sequence_parallel, tokens=micro_batch_tokens, seq_len=seq_len,
             recompute=recompute, dtype=dtype, spec=spec, num_micro_batches=num_micro_batches, forward_only=forward_only,
@@ -333,12 +339,15 @@ def megatron_update_peak_bytes(
     seq_len: int | None = None,
     spec: str | None = None,
     forward_only: bool = False,
+    adam_state: bool = True,
 ) -> dict[str, int]:
     """Predicted peak bytes of one Megatron rank for an update (or a log-prob pass with
     ``forward_only=True``) of one micro-batch of ``micro_batch_tokens`` tokens.
 
     ``model_cfg``: a Hugging Face ``config.json`` as a dict. ``spec``: ``te`` (GPU, default for
-    bf16) or ``local`` (CPU, default for fp32). Returns every term by name plus ``total`` (bytes)
+    bf16) or ``local`` (CPU, default for fp32). ``adam_state=False`` models a rank before its first
+    optimizer step (Adam's m, v do not exist yet; e.g. a log-prob pass right after ``init_model``).
+    Returns every term by name plus ``total`` (bytes)
     and ``stage`` (the pipeline stage with the highest peak). Comparable to
     ``torch.cuda.max_memory_allocated()`` minus what was allocated before the model was built
     (CUDA context and NCCL buffers are outside the allocator and not included).
@@ -350,6 +359,7 @@ def megatron_update_peak_bytes(
         model, tp=tp, pp=pp, dp=dp, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, distributed_optimizer=distributed_optimizer,
         logprob_chunk=logprob_chunk, spec=spec or ("local" if dtype == "fp32" else "te"), forward_only=forward_only,
+        adam_state=adam_state,
     )
     return mem.as_dict()
 

@@ -287,14 +287,16 @@ def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
     head = (f"{ph.name} phase, {where}: needs {ph.total / GiB:.1f} GiB of {ph.capacity / GiB:.1f} GiB "
             f"(largest: {nums} GiB; --plan.min_free_gib {plan.options.min_free_gib:g} must stay free)")
     m, r = cfg.megatron, cfg.rollout
-    if ph.name == "rollout":
-        states = sum(t.bytes for t in ph.terms if not t.name.startswith("vLLM"))
-        room = (ph.capacity - states - (plan.vllm.awake_bytes - plan.vllm.budget.bytes)) / ph.capacity - plan.options.min_free_gib * GiB / ph.capacity
-        fix = (f"lower {FLAG_UTIL} to at most {max(room, 0):.2f} (the Megatron states take {states / GiB:.1f} GiB), "
-               f"or shrink the states with a larger {FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
-               + ("" if m.use_distributed_optimizer else f" or {FLAG_DISTOPT} true"))
-    elif ph.name == "log-probs":
-        fix = f"lower {FLAG_MBT} or {FLAG_UTIL}, or raise {FLAG_TP} / {FLAG_PP}"
+    if ph.name in ("rollout", "log-probs") and plan.vllm is not None and r.colocate:
+        # vLLM's budget must leave room for what Megatron holds in both phases where vLLM is awake.
+        others = max(sum(t.bytes for t in p.terms if not t.name.startswith("vLLM")) for p in plan.gpu_phases
+                     if p.name in ("rollout", "log-probs"))
+        outside = plan.vllm.awake_bytes - plan.vllm.budget.bytes
+        room = (ph.capacity - others - outside - plan.options.min_free_gib * GiB) / ph.capacity
+        fix = (f"lower {FLAG_UTIL} to at most {max(math.floor(room * 100) / 100, 0):.2f} (Megatron holds up to "
+               f"{others / GiB:.1f} GiB while vLLM is awake), or shrink that with a larger {FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
+               + ("" if m.use_distributed_optimizer else f" or {FLAG_DISTOPT} true")
+               + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else ""))
     elif ph.name.startswith("rollout"):
         fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
     else:

@@ -61,7 +61,12 @@ def test_vllm_utilisation_leaving_no_room_is_refused_with_the_value_to_use(capsy
     rc, out = _dry_run(capsys, "--config", "configs/qwen3-32b.yaml", "--rollout.gpu_memory_utilization", "0.9")
     assert rc == 2
     refusal = out.split("REFUSED:")[1]
-    assert "rollout phase" in refusal and "lower --rollout.gpu_memory_utilization to at most 0.6" in refusal
+    assert "rollout phase" in refusal and "log-probs phase" in refusal
+    suggested = refusal.split("lower --rollout.gpu_memory_utilization to at most ")[1].split()[0]
+    assert 0.5 < float(suggested) < 0.9
+    # the suggested value is one that fits
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-32b.yaml", "--rollout.gpu_memory_utilization", suggested)
+    assert rc == 0, out
 
 
 def test_too_few_gpus_and_bad_divisibility_are_refused(capsys):
@@ -145,3 +150,13 @@ def test_the_margin_stated_in_each_preset_is_the_planners(preset):
     sizing = next(line for line in path.read_text().splitlines() if line.startswith("# Sizing (`openrlhf-shape train"))
     stated = float(sizing.split(" GiB free")[0].split()[-1])
     assert stated == round(_plan(path).min_free[1] / GiB, 1), f"update the '# Sizing' comment of {preset}"
+
+
+def test_adam_state_switch_models_a_rank_before_its_first_step():
+    cfg = json.loads((MODELS_DIR / "Qwen3-4B.json").read_text())
+    n = ModelShape.from_dict(cfg).total_params()
+    before = megatron_update_peak_bytes(cfg, micro_batch_tokens=8192, forward_only=True, adam_state=False,
+                                        distributed_optimizer=False)
+    after = megatron_update_peak_bytes(cfg, micro_batch_tokens=8192, forward_only=True, distributed_optimizer=False)
+    assert before["optimizer"] == 4 * n and after["optimizer"] == 12 * n  # bf16: the fp32 master copy exists from the start
+    assert after["total"] - before["total"] == 8 * n
