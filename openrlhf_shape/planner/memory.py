@@ -83,7 +83,12 @@ def optimizer_step_transient(model: ModelShape, tp: int, spec: str) -> Term:
 
 
 # ----------------------------------------------------------------------------- activations
-def layer_activation_elems(model: ModelShape, *, tp: int, sp: bool, seq_len: int, spec: str) -> dict[str, float]:
+ATTENTIONS = ("megatron", "sdpa", "flash")
+
+
+def layer_activation_elems(
+    model: ModelShape, *, tp: int, sp: bool, seq_len: int, spec: str, attention: str | None = None
+) -> dict[str, float]:
     """Elements saved for backward by one decoder layer, per token, split by origin.
 
     Assumed factors (``local``: Megatron's local spec as run on CPU, checked tensor by tensor with
@@ -97,7 +102,10 @@ def layer_activation_elems(model: ModelShape, *, tp: int, sp: bool, seq_len: int
     * attention: linear_qkv output (q + 2 kv) and the projection input (q), /tp;
       Qwen3's q/k norms keep 2 q + kv more; local spec (unfused DotProductAttention) keeps q,
       expanded k and v for GQA (3 q) and the softmax probabilities (heads x seq per token);
-      te (flash attention) keeps q, k, v after RoPE (q + 2 kv) and no seq^2 term.
+      te (flash attention) keeps q, k, v after RoPE (q + 2 kv) and no seq^2 term. ``attention``
+      overrides the spec's default: ``megatron`` (unfused, the local spec's default), ``sdpa``
+      (torch scaled_dot_product_attention in the local spec: assumed to keep what flash keeps),
+      ``flash`` (the TE spec's fused attention).
     * MLP (SwiGLU): fc1 output (2 I) plus local: 3 I (silu output, gated product, one copy);
       te: 2 I (silu output, gated product). All /tp.
     """
@@ -109,11 +117,14 @@ def layer_activation_elems(model: ModelShape, *, tp: int, sp: bool, seq_len: int
     out["qkv + proj input"] = (q + 2 * kv + q) / tp
     if model.qk_norm:
         out["q/k norms"] = (2 * q + kv) / tp
-    if spec == "local":
+    attention = attention or ("megatron" if spec == "local" else "flash")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if attention == "megatron":
         out["attention (q, k, v expanded)"] = 3 * q / tp
         out["attention probs"] = a * seq_len / tp
     else:
-        out["attention (flash q, k, v)"] = (q + 2 * kv) / tp
+        out[f"attention ({attention}: q, k, v)"] = (q + 2 * kv) / tp
     out["mlp (fc1 out + swiglu)"] = (2 * i + (3 * i if spec == "local" else 2 * i)) / tp
     return out
 
@@ -132,6 +143,7 @@ def activation_terms(
     spec: str,
     num_micro_batches: int,
     forward_only: bool = False,
+    attention: str | None = None,
 ) -> list[Term]:
     """Activations of one rank of pipeline stage ``stage`` at a micro-batch of ``tokens`` tokens
     (padded rows x seq_len). 1F1B keeps ``min(pp - stage, num_micro_batches)`` micro-batches in
@@ -140,7 +152,7 @@ def activation_terms(
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     b = DTYPE_BYTES[dtype]
-    elems = layer_activation_elems(model, tp=tp, sp=sp, seq_len=seq_len, spec=spec)
+    elems = layer_activation_elems(model, tp=tp, sp=sp, seq_len=seq_len, spec=spec, attention=attention)
     full_layer = sum(elems.values())
     hn = model.hidden / tp if sp else model.hidden
     n_layers = model.layers // pp
@@ -264,6 +276,7 @@ def megatron_memory(
     forward_only: bool = False,
     with_optimizer: bool = True,
     adam_state: bool = True,
+    attention: str | None = None,
 ) -> MegatronMemory:
     """All Megatron terms for every pipeline stage; returns the stage with the highest peak.
 
@@ -273,7 +286,7 @@ def megatron_memory(
         model, tp=tp, pp=pp, dp=dp, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, grad_dtype=grad_dtype, distributed_optimizer=distributed_optimizer,
         logprob_chunk=logprob_chunk, spec=spec, num_micro_batches=num_micro_batches, forward_only=forward_only,
-        with_optimizer=with_optimizer, adam_state=adam_state,
+        with_optimizer=with_optimizer, adam_state=adam_state, attention=attention,
     )
     return max(stages, key=lambda mem: mem.peak)
 
@@ -297,6 +310,7 @@ def megatron_memory_stages(
     forward_only: bool = False,
     with_optimizer: bool = True,
     adam_state: bool = True,
+    attention: str | None = None,
 ) -> list[MegatronMemory]:
     """:func:`megatron_memory` for every pipeline stage, stage 0 first."""
     if spec not in SPECS:
@@ -306,12 +320,13 @@ def megatron_memory_stages(
     for stage in range(pp):
         n_local = model.stage_params(tp, pp, stage)
         static = [weights_term(n_local, dtype)]
-        if not forward_only or with_optimizer:
+        if with_optimizer:
             static.append(grads_term(n_local, grad_dtype))
             static.append(optimizer_term(n_local, dtype, dp, distributed_optimizer, adam_state))
         acts = activation_terms(
             model, tp=tp, pp=pp, stage=stage, sp=sequence_parallel, tokens=micro_batch_tokens, seq_len=seq_len,
             recompute=recompute, dtype=dtype, spec=spec, num_micro_batches=num_micro_batches, forward_only=forward_only,
+            attention=attention,
         )
         stored = [t for t in acts if t.name == "activations (stored)"]
         transient = [t for t in acts if t.name != "activations (stored)"]
@@ -340,13 +355,18 @@ def megatron_update_peak_bytes(
     spec: str | None = None,
     forward_only: bool = False,
     adam_state: bool = True,
+    train_state: bool = True,
+    attention: str | None = None,
 ) -> dict[str, int]:
     """Predicted peak bytes of one Megatron rank for an update (or a log-prob pass with
     ``forward_only=True``) of one micro-batch of ``micro_batch_tokens`` tokens.
 
     ``model_cfg``: a Hugging Face ``config.json`` as a dict. ``spec``: ``te`` (GPU, default for
     bf16) or ``local`` (CPU, default for fp32). ``adam_state=False`` models a rank before its first
-    optimizer step (Adam's m, v do not exist yet; e.g. a log-prob pass right after ``init_model``).
+    optimizer step (Adam's m, v do not exist yet; e.g. a log-prob pass right after ``init_model``);
+    ``train_state=False`` a forward-only model without DDP grad buffer and optimizer
+    (``init_model(train=False)``). ``attention``: ``flash`` (TE spec default), ``megatron``
+    (unfused, local spec default) or ``sdpa`` (local spec with torch SDPA).
     Returns every term by name plus ``total`` (bytes)
     and ``stage`` (the pipeline stage with the highest peak). Comparable to
     ``torch.cuda.max_memory_allocated()`` minus what was allocated before the model was built
@@ -359,7 +379,7 @@ def megatron_update_peak_bytes(
         model, tp=tp, pp=pp, dp=dp, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, distributed_optimizer=distributed_optimizer,
         logprob_chunk=logprob_chunk, spec=spec or ("local" if dtype == "fp32" else "te"), forward_only=forward_only,
-        adam_state=adam_state,
+        adam_state=adam_state, with_optimizer=train_state, attention=attention,
     )
     return mem.as_dict()
 

@@ -160,3 +160,17 @@ def test_adam_state_switch_models_a_rank_before_its_first_step():
     after = megatron_update_peak_bytes(cfg, micro_batch_tokens=8192, forward_only=True, distributed_optimizer=False)
     assert before["optimizer"] == 4 * n and after["optimizer"] == 12 * n  # bf16: the fp32 master copy exists from the start
     assert after["total"] - before["total"] == 8 * n
+
+
+def test_forward_only_model_and_attention_choices():
+    cfg = json.loads((MODELS_DIR / "Qwen3-8B.json").read_text())
+    n = ModelShape.from_dict(cfg).total_params()
+    fwd = megatron_update_peak_bytes(cfg, micro_batch_tokens=16384, forward_only=True, train_state=False)
+    assert fwd["weights"] == 2 * n and "grads" not in fwd and "optimizer" not in fwd
+    kw = dict(micro_batch_tokens=8192, recompute="none", dtype="bf16", spec="local", seq_len=8192)
+    unfused = megatron_update_peak_bytes(cfg, **kw, attention="megatron")
+    sdpa = megatron_update_peak_bytes(cfg, **kw, attention="sdpa")
+    # the unfused path keeps [heads, seq] probabilities per token: 32 x 8192 x 2 B x 36 layers more than SDPA at least
+    assert unfused["activations (stored)"] - sdpa["activations (stored)"] > 32 * 8192 * 8192 * 2 * 36
+    with pytest.raises(ValueError, match="attention must be one of"):
+        megatron_update_peak_bytes(cfg, **kw, attention="xformers")
