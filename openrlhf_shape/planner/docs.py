@@ -1,4 +1,5 @@
-"""Generate ``docs/cluster_sizing.md`` from the planner: ``python -m openrlhf_shape.planner.docs > docs/cluster_sizing.md``.
+"""Generate ``docs/cluster_sizing.md`` from the planner: ``python -m openrlhf_shape.planner.docs > docs/cluster_sizing.md``;
+``python -m openrlhf_shape.planner.docs --update-presets`` rewrites each preset's ``# Sizing`` comment.
 
 ``tests/planner/test_dry_run.py`` checks that the committed file equals this output, so the doc
 changes only with the planner, the presets or the model shapes.
@@ -189,5 +190,31 @@ def generate() -> str:
     return "\n".join(lines)
 
 
+def sizing_comment(path: Path) -> str:
+    """The ``# Sizing`` line(s) a preset carries: its dry-run margin (tests keep them equal)."""
+    plan = _plan(path)
+    name, free = plan.min_free
+    if plan.on_gpu:
+        return (f"# Sizing (`openrlhf-shape train --config configs/{path.name} --dry_run`): fits 80 GB H100s with {free / GiB:.1f} GiB free\n"
+                f"# in its tightest phase ({name}); per-phase numbers and step-time estimates in docs/cluster_sizing.md.")
+    return (f"# Sizing (`openrlhf-shape train --config configs/{path.name} --dry_run`): {plan.gpu_phases[0].total / GiB:.1f} GiB "
+            f"of host RAM at peak, {free / GiB:.1f} GiB free of a 16 GiB machine.")
+
+
+def update_preset_comments() -> None:
+    """Rewrite the ``# Sizing`` comment of every preset from the planner."""
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        lines = path.read_text().split("\n")
+        start = next(i for i, line in enumerate(lines) if line.startswith("# Sizing (`openrlhf-shape train"))
+        end = start + (2 if lines[start + 1].startswith("# in its tightest phase") else 1)
+        lines[start:end] = sizing_comment(path).split("\n")
+        path.write_text("\n".join(lines))
+
+
 if __name__ == "__main__":
-    print(generate(), end="")
+    import sys
+
+    if sys.argv[1:] == ["--update-presets"]:
+        update_preset_comments()
+    else:
+        print(generate(), end="")

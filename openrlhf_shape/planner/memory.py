@@ -72,14 +72,19 @@ def optimizer_term(n_local: int, dtype: str, dp: int, distributed: bool, adam_st
     return Term("optimizer", n_local * per // shard, f"{n_local:,} local params x {per} B ({what}) {how}")
 
 
-def optimizer_step_transient(model: ModelShape, tp: int, spec: str) -> Term:
-    """TE FusedAdam (GPU) steps in place; torch's AdamW (megatron-core's fallback without TE/apex,
-    single-tensor on CPU) makes ~2 temporaries the size of the largest parameter."""
+def optimizer_step_transient(model: ModelShape, tp: int, spec: str, *, n_shard: int, dtype: str) -> Term:
+    """Temporaries of one optimizer step. TE FusedAdam (the TE spec's environment) updates in
+    place. Without TE, megatron-core 0.16 falls back to torch's AdamW: on CUDA its multi-tensor
+    (foreach) path builds sqrt(v) for every parameter of the shard at once (4 B x shard); on CPU
+    (single-tensor path) about 2 temporaries the size of the largest parameter."""
     if spec == "te":
         return Term("optimizer step temporaries", 0, "TE FusedAdam updates in place")
+    if dtype != "fp32":
+        return Term("optimizer step temporaries", 4 * n_shard,
+                    f"{n_shard:,} shard params x 4 B (torch AdamW foreach on CUDA: sqrt(v) of the whole shard)")
     largest = max(model.embedding_params(tp), model.hidden * 2 * model.intermediate // tp)
     return Term("optimizer step temporaries", 2 * largest * 4,
-                f"2 x largest param {largest:,} x 4 B (torch AdamW single-tensor: sqrt(v) and the update)")
+                f"2 x largest param {largest:,} x 4 B (torch AdamW single-tensor on CPU: sqrt(v) and the update)")
 
 
 # ----------------------------------------------------------------------------- activations
@@ -158,9 +163,15 @@ def activation_terms(
     n_layers = model.layers // pp
     terms: list[Term] = []
     if forward_only:
-        # No graph is kept: the largest live set is about one layer's tensors.
-        terms.append(Term("activations (forward only)", int(tokens * full_layer * b),
-                          f"{tokens} tokens x {full_layer:.0f} elems/token (one layer's tensors) x {b} B"))
+        # No graph is kept: what is alive at once inside one layer. MLP: residual + norm output
+        # (2 h) + fc1 output (2 I) + silu output and gated product (2 I); attention: residual +
+        # qkv output + normed/roped q, k + attention output (+ the [heads, seq] scores when unfused).
+        q, kv, i = model.q_dim / tp, model.kv_dim / tp, model.intermediate / tp
+        mlp_live = 2 * hn + 4 * i
+        attn_live = hn + (q + 2 * kv) + (q + kv) + q + elems.get("attention probs", 0.0) * 2
+        live = max(mlp_live, attn_live)
+        terms.append(Term("activations (forward only)", int(tokens * live * b),
+                          f"{tokens} tokens x max(MLP 2 h + 4 I = {mlp_live:.0f}, attention {attn_live:.0f}) elems/token x {b} B (live inside one layer)"))
         return terms
     in_flight = max(1, min(pp - stage, num_micro_batches))
     if recompute == "full":
@@ -333,7 +344,8 @@ def megatron_memory_stages(
         if stage == pp - 1:
             transient.append(logprob_scratch_term(model, tp=tp, tokens=micro_batch_tokens, chunk=logprob_chunk,
                                                   param_dtype=dtype, forward_only=forward_only))
-        step = [] if forward_only else [optimizer_step_transient(model, tp, spec)]
+        n_shard = n_local // dp if distributed_optimizer else n_local
+        step = [] if forward_only else [optimizer_step_transient(model, tp, spec, n_shard=n_shard, dtype=dtype)]
         out.append(MegatronMemory(stage, static, stored, transient, step, n_local))
     return out
 

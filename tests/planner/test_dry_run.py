@@ -149,7 +149,8 @@ def test_the_margin_stated_in_each_preset_is_the_planners(preset):
     path = REPO / "configs" / preset
     sizing = next(line for line in path.read_text().splitlines() if line.startswith("# Sizing (`openrlhf-shape train"))
     stated = float(sizing.split(" GiB free")[0].split()[-1])
-    assert stated == round(_plan(path).min_free[1] / GiB, 1), f"update the '# Sizing' comment of {preset}"
+    assert stated == round(_plan(path).min_free[1] / GiB, 1), (
+        f"{preset}: run python -m openrlhf_shape.planner.docs --update-presets")
 
 
 def test_adam_state_switch_models_a_rank_before_its_first_step():
