@@ -196,7 +196,7 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
         if rs.colocate:
             per_stage.append([
                 PhaseMemory("rollout", _resident(mg, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
-                PhaseMemory("log-probs", fw.peak_terms() + [ctx, nccl] + vllm_awake, cap, st),
+                PhaseMemory("log-probs", _logprob_resident(fw, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
                 PhaseMemory("update", mg.peak_terms() + [ctx, nccl] + asleep, cap, st),
             ])
         else:
@@ -265,6 +265,12 @@ def _resident(meg: MegatronMemory, offload: str) -> list[Term]:
     if offload == "optimizer":
         return [t if t.name != "optimizer" else Term("optimizer (offloaded to host)", 0, t.formula) for t in meg.static]
     return list(meg.static)
+
+
+def _logprob_resident(fwd: MegatronMemory, offload: str) -> list[Term]:
+    """The forward needs the weights on the GPU; offloaded grads / optimizer state can stay out."""
+    drop = {"all": ("grads", "optimizer"), "optimizer": ("optimizer",)}.get(offload, ())
+    return [Term(f"{t.name} (offloaded to host)", 0, t.formula) if t.name in drop else t for t in fwd.peak_terms()]
 
 
 def _offloaded_bytes(meg: MegatronMemory, offload: str) -> int:

@@ -175,3 +175,12 @@ def test_forward_only_model_and_attention_choices():
     assert unfused["activations (stored)"] - sdpa["activations (stored)"] > 32 * 8192 * 8192 * 2 * 36
     with pytest.raises(ValueError, match="attention must be one of"):
         megatron_update_peak_bytes(cfg, **kw, attention="xformers")
+
+
+def test_offloading_megatron_states_makes_room_for_vllm(capsys):
+    flags = ["--config", "configs/qwen3-32b.yaml", "--rollout.gpu_memory_utilization", "0.8"]
+    rc, out = _dry_run(capsys, *flags)
+    assert rc == 2 and "rollout phase" in out.split("REFUSED:")[1]
+    rc, out = _dry_run(capsys, *flags, "--plan.megatron_offload", "all")
+    assert rc == 0, out
+    assert "optimizer (offloaded to host)" in out and "Megatron states offloaded" in out
