@@ -28,7 +28,7 @@ class PlanOptions:
     mfu: float = 0.35  # Megatron forward/backward model-FLOPs utilisation
     decode_efficiency: float = 0.5  # fraction of HBM bandwidth a vLLM decode step reaches
     decode_tokens_per_s_per_gpu: float | None = None  # overrides the bandwidth model when set
-    mean_response_tokens: int | None = None  # None: half of --rollout.max_new_tokens
+    mean_response_tokens: int | None = None  # None: half of --sampling.max_tokens
     mean_prompt_tokens: int | None = None  # None: min(256, --data.max_prompt_len)
     reward_seconds: float = 5.0  # Math-Verify on CPU for one step (outcomes + probes), overlapped with nothing
     # fixed overheads per process (guesses)

@@ -29,9 +29,9 @@ from openrlhf_shape.planner.run_shape import RunShape, run_shape
 FLAG_TP = "--megatron.tensor_model_parallel_size"
 FLAG_PP = "--megatron.pipeline_model_parallel_size"
 FLAG_WORLD = "--megatron.world_size"
-FLAG_UTIL = "--rollout.gpu_memory_utilization"
-FLAG_ETP = "--rollout.engine_tensor_parallel_size"
-FLAG_MBT = "--actor.micro_batch_max_tokens"
+FLAG_UTIL = "--engine.gpu_memory_utilization"
+FLAG_ETP = "--engine.tensor_parallel_size"
+FLAG_MBT = "--megatron.micro_batch_max_tokens"
 FLAG_RECOMPUTE = "--megatron.recompute_activations"
 FLAG_SP = "--megatron.sequence_parallel"
 FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
@@ -326,13 +326,13 @@ def _cpu_phases(plan: Plan, cfg: Any, meg: MegatronMemory, fwd: MegatronMemory) 
     cap = o.host_bytes(False)
     ranks = plan.world
     eng = Term("vllm-cpu engines", int(r.num_engines * (r.kv_cache_gib * GiB + plan.model.total_params() * 4 + o.cpu_engine_baseline_gib * GiB)),
-               f"{r.num_engines} engine(s) x (--rollout.kv_cache_gib {r.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
+               f"{r.num_engines} engine(s) x (--engine.kv_cache_gib {r.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
     base = Term(f"{ranks} rank process baseline(s)", int(ranks * o.cpu_rank_baseline_gib * GiB), "--plan.cpu_rank_baseline_gib")
     terms = [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [base, eng]
     plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
     if plan.gpu_phases[0].free < o.min_free_gib * GiB:
         plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
-                             f"lower {FLAG_MBT} or --rollout.kv_cache_gib, or raise --plan.host_memory_gib")
+                             f"lower {FLAG_MBT} or --engine.kv_cache_gib, or raise --plan.host_memory_gib")
     plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, every process in one host's RAM (--plan.host_memory_gib)")
 
 

@@ -23,6 +23,7 @@ import gc
 
 import torch
 
+from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 
@@ -50,18 +51,16 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _batch(rows: int, seq_len: int, vocab: int, seed: int) -> dict:
+def _batch(rows: int, seq_len: int, vocab: int, seed: int) -> TrainBatch:
+    """``rows`` random sequences of ``seq_len`` tokens (1/8 prompt) with old log-probs and advantages."""
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(5, vocab - 1, (seq_len,), generator=g).tolist() for _ in range(rows)]
     plen = max(1, seq_len // 8)
     resp = seq_len - plen
-    return {
-        "sequences": seqs,
-        "prompt_lens": [plen] * rows,
-        "temperature": 1.0,
-        "old_log_probs": [torch.full((resp,), -7.0) for _ in range(rows)],
-        "advantages": [torch.randn(resp, generator=g) for _ in range(rows)],
-    }
+    return TrainBatch.from_ragged(
+        seqs, [plen] * rows, [torch.full((resp,), -7.0) for _ in range(rows)],
+        [torch.randn(resp, generator=g) for _ in range(rows)], temperature=1.0,
+    )
 
 
 def measure_update_peaks(
