@@ -11,6 +11,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML preset (see configs/); dotted flags override it")
     parser.add_argument("--resume", default=None, help="auto | none | a checkpoint directory (= --trainer.resume)")
     parser.add_argument("--print_config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--dry_run", action="store_true",
+        help="print the placement map, the per-GPU memory plan and a step-time estimate, then exit "
+        "(0: fits, 2: refused); reads only the model's config.json. --plan.<name> VALUE overrides "
+        "the planner's assumptions (e.g. --plan.mfu 0.3, --plan.gpu_memory_gib 139)",
+    )
     parser.epilog = (
         "Any option of the config can be given as a dotted flag, e.g. --data.prompt_data FILE "
         "--rollout.n_samples_per_prompt 8 --actor.eps_clip_low_high 0.2 0.28 --algo.advantage.estimator shape "
@@ -26,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(getattr(args, "overrides", []) or [])
     if args.resume is not None:
         overrides += ["--trainer.resume", args.resume]
+    if args.dry_run:
+        from openrlhf_shape.planner.cli import dry_run
+
+        return dry_run(args.config, overrides)
     try:
         cfg = load_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as exc:

@@ -117,8 +117,11 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
 
-    def validate(self) -> "TrainConfig":
-        """Checks that need no model or devices; :func:`validate_against_model` does the rest."""
+    def validate(self, check_paths: bool = True) -> "TrainConfig":
+        """Checks that need no model or devices; :func:`validate_against_model` does the rest.
+
+        ``check_paths=False`` (``--dry_run``) skips the checks that local files exist: a dry run
+        plans a cluster job on a machine without its data, weights or checkpoints."""
         d, r, a, m, t, sp = self.data, self.rollout, self.actor, self.megatron, self.trainer, self.sampling
         self.shape.validate()
         try:
@@ -161,16 +164,16 @@ class TrainConfig:
         need(t.num_steps >= 1, "trainer.num_steps", "must be >= 1")
         need(t.save_steps >= 0 and t.eval_steps >= 0, "trainer.save_steps", "save/eval steps must be >= 0")
         need(t.max_ckpts_keep >= 1, "trainer.max_ckpts_keep", "must keep at least 1 checkpoint")
-        need(t.resume == "auto" or t.resume == "none" or os.path.isdir(t.resume), "trainer.resume",
+        need(not check_paths or t.resume in ("auto", "none") or os.path.isdir(t.resume), "trainer.resume",
              f"{t.resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
         if r.colocate:
             need(m.gpus_per_rank > 0, "rollout.colocate", "colocation only applies on GPU (set --megatron.gpus_per_rank)")
         if d.prompt_data.startswith("bundled:"):
             need(d.prompt_data in ("bundled:train", "bundled:test"), "data.prompt_data",
                  "bundled data is 'bundled:train' or 'bundled:test'")
-        elif not os.path.exists(d.prompt_data) and d.prompt_data.endswith((".jsonl", ".json", ".parquet")):
+        elif check_paths and not os.path.exists(d.prompt_data) and d.prompt_data.endswith((".jsonl", ".json", ".parquet")):
             raise FileNotFoundError(f"--data.prompt_data: file {d.prompt_data} does not exist")
-        if a.pretrain != "demo" and not os.path.isdir(a.pretrain):
+        if check_paths and a.pretrain != "demo" and not os.path.isdir(a.pretrain):
             raise FileNotFoundError(
                 f"--actor.pretrain: {a.pretrain} is not a Hugging Face model directory (or use 'demo')"
             )
@@ -247,7 +250,7 @@ DERIVED: dict[str, str] = {
 FLAGS = FlagSpace(TrainConfig, ALIASES, DERIVED)
 
 
-def load_config(yaml_path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def load_config(yaml_path: str | None = None, overrides: list[str] | None = None, *, check_paths: bool = True) -> TrainConfig:
     """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`."""
     values: dict[str, Any] = {}
     if yaml_path:
@@ -264,4 +267,4 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
                 raise ValueError(f"{yaml_path}: {exc}") from None
     for flag, value in parse_overrides(list(overrides or [])):
         values.update(FLAGS.resolve(flag, value))
-    return FLAGS.build(TrainConfig(), values).validate()
+    return FLAGS.build(TrainConfig(), values).validate(check_paths=check_paths)

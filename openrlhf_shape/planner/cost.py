@@ -1,0 +1,129 @@
+"""Step-time cost model: seconds per training step by phase, from FLOPs, bytes and the printed
+assumptions of :class:`~openrlhf_shape.planner.assumptions.PlanOptions`.
+
+Phases (sequential in our trainer, nothing overlaps):
+
+* rollout decode: each engine runs ``c`` sequences at once (``min(vllm_max_num_seqs, its samples,
+  KV capacity / mean sequence length)``); a decode step reads the engine's weights and the KV of
+  its ``c`` sequences from HBM (bandwidth bound) or does ``2 x params x c`` FLOPs (compute bound),
+  whichever is slower. Time = max(tokens / throughput, the longest response at one sequence per
+  step), i.e. the batch cannot finish before its longest response;
+* probes: ``K x m`` probes of ``suffix + probe_max_tokens`` tokens per response, prefixes from the
+  prefix cache (only the suffix is prefilled), decoded at the same rate;
+* log-probs: one forward of every sequence (2 x params FLOPs/token + attention) over all ranks;
+* update: forward + backward (6 x params FLOPs/token + attention; 8 x with full recompute) per epoch,
+  stretched by the pipeline bubble ``(pp - 1) / micro-batches``;
+* weight sync: rank 0 gathers the bf16 weights to its host, ships them to the other nodes, each
+  engine loads its shard (plus the sleep level 1 wake-up copy);
+* rewards: a fixed guess (Math-Verify runs on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openrlhf_shape.planner.assumptions import PlanOptions
+from openrlhf_shape.planner.model import ModelShape
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    seconds: float
+    how: str
+
+
+def flops_per_token(model: ModelShape, seq_len: float, *, backward: bool, recompute: bool) -> float:
+    """Model FLOPs per token: 2 x params (matmuls) + causal attention 2 x 2 x layers x q_dim x seq/2,
+    times 3 for forward+backward (4 with full recompute)."""
+    fwd = 2 * model.total_params() + 2 * model.layers * model.q_dim * seq_len
+    if not backward:
+        return fwd
+    return fwd * (4 if recompute else 3)
+
+
+def decode_rate(model: ModelShape, engine_tp: int, concurrent: float, mean_ctx: float, opt: PlanOptions) -> tuple[float, float]:
+    """(tokens/s of one engine at ``concurrent`` sequences, seconds of one decode step)."""
+    bw = opt.hbm_gbs * 1e9 * opt.decode_efficiency
+    weights = model.total_params() * 2 / engine_tp
+    kv = concurrent * mean_ctx * model.kv_bytes_per_token(engine_tp)
+    t_mem = (weights + kv) / bw
+    t_compute = 2 * model.total_params() / engine_tp * concurrent / (opt.peak_tflops * 1e12 * opt.mfu)
+    t = max(t_mem, t_compute)
+    return concurrent / t, t
+
+
+def step_time(
+    model: ModelShape,
+    *,
+    world: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    recompute: bool,
+    num_engines: int,
+    engine_tp: int,
+    samples: int,
+    prompt_tokens: int,
+    response_tokens: int,
+    max_response_tokens: int,
+    probes_per_response: int,
+    probe_tokens: int,
+    epochs: int,
+    micro_batch_tokens: int,
+    train_batch_size: int,
+    kv_tokens_per_engine: int,
+    nodes: int,
+    colocate: bool,
+    sleep_level: int,
+    opt: PlanOptions,
+) -> list[Phase]:
+    phases: list[Phase] = []
+    seq = prompt_tokens + response_tokens
+    per_engine = samples / num_engines
+    conc = max(1.0, min(opt.vllm_max_num_seqs, per_engine, kv_tokens_per_engine / max(seq, 1)))
+    mean_ctx = prompt_tokens + response_tokens / 2
+    if opt.decode_tokens_per_s_per_gpu:
+        rate = opt.decode_tokens_per_s_per_gpu * engine_tp
+        t_one = engine_tp / opt.decode_tokens_per_s_per_gpu  # assumed step time at one sequence
+        how_rate = f"--plan.decode_tokens_per_s_per_gpu {opt.decode_tokens_per_s_per_gpu:g}"
+    else:
+        rate, _ = decode_rate(model, engine_tp, conc, mean_ctx, opt)
+        _, t_one = decode_rate(model, engine_tp, 1, prompt_tokens + max_response_tokens / 2, opt)
+        how_rate = f"{conc:.0f} concurrent seqs/engine, {rate / engine_tp:,.0f} tok/s/GPU from HBM {opt.hbm_gbs:g} GB/s x {opt.decode_efficiency}"
+    gen_tokens = per_engine * response_tokens
+    t_tp = gen_tokens / rate
+    t_tail = max_response_tokens * t_one
+    phases.append(Phase("rollout decode", max(t_tp, t_tail),
+                        f"max({gen_tokens:,.0f} tokens/engine / {rate:,.0f} tok/s = {t_tp:.0f} s, "
+                        f"longest response {max_response_tokens} steps x {t_one * 1e3:.1f} ms = {t_tail:.0f} s); {how_rate}"))
+    if probes_per_response:
+        p_tokens = per_engine * probes_per_response * probe_tokens
+        conc_p = max(1.0, min(opt.vllm_max_num_seqs, per_engine * probes_per_response))
+        if opt.decode_tokens_per_s_per_gpu:
+            rate_p = rate
+        else:
+            rate_p, _ = decode_rate(model, engine_tp, conc_p, seq, opt)
+        phases.append(Phase("SHAPE probes", p_tokens / rate_p,
+                            f"{per_engine:.0f} responses/engine x {probes_per_response} probes x {probe_tokens} tokens "
+                            f"(suffix prefill + decode) / {rate_p:,.0f} tok/s"))
+    total_tokens = samples * seq
+    gpu_flops = opt.peak_tflops * 1e12 * opt.mfu
+    f_lp = flops_per_token(model, seq, backward=False, recompute=False)
+    phases.append(Phase("log-probs + entropy", total_tokens * f_lp / (world * gpu_flops),
+                        f"{total_tokens:,} tokens x {f_lp / 1e9:.1f} GFLOP/token / ({world} GPUs x {opt.peak_tflops:g} TFLOPS x MFU {opt.mfu})"))
+    f_tr = flops_per_token(model, seq, backward=True, recompute=recompute)
+    mbs_per_dp = max(1.0, train_batch_size / dp * seq / micro_batch_tokens)
+    bubble = (pp - 1) / mbs_per_dp
+    t_up = epochs * total_tokens * f_tr / (world * gpu_flops) * (1 + bubble)
+    phases.append(Phase("update", t_up,
+                        f"{epochs} epoch(s) x {total_tokens:,} tokens x {f_tr / 1e9:.1f} GFLOP/token / ({world} x {opt.peak_tflops:g} x {opt.mfu})"
+                        f" x (1 + bubble {bubble:.2f}: PP {pp}, {mbs_per_dp:.1f} micro-batches per DP rank)"))
+    w = model.total_params() * 2
+    t_sync = w / (opt.pcie_gbs * 1e9) + (nodes - 1) * w / (opt.link_gbs * 1e9) + w / engine_tp / (opt.pcie_gbs * 1e9)
+    wake = w / engine_tp / (opt.pcie_gbs * 1e9) if colocate and sleep_level == 1 else 0.0
+    phases.append(Phase("weight sync", t_sync + wake,
+                        f"{w / 1e9:.1f} GB to rank 0's host at {opt.pcie_gbs:g} GB/s + to {nodes - 1} other node(s) at "
+                        f"{opt.link_gbs:g} GB/s + engine load/ wake-up of {w / engine_tp / 1e9:.1f} GB/GPU at {opt.pcie_gbs:g} GB/s"))
+    phases.append(Phase("rewards", opt.reward_seconds, "--plan.reward_seconds (Math-Verify on CPU)"))
+    return phases

