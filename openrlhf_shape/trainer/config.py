@@ -95,7 +95,9 @@ class ProbeSection:
 
 @dataclass
 class RewardSection:
-    remote_url: str | None = None  # a .py with reward_func, or an http(s) endpoint; None = Math-Verify
+    remote_url: str | None = None  # a .py with reward_func, or http(s) endpoint(s) comma-separated; None = Math-Verify
+    remote_timeout_s: float = 180.0  # per HTTP request (OpenRLHF's fixed 180 s)
+    remote_retries: int = 4  # extra attempts per HTTP request, rotating over the endpoints (OpenRLHF: 5 tries)
     num_workers: int = 2
     timeout_s: float = 5.0
     max_chars: int = 20000

@@ -152,8 +152,11 @@ class ShapeExperienceMaker:
         # 2. outcome rewards
         t0 = time.perf_counter()
         texts = [g.text for g in gens]
+        # OpenRLHF hands reward_func the decoded prompt + response tokens, special tokens kept.
+        queries = [self.tokenizer.decode(list(it.prompt_ids) + r, skip_special_tokens=False)
+                   for it, r in zip(sample_items, responses)]
         out = self.reward.compute(
-            queries=[it.prompt + txt for it, txt in zip(sample_items, texts)],
+            queries=queries,
             prompts=[it.prompt for it in sample_items],
             labels=[it.label for it in sample_items],
             responses=texts,

@@ -22,10 +22,19 @@ def setup_console_logging(level: int = logging.INFO) -> None:
 
 
 def _jsonable(v: Any) -> Any:
+    """A metric value as JSON: tensors / numpy values become numbers or lists, non-finite floats
+    become strings ("nan", "inf"), containers are converted element-wise."""
+    if hasattr(v, "detach"):  # torch tensor (any shape)
+        v = v.detach().cpu()
+        return _jsonable(v.item() if v.numel() == 1 else v.tolist())
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):  # numpy array / scalar
+        return _jsonable(v.tolist())
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
-    if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
-        return _jsonable(v.item())
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
     return v
 
 

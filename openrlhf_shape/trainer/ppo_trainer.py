@@ -177,7 +177,9 @@ class ShapeTrainer:
         info = self.actor.init_model(self.model_dir)
         log.info("actor: %s", info)
         self.reward = RewardComputer(RewardConfig(remote_url=cfg.reward.remote_url, num_workers=cfg.reward.num_workers,
-                                                  timeout_s=cfg.reward.timeout_s, max_chars=cfg.reward.max_chars))
+                                                  timeout_s=cfg.reward.timeout_s, max_chars=cfg.reward.max_chars,
+                                                  remote_timeout_s=cfg.reward.remote_timeout_s,
+                                                  remote_retries=cfg.reward.remote_retries))
         exp_cfg = ExperienceConfig(
             shape=cfg.shape,
             n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
