@@ -22,6 +22,11 @@ from openrlhf_shape.algorithms.metrics import (
     gain_contribution_percent,
     potential_drop_rate,
 )
+from openrlhf_shape.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    rollout_correction_weights,
+    rollout_mismatch_metrics,
+)
 from openrlhf_shape.algorithms.pipeline import (
     AdvantageResult,
     boundaries_as_lists,
@@ -40,6 +45,7 @@ from openrlhf_shape.algorithms.tcr import redistribute_token_credit, tcr_weights
 
 __all__ = [
     "AdvantageResult",
+    "RolloutCorrectionConfig",
     "ShapeConfig",
     "boundaries_as_lists",
     "boundaries_to_segment_ids",
@@ -56,6 +62,8 @@ __all__ = [
     "policy_loss",
     "potential_drop_rate",
     "redistribute_token_credit",
+    "rollout_correction_weights",
+    "rollout_mismatch_metrics",
     "segment_batch",
     "segment_lengths",
     "segment_to_token_advantages",
