@@ -342,7 +342,7 @@ class MegatronRankWorker:
         """One optimizer step over the whole mini-batch (this rank trains on its DP shard).
 
         ``batch``: sequences, prompt_lens, temperature, old_log_probs [T_i], advantages [T_i],
-        optional loss_mask [T_i] bool. The PPO/DAPO loss is normalised by the number of valid
+        optional loss_mask [T_i] bool and is_weights [T_i] (rollout-correction weights). The PPO/DAPO loss is normalised by the number of valid
         response tokens of the whole mini-batch. Returns float metrics, identical on all ranks.
         """
         from openrlhf_shape.algorithms import policy_loss
@@ -357,7 +357,8 @@ class MegatronRankWorker:
         masks = batch.get("loss_mask")
         resp_lens = [len(s) - p for s, p in zip(batch["sequences"], batch["prompt_lens"])]
         for i in range(n):
-            for key in ("old_log_probs", "advantages") + (("loss_mask",) if masks is not None else ()):
+            optional = (("loss_mask",) if masks is not None else ()) + (("is_weights",) if batch.get("is_weights") else ())
+            for key in ("old_log_probs", "advantages") + optional:
                 if batch[key][i].numel() != resp_lens[i]:
                     raise ValueError(
                         f"batch[{key!r}][{i}] has {batch[key][i].numel()} entries but the response has {resp_lens[i]} tokens"
@@ -378,6 +379,7 @@ class MegatronRankWorker:
             adv = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
             msk = torch.zeros(rows, tmax, dtype=torch.bool, device=dev)
             ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
+            isw = torch.ones(rows, tmax, dtype=torch.float32, device=dev) if batch.get("is_weights") else None
             row_idx = torch.cat([torch.full((b - a,), k, dtype=torch.long) for k, (a, b) in enumerate(mb.resp_offsets)]) if lp.numel() else torch.zeros(0, dtype=torch.long)
             col_idx = torch.cat([torch.arange(b - a) for a, b in mb.resp_offsets]) if lp.numel() else torch.zeros(0, dtype=torch.long)
             lp2 = lp2.index_put((row_idx.to(dev), col_idx.to(dev)), lp)
@@ -387,10 +389,12 @@ class MegatronRankWorker:
                 adv[k, :t] = batch["advantages"][r].float().to(dev)
                 msk[k, :t] = masks[r].bool().to(dev)
                 ent[k, :t] = en[mb.resp_offsets[k][0] : mb.resp_offsets[k][1]]
+                if isw is not None:
+                    isw[k, :t] = batch["is_weights"][r].float().to(dev)
             loss, m = policy_loss(
                 lp2, old, adv, msk,
                 eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
-                num_global_tokens=max(num_global_tokens, 1),
+                num_global_tokens=max(num_global_tokens, 1), is_weights=isw,
             )
             stats = {k: m[k].detach().float().cpu() for k in metric_keys if k in m}
             stats["entropy_sum"] = (ent * msk).sum().detach().float().cpu()

@@ -19,6 +19,11 @@ import torch
 
 from openrlhf_shape.algorithms import ShapeConfig, boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.entropy import token_log_probs_and_entropy
+from openrlhf_shape.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    rollout_correction_weights,
+    rollout_mismatch_metrics,
+)
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_potentials
 
@@ -42,6 +47,23 @@ class ExperienceConfig:
     probe_top_p: float = 1.0
     think_suffix: str | None = None
     answer_suffix: str | None = None
+    # rollout/trainer mismatch: correction (--algo.advantage.is_correction_*) and metrics
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+    def __post_init__(self) -> None:
+        self.rollout_correction.validate()
+        if self.rollout_correction.level != "off" and not self.untruncated_sampling:
+            raise ValueError(
+                "--algo.advantage.is_correction_level needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k "
+                "vLLM's log-probs are of the truncated, renormalised distribution, so every importance weight would "
+                f"carry the truncation mass (got top_p {self.top_p}, top_k {self.top_k})"
+            )
+
+    @property
+    def untruncated_sampling(self) -> bool:
+        """True when vLLM samples from the full tempered distribution (no top-p / top-k): then its
+        log-probs and the trainer's measure the same thing and the mismatch metrics are logged."""
+        return self.top_p >= 1.0 and self.top_k in (-1, 0)
 
     def probe_config(self) -> ProbeConfig:
         kw: dict[str, Any] = dict(
@@ -69,6 +91,8 @@ class ExperienceBatch:
     prompt_indices: list[int]  # dataset row of each sample's prompt
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
+    is_weights: list[torch.Tensor] | None = None  # [T_i] rollout-correction weights (None: correction off)
+    rollout_log_probs: list[torch.Tensor] | None = None  # [T_i] vLLM's sampled-token log-probs (None: not asked)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -81,6 +105,7 @@ class ExperienceBatch:
             "old_log_probs": [self.old_log_probs[i] for i in indices],
             "advantages": [self.advantages[i] for i in indices],
             "temperature": temperature,
+            **({"is_weights": [self.is_weights[i] for i in indices]} if self.is_weights is not None else {}),
         }
 
 
@@ -137,7 +162,8 @@ class ShapeExperienceMaker:
         # 1. rollouts
         t0 = time.perf_counter()
         sampling = SamplingConfig(
-            n=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_new_tokens
+            n=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_new_tokens,
+            logprobs=cfg.untruncated_sampling,  # the sampled token's log-prob (mismatch metrics, correction)
         )
         gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
         timings["generate"] = time.perf_counter() - t0
@@ -218,6 +244,18 @@ class ShapeExperienceMaker:
         width = max(len(r) for r in responses)
         ent, mask = _pad(entropies, width)
         metrics["actor/old_entropy/mean"] = float(ent[mask].mean())
+        is_weights = rollout_lps = None
+        if all(g.logprobs is not None for g in gens):
+            rollout_lps = [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens]
+            old_pad, _ = _pad(old_log_probs, width)
+            roll_pad, _ = _pad(rollout_lps, width)
+            for k, v in rollout_mismatch_metrics(old_pad, roll_pad, mask).items():
+                metrics[f"rollout/mismatch/{k}"] = v
+            if cfg.rollout_correction.level != "off":
+                w, wm = rollout_correction_weights(old_pad, roll_pad, mask, cfg.rollout_correction)
+                is_weights = [w[i, : len(r)].clone() for i, r in enumerate(responses)]
+                for k, v in wm.items():
+                    metrics[f"rollout/correction/{k}"] = v
 
         # 5-7. segmentation, probes, advantages
         boundaries = potentials = None
@@ -279,6 +317,8 @@ class ShapeExperienceMaker:
             prompt_indices=[it.index for it in sample_items],
             metrics=metrics,
             samples=samples_log,
+            is_weights=is_weights,
+            rollout_log_probs=rollout_lps,
         )
 
 

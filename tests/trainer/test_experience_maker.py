@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from openrlhf_shape.algorithms import ShapeConfig, grpo_advantages
+from openrlhf_shape.algorithms import RolloutCorrectionConfig, ShapeConfig, grpo_advantages
 from openrlhf_shape.trainer.experience import ExperienceConfig, HFActor, ShapeExperienceMaker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -114,3 +114,31 @@ def test_rewards_outside_unit_interval_are_refused_for_shape(engines, parts, tmp
         maker = ShapeExperienceMaker(cfg, engines, actor, reward, tok)
         with pytest.raises(ValueError, match="--reward.remote_url"):
             maker.make_experience(items[:1])
+
+
+def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
+    """vLLM's sampled-token log-probs come back with the rollout; the mismatch metrics and the
+    truncated-IS weights are computed from them and the actor's old log-probs."""
+    tok, items, actor, reward = parts
+    tis = RolloutCorrectionConfig("token", "clip", "ratio", (0.5, 5.0))
+    cfg = ExperienceConfig(shape=ShapeConfig(estimator="grpo"), n_samples_per_prompt=N, max_new_tokens=32,
+                           temperature=0.7, rollout_correction=tis)
+    exp = ShapeExperienceMaker(cfg, engines, actor, reward, tok).make_experience(items[:2])
+    m = exp.metrics
+    assert exp.rollout_log_probs is not None and exp.is_weights is not None
+    d = torch.cat([o - r for o, r in zip(exp.old_log_probs, exp.rollout_log_probs)])
+    assert m["rollout/mismatch/abs_log_ratio/mean"] == pytest.approx(float(d.abs().mean()), rel=1e-5)
+    assert m["rollout/mismatch/abs_log_ratio/max"] == pytest.approx(float(d.abs().max()), rel=1e-5)
+    # processed log-probs are at the sampling temperature, like the actor's: only numerics differ
+    # (vLLM's raw log-probs would be at temperature 1 and off by far more)
+    assert m["rollout/mismatch/abs_log_ratio/mean"] < 0.05
+    for w, o, r in zip(exp.is_weights, exp.old_log_probs, exp.rollout_log_probs):
+        assert torch.allclose(w, (o - r).exp().clamp(0.5, 5.0), atol=1e-6)
+    batch = exp.as_train_batch([0, 1], 0.7)
+    assert len(batch["is_weights"]) == 2 and batch["is_weights"][0].shape == exp.advantages[0].shape
+    with pytest.raises(ValueError, match="needs --rollout.top_p 1 and --rollout.top_k -1"):
+        ExperienceConfig(shape=ShapeConfig(estimator="grpo"), top_p=0.9, rollout_correction=tis)
+    # without a correction the metrics are still logged (untruncated sampling)
+    cfg_off = ExperienceConfig(shape=ShapeConfig(estimator="grpo"), n_samples_per_prompt=N, max_new_tokens=16)
+    exp_off = ShapeExperienceMaker(cfg_off, engines, actor, reward, tok).make_experience(items[:1])
+    assert exp_off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in exp_off.metrics
