@@ -118,6 +118,7 @@ class TrainerSection:
     export_hf: bool = True
     log_samples: int = 2  # responses printed per step (0: none)
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)
+    verbose: bool = False  # console: also engine/worker chatter and samples (always in <output_dir>/train.log)
 
 
 @dataclass

@@ -6,18 +6,24 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any
 
 log = logging.getLogger("openrlhf_shape")
 
 
-def setup_console_logging(level: int = logging.INFO) -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler()
+def setup_console_logging(verbose: bool = False) -> None:
+    """The project logger on the terminal: INFO lines (DEBUG too with ``verbose``). The logger
+    itself passes DEBUG so that a run's log file (trainer/console.py) gets everything."""
+    handler = next((h for h in log.handlers if getattr(h, "_openrlhf_shape_console", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler(getattr(sys.stderr, "console", sys.stderr))  # never our own filter
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+        handler._openrlhf_shape_console = True  # type: ignore[attr-defined]
         log.addHandler(handler)
-    log.setLevel(level)
+    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.setLevel(logging.DEBUG)
     log.propagate = False
 
 

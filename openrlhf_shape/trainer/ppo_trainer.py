@@ -19,14 +19,8 @@ from typing import Any
 import torch
 
 from openrlhf_shape.trainer.config import TrainConfig
+from openrlhf_shape.trainer.console import RunConsole
 from openrlhf_shape.trainer.logging_utils import MetricsLogger, log, setup_console_logging
-
-# Import-time notices that every Megatron/vLLM worker prints and that say nothing about the run.
-QUIET_WARNINGS = ",".join(
-    f"ignore:{m}"
-    for m in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated",
-              "`torch.jit.script_method` is deprecated", "`torch.distributed.reduce_op` is deprecated")
-)
 
 PHASES = ("generate", "rewards", "logprobs", "segment", "probes", "advantages", "train", "sync", "eval", "checkpoint")
 
@@ -146,7 +140,7 @@ class ShapeTrainer:
                 ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
             else:
                 ray.init(include_dashboard=False, log_to_driver=True,
-                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": QUIET_WARNINGS}})
+                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         self._own_ray = not cfg.trainer.ray_address
         gpus_rank = cfg.megatron.gpus_per_rank if on_gpu else 0.0
         gpus_engine = None if on_gpu else 0.0
@@ -261,8 +255,6 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
-        from tqdm import tqdm
-
         cfg = self.cfg
         start_step = self._resume()
         run_info = {"estimator": cfg.shape.estimator, "name": os.path.basename(self.run_dir),
@@ -271,10 +263,9 @@ class ShapeTrainer:
                                resume_step=start_step if start_step > 0 else None)
         last = min(cfg.trainer.num_steps, start_step + (cfg.trainer.stop_after_steps or cfg.trainer.num_steps))
         history: list[dict] = []
-        bar = tqdm(range(start_step + 1, last + 1), desc=f"{cfg.shape.estimator} steps", initial=start_step,
-                   total=cfg.trainer.num_steps, dynamic_ncols=True)
+        t_loop = time.perf_counter()
         try:
-            for step in bar:
+            for step in range(start_step + 1, last + 1):
                 t_step = time.perf_counter()
                 items = self.batcher.next_batch()
                 # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
@@ -305,22 +296,11 @@ class ShapeTrainer:
                 metrics["data/epoch"] = float(self.batcher.epoch)
                 logger.log(step, metrics)
                 history.append({"step": step, **metrics})
-                bar.set_postfix(acc=f"{metrics['rollout/accuracy']:.3f}",
-                                len=f"{metrics['rollout/response_length/mean']:.0f}",
-                                t=f"{metrics['time/step']:.0f}s")
-                log.info(
-                    "step %d/%d: acc %.3f, len %.0f, segments %.2f, drop rate %.2f, loss %s, step %.1f s (%s)",
-                    step, cfg.trainer.num_steps, metrics["rollout/accuracy"], metrics["rollout/response_length/mean"],
-                    metrics.get("shape/segments_per_response/mean", float("nan")),
-                    metrics.get("shape/potential_drop_rate", float("nan")),
-                    f"{metrics['actor/loss']:.4f}" if "actor/loss" in metrics else "-",
-                    metrics["time/step"],
-                    ", ".join(f"{p} {metrics['time/' + p]:.1f}s" for p in PHASES if f"time/{p}" in metrics),
-                )
-                for s in exp.samples[: cfg.trainer.log_samples]:
-                    log.info("  sample (R=%.0f, label %s): %s", s["reward"], s["label"], s["response"][-300:].replace("\n", " "))
+                log.info(step_line(step, cfg.trainer.num_steps, metrics,
+                                   eta_s=(time.perf_counter() - t_loop) / (step - start_step) * (last - step)))
+                for s in exp.samples[: cfg.trainer.log_samples]:  # the run's log file; the console with --logger.verbose
+                    log.debug("  sample (R=%.0f, label %s): %s", s["reward"], s["label"], s["response"][-300:].replace("\n", " "))
         finally:
-            bar.close()
             logger.close()
         if cfg.trainer.export_hf and history and history[-1]["step"] == cfg.trainer.num_steps:
             hf_out = os.path.join(self.run_dir, "hf")
@@ -340,6 +320,24 @@ class ShapeTrainer:
             self.actor.shutdown()
         if ray.is_initialized() and getattr(self, "_own_ray", True):
             ray.shutdown()
+
+
+def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
+    """The one console line of a step: accuracy, length, SHAPE segments / drop rate, loss, the
+    rollout/trainer log-prob mismatch, step time split by phase, and the time left in this run."""
+
+    def get(key: str, fmt: str) -> str:
+        v = metrics.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    phases = ", ".join(f"{p} {metrics['time/' + p]:.1f}s" for p in PHASES if f"time/{p}" in metrics)
+    eta = f", {eta_s / 60:.1f} min left" if eta_s is not None and eta_s > 0 else ""
+    return (
+        f"step {step}/{num_steps}: acc {get('rollout/accuracy', '.3f')}, len {get('rollout/response_length/mean', '.0f')}, "
+        f"segments {get('shape/segments_per_response/mean', '.2f')}, drop {get('shape/potential_drop_rate', '.2f')}, "
+        f"loss {get('actor/loss', '.4f')}, |dlogp| {get('rollout/mismatch/abs_log_ratio/mean', '.1e')}"
+        f"/{get('rollout/mismatch/abs_log_ratio/max', '.1e')}, {get('time/step', '.1f')} s ({phases}){eta}"
+    )
 
 
 def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dict[str, Any]:
@@ -384,10 +382,18 @@ def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dic
 
 
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
-    setup_console_logging()
+    """Set up, train, shut down. The console shows one line per step and the warnings that matter;
+    everything (engine and worker output included) goes to ``<output_dir>/train.log``."""
+    verbose = bool(cfg.trainer.verbose)
+    setup_console_logging(verbose=verbose)
+    console = RunConsole(os.path.abspath(cfg.trainer.output_dir), verbose=verbose).start()
     trainer = ShapeTrainer(cfg)
     try:
         trainer.setup()
         return trainer.fit()
     finally:
-        trainer.shutdown()
+        try:
+            trainer.shutdown()
+        finally:
+            console.stop()
+            log.info("full log: %s", console.path)
