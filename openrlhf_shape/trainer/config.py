@@ -53,6 +53,11 @@ class RolloutSection:
     num_cpus_per_engine: float = 0.5
     colocate: bool = False  # GPU: vLLM sleeps while Megatron trains on the same GPUs
     dynamic_filtering: bool = False  # DAPO: drop groups whose samples all got the same reward
+    # rollout/trainer mismatch correction (OpenRLHF's --algo.advantage.is_correction_*; algorithms/rollout_correction.py)
+    is_correction_level: str = "off"  # off | token | seq
+    is_correction_mode: str = "mask"  # mask | clip
+    is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
+    is_correction_threshold: tuple[float, float] = (0.5, 5.0)
     weight_sync_bucket_mb: int = 256
 
 
@@ -150,6 +155,11 @@ class TrainConfig:
         need(r.num_engines >= 1, "rollout.num_engines", "must be >= 1")
         need(r.temperature > 0, "rollout.temperature", "must be > 0 (entropy is taken at this temperature)")
         need(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]")
+        self.rollout_correction().validate()
+        if r.is_correction_level != "off":
+            need(r.top_p >= 1 and r.top_k in (-1, 0), "algo.advantage.is_correction_level",
+                 "needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k vLLM's log-probs are of the "
+                 "truncated distribution, so every importance weight would carry the truncation mass")
         samples = r.rollout_batch_size * r.n_samples_per_prompt
         need(a.train_batch_size >= 1, "actor.train_batch_size", "must be >= 1")
         need(
@@ -194,6 +204,13 @@ class TrainConfig:
             )
         return self
 
+    def rollout_correction(self):
+        from openrlhf_shape.algorithms.rollout_correction import RolloutCorrectionConfig
+
+        r = self.rollout
+        return RolloutCorrectionConfig(r.is_correction_level, r.is_correction_mode, r.is_correction_gating,
+                                       tuple(r.is_correction_threshold))
+
     def max_model_len(self) -> int:
         if self.rollout.max_model_len:
             return int(self.rollout.max_model_len)
@@ -207,6 +224,10 @@ class TrainConfig:
 
 ALIASES = {
     "algo.advantage.estimator": "shape.estimator",
+    "algo.advantage.is_correction_level": "rollout.is_correction_level",
+    "algo.advantage.is_correction_mode": "rollout.is_correction_mode",
+    "algo.advantage.is_correction_gating": "rollout.is_correction_gating",
+    "algo.advantage.is_correction_threshold": "rollout.is_correction_threshold",
     "data.prompt_dataset": "data.prompt_data",
     "actor.lr": "actor.learning_rate",
     "rollout.generate_max_len": "rollout.max_new_tokens",

@@ -186,6 +186,7 @@ class ShapeTrainer:
             probe_top_p=cfg.probe.top_p,
             think_suffix=cfg.probe.think_suffix,
             answer_suffix=cfg.probe.answer_suffix,
+            rollout_correction=cfg.rollout_correction(),
         )
         self.maker = ShapeExperienceMaker(exp_cfg, self.engines, self.actor, self.reward, self.tokenizer)
         self.setup_seconds = time.perf_counter() - t0
