@@ -142,3 +142,29 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     cfg_off = ExperienceConfig(shape=ShapeConfig(estimator="grpo"), n_samples_per_prompt=N, max_new_tokens=16)
     exp_off = ShapeExperienceMaker(cfg_off, engines, actor, reward, tok).make_experience(items[:1])
     assert exp_off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in exp_off.metrics
+
+
+@pytest.mark.parametrize("reward_file", ["tensor_reward.py", "list_reward.py", "float_reward.py"])
+def test_openrlhf_style_reward_files_through_a_step(engines, parts, reward_file):
+    """OpenRLHF-style reward files of the three return shapes (tests/rewards/openrlhf_style/) drive a
+    real experience step: rewards per sample, extra logs as scalar metrics that JSON can hold."""
+    import json
+    import os
+
+    from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rewards", "openrlhf_style",
+                        reward_file)
+    tok, items, actor, _ = parts
+    with RewardComputer(RewardConfig(remote_url=path, num_workers=1)) as reward:
+        cfg = ExperienceConfig(shape=ShapeConfig(estimator="grpo"), n_samples_per_prompt=N, max_new_tokens=16)
+        exp = ShapeExperienceMaker(cfg, engines, actor, reward, tok).make_experience(items[:2])
+    assert exp.rewards.shape == (2 * N,) and ((exp.rewards >= 0) & (exp.rewards <= 1)).all()
+    extra = {k: v for k, v in exp.metrics.items() if k.startswith("reward/")}
+    want = {"tensor_reward.py": {"reward/response_chars", "reward/even"}, "list_reward.py": set(),
+            "float_reward.py": {"reward/letters"}}[reward_file]
+    assert set(extra) == want and all(isinstance(v, float) for v in extra.values())
+    json.dumps(exp.metrics)  # no tensor left in the metrics
+    if reward_file == "tensor_reward.py":  # the mean of the per-sample response lengths in characters
+        texts = [tok.decode(s[p:], skip_special_tokens=False) for s, p in zip(exp.sequences, exp.prompt_lens)]
+        assert extra["reward/response_chars"] == pytest.approx(sum(map(len, texts)) / len(texts), rel=0.05)
