@@ -1,10 +1,10 @@
 """The training job's configuration: YAML presets plus OpenRLHF-style dotted flags, validated up front.
 
-Sections map to dotted flags: ``--data.prompt_data``, ``--rollout.n_samples_per_prompt``,
-``--actor.eps_clip_low_high 0.2 0.28``, ``--megatron.tensor_model_parallel_size``, ``--shape.alpha``,
-``--reward.remote_url``, ``--trainer.num_steps``, and the alias ``--algo.advantage.estimator``
-(= ``--shape.estimator``). A YAML file uses the same names nested by section. Every error names the
-flag and says how to fix it.
+Users give OpenRLHF 0.11's dotted flag names (``--actor.model_name_or_path``, ``--rollout.batch_size``,
+``--train.batch_size``, ``--vllm.num_engines``, ``--ckpt.output_dir``, ``--algo.advantage.*``, ...;
+trainer/flag_translation.py maps them onto the sections below) and ours for what OpenRLHF does not
+have (``--megatron.*``, ``--shape.*``, ``--probe.*``, ``--rollout.kv_cache_gib``, ...). A YAML file
+uses the same names nested by dots. Every error names the flag and says how to fix it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ class DataSection:
     system_prompt: str | None = None
     max_prompt_len: int = 1024
     max_samples: int | None = None
+    prompt_split: str = "train"  # split of an HF dataset (a local file is one split)
     eval_data: str | None = None  # held-out prompts for periodic eval (same keys)
+    eval_split: str = "train"
     eval_max_samples: int | None = 64
 
 
@@ -52,7 +54,9 @@ class RolloutSection:
     max_model_len: int | None = None  # None: max_prompt_len + max_new_tokens + probe room
     num_cpus_per_engine: float = 0.5
     colocate: bool = False  # GPU: vLLM sleeps while Megatron trains on the same GPUs
-    dynamic_filtering: bool = False  # DAPO: drop groups whose samples all got the same reward
+    dynamic_filtering: bool = False  # DAPO: drop prompt groups whose mean score is not strictly inside the range
+    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
+    enforce_eager: bool | None = None  # None: True on CPU (compilation costs minutes there), False on GPU
     # rollout/trainer mismatch correction (OpenRLHF's --algo.advantage.is_correction_*; algorithms/rollout_correction.py)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
@@ -67,7 +71,10 @@ class ActorSection:
     train_batch_size: int = 256  # samples per optimizer step (mini-batch); the rollout batch is split into these
     max_epochs: int = 1  # passes over each rollout batch
     learning_rate: float = 1e-6
-    min_lr: float = 0.0
+    min_lr: float = 0.0  # deprecated: use --actor.min_lr_ratio
+    min_lr_ratio: float | None = None  # min lr = ratio x lr (OpenRLHF's form; wins over min_lr)
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
     lr_warmup_ratio: float = 0.0
     lr_decay_style: str = "constant"
     weight_decay: float = 0.0
@@ -106,20 +113,29 @@ class RewardSection:
     num_workers: int = 2
     timeout_s: float = 5.0
     max_chars: int = 20000
+    clip_range: tuple[float, float] = (-10.0, 10.0)  # rewards are clamped into it (OpenRLHF's default)
 
 
 @dataclass
 class TrainerSection:
     output_dir: str = "runs/shape"
+    ckpt_path: str | None = None  # None: <output_dir>/checkpoints
+    num_episodes: int | None = None  # passes over the prompt set; when set, num_steps = episodes x prompts // batch
     num_steps: int = 360
     save_steps: int = 20  # 0 disables periodic checkpoints (a final one is always written)
     max_ckpts_keep: int = 3
     eval_steps: int = 0  # 0 disables periodic eval
+    eval_temperature: float = 0.0  # 0: greedy (one sample per prompt suffices)
+    eval_n_samples_per_prompt: int = 1
     resume: str = "auto"  # auto | none | a checkpoint directory
     seed: int = 42
     ray_address: str | None = None  # None: start a local Ray; "auto": join `ray start --head`
     use_tensorboard: bool = False
     wandb_project: str | None = None
+    wandb_org: str | None = None
+    wandb_group: str | None = None
+    wandb_run_name: str | None = None
+    tensorboard_dir: str | None = None  # set: TensorBoard on, written there (default <output_dir>/tensorboard)
     export_hf: bool = True
     log_samples: int = 2  # responses printed per step (0: none)
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)
@@ -144,7 +160,7 @@ class TrainConfig:
 
         def need(cond: bool, flag: str, msg: str) -> None:
             if not cond:
-                raise ValueError(f"--{flag}: {msg}")
+                raise ValueError(f"--{public_name(flag)}: {msg}")
 
         need(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
         if self.shape.estimator == "grpo" or self.shape.outcome_baseline != "none":
@@ -165,8 +181,8 @@ class TrainConfig:
         need(
             samples % a.train_batch_size == 0 or r.dynamic_filtering,
             "actor.train_batch_size",
-            f"{a.train_batch_size} must divide rollout_batch_size x n_samples_per_prompt = {samples} "
-            f"(e.g. --actor.train_batch_size {samples})",
+            f"{a.train_batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
+            f"(e.g. --train.batch_size {samples})",
         )
         need(a.max_epochs >= 1, "actor.max_epochs", "must be >= 1")
         lo, hi = a.eps_clip_low_high
@@ -177,7 +193,7 @@ class TrainConfig:
         need(
             m.world_size % mp == 0,
             "megatron.world_size",
-            f"{m.world_size} is not a multiple of TP x PP = {mp}; set --megatron.world_size to TP x PP x DP",
+            f"{m.world_size} ranks is not a multiple of TP x PP = {mp}; set --actor.num_nodes x --actor.num_gpus_per_node to TP x PP x DP",
         )
         dp = m.world_size // mp
         need(
@@ -197,10 +213,10 @@ class TrainConfig:
             need(d.prompt_data in ("bundled:train", "bundled:test"), "data.prompt_data",
                  "bundled data is 'bundled:train' or 'bundled:test'")
         elif not os.path.exists(d.prompt_data) and d.prompt_data.endswith((".jsonl", ".json", ".parquet")):
-            raise FileNotFoundError(f"--data.prompt_data: file {d.prompt_data} does not exist")
+            raise FileNotFoundError(f"--data.prompt_dataset: file {d.prompt_data} does not exist")
         if a.pretrain != "demo" and not os.path.isdir(a.pretrain):
             raise FileNotFoundError(
-                f"--actor.pretrain: {a.pretrain} is not a Hugging Face model directory (or use 'demo')"
+                f"--actor.model_name_or_path: {a.pretrain} is not a Hugging Face model directory (or use 'demo')"
             )
         return self
 
@@ -222,17 +238,11 @@ class TrainConfig:
 
 # ----------------------------------------------------------------------------- parsing
 
-ALIASES = {
-    "algo.advantage.estimator": "shape.estimator",
-    "algo.advantage.is_correction_level": "rollout.is_correction_level",
-    "algo.advantage.is_correction_mode": "rollout.is_correction_mode",
-    "algo.advantage.is_correction_gating": "rollout.is_correction_gating",
-    "algo.advantage.is_correction_threshold": "rollout.is_correction_threshold",
-    "data.prompt_dataset": "data.prompt_data",
-    "actor.lr": "actor.learning_rate",
-    "rollout.generate_max_len": "rollout.max_new_tokens",
-    "actor.micro_train_batch_size_tokens": "actor.micro_batch_max_tokens",
-}
+def public_name(field: str) -> str:
+    """The flag a user types for one of our fields: OpenRLHF's name where it has one."""
+    from openrlhf_shape.trainer.flag_translation import OURS, TARGETS
+
+    return {ours: theirs for theirs, ours in {**TARGETS, **OURS}.items()}.get(field, field)
 
 
 def _section_types() -> dict[str, type]:
@@ -291,22 +301,23 @@ def _convert(value: Any, tp: Any, flag: str) -> Any:
 
 
 def _set(cfg_dict: dict[str, dict[str, Any]], flag: str, value: Any) -> None:
-    flag = ALIASES.get(flag, flag)
+    from openrlhf_shape.trainer.flag_translation import TARGETS
+
     parts = flag.split(".")
     sections = _section_types()
     if len(parts) != 2 or parts[0] not in sections or parts[1] not in _field_types(sections[parts[0]]):
-        close = difflib.get_close_matches(flag, _all_flags() + list(ALIASES), n=3)
+        close = difflib.get_close_matches(flag, sorted({public_name(f) for f in _all_flags()} | set(TARGETS)), n=3)
         hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
         raise ValueError(f"unknown option --{flag}{hint}")
     tp = _field_types(sections[parts[0]])[parts[1]]
-    cfg_dict.setdefault(parts[0], {})[parts[1]] = _convert(value, tp, flag)
+    cfg_dict.setdefault(parts[0], {})[parts[1]] = _convert(value, tp, public_name(flag))
 
 
 def _flatten_yaml(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and not (name in _all_flags()):
+        if isinstance(value, dict) and name not in _all_flags():
             out.extend(_flatten_yaml(value, name + "."))
         else:
             out.append((name, value))
@@ -348,7 +359,12 @@ def _is_number(s: str) -> bool:
 
 
 def load_config(yaml_path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`."""
+    """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`.
+
+    Flags and YAML keys may use OpenRLHF 0.11's names (trainer/flag_translation.py); OpenRLHF flags
+    for parts this trainer does not have are refused, all of them in one error, one line each."""
+    from openrlhf_shape.trainer.flag_translation import translate
+
     cfg_dict: dict[str, dict[str, Any]] = {}
     if yaml_path:
         if not os.path.isfile(yaml_path):
@@ -357,12 +373,12 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
             raise ValueError(f"--config: {yaml_path} must hold a mapping of sections")
-        for flag, value in _flatten_yaml(data):
-            try:
+        try:
+            for flag, value in translate(_flatten_yaml(data)):
                 _set(cfg_dict, flag, value)
-            except ValueError as exc:
-                raise ValueError(f"{yaml_path}: {exc}") from None
-    for flag, value in parse_overrides(list(overrides or [])):
+        except ValueError as exc:
+            raise ValueError(f"{yaml_path}: {exc}") from None
+    for flag, value in translate(parse_overrides(list(overrides or []))):
         _set(cfg_dict, flag, value)
     sections = _section_types()
     built = {}

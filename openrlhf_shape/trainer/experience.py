@@ -43,6 +43,8 @@ class ExperienceConfig:
     top_k: int = -1
     max_new_tokens: int = 1024
     dynamic_filtering: bool = False
+    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)  # keep groups whose mean score is strictly inside
+    reward_clip_range: tuple[float, float] = (-10.0, 10.0)  # rewards are clamped into it (OpenRLHF's --reward.clip_range)
     probe_temperature: float = 1.0
     probe_top_p: float = 1.0
     think_suffix: str | None = None
@@ -187,7 +189,7 @@ class ShapeExperienceMaker:
             labels=[it.label for it in sample_items],
             responses=texts,
         )
-        rewards = out["rewards"].float()
+        rewards = out["rewards"].float().clamp(*cfg.reward_clip_range)
         scores = out["scores"].float()
         metrics.update(out.get("extra_logs", {}))
         timings["rewards"] = time.perf_counter() - t0
@@ -213,8 +215,10 @@ class ShapeExperienceMaker:
 
         # 3. DAPO-style dynamic filtering of groups with no reward variance
         keep = torch.ones(len(items), dtype=torch.bool)
-        if cfg.dynamic_filtering:
-            keep = grouped.max(-1).values > grouped.min(-1).values
+        if cfg.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
+            lo, hi = cfg.dynamic_filtering_range
+            mean_score = scores.view(-1, n).mean(-1)
+            keep = (mean_score > lo) & (mean_score < hi)
             metrics["rollout/filtered_groups"] = float((~keep).sum())
         keep_samples = [i for i in range(len(gens)) if bool(keep[i // n])]
         samples_log = [

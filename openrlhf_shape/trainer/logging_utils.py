@@ -52,7 +52,7 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str, run_info: dict, tensorboard: bool = False, wandb_project: str | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, tensorboard_dir: str | None = None, wandb_kwargs: dict | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -70,15 +70,17 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
-                raise RuntimeError("--trainer.use_tensorboard needs the tensorboard package (pip install tensorboard)") from exc
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                raise RuntimeError("--logger.tensorboard_dir needs the tensorboard package (pip install tensorboard)") from exc
+            self._tb = SummaryWriter(tensorboard_dir or os.path.join(run_dir, "tensorboard"))
         self._wandb = None
         if wandb_project:
             try:
                 import wandb
             except ImportError as exc:
-                raise RuntimeError("--trainer.wandb_project needs the wandb package (pip install wandb)") from exc
-            self._wandb = wandb.init(project=wandb_project, config=run_info.get("config"), name=run_info.get("name"))
+                raise RuntimeError("--logger.wandb.project needs the wandb package (pip install wandb)") from exc
+            extra = {k: v for k, v in (wandb_kwargs or {}).items() if v}
+            extra.setdefault("name", run_info.get("name"))
+            self._wandb = wandb.init(project=wandb_project, config=run_info.get("config"), **extra)
 
     def _truncate_after(self, step: int) -> None:
         with open(self.path) as f:

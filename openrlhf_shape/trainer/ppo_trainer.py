@@ -38,7 +38,10 @@ def megatron_config_from(cfg: TrainConfig):
         use_distributed_optimizer=m.use_distributed_optimizer,
         recompute_activations=m.recompute_activations,
         lr=a.learning_rate,
-        min_lr=a.min_lr,
+        min_lr=a.min_lr if a.min_lr_ratio is None else a.min_lr_ratio * a.learning_rate,
+        adam_beta1=float(a.adam_betas[0]),
+        adam_beta2=float(a.adam_betas[1]),
+        adam_eps=a.adam_eps,
         lr_warmup_fraction=a.lr_warmup_ratio,
         lr_decay_style=a.lr_decay_style,
         total_steps=max(1, cfg.trainer.num_steps * steps_per_rollout * a.max_epochs),
@@ -84,7 +87,7 @@ class ShapeTrainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.trainer.output_dir)
-        self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
+        self.ckpt_root = os.path.abspath(cfg.trainer.ckpt_path) if cfg.trainer.ckpt_path else os.path.join(self.run_dir, "checkpoints")
         self.engines = None
         self.engine_handles: list = []
         self.actor = None
@@ -117,21 +120,27 @@ class ShapeTrainer:
             system_prompt=cfg.data.system_prompt,
             max_prompt_len=cfg.data.max_prompt_len,
             max_samples=cfg.data.max_samples,
+            prompt_split=cfg.data.prompt_split,
         )
         self.dataset = build_prompt_dataset(data_cfg, self.tokenizer)
         if len(self.dataset) < cfg.rollout.rollout_batch_size:
             raise ValueError(
-                f"--rollout.rollout_batch_size {cfg.rollout.rollout_batch_size} exceeds the {len(self.dataset)} "
+                f"--rollout.batch_size {cfg.rollout.rollout_batch_size} exceeds the {len(self.dataset)} "
                 f"usable prompts of {cfg.data.prompt_data} ({self.dataset.num_filtered} filtered by "
                 f"--data.max_prompt_len {cfg.data.max_prompt_len})"
             )
         log.info("prompts: %d usable, %d filtered as longer than %d tokens", len(self.dataset),
                  self.dataset.num_filtered, cfg.data.max_prompt_len)
+        if cfg.trainer.num_episodes:  # OpenRLHF's --train.num_episodes: passes over the prompt set
+            cfg.trainer.num_steps = max(1, cfg.trainer.num_episodes * (len(self.dataset) // cfg.rollout.rollout_batch_size))
+            mcfg = megatron_config_from(cfg)  # the LR schedule's length follows
+            log.info("--train.num_episodes %d: %d steps", cfg.trainer.num_episodes, cfg.trainer.num_steps)
         self.batcher = PromptBatcher(self.dataset, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
         self.eval_items = None
         if cfg.data.eval_data:
             eval_cfg = PromptDataConfig(**{**asdict(data_cfg), "prompt_dataset": _prompt_source(cfg.data.eval_data),
-                                           "max_samples": cfg.data.eval_max_samples})
+                                           "max_samples": cfg.data.eval_max_samples,
+                                           "prompt_split": cfg.data.eval_split})
             self.eval_items = list(build_prompt_dataset(eval_cfg, self.tokenizer))
 
         on_gpu = torch.cuda.is_available()
@@ -156,6 +165,7 @@ class ShapeTrainer:
             max_model_len=cfg.max_model_len(),
             enable_sleep_mode=bool(on_gpu and cfg.rollout.colocate),
             dtype=("float32" if not on_gpu else "auto") if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
+            enforce_eager=cfg.rollout.enforce_eager,
         )
         log.info("starting %d vLLM engine(s) and %d Megatron rank(s) (TP %d, PP %d, DP %d)",
                  cfg.rollout.num_engines, cfg.megatron.world_size, mcfg.tensor_model_parallel_size,
@@ -182,6 +192,8 @@ class ShapeTrainer:
             top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens,
             dynamic_filtering=cfg.rollout.dynamic_filtering,
+            dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
+            reward_clip_range=tuple(cfg.reward.clip_range),
             probe_temperature=cfg.probe.temperature,
             probe_top_p=cfg.probe.top_p,
             think_suffix=cfg.probe.think_suffix,
@@ -246,8 +258,11 @@ class ShapeTrainer:
         items = self.eval_items or []
         if not items:
             return {}
+        t = self.cfg.trainer
+        n = 1 if t.eval_temperature == 0 else t.eval_n_samples_per_prompt  # greedy: one sample says it all
         gens = self.engines.generate([list(it.prompt_ids) for it in items],
-                                     SamplingConfig(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_new_tokens))
+                                     SamplingConfig(n=n, temperature=t.eval_temperature,
+                                                    max_tokens=self.cfg.rollout.max_new_tokens))
         scores = self.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
         return {
             "eval/accuracy": float(sum(scores) / len(scores)),
@@ -260,7 +275,10 @@ class ShapeTrainer:
         start_step = self._resume()
         run_info = {"estimator": cfg.shape.estimator, "name": os.path.basename(self.run_dir),
                     "model": self.model_dir, "config": cfg.to_dict()}
-        logger = MetricsLogger(self.run_dir, run_info, cfg.trainer.use_tensorboard, cfg.trainer.wandb_project,
+        logger = MetricsLogger(self.run_dir, run_info, cfg.trainer.use_tensorboard or bool(cfg.trainer.tensorboard_dir),
+                               cfg.trainer.wandb_project, tensorboard_dir=cfg.trainer.tensorboard_dir,
+                               wandb_kwargs={"entity": cfg.trainer.wandb_org, "group": cfg.trainer.wandb_group,
+                                             "name": cfg.trainer.wandb_run_name},
                                resume_step=start_step if start_step > 0 else None)
         last = min(cfg.trainer.num_steps, start_step + (cfg.trainer.stop_after_steps or cfg.trainer.num_steps))
         history: list[dict] = []
