@@ -25,7 +25,7 @@ multiplies each token's clipped PPO loss; it carries no gradient.
 Sampling with top-p < 1 or top-k > 0: the rollout log-probs then come from the truncated,
 renormalised distribution that vLLM actually sampled from, so every w_t is below 1 by the kept
 mass even with identical weights. The trainer refuses the correction in that case (see
-``docs/rollout_correction.md``).
+``docs/openrlhf_compat.md``).
 """
 
 from __future__ import annotations

