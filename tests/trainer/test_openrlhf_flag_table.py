@@ -59,3 +59,11 @@ def test_every_refusal_is_one_line_that_says_why():
 @pytest.mark.parametrize("name", ["ds.zero_stage", "critic.model_name_or_path", "ref.num_nodes", "algo.kl.use_loss"])
 def test_parts_we_do_not_have_are_named(name):
     assert refusal(name, True).startswith(f"--{name}: ")
+
+
+def test_readme_table_is_the_table():
+    from openrlhf_shape.trainer.openrlhf_flags import markdown_table
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               "README.md")).read()
+    assert markdown_table() in readme, "README's OpenRLHF flag table is stale: paste openrlhf_flags.markdown_table()"
