@@ -18,6 +18,7 @@ import os
 
 from openrlhf_shape.data.prompts import bundled_math_path
 from openrlhf_shape.eval import BenchmarkSpec, EvalConfig, analyze, evaluate
+from openrlhf_shape.rollout.engine import EngineConfig
 from openrlhf_shape.trainer.config import load_config
 from openrlhf_shape.trainer.ppo_trainer import resolve_model_dir, run_training
 
@@ -30,7 +31,7 @@ def _eval(model: str, out_dir: str, args) -> None:
     bench = BenchmarkSpec(name="bundled_test", source=bundled_math_path("test"), input_key="question",
                           label_key="answer", n_samples=args.n)
     cfg = EvalConfig(model_path=model, benchmarks=[bench], out_dir=out_dir, preset="cpu", n_samples=args.n,
-                     max_new_tokens=args.max_new_tokens, limit=args.eval_problems, seed=args.seed,
+                     max_new_tokens=args.max_new_tokens, limit=args.eval_problems, engine=EngineConfig(seed=args.seed, max_model_len=None),
                      prompt_template=PROMPT)
     evaluate(cfg)  # writes report.md / report.json into out_dir (resumable)
 

@@ -1,6 +1,6 @@
 """SHAPE maths: pure torch, no Ray / vLLM / Megatron imports.
 
-Public, stable API (DESIGN.md section 3):
+Public, stable API (see docs/architecture.md):
 ``token_entropy``, ``entropy_cutpoints``, ``dynamic_gamma``, ``shape_segment_advantages``,
 ``mrt_segment_advantages``, ``grpo_advantages``, ``redistribute_token_credit``, ``policy_loss``,
 plus ``ShapeConfig`` and the batched helpers in :mod:`.pipeline`.
@@ -11,10 +11,12 @@ from openrlhf_shape.algorithms.advantages import (
     grpo_advantages,
     mrt_segment_advantages,
     outcome_baseline,
+    segment_gamma,
     segment_to_token_advantages,
     shape_segment_advantages,
 )
 from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.algorithms.estimators import ESTIMATOR_REGISTRY, AdvantageEstimator, get_estimator, register
 from openrlhf_shape.algorithms.entropy import token_entropy, token_log_probs_and_entropy
 from openrlhf_shape.algorithms.loss import policy_loss
 from openrlhf_shape.algorithms.metrics import (
@@ -44,8 +46,13 @@ from openrlhf_shape.algorithms.segmentation import (
 from openrlhf_shape.algorithms.tcr import redistribute_token_credit, tcr_weights
 
 __all__ = [
+    "ESTIMATOR_REGISTRY",
+    "AdvantageEstimator",
     "AdvantageResult",
     "RolloutCorrectionConfig",
+    "get_estimator",
+    "register",
+    "segment_gamma",
     "ShapeConfig",
     "boundaries_as_lists",
     "boundaries_to_segment_ids",

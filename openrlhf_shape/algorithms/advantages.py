@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-OUTCOME_BASELINES = ("none", "group_mean", "group_norm")
+from openrlhf_shape.algorithms.config import OUTCOME_BASELINES
 
 
 def _as_float(x, name: str) -> torch.Tensor:
@@ -35,6 +35,18 @@ def dynamic_gamma(lengths, gamma_min: float, l_ref: float) -> torch.Tensor:
     if (L < 0).any():
         raise ValueError("segment lengths must be >= 0")
     return torch.clamp(1.0 - (L / float(l_ref)) * (1.0 - float(gamma_min)), min=float(gamma_min))
+
+
+def segment_gamma(lengths, gamma_min: float, l_ref: float, fixed_gamma: float | None = None) -> torch.Tensor:
+    """gamma_k per segment: eq. 8 (:func:`dynamic_gamma`), or the constant ``fixed_gamma`` (ablation).
+
+    Args: lengths ``[...]`` segment lengths in tokens. Returns float32 ``[...]``.
+    """
+    if fixed_gamma is None:
+        return dynamic_gamma(lengths, gamma_min, l_ref)
+    if not 0.0 < float(fixed_gamma) <= 1.0:
+        raise ValueError(f"fixed_gamma must lie in (0, 1], got {fixed_gamma}")
+    return torch.full_like(_as_float(lengths, "lengths"), float(fixed_gamma))
 
 
 def _check_potentials(potentials: torch.Tensor) -> None:
@@ -73,25 +85,22 @@ def shape_segment_advantages(
             f"segments, i.e. {tuple(phi.shape[:-1]) + (phi.shape[-1] - 1,)}"
         )
     R = _as_float(outcome, "outcome")
-    if fixed_gamma is not None:
-        if not 0.0 < float(fixed_gamma) <= 1.0:
-            raise ValueError(f"fixed_gamma must lie in (0, 1], got {fixed_gamma}")
-        gamma = torch.full_like(L, float(fixed_gamma))
-    else:
-        gamma = dynamic_gamma(L, gamma_min, l_ref)
+    gamma = segment_gamma(L, gamma_min, l_ref, fixed_gamma)
     shaping = gamma * phi[..., 1:] - phi[..., :-1]
     return R[..., None] + float(alpha) * shaping
 
 
-def mrt_segment_advantages(potentials, outcome, alpha: float = 0.3) -> torch.Tensor:
+def mrt_segment_advantages(potentials, outcome, alpha: float = 0.3, outcome_term=None) -> torch.Tensor:
     """MRT baseline (eq. 2): ``A_k = R + alpha * (R - Phi_k)`` for k = 0..K-1.
 
-    Args: potentials ``[..., K+1]``; outcome R scalar or ``[...]``. Returns ``[..., K]``.
+    Args: potentials ``[..., K+1]``; outcome R scalar or ``[...]``; ``outcome_term``: the leading R
+    after an outcome baseline (default R itself). Returns ``[..., K]``.
     """
     phi = _as_float(potentials, "potentials")
     _check_potentials(phi)
     R = _as_float(outcome, "outcome")
-    return R[..., None] + float(alpha) * (R[..., None] - phi[..., :-1])
+    lead = R if outcome_term is None else _as_float(outcome_term, "outcome_term")
+    return lead[..., None] + float(alpha) * (R[..., None] - phi[..., :-1])
 
 
 def grpo_advantages(rewards, eps: float = 1e-6) -> torch.Tensor:

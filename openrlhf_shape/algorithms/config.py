@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-ESTIMATORS = ("shape", "mrt", "grpo")
+ESTIMATORS = ("shape", "mrt", "grpo")  # registered in algorithms/estimators.py
 SEGMENTATIONS = ("entropy", "uniform", "delimiter")
 OUTCOME_BASELINES = ("none", "group_mean", "group_norm")
 
-# Appendix A.1 (task consistency) needs alpha < 0.5; appendix A.2 (reward-sign consistency with
-# m = 8 probes, worst case Phi 7/8 -> 1) needs gamma_min > 7/8.
+# Appendix A.1 (task consistency) needs alpha < 0.5. Appendix A.2 (reward-sign consistency): with m
+# probes the potentials lie on the grid {0, 1/m, ..., 1}; the worst improving step is Phi (m-1)/m -> 1,
+# whose shaping term gamma * 1 - (m-1)/m is positive only when gamma > (m-1)/m.
 ALPHA_BOUND = 0.5
-GAMMA_MIN_BOUND = 0.875
+
+
+def gamma_min_bound(num_probes: int) -> float:
+    """Appendix A.2 bound ``(m - 1) / m``: gamma must exceed it for m = ``num_probes`` probes."""
+    return (num_probes - 1) / num_probes
 
 
 @dataclass
@@ -74,14 +79,18 @@ class ShapeConfig:
                     "a correct trajectory's total reward is only guaranteed to exceed every incorrect one's "
                     f"when alpha < 0.5). Use alpha < 0.5, or pass --shape.allow_unsafe_hparams to run anyway.",
                 )
-            if self.estimator == "shape":
+            if self.estimator == "shape" and self.num_probes >= 1:
                 name, g = ("gamma_min", self.gamma_min) if self.fixed_gamma is None else ("fixed_gamma", self.fixed_gamma)
-                if g <= GAMMA_MIN_BOUND:
+                m = self.num_probes
+                bound = gamma_min_bound(m)
+                if g <= bound:
                     raise bad(
                         name,
-                        f"{g} <= 7/8 breaks reward-sign consistency (paper appendix A.2: with m = 8 probes a "
-                        "step from Phi = 7/8 to 1 must get a positive shaping reward, which needs gamma > 0.875; "
-                        "the paper's gamma_min = 0.7 ablation collapsed). Use a value in (0.875, 1], or pass "
+                        f"{g} <= (m-1)/m = {m - 1}/{m} = {bound:.4g} for m = {m} probes (--shape.num_probes) breaks "
+                        f"reward-sign consistency (paper appendix A.2: potentials lie on the grid k/{m}, and the "
+                        f"step from Phi = {m - 1}/{m} to 1 must get a positive shaping reward gamma - {m - 1}/{m}, "
+                        "which needs gamma > (m-1)/m; the paper's gamma_min = 0.7 ablation collapsed). Raise "
+                        f"--shape.{name} into ({bound:.4g}, 1], lower --shape.num_probes, or pass "
                         "--shape.allow_unsafe_hparams to run anyway.",
                     )
         if self.l_ref is not None and not self.l_ref > 0:

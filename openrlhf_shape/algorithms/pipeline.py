@@ -15,13 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from openrlhf_shape.algorithms.advantages import (
-    dynamic_gamma,
-    grpo_advantages,
-    outcome_baseline,
-    segment_to_token_advantages,
-)
+from openrlhf_shape.algorithms.advantages import outcome_baseline, segment_to_token_advantages
 from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.algorithms.estimators import SegmentInputs, get_estimator
 from openrlhf_shape.algorithms.metrics import describe, gain_by_start_regime, potential_drop_rate
 from openrlhf_shape.algorithms.segmentation import (
     PAD_BOUNDARY,
@@ -102,8 +98,9 @@ def compute_token_advantages(
         raise ValueError(f"batch {batch} is not a multiple of group_size {group_size} (--rollout.n_samples_per_prompt)")
     grouped = rewards.view(-1, group_size)
     metrics: dict[str, float] = {}
-    if cfg.estimator == "grpo":
-        adv = grpo_advantages(grouped).reshape(-1)
+    estimator = get_estimator(cfg)
+    if not estimator.needs_segments:
+        adv = estimator.sequence_advantages(grouped).reshape(-1)
         tok = torch.where(mask, adv[:, None].expand_as(mask).to(torch.float32), torch.zeros(mask.shape))
         metrics.update(describe(adv, "adv/sequence"))
         return AdvantageResult(tok, None, None, metrics)
@@ -120,21 +117,17 @@ def compute_token_advantages(
     phi_valid = k_idx[None, :] <= n_seg[:, None]
     if not torch.isfinite(phi[phi_valid]).all() or ((phi[phi_valid] < 0) | (phi[phi_valid] > 1)).any():
         raise ValueError("potentials must be finite and lie in [0, 1] at every valid boundary")
+    phi = torch.where(phi_valid, phi, torch.zeros_like(phi))  # beyond a row's last potential: unused
     final = phi.gather(1, n_seg[:, None]).squeeze(1)
     if not torch.allclose(final, rewards.clamp(0, 1)):
         raise ValueError("the last potential of each response must equal its outcome R (Phi_K = R, no probe)")
     seg_valid = k_idx[None, :kmax] < n_seg[:, None]
     r_term = outcome_baseline(grouped, cfg.outcome_baseline).reshape(-1)
-    phi_start, phi_end = phi[:, :-1], phi[:, 1:]
-    if cfg.estimator == "shape":
-        if cfg.fixed_gamma is not None:
-            gamma = torch.full_like(phi_start, float(cfg.fixed_gamma))
-        else:
-            gamma = dynamic_gamma(seg_len, cfg.gamma_min, cfg.resolved_l_ref(max_response_len))
-        seg_adv = r_term[:, None] + cfg.alpha * (gamma * phi_end - phi_start)
-        metrics.update(describe(gamma[seg_valid], "shape/gamma"))
-    else:  # mrt
-        seg_adv = r_term[:, None] + cfg.alpha * (rewards[:, None] - phi_start)
+    seg_adv, est_metrics = estimator.segment_advantages(
+        SegmentInputs(potentials=phi, seg_len=seg_len, num_segments=n_seg, rewards=rewards, outcome=r_term,
+                      max_response_len=max_response_len)
+    )
+    metrics.update(est_metrics)
     seg_adv = torch.where(seg_valid, seg_adv, torch.zeros_like(seg_adv))
     seg_ids = boundaries_to_segment_ids(boundaries, mask.shape[1])
     tok = segment_to_token_advantages(seg_adv, seg_ids, mask)

@@ -13,12 +13,49 @@ from __future__ import annotations
 import argparse
 
 from openrlhf_shape.eval.config import (
+    FLAT_FLAGS,
     PRESETS,
     BenchmarkSpec,
     EvalConfig,
     parse_benchmark_arg,
     parse_keys_arg,
 )
+
+# Help for the generated flags (their types and defaults come from EvalConfig and its components).
+_HELP = {
+    "n_samples": "N for every benchmark (overrides the preset)",
+    "max_new_tokens": "overrides the preset's token limit",
+    "limit": "first N problems of each benchmark",
+    "num_engines": "vLLM engines (Ray actors when > 1)",
+    "kv_cache_gib": "CPU only: KV cache space per engine",
+    "max_model_len": "default: longest prompt + max_new_tokens",
+    "chunk_size": "problems per generate call, the resume granularity (default: 512 sequences per engine "
+                  "with --preset paper, 16 with cpu)",
+    "scorer_workers": "Math-Verify processes",
+}
+
+
+def _flat_defaults() -> dict[str, tuple[type, object]]:
+    """flat flag -> (type, default), read from the EvalConfig dataclasses."""
+    from openrlhf_shape.config_flags import leaf_types
+
+    types = leaf_types(EvalConfig)
+    base = EvalConfig("m", [BenchmarkSpec("aime24", "x")], ".")
+    out = {}
+    for flag, path in FLAT_FLAGS.items():
+        obj = base
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        out[flag] = (types[path], obj)
+    return out
+
+
+def _arg_type(tp):
+    import functools
+
+    from openrlhf_shape.config_flags import convert
+
+    return functools.partial(convert, tp=tp, flag="eval")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,11 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out_dir", required=True, help="results, report.json and report.md (resumable)")
     p.add_argument("--preset", default="paper", choices=sorted(PRESETS), help="paper: N by benchmark name, "
                    "32768 tokens; cpu: N=2, 256 tokens (same T/top-p/top-k)")
-    p.add_argument("--n_samples", type=int, default=None, help="N for every benchmark (overrides the preset)")
-    p.add_argument("--max_new_tokens", type=int, default=None, help="overrides the preset's token limit")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--input_key", default="problem", help="question field (default for every benchmark)")
     p.add_argument("--label_key", default="answer", help="reference answer field (default for every benchmark)")
     p.add_argument("--id_key", default=None, help="problem id field (default: row index)")
@@ -45,26 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-benchmark question/answer fields")
     p.add_argument("--prompt_template", default=None, help="text with '{question}' (default: the R1 boxed prompt)")
     p.add_argument("--no_chat_template", action="store_true", help="feed the raw prompt, no chat template")
-    p.add_argument("--system_prompt", default=None)
-    p.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    p.add_argument("--num_engines", type=int, default=1, help="vLLM engines (Ray actors when > 1)")
-    p.add_argument("--tensor_parallel_size", type=int, default=1)
-    p.add_argument("--gpu_memory_utilization", type=float, default=0.9)
-    p.add_argument("--kv_cache_gib", type=float, default=1.0, help="CPU only: KV cache space per engine")
-    p.add_argument("--block_size", type=int, default=None)
-    p.add_argument("--max_model_len", type=int, default=None, help="default: longest prompt + max_new_tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk_size", type=int, default=None,
-                   help="problems per generate call, the resume granularity (default: 512 sequences per engine "
-                        "with --preset paper, 16 with cpu)")
-    p.add_argument("--scorer_workers", type=int, default=2)
-    p.add_argument("--bootstrap_samples", type=int, default=1000)
-    p.add_argument("--confidence", type=float, default=0.95)
     p.add_argument("--no_save_responses", action="store_true", help="keep only scores and token counts")
     p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out_dir")
+    for flag, (tp, default) in _flat_defaults().items():
+        p.add_argument(f"--{flag}", type=_arg_type(tp), default=default, help=_HELP.get(flag, f"= {FLAT_FLAGS[flag]}"))
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    from openrlhf_shape.config_flags import FlagSpace
+
     keys = {}
     for text in args.benchmark_keys:
         name, ik, lk = parse_keys_arg(text)
@@ -77,34 +98,17 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     if keys:
         raise ValueError(f"--benchmark_keys names no --benchmark: {sorted(keys)}")
     extra = {} if args.prompt_template is None else {"prompt_template": args.prompt_template}
-    return EvalConfig(
-        model_path=args.model,
-        benchmarks=benches,
-        out_dir=args.out_dir,
-        preset=args.preset,
-        n_samples=args.n_samples,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        apply_chat_template=not args.no_chat_template,
-        system_prompt=args.system_prompt,
-        limit=args.limit,
-        num_engines=args.num_engines,
-        tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_gib=args.kv_cache_gib,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        chunk_size=args.chunk_size,
-        scorer_workers=args.scorer_workers,
-        bootstrap_samples=args.bootstrap_samples,
-        confidence=args.confidence,
-        save_responses=not args.no_save_responses,
-        overwrite=args.overwrite,
-        **extra,
-    )
+    base = EvalConfig(model_path=args.model, benchmarks=benches, out_dir=args.out_dir, preset=args.preset,
+                      apply_chat_template=not args.no_chat_template, save_responses=not args.no_save_responses,
+                      overwrite=args.overwrite, **extra)
+    values = {path: getattr(args, flag) for flag, path in FLAT_FLAGS.items()}
+    try:
+        return FlagSpace(EvalConfig).build(base, values)
+    except ValueError as exc:  # name the flat flag, not the field path
+        msg = str(exc)
+        for flag, path in FLAT_FLAGS.items():
+            msg = msg.replace(f"--{path}", f"--{flag}")
+        raise ValueError(msg) from None
 
 
 def run(args: argparse.Namespace) -> int:

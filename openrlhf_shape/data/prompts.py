@@ -61,7 +61,7 @@ def bundled_math_path(split: str | None = None) -> str:
 class PromptDataConfig:
     """The ``--data.*`` options for prompt datasets (validated by :meth:`validate`)."""
 
-    prompt_dataset: str
+    prompt_dataset: str = ""
     input_key: str = "input"
     label_key: str | None = None
     apply_chat_template: bool = False

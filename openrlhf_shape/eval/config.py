@@ -17,6 +17,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from openrlhf_shape.rewards.computer import RewardConfig
+from openrlhf_shape.rollout.engine import EngineConfig
+
 # Normalised benchmark name (lower case, letters and digits only) -> N of the paper's Table 7.
 PAPER_N_SAMPLES: dict[str, int] = {
     "aime2024": 32,
@@ -55,6 +58,10 @@ PRESETS: dict[str, Preset] = {
     # Small generate calls so an interrupted CPU run loses little.
     "cpu": Preset("cpu", 0.6, 0.95, 40, 256, {}, 2, 16),
 }
+
+
+def _eval_engine() -> EngineConfig:
+    return EngineConfig(gpu_memory_utilization=0.9, max_model_len=None)
 
 
 def normalize_benchmark_name(name: str) -> str:
@@ -109,21 +116,15 @@ class EvalConfig:
     apply_chat_template: bool = True
     system_prompt: str | None = None
     limit: int | None = None  # first `limit` problems of every benchmark (smoke runs)
-    # Engines: `num_engines` vLLM engines (Ray actors when > 1), each over `tensor_parallel_size` GPUs.
+    # Engines: `num_engines` vLLM engines (Ray actors when > 1), each built from `engine`
+    # (model_path is set at run time; max_model_len None = longest prompt + max_new_tokens).
     num_engines: int = 1
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
-    kv_cache_gib: float = 1.0  # CPU only (VLLM_CPU_KVCACHE_SPACE)
-    block_size: int | None = None
-    enforce_eager: bool | None = None
-    max_model_len: int | None = None  # default: longest prompt + max_new_tokens
-    seed: int = 0
+    engine: EngineConfig = field(default_factory=_eval_engine)
     # Problems per generate call (results are saved after every call, the resume granularity).
     # None: the preset's sequences per engine per call: max(1, chunk_sequences * num_engines // N).
     chunk_size: int | None = None
-    # Scoring and statistics.
-    scorer_workers: int = 2
-    scorer_timeout_s: float = 5.0
+    # Scoring (Math-Verify: scorer.num_workers processes, scorer.timeout_s per answer) and statistics.
+    scorer: RewardConfig = field(default_factory=RewardConfig)
     bootstrap_samples: int = 1000
     confidence: float = 0.95
     bootstrap_seed: int = 0
@@ -146,8 +147,8 @@ class EvalConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
-        if self.num_engines < 1 or self.tensor_parallel_size < 1:
-            raise ValueError("--num_engines and --tensor_parallel_size must be >= 1")
+        if self.num_engines < 1:
+            raise ValueError("--num_engines must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"--chunk_size must be >= 1, got {self.chunk_size}")
         if "{question}" not in self.prompt_template:
@@ -224,12 +225,39 @@ def fingerprint(cfg: EvalConfig, bench: BenchmarkSpec) -> dict[str, Any]:
         "prompt_template": cfg.prompt_template,
         "apply_chat_template": cfg.apply_chat_template,
         "system_prompt": cfg.system_prompt,
-        "seed": cfg.seed,
+        "seed": cfg.engine.seed,
         **cfg.sampling_values(),
     }
 
 
+# The flat command line of ``openrlhf-shape eval``: flag -> field path of EvalConfig (generated
+# into argparse by openrlhf_shape.cli.evaluate; types and defaults come from the dataclasses).
+FLAT_FLAGS: dict[str, str] = {
+    "n_samples": "n_samples",
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "system_prompt": "system_prompt",
+    "limit": "limit",
+    "num_engines": "num_engines",
+    "tensor_parallel_size": "engine.tensor_parallel_size",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "kv_cache_gib": "engine.kv_cache_gib",
+    "block_size": "engine.block_size",
+    "max_model_len": "engine.max_model_len",
+    "enforce_eager": "engine.enforce_eager",
+    "seed": "engine.seed",
+    "chunk_size": "chunk_size",
+    "scorer_workers": "scorer.num_workers",
+    "scorer_timeout_s": "scorer.timeout_s",
+    "bootstrap_samples": "bootstrap_samples",
+    "confidence": "confidence",
+}
+
+
 __all__ = [
+    "FLAT_FLAGS",
     "BenchmarkSpec",
     "DEFAULT_PROMPT_TEMPLATE",
     "EvalConfig",

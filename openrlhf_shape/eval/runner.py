@@ -11,6 +11,7 @@ are started only when some problem still needs generating, so a fully resumed ru
 
 from __future__ import annotations
 
+import dataclasses
 
 from collections import defaultdict
 from contextlib import ExitStack
@@ -110,18 +111,9 @@ def _problem_result(rec: dict[str, Any]) -> ProblemResult:
 def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int, stack: ExitStack | None = None):
     """One in-process VLLMEngine, or ``num_engines`` Ray engine actors in an EngineGroup (Ray is
     started here when needed, and shut down by ``stack`` when this call started it)."""
-    from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, VLLMEngine, create_ray_engines
+    from openrlhf_shape.rollout.engine import EngineGroup, VLLMEngine, create_ray_engines
 
-    ecfg = EngineConfig(
-        model_path=hf_dir,
-        seed=cfg.seed,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        block_size=cfg.block_size,
-        kv_cache_gib=cfg.kv_cache_gib,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_model_len=max_model_len,
-        enforce_eager=cfg.enforce_eager,
-    )
+    ecfg = dataclasses.replace(cfg.engine, model_path=hf_dir, max_model_len=max_model_len)
     if cfg.num_engines == 1:
         return EngineGroup([VLLMEngine(ecfg)])
     import ray
@@ -136,7 +128,7 @@ def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int, stack: ExitS
 def _make_scorer(cfg: EvalConfig):
     from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
 
-    return MathVerifyScorer(num_workers=cfg.scorer_workers, timeout_s=cfg.scorer_timeout_s)
+    return MathVerifyScorer(num_workers=cfg.scorer.num_workers, timeout_s=cfg.scorer.timeout_s)
 
 
 def evaluate(
@@ -180,7 +172,7 @@ def evaluate(
         n_todo = sum(len(t) for _, _, _, t, _ in plan)
         if n_todo and backend is None:
             longest = max(len(x) for *_, ids in plan for x in ids)
-            max_len = cfg.max_model_len or longest + sv["max_new_tokens"]
+            max_len = cfg.engine.max_model_len or longest + sv["max_new_tokens"]
             if max_len < longest + sv["max_new_tokens"]:
                 raise ValueError(
                     f"--max_model_len {max_len} < longest prompt ({longest} tokens) + --max_new_tokens "

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from openrlhf_shape.batch import SequenceBatch
+
 
 def shard_for_dp(lengths: list[int], dp_size: int) -> list[list[int]]:
     """Split sample indices over ``dp_size`` ranks, balanced by tokens; deterministic.
@@ -112,22 +114,8 @@ def build_micro_batch(
     )
 
 
-def validate_batch(batch: dict) -> None:
-    """Check the shared batch format; errors name the key and the fix."""
-    for key in ("sequences", "prompt_lens"):
-        if key not in batch:
-            raise KeyError(f"batch is missing {key!r}; expected keys sequences, prompt_lens, temperature")
-    seqs, plens = batch["sequences"], batch["prompt_lens"]
-    if len(seqs) != len(plens):
-        raise ValueError(f"batch['sequences'] has {len(seqs)} rows but batch['prompt_lens'] has {len(plens)}")
-    if len(seqs) == 0:
-        raise ValueError("batch['sequences'] is empty")
-    for i, (s, p) in enumerate(zip(seqs, plens)):
-        if not 1 <= p <= len(s):
-            raise ValueError(
-                f"batch['prompt_lens'][{i}]={p} must be in [1, len(sequences[{i}])={len(s)}] "
-                "(at least one prompt token; the response may be empty)"
-            )
-    temperature = float(batch.get("temperature", 1.0))
-    if temperature <= 0:
-        raise ValueError(f"batch['temperature'] must be > 0, got {temperature}")
+def validate_batch(batch: "SequenceBatch | dict") -> SequenceBatch:
+    """The batch as a validated :class:`~openrlhf_shape.batch.SequenceBatch` (errors name the field)."""
+    seq = SequenceBatch.coerce(batch)
+    SequenceBatch.validate(seq)
+    return seq

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 _DECAY_STYLES = ("constant", "cosine", "linear")
+_LAYER_SPECS = ("auto", "local", "te")
 
 
 def _default_bf16() -> bool:
@@ -28,6 +29,9 @@ class MegatronConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False
+    # Megatron layer spec: "te" (transformer-engine modules and key names), "local" (Megatron's
+    # torch modules), "auto" = te on GPU ranks, local on CPU (resolved in the rank process).
+    layer_spec: str = "auto"
     # optimiser and schedule
     lr: float = 1e-6
     min_lr: float = 0.0
@@ -98,6 +102,8 @@ class MegatronConfig:
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"MegatronConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.layer_spec not in _LAYER_SPECS:
+            raise ValueError(f"MegatronConfig.layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
         if self.dist_optimizer_ckpt_format not in ("dp_reshardable", "fully_reshardable"):
             raise ValueError(
                 "MegatronConfig.dist_optimizer_ckpt_format must be 'dp_reshardable' or "

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron import cpu as cpu_compat
 from openrlhf_shape.megatron.batching import (
     MicroBatch,
@@ -236,10 +237,9 @@ class MegatronRankWorker:
         }
 
     # ------------------------------------------------------------------ micro-batching
-    def _plan(self, batch: dict) -> tuple[list[int], list[MicroBatch]]:
+    def _plan(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
         """This DP rank's sample indices and its padded micro-batches (same on TP/PP peers)."""
-        validate_batch(batch)
-        seqs, plens = batch["sequences"], batch["prompt_lens"]
+        seqs, plens = batch.sequences, batch.prompt_lens
         lengths = [len(s) for s in seqs]
         shard = shard_for_dp(lengths, self.dp_size)[self.mpu.get_data_parallel_rank()]
         pad_multiple = self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1
@@ -306,14 +306,16 @@ class MegatronRankWorker:
         )
 
     # ------------------------------------------------------------------ log-probs / entropy
-    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch | dict) -> dict:
         """Forward only. Returns results on the last PP stage / TP rank 0, ``{}`` elsewhere.
 
-        Output: ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
+        ``batch``: a :class:`~openrlhf_shape.batch.SequenceBatch` (or the same fields as a mapping).
+        Output (gathered by :func:`merge_rank_outputs`): ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
         position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
         """
         self._require_model()
-        temperature = float(batch.get("temperature", 1.0))
+        batch = validate_batch(batch)
+        temperature = float(batch.temperature)
         with self._mode():
             shard, mbs = self._plan(batch)
             self.model.eval()
@@ -338,35 +340,24 @@ class MegatronRankWorker:
         return out
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: TrainBatch) -> dict:
         """One optimizer step over the whole mini-batch (this rank trains on its DP shard).
 
-        ``batch``: sequences, prompt_lens, temperature, old_log_probs [T_i], advantages [T_i],
-        optional loss_mask [T_i] bool and is_weights [T_i] (rollout-correction weights). The PPO/DAPO loss is normalised by the number of valid
-        response tokens of the whole mini-batch. Returns float metrics, identical on all ranks.
+        ``batch``: a :class:`~openrlhf_shape.batch.TrainBatch` (old log-probs, advantages and loss
+        mask as ``[B, T]``; optional rollout-correction weights ``is_weights`` ``[B, T]``). The PPO/DAPO
+        loss is normalised by the number of valid response tokens of the whole mini-batch. Returns
+        float metrics, identical on all ranks.
         """
         from openrlhf_shape.algorithms import policy_loss
 
         self._require_model()
         cfg = self.cfg
-        validate_batch(batch)
-        n = len(batch["sequences"])
-        for key in ("old_log_probs", "advantages"):
-            if key not in batch or len(batch[key]) != n:
-                raise ValueError(f"train_step needs batch[{key!r}] with one tensor per sequence ({n})")
-        masks = batch.get("loss_mask")
-        resp_lens = [len(s) - p for s, p in zip(batch["sequences"], batch["prompt_lens"])]
-        for i in range(n):
-            optional = (("loss_mask",) if masks is not None else ()) + (("is_weights",) if batch.get("is_weights") else ())
-            for key in ("old_log_probs", "advantages") + optional:
-                if batch[key][i].numel() != resp_lens[i]:
-                    raise ValueError(
-                        f"batch[{key!r}][{i}] has {batch[key][i].numel()} entries but the response has {resp_lens[i]} tokens"
-                    )
-        if masks is None:
-            masks = [torch.ones(t, dtype=torch.bool) for t in resp_lens]
-        num_global_tokens = int(sum(int(m.bool().sum()) for m in masks))
-        temperature = float(batch.get("temperature", 1.0))
+        if not isinstance(batch, TrainBatch):
+            raise TypeError(f"train_step needs an openrlhf_shape.batch.TrainBatch, got {type(batch).__name__}")
+        batch.validate()
+        masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
+        num_global_tokens = int(masks.sum())
+        temperature = float(batch.temperature)
         metric_keys = ("pg_loss_sum", "clipfrac_low_sum", "clipfrac_high_sum", "approx_kl_sum", "num_tokens", "entropy_sum", "nonfinite")
 
         def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
@@ -374,23 +365,22 @@ class MegatronRankWorker:
             rows = len(mb.rows)
             tmax = max(1, max(b - a for a, b in mb.resp_offsets))
             dev = lp.device
-            lp2 = lp.new_zeros(rows, tmax)
-            old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
-            adv = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
-            msk = torch.zeros(rows, tmax, dtype=torch.bool, device=dev)
-            ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
-            isw = torch.ones(rows, tmax, dtype=torch.float32, device=dev) if batch.get("is_weights") else None
             row_idx = torch.cat([torch.full((b - a,), k, dtype=torch.long) for k, (a, b) in enumerate(mb.resp_offsets)]) if lp.numel() else torch.zeros(0, dtype=torch.long)
             col_idx = torch.cat([torch.arange(b - a) for a, b in mb.resp_offsets]) if lp.numel() else torch.zeros(0, dtype=torch.long)
-            lp2 = lp2.index_put((row_idx.to(dev), col_idx.to(dev)), lp)
-            for k, r in enumerate(mb.rows if shard else []):
-                t = resp_lens[r]
-                old[k, :t] = batch["old_log_probs"][r].float().to(dev)
-                adv[k, :t] = batch["advantages"][r].float().to(dev)
-                msk[k, :t] = masks[r].bool().to(dev)
-                ent[k, :t] = en[mb.resp_offsets[k][0] : mb.resp_offsets[k][1]]
-                if isw is not None:
-                    isw[k, :t] = batch["is_weights"][r].float().to(dev)
+            where = (row_idx.to(dev), col_idx.to(dev))
+            lp2 = lp.new_zeros(rows, tmax).index_put(where, lp)
+            ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev).index_put(where, en.float())
+            if shard:  # [B, T] -> this micro-batch's rows, cut to its longest response
+                sel = torch.tensor(mb.rows, dtype=torch.long)
+                old = _take(batch.old_log_probs, sel, tmax).float().to(dev)
+                adv = _take(batch.advantages, sel, tmax).float().to(dev)
+                msk = _take(masks, sel, tmax).to(dev)
+                isw = _take(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
+            else:  # the fully masked filler of a rank without samples
+                old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
+                adv = torch.zeros_like(old)
+                msk = torch.zeros(rows, tmax, dtype=torch.bool, device=dev)
+                isw = None
             loss, m = policy_loss(
                 lp2, old, adv, msk,
                 eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
@@ -494,6 +484,14 @@ class MegatronRankWorker:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``t[rows, :width]``, zero-padded on the right when ``t`` is narrower than ``width``."""
+    out = t[rows, :width]
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
+    return out
 
 
 def _unwrap(model):

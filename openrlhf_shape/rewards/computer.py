@@ -21,6 +21,7 @@ class RewardConfig:
     max_chars: int = 20000
     remote_timeout_s: float = 180.0
     remote_retries: int = 4
+    clip_range: tuple[float, float] = (-10.0, 10.0)  # rewards are clamped into it (OpenRLHF's --reward.clip_range)
 
 
 class RewardComputer:

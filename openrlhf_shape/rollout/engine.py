@@ -30,13 +30,13 @@ def _on_cpu_platform() -> bool:
 class EngineConfig:
     """Engine construction settings, validated here (the edge)."""
 
-    model_path: str
+    model_path: str = ""  # a local HF model directory ("" = set later, e.g. from --actor.pretrain)
     seed: int = 0
     tensor_parallel_size: int = 1
     block_size: int | None = None  # None -> 32 on CPU, vLLM's default on GPU
     kv_cache_gib: float = 1.0  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.5
-    max_model_len: int = 4096
+    max_model_len: int | None = 4096  # None: decided by the caller before the engine starts
     enforce_eager: bool | None = None  # None -> True on CPU (compile costs ~140 s there)
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False
@@ -48,7 +48,7 @@ class EngineConfig:
     logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self) -> None:
-        if not self.model_path or not os.path.isdir(self.model_path):
+        if self.model_path and not os.path.isdir(self.model_path):
             raise ValueError(
                 f"EngineConfig.model_path={self.model_path!r} is not a directory; pass a local HF model "
                 "directory (nothing is downloaded from a hub)"
@@ -66,7 +66,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.max_model_len < 16:
+        if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"EngineConfig.max_model_len must be >= 16, got {self.max_model_len}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
@@ -154,6 +154,8 @@ class VLLMEngine:
     """One vLLM engine in this process (run it inside a Ray actor via :func:`create_ray_engines`)."""
 
     def __init__(self, cfg: EngineConfig):
+        if not cfg.model_path or cfg.max_model_len is None:
+            raise ValueError("EngineConfig.model_path and EngineConfig.max_model_len must be set before an engine starts")
         self.cfg = cfg
         self.on_cpu = _on_cpu_platform()
         if self.on_cpu:

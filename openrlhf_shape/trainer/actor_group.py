@@ -13,6 +13,7 @@ from typing import Any
 import ray
 import torch
 
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, pad_rows
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker, merge_rank_outputs
 
@@ -33,10 +34,10 @@ class MegatronRankActor:
     def init_model(self, hf_dir: str) -> dict:
         return self.worker.init_model(hf_dir)
 
-    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> dict:
         return self.worker.compute_logprobs_and_entropy(batch)
 
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: TrainBatch) -> dict:
         return self.worker.train_step(batch)
 
     def save_checkpoint(self, ckpt_dir: str, extra: dict | None = None) -> None:
@@ -128,12 +129,13 @@ class MegatronActorGroup:
     def init_model(self, hf_dir: str) -> dict:
         return self._all("init_model", hf_dir)[0]
 
-    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
-        """Batch as in the worker; returns {"log_probs": [...], "entropy": [...]} in batch order."""
-        outs = self._all("compute_logprobs_and_entropy", batch)
-        return merge_rank_outputs(outs, len(batch["sequences"]))
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` float32 log-probs and entropy of every response token (0-padded), batch order."""
+        merged = merge_rank_outputs(self._all("compute_logprobs_and_entropy", batch), len(batch))
+        width = batch.response_width
+        return pad_rows(merged["log_probs"], width), pad_rows(merged["entropy"], width)
 
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: TrainBatch) -> dict:
         return self._all("train_step", batch)[0]
 
     def save_checkpoint(self, ckpt_dir: str, extra: dict | None = None) -> None:

@@ -1,119 +1,94 @@
-"""The training job's configuration: YAML presets plus OpenRLHF-style dotted flags, validated up front.
+"""The training job's configuration: YAML presets plus dotted flags, validated up front.
 
-Users give OpenRLHF 0.11's dotted flag names (``--actor.model_name_or_path``, ``--rollout.batch_size``,
-``--train.batch_size``, ``--vllm.num_engines``, ``--ckpt.output_dir``, ``--algo.advantage.*``, ...;
-trainer/flag_translation.py maps them onto the sections below) and ours for what OpenRLHF does not
-have (``--megatron.*``, ``--shape.*``, ``--probe.*``, ``--rollout.kv_cache_gib``, ...). A YAML file
-uses the same names nested by dots. Every error names the flag and says how to fix it.
+``TrainConfig`` composes the component configs (each field declared once, in its component):
+``data`` (:class:`PromptDataConfig` + held-out data), ``sampling`` (:class:`SamplingConfig`),
+``engine`` (:class:`EngineConfig`), ``rollout`` (batch and engine count), ``actor`` (model and
+mini-batching), ``megatron`` (:class:`MegatronConfig` + rank count), ``shape``
+(:class:`ShapeConfig`), ``probe`` (:class:`ProbeConfig`), ``reward`` (:class:`RewardConfig`) and
+``trainer`` (the loop). Every leaf is a dotted flag (``--megatron.adam_beta2 0.98``,
+``--engine.enforce_eager true``). Users give OpenRLHF 0.11's names wherever the meaning is the same
+(``--actor.model_name_or_path``, ``--rollout.batch_size``, ``--train.batch_size``, ``--vllm.num_engines``,
+``--ckpt.output_dir``, ``--algo.advantage.*``; trainer/flag_translation.py: OpenRLHF flags for parts
+we do not have are refused there, and the previous release's names print a deprecation line);
+:data:`ALIASES` maps those public names onto the fields. A YAML file uses the same names nested by
+dots. Every error names the flag and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.config_flags import Alias, FlagSpace, flatten_mapping, parse_overrides  # noqa: F401
+from openrlhf_shape.data.prompts import PromptDataConfig
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.rewards.computer import RewardConfig
+from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig
+from openrlhf_shape.rollout.probes import ProbeConfig
+from openrlhf_shape.trainer.flag_translation import PUBLIC, public_name, translate
 
 
 @dataclass
-class DataSection:
-    prompt_data: str = "bundled:train"  # a .jsonl/.json/.parquet path, an HF dataset id, or bundled:train|test
-    input_key: str = "question"
-    label_key: str = "answer"
-    apply_chat_template: bool = True
-    input_template: str | None = None
-    system_prompt: str | None = None
-    max_prompt_len: int = 1024
-    max_samples: int | None = None
-    prompt_split: str = "train"  # split of an HF dataset (a local file is one split)
+class DataSection(PromptDataConfig):
+    """Training prompts (the :class:`PromptDataConfig` fields) plus the held-out prompts."""
+
     eval_data: str | None = None  # held-out prompts for periodic eval (same keys)
-    eval_split: str = "train"
     eval_max_samples: int | None = 64
+    eval_split: str = "train"  # split of an HF dataset for the held-out prompts
+
+    @property
+    def prompt_data(self) -> str:
+        """The training prompts (``--data.prompt_data`` = ``--data.prompt_dataset``)."""
+        return self.prompt_dataset
 
 
 @dataclass
 class RolloutSection:
-    n_samples_per_prompt: int = 8
+    """How much is generated per step and by how many engines (sampling is ``sampling.*``)."""
+
     rollout_batch_size: int = 128  # prompts per step
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 8192
     num_engines: int = 1
-    engine_tensor_parallel_size: int = 1
-    kv_cache_gib: float = 2.0  # CPU only (VLLM_CPU_KVCACHE_SPACE)
-    gpu_memory_utilization: float = 0.6
-    block_size: int | None = None  # None: 32 on CPU, vLLM's default on GPU
-    dtype: str = "auto"  # auto: float32 on CPU (vllm-cpu would silently run float32 checkpoints in bf16), model dtype on GPU
-    max_model_len: int | None = None  # None: max_prompt_len + max_new_tokens + probe room
     num_cpus_per_engine: float = 0.5
     colocate: bool = False  # GPU: vLLM sleeps while Megatron trains on the same GPUs
     dynamic_filtering: bool = False  # DAPO: drop prompt groups whose mean score is not strictly inside the range
     dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
-    enforce_eager: bool | None = None  # None: True on CPU (compilation costs minutes there), False on GPU
+    weight_sync_bucket_mb: int = 256
     # rollout/trainer mismatch correction (OpenRLHF's --algo.advantage.is_correction_*; algorithms/rollout_correction.py)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
     is_correction_threshold: tuple[float, float] = (0.5, 5.0)
-    weight_sync_bucket_mb: int = 256
 
 
 @dataclass
 class ActorSection:
+    """The policy model and how a rollout batch is cut into optimizer steps."""
+
     pretrain: str = "demo"  # an HF model directory, or "demo" for the bundled SmolLM2-135M-Instruct
     train_batch_size: int = 256  # samples per optimizer step (mini-batch); the rollout batch is split into these
     max_epochs: int = 1  # passes over each rollout batch
-    learning_rate: float = 1e-6
-    min_lr: float = 0.0  # deprecated: use --actor.min_lr_ratio
-    min_lr_ratio: float | None = None  # min lr = ratio x lr (OpenRLHF's form; wins over min_lr)
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    adam_eps: float = 1e-8
-    lr_warmup_ratio: float = 0.0
-    lr_decay_style: str = "constant"
-    weight_decay: float = 0.0
-    max_norm: float = 1.0
-    eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
-    dual_clip: float | None = None
-    micro_batch_max_tokens: int = 16384
-    entropy_chunk_size: int = 1024
     num_cpus_per_rank: float = 0.5
 
 
 @dataclass
-class MegatronSection:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+class MegatronSection(MegatronConfig):
+    """The actor backend (:class:`MegatronConfig`) plus how many ranks run it."""
+
     world_size: int = 1  # total actor ranks = TP x PP x DP
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    recompute_activations: bool = False
     gpus_per_rank: float = 1.0  # on GPU clusters; 0 on CPU
+    min_lr_ratio: float | None = None  # min lr = ratio x lr (OpenRLHF's --actor.min_lr_ratio); wins over min_lr
 
-
-@dataclass
-class ProbeSection:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    think_suffix: str = "\n\nTime is up. I should stop thinking and give the final answer now.\n</think>\n\nThe final answer is $\\boxed{"
-    answer_suffix: str = "\n\nThe final answer is $\\boxed{"
-
-
-@dataclass
-class RewardSection:
-    remote_url: str | None = None  # a .py with reward_func, or http(s) endpoint(s) comma-separated; None = Math-Verify
-    remote_timeout_s: float = 180.0  # per HTTP request (OpenRLHF's fixed 180 s)
-    remote_retries: int = 4  # extra attempts per HTTP request, rotating over the endpoints (OpenRLHF: 5 tries)
-    num_workers: int = 2
-    timeout_s: float = 5.0
-    max_chars: int = 20000
-    clip_range: tuple[float, float] = (-10.0, 10.0)  # rewards are clamped into it (OpenRLHF's default)
+    def backend_config(self, total_steps: int, seed: int) -> MegatronConfig:
+        """The rank-side :class:`MegatronConfig` with the schedule length and seed filled in."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(MegatronConfig)}
+        if self.min_lr_ratio is not None:
+            own["min_lr"] = self.min_lr_ratio * self.lr
+        return MegatronConfig(**{**own, "total_steps": total_steps, "seed": seed})
 
 
 @dataclass
@@ -139,44 +114,56 @@ class TrainerSection:
     export_hf: bool = True
     log_samples: int = 2  # responses printed per step (0: none)
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)
-    verbose: bool = False  # console: also engine/worker chatter and samples (always in <output_dir>/train.log)
+    verbose: bool = False  # console: also engine/worker output and samples (always in <output_dir>/train.log)
+
+
+def _train_data() -> DataSection:
+    return DataSection(prompt_dataset="bundled:train", input_key="question", label_key="answer",
+                       apply_chat_template=True, max_prompt_len=1024)
+
+
+def _train_engine() -> EngineConfig:
+    # model_path / seed / sleep mode / dtype are decided at set-up (from actor.pretrain, trainer.seed, the platform)
+    return EngineConfig(kv_cache_gib=2.0, gpu_memory_utilization=0.6, max_model_len=None)
 
 
 @dataclass
 class TrainConfig:
-    data: DataSection = field(default_factory=DataSection)
+    data: DataSection = field(default_factory=_train_data)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(n=8, max_tokens=8192))
+    engine: EngineConfig = field(default_factory=_train_engine)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     actor: ActorSection = field(default_factory=ActorSection)
     megatron: MegatronSection = field(default_factory=MegatronSection)
     shape: ShapeConfig = field(default_factory=ShapeConfig)
-    probe: ProbeSection = field(default_factory=ProbeSection)
-    reward: RewardSection = field(default_factory=RewardSection)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
 
     def validate(self) -> "TrainConfig":
         """Checks that need no model or devices; :func:`validate_against_model` does the rest."""
-        d, r, a, m, t = self.data, self.rollout, self.actor, self.megatron, self.trainer
+        d, r, a, m, t, sp = self.data, self.rollout, self.actor, self.megatron, self.trainer, self.sampling
         self.shape.validate()
+        try:
+            d.validate()
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
 
         def need(cond: bool, flag: str, msg: str) -> None:
             if not cond:
                 raise ValueError(f"--{public_name(flag)}: {msg}")
 
-        need(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
         if self.shape.estimator == "grpo" or self.shape.outcome_baseline != "none":
-            need(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
-                 "GRPO and group baselines need >= 2 samples per prompt")
+            need(sp.n >= 2, "rollout.n_samples_per_prompt", "GRPO and group baselines need >= 2 samples per prompt")
         need(r.rollout_batch_size >= 1, "rollout.rollout_batch_size", "must be >= 1 prompt per step")
-        need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         need(r.num_engines >= 1, "rollout.num_engines", "must be >= 1")
-        need(r.temperature > 0, "rollout.temperature", "must be > 0 (entropy is taken at this temperature)")
-        need(0 < r.top_p <= 1, "rollout.top_p", "must lie in (0, 1]")
+        need(sp.temperature > 0, "rollout.temperature", "must be > 0 (entropy is taken at this temperature)")
         self.rollout_correction().validate()
         if r.is_correction_level != "off":
-            need(r.top_p >= 1 and r.top_k in (-1, 0), "algo.advantage.is_correction_level",
+            need(sp.top_p >= 1 and sp.top_k in (-1, 0), "algo.advantage.is_correction_level",
                  "needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k vLLM's log-probs are of the "
                  "truncated distribution, so every importance weight would carry the truncation mass")
-        samples = r.rollout_batch_size * r.n_samples_per_prompt
+        samples = r.rollout_batch_size * sp.n
         need(a.train_batch_size >= 1, "actor.train_batch_size", "must be >= 1")
         need(
             samples % a.train_batch_size == 0 or r.dynamic_filtering,
@@ -185,15 +172,13 @@ class TrainConfig:
             f"(e.g. --train.batch_size {samples})",
         )
         need(a.max_epochs >= 1, "actor.max_epochs", "must be >= 1")
-        lo, hi = a.eps_clip_low_high
-        need(0 <= lo < 1 and hi >= 0, "actor.eps_clip_low_high", f"need 0 <= low < 1 and high >= 0, got {lo} {hi}")
-        need(a.learning_rate > 0, "actor.learning_rate", "must be > 0")
         need(m.world_size >= 1, "megatron.world_size", "must be >= 1")
         mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
         need(
             m.world_size % mp == 0,
             "megatron.world_size",
-            f"{m.world_size} ranks is not a multiple of TP x PP = {mp}; set --actor.num_nodes x --actor.num_gpus_per_node to TP x PP x DP",
+            f"{m.world_size} ranks is not a multiple of TP x PP = {mp}; set --actor.num_nodes x "
+            "--actor.num_gpus_per_node to TP x PP x DP",
         )
         dp = m.world_size // mp
         need(
@@ -201,7 +186,7 @@ class TrainConfig:
             "actor.train_batch_size",
             f"{a.train_batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP))",
         )
-        need(d.max_prompt_len >= 1, "data.max_prompt_len", "must be >= 1 token")
+        need(d.max_prompt_len is not None, "data.max_prompt_len", "must be set (tokens; it sizes the engines)")
         need(t.num_steps >= 1, "trainer.num_steps", "must be >= 1")
         need(t.save_steps >= 0 and t.eval_steps >= 0, "trainer.save_steps", "save/eval steps must be >= 0")
         need(t.max_ckpts_keep >= 1, "trainer.max_ckpts_keep", "must keep at least 1 checkpoint")
@@ -221,6 +206,7 @@ class TrainConfig:
         return self
 
     def rollout_correction(self):
+        """``--algo.advantage.is_correction_*`` as a :class:`RolloutCorrectionConfig`."""
         from openrlhf_shape.algorithms.rollout_correction import RolloutCorrectionConfig
 
         r = self.rollout
@@ -228,144 +214,84 @@ class TrainConfig:
                                        tuple(r.is_correction_threshold))
 
     def max_model_len(self) -> int:
-        if self.rollout.max_model_len:
-            return int(self.rollout.max_model_len)
-        return int(self.data.max_prompt_len + self.rollout.max_new_tokens + 64 + self.shape.probe_max_tokens)
+        """Engine context in tokens: ``--engine.max_model_len``, else prompt + response + probe room."""
+        if self.engine.max_model_len:
+            return int(self.engine.max_model_len)
+        return int(self.data.max_prompt_len + self.sampling.max_tokens + 64 + self.shape.probe_max_tokens)
+
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (the LR schedule's length)."""
+        per_rollout = max(1, (self.rollout.rollout_batch_size * self.sampling.n) // self.actor.train_batch_size)
+        return max(1, self.trainer.num_steps * per_rollout * self.actor.max_epochs)
+
+    def megatron_config(self) -> MegatronConfig:
+        """What each Megatron rank gets: ``megatron.*`` with the schedule length and seed filled in."""
+        return self.megatron.backend_config(self.total_optimizer_steps(), self.trainer.seed)
+
+    def probe_config(self) -> ProbeConfig:
+        """``probe.*`` with m and the probe length from ``--shape.num_probes`` / ``--shape.probe_max_tokens``."""
+        return dataclasses.replace(self.probe, num_probes=self.shape.num_probes, max_tokens=self.shape.probe_max_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-# ----------------------------------------------------------------------------- parsing
+# ----------------------------------------------------------------------------- flags
 
-def public_name(field: str) -> str:
-    """The flag a user types for one of our fields: OpenRLHF's name where it has one."""
-    from openrlhf_shape.trainer.flag_translation import OURS, TARGETS
+# Older and foreign flag names -> canonical paths (a tuple: one flag that sets several fields).
+# Add rows here to accept more names (e.g. OpenRLHF 0.11 spellings); nothing else changes.
+ALIASES: dict[str, Alias] = {
+    "algo.advantage.estimator": "shape.estimator",
+    "data.prompt_data": "data.prompt_dataset",
+    "rollout.n_samples_per_prompt": "sampling.n",
+    "rollout.temperature": "sampling.temperature",
+    "rollout.top_p": "sampling.top_p",
+    "rollout.top_k": "sampling.top_k",
+    "rollout.max_new_tokens": "sampling.max_tokens",
+    "rollout.generate_max_len": "sampling.max_tokens",
+    "rollout.engine_tensor_parallel_size": "engine.tensor_parallel_size",
+    "rollout.kv_cache_gib": "engine.kv_cache_gib",
+    "rollout.gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "rollout.block_size": "engine.block_size",
+    "rollout.dtype": "engine.dtype",
+    "rollout.max_model_len": "engine.max_model_len",
+    "actor.learning_rate": "megatron.lr",
+    "actor.lr": "megatron.lr",
+    "actor.min_lr": "megatron.min_lr",
+    "actor.lr_warmup_ratio": "megatron.lr_warmup_fraction",
+    "actor.lr_warmup_steps": "megatron.lr_warmup_steps",
+    "actor.lr_decay_style": "megatron.lr_decay_style",
+    "actor.weight_decay": "megatron.weight_decay",
+    "actor.max_norm": "megatron.clip_grad",
+    "actor.eps_clip_low_high": ("megatron.eps_clip_low", "megatron.eps_clip_high"),
+    "actor.dual_clip": "megatron.dual_clip",
+    "actor.micro_batch_max_tokens": "megatron.micro_batch_max_tokens",
+    "actor.micro_train_batch_size_tokens": "megatron.micro_batch_max_tokens",
+    "actor.entropy_chunk_size": "megatron.entropy_chunk_size",
+    **PUBLIC,  # OpenRLHF 0.11's names and our public names (trainer/flag_translation.py)
+}
 
-    return {ours: theirs for theirs, ours in {**TARGETS, **OURS}.items()}.get(field, field)
+# Fields computed from other settings at set-up: never flags (the value names the flag to use).
+DERIVED: dict[str, str] = {
+    "engine.model_path": "--actor.model_name_or_path",
+    "engine.seed": "--train.seed",
+    "engine.enable_sleep_mode": "--train.colocate_all",
+    "megatron.total_steps": "--train.num_steps (with the batch sizes and --train.max_epochs)",
+    "megatron.seed": "--train.seed",
+    "probe.num_probes": "--shape.num_probes",
+    "probe.max_tokens": "--shape.probe_max_tokens",
+}
 
-
-def _section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(TrainConfig)
-    return {name: hints[name] for name in hints}
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "extra"}
-
-
-def _all_flags() -> list[str]:
-    return [f"{s}.{k}" for s, cls in _section_types().items() for k in _field_types(cls)]
-
-
-def _convert(value: Any, tp: Any, flag: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        non_none = [a for a in args if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-            if type(None) in args:
-                return None
-        return _convert(value, non_none[0], flag)
-    try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            s = str(value).lower()
-            if s in ("1", "true", "yes", "on"):
-                return True
-            if s in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"expected true/false, got {value!r}")
-        if tp is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(f"expected an integer, got {value!r}")
-            return int(value)
-        if tp is float:
-            return float(value)
-        if tp is str:
-            return str(value)
-        if origin is tuple:
-            items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
-            if len(items) != len(args):
-                raise ValueError(f"expected {len(args)} values, got {len(items)}")
-            return tuple(_convert(v, a, flag) for v, a in zip(items, args))
-        if origin is dict or tp is dict:
-            if not isinstance(value, dict):
-                raise ValueError("expected a mapping")
-            return value
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"--{flag}: {exc}") from None
-    return value
-
-
-def _set(cfg_dict: dict[str, dict[str, Any]], flag: str, value: Any) -> None:
-    from openrlhf_shape.trainer.flag_translation import TARGETS
-
-    parts = flag.split(".")
-    sections = _section_types()
-    if len(parts) != 2 or parts[0] not in sections or parts[1] not in _field_types(sections[parts[0]]):
-        close = difflib.get_close_matches(flag, sorted({public_name(f) for f in _all_flags()} | set(TARGETS)), n=3)
-        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-        raise ValueError(f"unknown option --{flag}{hint}")
-    tp = _field_types(sections[parts[0]])[parts[1]]
-    cfg_dict.setdefault(parts[0], {})[parts[1]] = _convert(value, tp, public_name(flag))
-
-
-def _flatten_yaml(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out = []
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and name not in _all_flags():
-            out.extend(_flatten_yaml(value, name + "."))
-        else:
-            out.append((name, value))
-    return out
-
-
-def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
-    """``['--a.b', '1', '--c.d=x', '--e.f', '0.2', '0.28', '--flag']`` -> [(flag, value)].
-
-    A flag followed by several non-flag tokens collects a list (for tuples); a bare flag means true.
-    """
-    out: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if not tok.startswith("--") or len(tok) < 3:
-            raise ValueError(f"unexpected argument {tok!r}: options look like --section.name VALUE")
-        name = tok[2:]
-        if "=" in name:
-            name, value = name.split("=", 1)
-            out.append((name, value))
-            i += 1
-            continue
-        values = []
-        i += 1
-        while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2 and not _is_number(argv[i])):
-            values.append(argv[i])
-            i += 1
-        out.append((name, True if not values else values[0] if len(values) == 1 else values))
-    return out
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
+FLAGS = FlagSpace(TrainConfig, ALIASES, DERIVED)
 
 
 def load_config(yaml_path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`.
 
-    Flags and YAML keys may use OpenRLHF 0.11's names (trainer/flag_translation.py); OpenRLHF flags
-    for parts this trainer does not have are refused, all of them in one error, one line each."""
-    from openrlhf_shape.trainer.flag_translation import translate
-
-    cfg_dict: dict[str, dict[str, Any]] = {}
+    Flags and YAML keys go through :func:`~openrlhf_shape.trainer.flag_translation.translate` first:
+    OpenRLHF flags for parts this trainer does not have are refused (all of them, one line each), old
+    names print a deprecation line, OpenRLHF's value encodings are translated."""
+    values: dict[str, Any] = {}
     if yaml_path:
         if not os.path.isfile(yaml_path):
             raise FileNotFoundError(f"--config: {yaml_path} does not exist (presets live in configs/)")
@@ -374,19 +300,10 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
         if not isinstance(data, dict):
             raise ValueError(f"--config: {yaml_path} must hold a mapping of sections")
         try:
-            for flag, value in translate(_flatten_yaml(data)):
-                _set(cfg_dict, flag, value)
+            for flag, value in translate(flatten_mapping(data, FLAGS)):
+                values.update(FLAGS.resolve(flag, value))
         except ValueError as exc:
             raise ValueError(f"{yaml_path}: {exc}") from None
     for flag, value in translate(parse_overrides(list(overrides or []))):
-        _set(cfg_dict, flag, value)
-    sections = _section_types()
-    built = {}
-    for name, cls in sections.items():
-        try:
-            built[name] = cls(**cfg_dict.get(name, {}))
-        except ValueError:
-            raise
-        except TypeError as exc:
-            raise ValueError(f"--{name}.*: {exc}") from None
-    return TrainConfig(**built).validate()
+        values.update(FLAGS.resolve(flag, value))
+    return FLAGS.build(TrainConfig(), values).validate()

@@ -1,17 +1,22 @@
-"""The SHAPE experience maker: prompts -> a batch of experiences ready for the train step.
+"""The SHAPE experience maker: prompts -> a typed batch of experiences, one phase function each.
 
-Order of work for one step (DESIGN.md section 2):
-generate (vLLM) -> rewards -> [optional DAPO group filter] -> old log-probs + entropy (the actor)
--> segmentation -> potential probes (vLLM) -> advantages (SHAPE / MRT / GRPO) -> TCR.
+Phases of one step (docs/architecture.md, "One step"): :meth:`~ShapeExperienceMaker.generate`
+(vLLM) -> :meth:`~ShapeExperienceMaker.rewards` (+ optional DAPO group filter) ->
+:meth:`~ShapeExperienceMaker.logprobs` (old log-probs and entropy, the actor) ->
+:meth:`~ShapeExperienceMaker.segment` -> :meth:`~ShapeExperienceMaker.probes` (potentials, vLLM) ->
+:meth:`~ShapeExperienceMaker.advantages` (the registered estimator, then TCR). Each returns a
+:class:`~openrlhf_shape.trainer.phases.PhaseOutput` (its value and metrics); the trainer's loop runs
+them through :class:`~openrlhf_shape.trainer.phases.StepLog`, :meth:`make_experience` runs the same
+sequence for tests and tools.
 
-The actor is anything with ``compute_logprobs_and_entropy(batch) -> {"log_probs", "entropy"}``
-(lists of float32 ``[T_i]`` tensors in batch order): the Megatron actor group in training, a plain
-Hugging Face forward (:class:`HFActor`) in light tests and tools.
+The actor is anything with ``compute_logprobs_and_entropy(SequenceBatch) -> (log_probs, entropy)``,
+both float32 ``[B, T]`` (0-padded): the Megatron actor group in training, a plain Hugging Face
+forward (:class:`HFActor`) in light tests and tools.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -19,96 +24,92 @@ import torch
 
 from openrlhf_shape.algorithms import ShapeConfig, boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.entropy import token_log_probs_and_entropy
+from openrlhf_shape.algorithms.estimators import get_estimator
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
     rollout_mismatch_metrics,
 )
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask, pad_rows
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_potentials
+from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 
 class LogProbActor(Protocol):
-    def compute_logprobs_and_entropy(self, batch: dict) -> dict: ...
-
-
-@dataclass
-class ExperienceConfig:
-    """What the experience maker needs from the training config."""
-
-    shape: ShapeConfig
-    n_samples_per_prompt: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 1024
-    dynamic_filtering: bool = False
-    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)  # keep groups whose mean score is strictly inside
-    reward_clip_range: tuple[float, float] = (-10.0, 10.0)  # rewards are clamped into it (OpenRLHF's --reward.clip_range)
-    probe_temperature: float = 1.0
-    probe_top_p: float = 1.0
-    think_suffix: str | None = None
-    answer_suffix: str | None = None
-    # rollout/trainer mismatch: correction (--algo.advantage.is_correction_*) and metrics
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-
-    def __post_init__(self) -> None:
-        self.rollout_correction.validate()
-        if self.rollout_correction.level != "off" and not self.untruncated_sampling:
-            raise ValueError(
-                "--algo.advantage.is_correction_level needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k "
-                "vLLM's log-probs are of the truncated, renormalised distribution, so every importance weight would "
-                f"carry the truncation mass (got top_p {self.top_p}, top_k {self.top_k})"
-            )
-
-    @property
-    def untruncated_sampling(self) -> bool:
-        """True when vLLM samples from the full tempered distribution (no top-p / top-k): then its
-        log-probs and the trainer's measure the same thing and the mismatch metrics are logged."""
-        return self.top_p >= 1.0 and self.top_k in (-1, 0)
-
-    def probe_config(self) -> ProbeConfig:
-        kw: dict[str, Any] = dict(
-            num_probes=self.shape.num_probes,
-            max_tokens=self.shape.probe_max_tokens,
-            temperature=self.probe_temperature,
-            top_p=self.probe_top_p,
-        )
-        if self.think_suffix:
-            kw["think_suffix"] = self.think_suffix
-        if self.answer_suffix:
-            kw["answer_suffix"] = self.answer_suffix
-        return ProbeConfig(**kw)
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
 class ExperienceBatch:
-    """Experiences of one step. Lists are per sample (prompt-major, n samples per prompt)."""
+    """One step's experiences, filled phase by phase. B samples (prompt-major), T = longest response.
 
-    sequences: list[list[int]]  # prompt + response ids
+    ``items``: each sample's prompt item (prompt text and ids, label, dataset ``index``);
+    ``sequences`` prompt + response ids; ``texts`` decoded responses; ``response_mask`` ``[B, T]``
+    bool; ``rollout_log_probs`` ``[B, T]`` vLLM's sampled-token log-probs (when sampled with
+    ``logprobs``); ``rewards`` / ``scores`` ``[B]``; ``old_log_probs`` / ``entropy`` /
+    ``advantages`` ``[B, T]`` float32, 0 at padding; ``is_weights`` ``[B, T]`` the rollout-correction
+    weights (None when the correction is off).
+    """
+
+    items: list[Any]
+    sequences: list[list[int]]
     prompt_lens: list[int]
-    old_log_probs: list[torch.Tensor]  # [T_i]
-    advantages: list[torch.Tensor]  # [T_i]
-    rewards: torch.Tensor  # [B]
-    prompt_indices: list[int]  # dataset row of each sample's prompt
+    texts: list[str]
+    response_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
-    is_weights: list[torch.Tensor] | None = None  # [T_i] rollout-correction weights (None: correction off)
-    rollout_log_probs: list[torch.Tensor] | None = None  # [T_i] vLLM's sampled-token log-probs (None: not asked)
 
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def as_train_batch(self, indices: Sequence[int], temperature: float) -> dict:
-        """The worker's ``train_step`` batch for the samples at ``indices``."""
-        return {
-            "sequences": [self.sequences[i] for i in indices],
-            "prompt_lens": [self.prompt_lens[i] for i in indices],
-            "old_log_probs": [self.old_log_probs[i] for i in indices],
-            "advantages": [self.advantages[i] for i in indices],
-            "temperature": temperature,
-            **({"is_weights": [self.is_weights[i] for i in indices]} if self.is_weights is not None else {}),
-        }
+    @property
+    def responses(self) -> list[list[int]]:
+        return [s[p:] for s, p in zip(self.sequences, self.prompt_lens)]
+
+    @property
+    def prompt_indices(self) -> torch.Tensor:
+        """``[B]`` long: the dataset row of each sample's prompt."""
+        return torch.tensor([it.index for it in self.items], dtype=torch.long)
+
+    def response_ids(self) -> torch.Tensor:
+        """``[B, T]`` long response token ids (0-padded)."""
+        return pad_rows([torch.tensor(r, dtype=torch.long) for r in self.responses], self.response_mask.shape[1],
+                        torch.long)
+
+    def select(self, rows: Sequence[int]) -> "ExperienceBatch":
+        """The samples at ``rows`` (tensors indexed, lists picked); metrics and samples kept."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        take = lambda t: None if t is None else t[idx]  # noqa: E731
+        return dataclasses.replace(
+            self, items=pick(self.items), sequences=pick(self.sequences), prompt_lens=pick(self.prompt_lens),
+            texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
+            rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
+            entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
+        )
+
+    def sequence_batch(self, temperature: float) -> SequenceBatch:
+        return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature)
+
+    def train_batch(self, rows: Sequence[int], temperature: float) -> TrainBatch:
+        """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        mask = self.response_mask[idx]
+        width = max(int(mask.sum(-1).max()), 0) if len(idx) else 0
+        return TrainBatch(
+            sequences=[self.sequences[i] for i in rows], prompt_lens=[self.prompt_lens[i] for i in rows],
+            temperature=temperature, old_log_probs=self.old_log_probs[idx, :width],
+            advantages=self.advantages[idx, :width], loss_mask=mask[:, :width],
+            is_weights=None if self.is_weights is None else self.is_weights[idx, :width],
+        )
 
 
 def delimiter_token_ids(tokenizer, delimiter: str) -> set[int]:
@@ -122,214 +123,194 @@ def delimiter_token_ids(tokenizer, delimiter: str) -> set[int]:
     return ids
 
 
-def _pad(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r.float()
-        mask[i, : r.numel()] = True
-    return out, mask
-
-
 class ShapeExperienceMaker:
-    """Turns a batch of prompt items into an :class:`ExperienceBatch`.
+    """Phase functions that turn a batch of prompt items into an :class:`ExperienceBatch`.
 
     Args:
-        cfg: sampling / estimator settings.
+        shape: the estimator settings (``--shape.*``).
+        sampling: rollout sampling (``--sampling.*``; ``n`` samples per prompt).
+        probe: probe settings with m and the probe length resolved (``TrainConfig.probe_config``).
         engines: an :class:`~openrlhf_shape.rollout.engine.EngineGroup` (rollouts and probes).
         actor: computes old log-probs and entropy (see module doc).
         reward: a :class:`~openrlhf_shape.rewards.computer.RewardComputer` (outcomes and probe scores).
-        tokenizer: the policy's tokenizer (decoding, probe suffixes, delimiter ids).
+        tokenizer: the policy's tokenizer (probe suffixes, delimiter ids).
+        dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
+            ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
+        rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
+        reward_clip_range: rewards are clamped into it (``--reward.clip_range``).
+
+    With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
+    log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
     """
 
-    def __init__(self, cfg: ExperienceConfig, engines, actor: LogProbActor, reward, tokenizer):
-        self.cfg = cfg
-        self.engines = engines
-        self.actor = actor
-        self.reward = reward
-        self.tokenizer = tokenizer
-        self.probe_cfg = cfg.probe_config()
-        self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, self.probe_cfg) if cfg.shape.estimator != "grpo" else None
-        self._delims = (
-            delimiter_token_ids(tokenizer, cfg.shape.delimiter) if cfg.shape.segmentation == "delimiter" else None
-        )
+    def __init__(self, shape: ShapeConfig, sampling: SamplingConfig, probe: ProbeConfig, engines, actor: LogProbActor,
+                 reward, tokenizer, dynamic_filtering: bool = False,
+                 dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
+                 rollout_correction: RolloutCorrectionConfig | None = None,
+                 reward_clip_range: tuple[float, float] = (-10.0, 10.0)):
+        self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
+        untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
+        if self.correction.level != "off" and not untruncated:
+            raise ValueError(
+                "--algo.advantage.is_correction_level needs --rollout.top_p 1 and --rollout.top_k -1: under "
+                "top-p/top-k vLLM's log-probs are of the truncated, renormalised distribution, so every importance "
+                f"weight would carry the truncation mass (got top_p {sampling.top_p}, top_k {sampling.top_k})"
+            )
+        if untruncated and not sampling.logprobs:  # the sampled token's log-prob: mismatch metrics, correction
+            sampling = dataclasses.replace(sampling, logprobs=True)
+        self.dynamic_filtering_range = tuple(dynamic_filtering_range)
+        self.reward_clip_range = tuple(reward_clip_range)
+        self.shape, self.sampling, self.probe_cfg = shape, sampling, probe
+        self.engines, self.actor, self.reward, self.tokenizer = engines, actor, reward, tokenizer
+        self.dynamic_filtering = dynamic_filtering
+        self.estimator = get_estimator(shape)
+        self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
+        self._delims = delimiter_token_ids(tokenizer, shape.delimiter) if shape.segmentation == "delimiter" else None
 
     def make_experience(self, items: Sequence) -> ExperienceBatch:
-        """``items``: prompt items with ``index``, ``prompt``, ``prompt_ids``, ``label``."""
-        cfg, shape = self.cfg, self.cfg.shape
-        n = cfg.n_samples_per_prompt
-        timings: dict[str, float] = {}
-        metrics: dict[str, Any] = {}
+        """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label)."""
+        log = StepLog()
+        exp = log.phase("generate", self.generate, items)
+        exp = log.phase("rewards", self.rewards, exp)
+        if len(exp):
+            exp = log.phase("logprobs", self.logprobs, exp)
+            boundaries = log.phase("segment", self.segment, exp)
+            potentials = log.phase("probes", self.probes, exp, boundaries)
+            exp = log.phase("advantages", self.advantages, exp, boundaries, potentials)
+        exp.metrics = log.metrics
+        return exp
 
-        # 1. rollouts
+    # ------------------------------------------------------------------ phases
+    def generate(self, items: Sequence) -> PhaseOutput:
+        """n samples per prompt from the engines -> an :class:`ExperienceBatch` (no rewards yet)."""
+        import time
+
+        n = self.sampling.n
         t0 = time.perf_counter()
-        sampling = SamplingConfig(
-            n=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_new_tokens,
-            logprobs=cfg.untruncated_sampling,  # the sampled token's log-prob (mismatch metrics, correction)
-        )
-        gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
-        timings["generate"] = time.perf_counter() - t0
+        gens = self.engines.generate([list(it.prompt_ids) for it in items], self.sampling)
+        seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
-        sample_items = [items[g.prompt_index] for g in gens]
-        responses = [list(g.token_ids) for g in gens]
-        empty = [i for i, r in enumerate(responses) if not r]
+        empty = [i for i, g in enumerate(gens) if not g.token_ids]
         if empty:
             raise RuntimeError(f"vLLM returned empty responses for samples {empty[:5]}: check --rollout.max_new_tokens")
-
-        # 2. outcome rewards
-        t0 = time.perf_counter()
-        texts = [g.text for g in gens]
-        # OpenRLHF hands reward_func the decoded prompt + response tokens, special tokens kept.
-        queries = [self.tokenizer.decode(list(it.prompt_ids) + r, skip_special_tokens=False)
-                   for it, r in zip(sample_items, responses)]
-        out = self.reward.compute(
-            queries=queries,
-            prompts=[it.prompt for it in sample_items],
-            labels=[it.label for it in sample_items],
-            responses=texts,
+        sample_items = [items[g.prompt_index] for g in gens]
+        lengths = torch.tensor([len(g.token_ids) for g in gens])
+        width = int(lengths.max())
+        rollout_lp = None
+        if self.sampling.logprobs:
+            rollout_lp = pad_rows([torch.tensor(g.logprobs, dtype=torch.float32) for g in gens], width)
+        exp = ExperienceBatch(
+            items=sample_items, sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
+            prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
+            response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
         )
-        rewards = out["rewards"].float().clamp(*cfg.reward_clip_range)
-        scores = out["scores"].float()
-        metrics.update(out.get("extra_logs", {}))
-        timings["rewards"] = time.perf_counter() - t0
-        if shape.estimator != "grpo" and ((rewards < 0) | (rewards > 1)).any():
+        lf = lengths.float()
+        return PhaseOutput(exp, {
+            "rollout/response_length/mean": float(lf.mean()),
+            "rollout/response_length/max": float(lf.max()),
+            "rollout/response_lengths": [int(x) for x in lengths.tolist()],
+            "rollout/truncated_rate": sum(g.finish_reason == "length" for g in gens) / len(gens),
+            "rollout/tokens": float(lf.sum()),
+            "rollout/tokens_per_s": float(lf.sum()) / max(seconds, 1e-9),
+        })
+
+    def rewards(self, exp: ExperienceBatch) -> PhaseOutput:
+        """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
+        # OpenRLHF hands reward_func the decoded prompt + response tokens, special tokens kept.
+        out = self.reward.compute(
+            queries=[self.tokenizer.decode(seq, skip_special_tokens=False) for seq in exp.sequences],
+            prompts=[it.prompt for it in exp.items],
+            labels=[it.label for it in exp.items],
+            responses=exp.texts,
+        )
+        exp.rewards, exp.scores = out["rewards"].float().clamp(*self.reward_clip_range), out["scores"].float()
+        metrics: dict[str, Any] = dict(out.get("extra_logs", {}))
+        if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
                 "SHAPE/MRT use the outcome as the final potential, so rewards must lie in [0, 1]; the reward "
                 "function (--reward.remote_url) returned values outside it. Rescale it, or use "
                 "--algo.advantage.estimator grpo"
             )
-        lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
-        metrics["rollout/accuracy"] = float(scores.mean())
-        metrics["rollout/reward/mean"] = float(rewards.mean())
-        metrics["rollout/response_length/mean"] = float(lengths.mean())
-        metrics["rollout/response_length/max"] = float(lengths.max())
-        metrics["rollout/response_lengths"] = [int(x) for x in lengths.tolist()]
-        metrics["rollout/truncated_rate"] = sum(g.finish_reason == "length" for g in gens) / len(gens)
-        metrics["rollout/tokens"] = float(lengths.sum())
-        metrics["rollout/tokens_per_s"] = float(lengths.sum()) / max(timings["generate"], 1e-9)
-        grouped = rewards.view(-1, n)
-        solved = (grouped.max(-1).values > 0).float()
+        grouped = exp.rewards.view(-1, self.sampling.n)
+        metrics["rollout/accuracy"] = float(exp.scores.mean())
+        metrics["rollout/reward/mean"] = float(exp.rewards.mean())
         metrics["rollout/group_all_correct_rate"] = float((grouped.min(-1).values >= 1).float().mean())
-        metrics["rollout/group_all_wrong_rate"] = float((1 - solved).mean())
-
-        # 3. DAPO-style dynamic filtering of groups with no reward variance
-        keep = torch.ones(len(items), dtype=torch.bool)
-        if cfg.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
-            lo, hi = cfg.dynamic_filtering_range
-            mean_score = scores.view(-1, n).mean(-1)
-            keep = (mean_score > lo) & (mean_score < hi)
+        metrics["rollout/group_all_wrong_rate"] = float((grouped.max(-1).values <= 0).float().mean())
+        exp.samples = [{"prompt": exp.items[i].prompt, "response": exp.texts[i], "label": exp.items[i].label,
+                        "reward": float(exp.rewards[i])} for i in range(min(len(exp), 4))]
+        if self.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
+            lo, hi = self.dynamic_filtering_range
+            mean_score = exp.scores.view(-1, self.sampling.n).mean(-1)
+            keep = (mean_score > lo) & (mean_score < hi)  # [prompts]
             metrics["rollout/filtered_groups"] = float((~keep).sum())
-        keep_samples = [i for i in range(len(gens)) if bool(keep[i // n])]
-        samples_log = [
-            {"prompt": sample_items[i].prompt, "response": texts[i], "label": sample_items[i].label, "reward": float(rewards[i])}
-            for i in range(min(len(gens), 4))
-        ]
-        if not keep_samples:
-            metrics["time/generate"] = timings["generate"]
-            return ExperienceBatch([], [], [], [], torch.zeros(0), [], metrics, samples_log)
-        gens = [gens[i] for i in keep_samples]
-        sample_items = [sample_items[i] for i in keep_samples]
-        responses = [responses[i] for i in keep_samples]
-        rewards = rewards[keep_samples]
+            exp = exp.select(torch.nonzero(keep.repeat_interleave(self.sampling.n)).flatten().tolist())
+        return PhaseOutput(exp, metrics)
 
-        # 4. old-policy log-probs and entropy (at the sampling temperature)
-        t0 = time.perf_counter()
-        sequences = [list(it.prompt_ids) + r for it, r in zip(sample_items, responses)]
-        prompt_lens = [len(it.prompt_ids) for it in sample_items]
-        lp = self.actor.compute_logprobs_and_entropy(
-            {"sequences": sequences, "prompt_lens": prompt_lens, "temperature": cfg.temperature}
-        )
-        old_log_probs, entropies = lp["log_probs"], lp["entropy"]
-        timings["logprobs"] = time.perf_counter() - t0
-        for i, (a, b, r) in enumerate(zip(old_log_probs, entropies, responses)):
-            if a.numel() != len(r) or b.numel() != len(r):
-                raise RuntimeError(f"actor returned {a.numel()} log-probs for a response of {len(r)} tokens (sample {i})")
-        width = max(len(r) for r in responses)
-        ent, mask = _pad(entropies, width)
-        metrics["actor/old_entropy/mean"] = float(ent[mask].mean())
-        is_weights = rollout_lps = None
-        if all(g.logprobs is not None for g in gens):
-            rollout_lps = [torch.tensor(g.logprobs, dtype=torch.float32) for g in gens]
-            old_pad, _ = _pad(old_log_probs, width)
-            roll_pad, _ = _pad(rollout_lps, width)
-            for k, v in rollout_mismatch_metrics(old_pad, roll_pad, mask).items():
+    def logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
+        """Old-policy log-probs and entropy ``[B, T]`` at the sampling temperature (the actor)."""
+        lp, ent = self.actor.compute_logprobs_and_entropy(exp.sequence_batch(self.sampling.temperature))
+        mask = exp.response_mask
+        if lp.shape != mask.shape or ent.shape != mask.shape:
+            raise RuntimeError(f"actor returned log-probs {tuple(lp.shape)} / entropy {tuple(ent.shape)} for "
+                               f"responses {tuple(mask.shape)}")
+        exp.old_log_probs = torch.where(mask, lp.float(), torch.zeros_like(lp, dtype=torch.float32))
+        exp.entropy = torch.where(mask, ent.float(), torch.zeros_like(ent, dtype=torch.float32))
+        metrics: dict[str, Any] = {"actor/old_entropy/mean": float(exp.entropy[mask].mean())}
+        if exp.rollout_log_probs is not None:  # vLLM's vs the trainer's log-probs of the sampled tokens
+            for k, v in rollout_mismatch_metrics(exp.old_log_probs, exp.rollout_log_probs, mask).items():
                 metrics[f"rollout/mismatch/{k}"] = v
-            if cfg.rollout_correction.level != "off":
-                w, wm = rollout_correction_weights(old_pad, roll_pad, mask, cfg.rollout_correction)
-                is_weights = [w[i, : len(r)].clone() for i, r in enumerate(responses)]
-                for k, v in wm.items():
-                    metrics[f"rollout/correction/{k}"] = v
+            if self.correction.level != "off":
+                exp.is_weights, wm = rollout_correction_weights(exp.old_log_probs, exp.rollout_log_probs, mask,
+                                                                self.correction)
+                metrics.update({f"rollout/correction/{k}": v for k, v in wm.items()})
+        return PhaseOutput(exp, metrics)
 
-        # 5-7. segmentation, probes, advantages
-        boundaries = potentials = None
-        if shape.estimator != "grpo":
-            t0 = time.perf_counter()
-            ids_pad = None
-            if self._delims is not None:
-                ids_pad = torch.zeros(len(responses), width, dtype=torch.long)
-                for i, r in enumerate(responses):
-                    ids_pad[i, : len(r)] = torch.tensor(r)
-            boundaries = segment_batch(ent, mask, shape, token_ids=ids_pad, delimiter_token_ids=self._delims)
-            timings["segment"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            pot = estimate_potentials(
-                self.engines,
-                [list(it.prompt_ids) for it in sample_items],
-                responses,
-                boundaries_as_lists(boundaries),
-                [it.label for it in sample_items],
-                [float(x) for x in rewards],
-                self.reward,
-                self.probe_cfg,
-                suffixes=self.suffixes,
-            )
-            timings["probes"] = time.perf_counter() - t0
-            potentials = pad_potentials(pot.potentials, shape.num_segments)
-            st = pot.stats
-            metrics["probe/requests"] = st.get("probe_requests", 0.0)
-            metrics["probe/tokens"] = st.get("probe_decode_tokens", 0.0)
-            metrics["probe/prompt_tokens"] = st.get("probe_prompt_tokens", 0.0)
-            metrics["probe/cached_tokens"] = st.get("probe_cached_tokens", 0.0)
-            metrics["probe/prefix_hit_rate"] = st.get("probe_prefix_hit_rate", 0.0)
-            metrics["probe/prefill_per_response_token"] = st.get("probe_computed_prompt_tokens", 0.0) / max(
-                float(sum(len(r) for r in responses)), 1.0
-            )
-        t0 = time.perf_counter()
+    def segment(self, exp: ExperienceBatch) -> torch.Tensor | None:
+        """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""
+        if not self.estimator.needs_segments:
+            return None
+        ids = exp.response_ids() if self._delims is not None else None
+        return segment_batch(exp.entropy, exp.response_mask, self.shape, token_ids=ids, delimiter_token_ids=self._delims)
+
+    def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None) -> PhaseOutput:
+        """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state."""
+        if boundaries is None:
+            return PhaseOutput(None, {})
+        pot = estimate_potentials(
+            self.engines, [list(it.prompt_ids) for it in exp.items], exp.responses, boundaries_as_lists(boundaries),
+            [it.label for it in exp.items], [float(x) for x in exp.rewards], self.reward, self.probe_cfg,
+            suffixes=self.suffixes,
+        )
+        st = pot.stats
+        metrics = {
+            "probe/requests": st.get("probe_requests", 0.0),
+            "probe/tokens": st.get("probe_decode_tokens", 0.0),
+            "probe/prompt_tokens": st.get("probe_prompt_tokens", 0.0),
+            "probe/cached_tokens": st.get("probe_cached_tokens", 0.0),
+            "probe/prefix_hit_rate": st.get("probe_prefix_hit_rate", 0.0),
+            "probe/prefill_per_response_token": st.get("probe_computed_prompt_tokens", 0.0)
+            / max(float(exp.response_mask.sum()), 1.0),
+        }
+        return PhaseOutput(pad_potentials(pot.potentials, self.shape.num_segments), metrics)
+
+    def advantages(self, exp: ExperienceBatch, boundaries: torch.Tensor | None,
+                   potentials: torch.Tensor | None) -> PhaseOutput:
+        """Token advantages ``[B, T]`` from the registered estimator (and TCR)."""
         res = compute_token_advantages(
-            shape,
-            mask,
-            rewards,
-            n,  # filtering drops whole groups, so groups still hold n samples
-            max_response_len=cfg.max_new_tokens,
-            entropy=ent,
-            boundaries=boundaries,
+            self.shape, exp.response_mask, exp.rewards,
+            self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
+            max_response_len=self.sampling.max_tokens, entropy=exp.entropy, boundaries=boundaries,
             potentials=potentials,
         )
-        timings["advantages"] = time.perf_counter() - t0
-        metrics.update(res.metrics)
-        adv = [res.token_advantages[i, : len(r)].clone() for i, r in enumerate(responses)]
-        metrics["adv/token/mean"] = float(res.token_advantages[mask].mean())
-        for k, v in timings.items():
-            metrics[f"time/{k}"] = v
-        return ExperienceBatch(
-            sequences=sequences,
-            prompt_lens=prompt_lens,
-            old_log_probs=[x.float() for x in old_log_probs],
-            advantages=adv,
-            rewards=rewards,
-            prompt_indices=[it.index for it in sample_items],
-            metrics=metrics,
-            samples=samples_log,
-            is_weights=is_weights,
-            rollout_log_probs=rollout_lps,
-        )
+        exp.advantages = res.token_advantages
+        return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(res.token_advantages[exp.response_mask].mean())})
 
 
 class HFActor:
     """A plain Hugging Face forward as the log-prob/entropy actor (tools and light tests).
 
-    Same contract as the Megatron worker's ``compute_logprobs_and_entropy`` at world size 1.
+    Same contract as the Megatron actor group's ``compute_logprobs_and_entropy`` at world size 1.
     """
 
     def __init__(self, model_dir: str, chunk_size: int = 256):
@@ -339,13 +320,14 @@ class HFActor:
         self.chunk_size = chunk_size
 
     @torch.no_grad()
-    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
-        temperature = float(batch.get("temperature", 1.0))
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` log-probs and entropy (0-padded) of each response token at ``batch.temperature``."""
+        batch = SequenceBatch.coerce(batch)
         log_probs, entropy = [], []
-        for seq, plen in zip(batch["sequences"], batch["prompt_lens"]):
+        for seq, plen in zip(batch.sequences, batch.prompt_lens):
             ids = torch.tensor(seq)[None]
             logits = self.model(ids).logits[0, plen - 1 : len(seq) - 1]
-            lp, ent = token_log_probs_and_entropy(logits, ids[0, plen:], temperature, self.chunk_size)
+            lp, ent = token_log_probs_and_entropy(logits, ids[0, plen:], float(batch.temperature), self.chunk_size)
             log_probs.append(lp)
             entropy.append(ent)
-        return {"log_probs": log_probs, "entropy": entropy}
+        return pad_rows(log_probs), pad_rows(entropy)

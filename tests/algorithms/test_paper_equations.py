@@ -154,6 +154,31 @@ def test_shape_config_refuses_unsafe_hparams_and_cites_appendix():
     assert ShapeConfig(estimator="grpo", alpha=0.9).estimator == "grpo"  # GRPO ignores alpha
 
 
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_a2_bound_follows_num_probes(m):
+    bound = (m - 1) / m
+    just_above, at = bound + 1e-3, bound
+    # the bound is tight: just above it the worst step (m-1)/m -> 1 is rewarded, at it it is not
+    f = shape_segment_advantages(torch.tensor([bound, 1.0]), torch.tensor([1.0]), 0.0, alpha=1.0, fixed_gamma=just_above)
+    assert f.item() > 0
+    f = shape_segment_advantages(torch.tensor([bound, 1.0]), torch.tensor([1.0]), 0.0, alpha=1.0, fixed_gamma=at)
+    assert f.item() <= 1e-7
+    assert ShapeConfig(num_probes=m, gamma_min=min(1.0, just_above)).num_probes == m
+    for name in ("gamma_min", "fixed_gamma"):
+        with pytest.raises(ValueError) as err:
+            ShapeConfig(num_probes=m, **{name: at})
+        msg = str(err.value)
+        assert f"--shape.{name}" in msg and "--shape.num_probes" in msg and "--shape.allow_unsafe_hparams" in msg
+        assert "A.2" in msg and f"{m - 1}/{m}" in msg
+    assert ShapeConfig(num_probes=m, gamma_min=at, allow_unsafe_hparams=True).gamma_min == at
+
+
+def test_gamma_min_0_9_is_refused_with_16_probes():
+    assert ShapeConfig(num_probes=8, gamma_min=0.9).gamma_min == 0.9
+    with pytest.raises(ValueError, match=r"--shape.gamma_min.*15/16"):
+        ShapeConfig(num_probes=16, gamma_min=0.9)
+
+
 @pytest.mark.parametrize(
     "kwargs, flag",
     [

@@ -112,3 +112,25 @@ def test_gain_contribution_normalisation_appendix_b3():
     assert pct["mrt"]["low"] == pytest.approx(100 * 0.03 / 0.36)
     assert pct["shape"]["low"] == pytest.approx(100 * 0.43 / 0.56)
     assert sum(pct["shape"].values()) == pytest.approx(100.0)
+
+
+def test_estimators_are_registered_objects():
+    from openrlhf_shape.algorithms import ESTIMATOR_REGISTRY, get_estimator
+    from openrlhf_shape.algorithms.config import ESTIMATORS
+
+    assert sorted(ESTIMATOR_REGISTRY) == sorted(ESTIMATORS)
+    assert get_estimator(ShapeConfig(estimator="grpo")).needs_segments is False
+    assert get_estimator(ShapeConfig(estimator="shape")).needs_segments is True
+    assert get_estimator(ShapeConfig(estimator="mrt")).name == "mrt"
+
+
+def test_mrt_with_group_baseline_uses_baselined_lead_term_and_raw_outcome():
+    cfg = ShapeConfig(estimator="mrt", num_segments=3, min_segment_len=4, tcr=False, outcome_baseline="group_mean")
+    mask, ent, rewards, lengths = _batch(seed=3)
+    bnd = segment_batch(ent, mask, cfg)
+    per = _potentials(bnd, rewards, seed=3)
+    res = compute_token_advantages(cfg, mask, rewards, 4, 60, ent, bnd, pad_potentials(per, 3))
+    lead = rewards.view(-1, 4) - rewards.view(-1, 4).mean(-1, keepdim=True)
+    for i, row in enumerate(boundaries_as_lists(bnd)):
+        want = mrt_segment_advantages(per[i], rewards[i], alpha=0.3, outcome_term=lead.reshape(-1)[i])
+        assert torch.allclose(res.segment_advantages[i, : len(row) + 1], want, atol=1e-6)

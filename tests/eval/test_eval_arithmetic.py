@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from openrlhf_shape.eval.config import BenchmarkSpec, EvalConfig
+from openrlhf_shape.rollout.engine import EngineConfig
 from openrlhf_shape.eval.metrics import bootstrap_ci, stratified_bootstrap_macro_ci
 from openrlhf_shape.eval.report import EvalReport
 from openrlhf_shape.eval.runner import evaluate
@@ -154,7 +155,8 @@ def test_bad_inputs_name_the_flag(tmp_path, tiny_model_dir, tiny_tokenizer, scor
     with pytest.raises(KeyError, match="--benchmark_keys b=INPUT_KEY,LABEL_KEY"):
         evaluate(cfg, backend=ScriptedBackend(tiny_tokenizer, {}), scorer=scorer, tokenizer=tiny_tokenizer)
     f2 = write_jsonl(tmp_path / "b2.jsonl", [{"problem": "What is 1 + 1?", "answer": "2"}])
-    short = EvalConfig(tiny_model_dir, [BenchmarkSpec("b", f2)], str(tmp_path / "o3"), preset="cpu", max_model_len=64)
+    short = EvalConfig(tiny_model_dir, [BenchmarkSpec("b", f2)], str(tmp_path / "o3"), preset="cpu",
+                       engine=EngineConfig(max_model_len=64))
     with pytest.raises(ValueError, match="--max_model_len 64 < longest prompt"):  # raised before any engine starts
         evaluate(short, scorer=scorer, tokenizer=tiny_tokenizer)
     with pytest.raises(ValueError, match="--preset"):

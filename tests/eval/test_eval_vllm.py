@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from openrlhf_shape.eval.config import BenchmarkSpec, EvalConfig
+from openrlhf_shape.rewards.computer import RewardConfig
 from openrlhf_shape.eval.model import is_hf_model_dir, is_megatron_checkpoint, resolve_model_path
 from openrlhf_shape.eval.runner import _make_engines, evaluate
 
@@ -37,7 +38,7 @@ def _cfg(model_dir, bench_file, out_dir, **kw):
         max_new_tokens=MAX_NEW,
         chunk_size=1,
         bootstrap_samples=100,
-        scorer_workers=1,
+        scorer=RewardConfig(num_workers=1),
         **kw,
     )
 

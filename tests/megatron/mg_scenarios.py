@@ -12,11 +12,12 @@ import time
 
 import torch
 
+from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 
 
-def _train_batches(batch: dict, steps: int, seed: int) -> list[dict]:
+def _train_batches(batch: dict, steps: int, seed: int) -> list[TrainBatch]:
     """Deterministic per-step training batches (same on every rank)."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -25,7 +26,8 @@ def _train_batches(batch: dict, steps: int, seed: int) -> list[dict]:
         old = [(-6.93 + 0.3 * torch.randn(t, generator=g)).float() for t in resp]
         adv = [torch.randn(t, generator=g).float() for t in resp]
         mask = [(torch.rand(t, generator=g) > 0.15) for t in resp]
-        out.append({**batch, "old_log_probs": old, "advantages": adv, "loss_mask": mask})
+        out.append(TrainBatch.from_ragged(batch["sequences"], batch["prompt_lens"], old, adv, mask,
+                                          temperature=batch["temperature"]))
     return out
 
 
@@ -78,9 +80,8 @@ def layout_run(
         res["metrics"] = metrics
         res["after_train"] = worker.compute_logprobs_and_entropy(batch)
         if nan_step:
-            bad = dict(batches[0])
-            bad["advantages"] = [a.clone() for a in bad["advantages"]]
-            bad["advantages"][0][0] = float("nan")
+            bad = dataclasses.replace(batches[0], advantages=batches[0].advantages.clone())
+            bad.advantages[0, 0] = float("nan")
             res["nan_metrics"] = worker.train_step(bad)
             res["after_nan"] = worker.compute_logprobs_and_entropy(batch)
         res["timing"]["train_s"] = time.time() - t1

@@ -30,8 +30,8 @@ def test_dotted_flags_override_yaml_and_aliases(tmp_path):
     cfg = load_config(str(p), ["--algo.advantage.estimator", "mrt", "--actor.eps_clip_low_high", "0.1", "0.3",
                                "--rollout.temperature=0.7", "--shape.tcr", "false", "--data.prompt_dataset", "bundled:test"])
     assert cfg.shape.estimator == "mrt"
-    assert cfg.actor.eps_clip_low_high == (0.1, 0.3)
-    assert cfg.rollout.temperature == 0.7 and cfg.rollout.n_samples_per_prompt == 4
+    assert (cfg.megatron.eps_clip_low, cfg.megatron.eps_clip_high) == (0.1, 0.3)
+    assert cfg.sampling.temperature == 0.7 and cfg.sampling.n == 4
     assert cfg.shape.tcr is False and cfg.data.prompt_data == "bundled:test"
 
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from openrlhf_shape.algorithms import RolloutCorrectionConfig, ShapeConfig, grpo_advantages
-from openrlhf_shape.trainer.experience import ExperienceConfig, HFActor, ShapeExperienceMaker
+from openrlhf_shape.batch import SequenceBatch
+from openrlhf_shape.rollout.engine import SamplingConfig
+from openrlhf_shape.rollout.probes import ProbeConfig
+from openrlhf_shape.trainer.experience import HFActor, ShapeExperienceMaker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,10 +44,15 @@ def parts(tiny_model_dir, parity_reward_file):
     reward.close()
 
 
-def _maker(engines, parts, **shape_kw):
+def _build(engines, actor, reward, tok, shape: ShapeConfig, max_tokens: int, dynamic_filtering: bool = False):
+    probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens)
+    return ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, actor, reward, tok,
+                                dynamic_filtering=dynamic_filtering)
+
+
+def _maker(engines, parts, dynamic_filtering=False, **shape_kw):
     tok, items, actor, reward = parts
-    cfg = ExperienceConfig(shape=ShapeConfig(**shape_kw), n_samples_per_prompt=N, max_new_tokens=48)
-    return ShapeExperienceMaker(cfg, engines, actor, reward, tok), items, actor
+    return _build(engines, actor, reward, tok, ShapeConfig(**shape_kw), 48, dynamic_filtering), items, actor
 
 
 @pytest.mark.parametrize("estimator", ["shape", "mrt"])
@@ -53,17 +61,21 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
     exp = maker.make_experience(items)
     assert len(exp) == len(items) * N
     m = exp.metrics
+    width = exp.response_mask.shape[1]
+    assert exp.old_log_probs.shape == exp.advantages.shape == exp.entropy.shape == (len(exp), width)
     for i in range(len(exp)):
         plen = exp.prompt_lens[i]
         t = len(exp.sequences[i]) - plen
         assert exp.sequences[i][:plen] == list(items[i // N].prompt_ids)  # prompt-major order, masks aligned
-        assert exp.old_log_probs[i].shape == (t,) and exp.advantages[i].shape == (t,)
+        assert int(exp.response_mask[i].sum()) == t and bool(exp.response_mask[i, :t].all())
         assert torch.isfinite(exp.advantages[i]).all() and torch.isfinite(exp.old_log_probs[i]).all()
-        assert (exp.old_log_probs[i] <= 0).all()
+        assert (exp.old_log_probs[i, :t] <= 0).all()
+        assert (exp.advantages[i, t:] == 0).all() and (exp.old_log_probs[i, t:] == 0).all()  # padding
     # old log-probs are the actor's own, recomputed for the same sequences
-    again = actor.compute_logprobs_and_entropy({"sequences": exp.sequences[:2], "prompt_lens": exp.prompt_lens[:2],
-                                                "temperature": 1.0})
-    assert torch.allclose(again["log_probs"][0], exp.old_log_probs[0], atol=1e-5)
+    again, _ = actor.compute_logprobs_and_entropy(
+        SequenceBatch(sequences=exp.sequences[:2], prompt_lens=exp.prompt_lens[:2], temperature=1.0))
+    t0 = int(exp.response_mask[0].sum())
+    assert torch.allclose(again[0, :t0], exp.old_log_probs[0, :t0], atol=1e-5)
     assert 1.0 <= m["shape/segments_per_response/mean"] <= m["shape/segments_per_response/max"] <= 4
     assert m["shape/segment_length/min"] >= 1
     assert 0.0 <= m["shape/potential_drop_rate"] <= 1.0
@@ -75,10 +87,11 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
     # correct samples get A_k >= 1 - alpha under the paper's baseline (no group baseline)
     alpha = 0.3
     for i in range(len(exp)):
+        adv = exp.advantages[i][exp.response_mask[i]]
         if exp.rewards[i] == 1:
-            assert exp.advantages[i].min() >= (1 - alpha) * 0.5 - 1e-6  # TCR delta_min = 0.5
+            assert adv.min() >= (1 - alpha) * 0.5 - 1e-6  # TCR delta_min = 0.5
         else:
-            assert exp.advantages[i].max() <= alpha * 1.5 + 1e-6
+            assert adv.max() <= alpha * 1.5 + 1e-6
 
 
 def test_grpo_step_matches_formula(engines, parts):
@@ -86,13 +99,13 @@ def test_grpo_step_matches_formula(engines, parts):
     exp = maker.make_experience(items)
     want = grpo_advantages(exp.rewards.view(-1, N)).reshape(-1)
     for i in range(len(exp)):
-        assert torch.allclose(exp.advantages[i], torch.full_like(exp.advantages[i], float(want[i])))
+        adv = exp.advantages[i][exp.response_mask[i]]
+        assert torch.allclose(adv, torch.full_like(adv, float(want[i])))
     assert "probe/requests" not in exp.metrics  # GRPO sends no probes
 
 
 def test_dynamic_filtering_drops_constant_groups(engines, parts):
-    maker, items, _ = _maker(engines, parts, estimator="grpo")
-    maker.cfg.dynamic_filtering = True
+    maker, items, _ = _maker(engines, parts, estimator="grpo", dynamic_filtering=True)
     exp = maker.make_experience(items)
     kept = len(exp) // N
     assert kept + exp.metrics["rollout/filtered_groups"] == len(items)
@@ -110,8 +123,7 @@ def test_rewards_outside_unit_interval_are_refused_for_shape(engines, parts, tmp
                    "    r = torch.full((len(queries),), -1.0)\n    return {'rewards': r, 'scores': r, 'extra_logs': {}}\n")
     tok, items, actor, _ = parts
     with RewardComputer(RewardConfig(remote_url=str(bad), num_workers=1)) as reward:
-        cfg = ExperienceConfig(shape=ShapeConfig(num_segments=2, num_probes=1), n_samples_per_prompt=N, max_new_tokens=8)
-        maker = ShapeExperienceMaker(cfg, engines, actor, reward, tok)
+        maker = _build(engines, actor, reward, tok, ShapeConfig(num_segments=2, num_probes=1), 8)
         with pytest.raises(ValueError, match="--reward.remote_url"):
             maker.make_experience(items[:1])
 
@@ -121,27 +133,30 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     truncated-IS weights are computed from them and the actor's old log-probs."""
     tok, items, actor, reward = parts
     tis = RolloutCorrectionConfig("token", "clip", "ratio", (0.5, 5.0))
-    cfg = ExperienceConfig(shape=ShapeConfig(estimator="grpo"), n_samples_per_prompt=N, max_new_tokens=32,
-                           temperature=0.7, rollout_correction=tis)
-    exp = ShapeExperienceMaker(cfg, engines, actor, reward, tok).make_experience(items[:2])
-    m = exp.metrics
+    probe = ProbeConfig(num_probes=1, max_tokens=4)
+    maker = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=32, temperature=0.7),
+                                 probe, engines, actor, reward, tok, rollout_correction=tis)
+    exp = maker.make_experience(items[:2])
+    m, mask = exp.metrics, exp.response_mask
     assert exp.rollout_log_probs is not None and exp.is_weights is not None
-    d = torch.cat([o - r for o, r in zip(exp.old_log_probs, exp.rollout_log_probs)])
+    d = (exp.old_log_probs - exp.rollout_log_probs)[mask]
     assert m["rollout/mismatch/abs_log_ratio/mean"] == pytest.approx(float(d.abs().mean()), rel=1e-5)
     assert m["rollout/mismatch/abs_log_ratio/max"] == pytest.approx(float(d.abs().max()), rel=1e-5)
     # processed log-probs are at the sampling temperature, like the actor's: only numerics differ
     # (vLLM's raw log-probs would be at temperature 1 and off by far more)
     assert m["rollout/mismatch/abs_log_ratio/mean"] < 0.05
-    for w, o, r in zip(exp.is_weights, exp.old_log_probs, exp.rollout_log_probs):
-        assert torch.allclose(w, (o - r).exp().clamp(0.5, 5.0), atol=1e-6)
-    batch = exp.as_train_batch([0, 1], 0.7)
-    assert len(batch["is_weights"]) == 2 and batch["is_weights"][0].shape == exp.advantages[0].shape
+    want = torch.where(mask, (exp.old_log_probs - exp.rollout_log_probs).exp().clamp(0.5, 5.0), torch.zeros(()))
+    assert torch.allclose(exp.is_weights, want, atol=1e-6)
+    batch = exp.train_batch([0, 1], 0.7)
+    assert batch.is_weights is not None and batch.is_weights.shape == batch.advantages.shape
+    batch.validate()
     with pytest.raises(ValueError, match="needs --rollout.top_p 1 and --rollout.top_k -1"):
-        ExperienceConfig(shape=ShapeConfig(estimator="grpo"), top_p=0.9, rollout_correction=tis)
+        ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, top_p=0.9), probe, engines, actor,
+                             reward, tok, rollout_correction=tis)
     # without a correction the metrics are still logged (untruncated sampling)
-    cfg_off = ExperienceConfig(shape=ShapeConfig(estimator="grpo"), n_samples_per_prompt=N, max_new_tokens=16)
-    exp_off = ShapeExperienceMaker(cfg_off, engines, actor, reward, tok).make_experience(items[:1])
-    assert exp_off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in exp_off.metrics
+    off = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=16), probe, engines,
+                               actor, reward, tok).make_experience(items[:1])
+    assert off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in off.metrics
 
 
 @pytest.mark.parametrize("reward_file", ["tensor_reward.py", "list_reward.py", "float_reward.py"])
@@ -157,14 +172,13 @@ def test_openrlhf_style_reward_files_through_a_step(engines, parts, reward_file)
                         reward_file)
     tok, items, actor, _ = parts
     with RewardComputer(RewardConfig(remote_url=path, num_workers=1)) as reward:
-        cfg = ExperienceConfig(shape=ShapeConfig(estimator="grpo"), n_samples_per_prompt=N, max_new_tokens=16)
-        exp = ShapeExperienceMaker(cfg, engines, actor, reward, tok).make_experience(items[:2])
+        exp = _build(engines, actor, reward, tok, ShapeConfig(estimator="grpo"), 16).make_experience(items[:2])
     assert exp.rewards.shape == (2 * N,) and ((exp.rewards >= 0) & (exp.rewards <= 1)).all()
     extra = {k: v for k, v in exp.metrics.items() if k.startswith("reward/")}
     want = {"tensor_reward.py": {"reward/response_chars", "reward/even"}, "list_reward.py": set(),
             "float_reward.py": {"reward/letters"}}[reward_file]
     assert set(extra) == want and all(isinstance(v, float) for v in extra.values())
-    json.dumps(exp.metrics)  # no tensor left in the metrics
+    json.dumps({k: v for k, v in exp.metrics.items() if not hasattr(v, "shape")})  # scalars, no tensor
     if reward_file == "tensor_reward.py":  # the mean of the per-sample response lengths in characters
         texts = [tok.decode(s[p:], skip_special_tokens=False) for s, p in zip(exp.sequences, exp.prompt_lens)]
         assert extra["reward/response_chars"] == pytest.approx(sum(map(len, texts)) / len(texts), rel=0.05)

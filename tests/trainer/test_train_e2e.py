@@ -109,9 +109,18 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("no step-1 checkpoint appeared")
+    # Kill the run and its own Ray processes (raylet, GCS, workers are its descendants); never
+    # `ray stop`, which would also end other Ray clusters on this machine.
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
     proc.wait()
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"], capture_output=True)
     # A half-written newer checkpoint (what a kill during a save leaves) must be ignored.
     half = os.path.join(marker_dir, "step_000009")
     os.makedirs(half)

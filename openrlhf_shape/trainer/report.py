@@ -1,0 +1,50 @@
+"""The run report: per-phase time split and per-step accuracy of one invocation (report.md, summary.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from openrlhf_shape.trainer.phases import PHASES
+
+
+def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dict[str, Any]:
+    """A short markdown report of this invocation (steps run, per-phase time split, accuracy)."""
+    if not history:
+        return {}
+    phase_tot = {p: sum(h.get(f"time/{p}", 0.0) for h in history) for p in PHASES}
+    step_tot = sum(h["time/step"] for h in history)
+    summary = {
+        "steps": [h["step"] for h in history],
+        "setup_seconds": setup_seconds,
+        "step_seconds_total": step_tot,
+        "phase_seconds": phase_tot,
+        "accuracy": [h.get("rollout/accuracy") for h in history],
+        "response_length": [h.get("rollout/response_length/mean") for h in history],
+    }
+    lines = [
+        f"# Run report: {os.path.basename(run_dir)}",
+        "",
+        f"Steps {history[0]['step']}..{history[-1]['step']}, set-up {setup_seconds:.1f} s, steps {step_tot:.1f} s.",
+        "",
+        "| phase | seconds | share |",
+        "| --- | ---: | ---: |",
+    ]
+    for p, v in phase_tot.items():
+        if v > 0:
+            lines.append(f"| {p} | {v:.1f} | {100 * v / max(step_tot, 1e-9):.1f}% |")
+    lines += ["", "| step | accuracy | mean length | segments | drop rate | loss | held-out accuracy |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for h in history:
+        held_out = f"{h['eval/accuracy']:.3f}" if "eval/accuracy" in h else ""
+        lines.append(
+            f"| {h['step']} | {h.get('rollout/accuracy', float('nan')):.3f} | {h.get('rollout/response_length/mean', 0):.0f} | "
+            f"{h.get('shape/segments_per_response/mean', float('nan')):.2f} | {h.get('shape/potential_drop_rate', float('nan')):.2f} | "
+            f"{h.get('actor/loss', float('nan')):.4f} | {held_out} |"
+        )
+    with open(os.path.join(run_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary

@@ -1,0 +1,141 @@
+"""Set-up of a training run, apart from the loop: data, Ray, engines, the actor group, rewards.
+
+:func:`build_run` turns a :class:`~openrlhf_shape.trainer.config.TrainConfig` into a :class:`Run`
+holding every component the loop (:mod:`openrlhf_shape.trainer.ppo_trainer`) drives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from openrlhf_shape.trainer.config import TrainConfig
+from openrlhf_shape.trainer.logging_utils import log
+
+@dataclass
+class Run:
+    """The components of one training run (built by :func:`build_run`)."""
+
+    model_dir: str
+    tokenizer: Any
+    batcher: Any  # PromptBatcher over the training prompts
+    eval_items: list | None  # held-out prompt items
+    engines: Any  # EngineGroup
+    engine_handles: list  # the engines' Ray actor handles (weight sync)
+    actor: Any  # MegatronActorGroup
+    reward: Any  # RewardComputer
+    maker: Any  # ShapeExperienceMaker
+    own_ray: bool
+    setup_seconds: float
+
+
+def resolve_model_dir(pretrain: str) -> str:
+    if pretrain == "demo":
+        from openrlhf_shape.data.demo_model import ensure_demo_model
+
+        return ensure_demo_model()
+    return pretrain
+
+
+def _prompt_source(spec: str) -> str:
+    if spec.startswith("bundled:"):
+        from openrlhf_shape.data.prompts import bundled_math_path
+
+        return bundled_math_path(spec.split(":", 1)[1])
+    return spec
+
+
+def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
+    """The training prompt batcher and the held-out prompt items (None without ``--eval.dataset``).
+    With ``--train.num_episodes`` it sets ``trainer.num_steps`` from the number of usable prompts."""
+    from openrlhf_shape.data.prompts import PromptBatcher, build_prompt_dataset
+
+    prompts = cfg.data  # a PromptDataConfig (plus the held-out fields)
+    dataset = build_prompt_dataset(dataclasses.replace(prompts, prompt_dataset=_prompt_source(prompts.prompt_dataset)),
+                                   tokenizer)
+    if len(dataset) < cfg.rollout.rollout_batch_size:
+        raise ValueError(
+            f"--rollout.batch_size {cfg.rollout.rollout_batch_size} exceeds the {len(dataset)} "
+            f"usable prompts of {cfg.data.prompt_data} ({dataset.num_filtered} filtered by "
+            f"--data.max_prompt_len {cfg.data.max_prompt_len})"
+        )
+    log.info("prompts: %d usable, %d filtered as longer than %d tokens", len(dataset), dataset.num_filtered,
+             cfg.data.max_prompt_len)
+    if cfg.trainer.num_episodes:  # OpenRLHF's --train.num_episodes: passes over the prompt set
+        cfg.trainer.num_steps = max(1, cfg.trainer.num_episodes * (len(dataset) // cfg.rollout.rollout_batch_size))
+        log.info("--train.num_episodes %d: %d steps", cfg.trainer.num_episodes, cfg.trainer.num_steps)
+    batcher = PromptBatcher(dataset, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
+    eval_items = None
+    if cfg.data.eval_data:
+        held_out = dataclasses.replace(prompts, prompt_dataset=_prompt_source(cfg.data.eval_data),
+                                       max_samples=cfg.data.eval_max_samples, prompt_split=cfg.data.eval_split)
+        eval_items = list(build_prompt_dataset(held_out, tokenizer))
+    return batcher, eval_items
+
+
+def start_ray(cfg: TrainConfig) -> bool:
+    """Join ``--trainer.ray_address`` or start a local Ray; True when this run owns the Ray instance."""
+    import ray
+
+    if not ray.is_initialized():
+        if cfg.trainer.ray_address:
+            ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
+        else:
+            # Workers' import-time notices are not silenced: they go to <output_dir>/train.log (trainer/console.py).
+            ray.init(include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    return not cfg.trainer.ray_address
+
+
+def build_run(cfg: TrainConfig) -> Run:
+    """Build every component; the engines and the Megatron ranks start concurrently."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from openrlhf_shape.rewards.computer import RewardComputer
+    from openrlhf_shape.rollout.engine import EngineGroup, create_ray_engines
+    from openrlhf_shape.trainer.actor_group import MegatronActorGroup
+    from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+
+    t0 = time.perf_counter()
+    model_dir = resolve_model_dir(cfg.actor.pretrain)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes)
+    mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
+    mcfg.validate_against_model(AutoConfig.from_pretrained(model_dir), cfg.megatron.world_size)  # heads % TP, ...
+
+    on_gpu = torch.cuda.is_available()
+    own_ray = start_ray(cfg)
+    gpus_rank = cfg.megatron.gpus_per_rank if on_gpu else 0.0
+    gpus_engine = None if on_gpu else 0.0
+    if on_gpu and cfg.rollout.colocate:  # share each GPU between a rank and an engine
+        gpus_rank, gpus_engine = 0.5, 0.5
+    engine_cfg = dataclasses.replace(
+        cfg.engine, model_path=model_dir, seed=cfg.trainer.seed, max_model_len=cfg.max_model_len(),
+        enable_sleep_mode=bool(on_gpu and cfg.rollout.colocate),
+        dtype=("float32" if not on_gpu else "auto") if cfg.engine.dtype == "auto" else cfg.engine.dtype,
+    )
+    log.info("starting %d vLLM engine(s) and %d Megatron rank(s) (TP %d, PP %d, DP %d)",
+             cfg.rollout.num_engines, cfg.megatron.world_size, mcfg.tensor_model_parallel_size,
+             mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.megatron.world_size))
+    threads = None if on_gpu else max(1, (os.cpu_count() or 1) // cfg.megatron.world_size)
+    actor = MegatronActorGroup(mcfg, cfg.megatron.world_size, num_cpus_per_rank=cfg.actor.num_cpus_per_rank,
+                               num_gpus_per_rank=gpus_rank, num_threads_per_rank=threads)
+    handles = create_ray_engines(cfg.rollout.num_engines, engine_cfg, num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
+                                 num_gpus_per_engine=gpus_engine)
+    engines = EngineGroup(handles)
+    log.info("actor: %s", actor.init_model(model_dir))
+    reward = RewardComputer(cfg.reward)
+    maker = ShapeExperienceMaker(cfg.shape, cfg.sampling, cfg.probe_config(), engines, actor, reward, tokenizer,
+                                 dynamic_filtering=cfg.rollout.dynamic_filtering,
+                                 dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
+                                 rollout_correction=cfg.rollout_correction(),
+                                 reward_clip_range=tuple(cfg.reward.clip_range))
+    seconds = time.perf_counter() - t0
+    log.info("set-up done in %.1f s", seconds)
+    return Run(model_dir=model_dir, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,
+               engine_handles=handles, actor=actor, reward=reward, maker=maker, own_ray=own_ray, setup_seconds=seconds)
