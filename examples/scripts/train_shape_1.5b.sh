@@ -10,6 +10,6 @@ case "$MODEL" in
 esac
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 args=(--config "$root/configs/$preset.yaml" --algo.advantage.estimator "${ESTIMATOR:-shape}")
-[ -n "${MODEL_PATH:-}" ] && args+=(--actor.pretrain "$MODEL_PATH")
-[ -n "${DATA:-}" ] && args+=(--data.prompt_data "$DATA")
+[ -n "${MODEL_PATH:-}" ] && args+=(--actor.model_name_or_path "$MODEL_PATH")
+[ -n "${DATA:-}" ] && args+=(--data.prompt_dataset "$DATA")
 exec openrlhf-shape train "${args[@]}" "$@"

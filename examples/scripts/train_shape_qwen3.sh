@@ -20,7 +20,7 @@ esac
 ESTIMATOR="${ESTIMATOR:-shape}"   # shape | mrt | grpo
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 args=(--config "$root/configs/$preset.yaml" --algo.advantage.estimator "$ESTIMATOR")
-[ -n "${MODEL_PATH:-}" ] && args+=(--actor.pretrain "$MODEL_PATH")
-[ -n "${DATA:-}" ] && args+=(--data.prompt_data "$DATA")
-[ -n "${OUTPUT_DIR:-}" ] && args+=(--trainer.output_dir "$OUTPUT_DIR")
+[ -n "${MODEL_PATH:-}" ] && args+=(--actor.model_name_or_path "$MODEL_PATH")
+[ -n "${DATA:-}" ] && args+=(--data.prompt_dataset "$DATA")
+[ -n "${OUTPUT_DIR:-}" ] && args+=(--ckpt.output_dir "$OUTPUT_DIR")
 exec openrlhf-shape train "${args[@]}" "$@"

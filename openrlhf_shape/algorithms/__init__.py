@@ -24,6 +24,11 @@ from openrlhf_shape.algorithms.metrics import (
     gain_contribution_percent,
     potential_drop_rate,
 )
+from openrlhf_shape.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    rollout_correction_weights,
+    rollout_mismatch_metrics,
+)
 from openrlhf_shape.algorithms.pipeline import (
     AdvantageResult,
     boundaries_as_lists,
@@ -44,6 +49,7 @@ __all__ = [
     "ESTIMATOR_REGISTRY",
     "AdvantageEstimator",
     "AdvantageResult",
+    "RolloutCorrectionConfig",
     "get_estimator",
     "register",
     "segment_gamma",
@@ -63,6 +69,8 @@ __all__ = [
     "policy_loss",
     "potential_drop_rate",
     "redistribute_token_credit",
+    "rollout_correction_weights",
+    "rollout_mismatch_metrics",
     "segment_batch",
     "segment_lengths",
     "segment_to_token_advantages",

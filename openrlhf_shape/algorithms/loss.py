@@ -5,6 +5,9 @@ With ``dual_clip = c > 1``, tokens with A_t < 0 have l_t capped at -c A_t. The l
 sum_t l_t over valid tokens divided by ``num_global_tokens``: pass the number of valid tokens of
 the whole mini-batch (all data-parallel ranks, all micro-batches) so that summing micro-batch
 losses (and averaging gradients across DP with the right factor) yields the global token mean.
+With ``is_weights`` (rollout-correction weights from :mod:`.rollout_correction`, no gradient) each
+token's l_t is multiplied by its weight before the sum; a weight of 0 removes the token from the
+numerator (the denominator, the token count, stays the same, as in OpenRLHF).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ def policy_loss(
     eps_high: float = 0.28,
     dual_clip: float | None = None,
     num_global_tokens: float | int | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO/DAPO policy loss.
 
@@ -30,6 +34,7 @@ def policy_loss(
         eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]`` (DAPO clip-higher).
         dual_clip: None or c > 1 (dual-clip PPO for negative advantages).
         num_global_tokens: denominator of the token mean; None = this call's valid tokens.
+        is_weights: None or ``[B, T]`` per-token rollout-correction weights (detached).
 
     Returns:
         (loss scalar, metrics) where metrics hold detached sums over this call's valid tokens
@@ -60,6 +65,10 @@ def policy_loss(
     if dual_clip is not None:
         capped = torch.minimum(tok_loss, -float(dual_clip) * adv)
         tok_loss = torch.where(adv < 0, capped, tok_loss)
+    if is_weights is not None:
+        if is_weights.shape != tok_loss.shape:
+            raise ValueError(f"is_weights must have shape {tuple(tok_loss.shape)}, got {tuple(is_weights.shape)}")
+        tok_loss = tok_loss * is_weights.detach().to(tok_loss.dtype)
     tok_loss = torch.where(m, tok_loss, torch.zeros_like(tok_loss))
     loss = tok_loss.sum() / denom
     with torch.no_grad():

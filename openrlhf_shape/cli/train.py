@@ -9,7 +9,7 @@ ACCEPTS_OVERRIDES = True
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML preset (see configs/); dotted flags override it")
-    parser.add_argument("--resume", default=None, help="auto | none | a checkpoint directory (= --trainer.resume)")
+    parser.add_argument("--resume", default=None, help="auto | none | a checkpoint directory (= --ckpt.resume)")
     parser.add_argument("--print_config", action="store_true", help="print the resolved config and exit")
     parser.add_argument(
         "--dry_run", action="store_true",
@@ -18,9 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the planner's assumptions (e.g. --plan.mfu 0.3, --plan.gpu_memory_gib 139)",
     )
     parser.epilog = (
-        "Any option of the config can be given as a dotted flag, e.g. --data.prompt_data FILE "
-        "--rollout.n_samples_per_prompt 8 --actor.eps_clip_low_high 0.2 0.28 --algo.advantage.estimator shape "
-        "--shape.alpha 0.3 --megatron.tensor_model_parallel_size 2 --reward.remote_url my_reward.py"
+        "Any option of the config can be given as a dotted flag, with OpenRLHF 0.11's names wherever the "
+        "meaning is the same, e.g. --actor.model_name_or_path DIR --data.prompt_dataset FILE --rollout.batch_size 128 "
+        "--rollout.n_samples_per_prompt 8 --train.batch_size 256 --actor.eps_clip_low_high 0.2 0.28 "
+        "--algo.advantage.estimator shape|mrt|group_norm --shape.alpha 0.3 --megatron.tensor_model_parallel_size 2 "
+        "--reward.remote_url my_reward.py. OpenRLHF flags for parts this trainer does not have are refused, "
+        "each with the reason (README: OpenRLHF flags)."
     )
 
 
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(getattr(args, "overrides", []) or [])
     if args.resume is not None:
-        overrides += ["--trainer.resume", args.resume]
+        overrides += ["--ckpt.resume", args.resume]
     if args.dry_run:
         from openrlhf_shape.planner.cli import dry_run
 
@@ -41,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train: error: {exc}")
     if args.print_config:
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        from openrlhf_shape.trainer.flag_translation import canonical_view
+
+        print(yaml.safe_dump(canonical_view(cfg.to_dict()), sort_keys=False))
         return 0
     from openrlhf_shape.trainer.ppo_trainer import run_training
 

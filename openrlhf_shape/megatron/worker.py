@@ -365,8 +365,9 @@ class MegatronRankWorker:
         """One optimizer step over the whole mini-batch (this rank trains on its DP shard).
 
         ``batch``: a :class:`~openrlhf_shape.batch.TrainBatch` (old log-probs, advantages and loss
-        mask as ``[B, T]``). The PPO/DAPO loss is normalised by the number of valid response tokens
-        of the whole mini-batch. Returns float metrics, identical on all ranks.
+        mask as ``[B, T]``; optional rollout-correction weights ``is_weights`` ``[B, T]``). The PPO/DAPO
+        loss is normalised by the number of valid response tokens of the whole mini-batch. Returns
+        float metrics, identical on all ranks.
         """
         from openrlhf_shape.algorithms import policy_loss
 
@@ -396,14 +397,16 @@ class MegatronRankWorker:
                 old = _take(batch.old_log_probs, sel, tmax).float().to(dev)
                 adv = _take(batch.advantages, sel, tmax).float().to(dev)
                 msk = _take(masks, sel, tmax).to(dev)
+                isw = _take(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
             else:  # the fully masked filler of a rank without samples
                 old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
                 adv = torch.zeros_like(old)
                 msk = torch.zeros(rows, tmax, dtype=torch.bool, device=dev)
+                isw = None
             loss, m = policy_loss(
                 lp2, old, adv, msk,
                 eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
-                num_global_tokens=max(num_global_tokens, 1),
+                num_global_tokens=max(num_global_tokens, 1), is_weights=isw,
             )
             stats = {k: m[k].detach().float().cpu() for k in metric_keys if k in m}
             stats["entropy_sum"] = (ent * msk).sum().detach().float().cpu()

@@ -7,23 +7,26 @@ from dataclasses import dataclass
 import torch
 
 from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
-from openrlhf_shape.rewards.plugin import load_reward_fn
+from openrlhf_shape.rewards.plugin import load_reward_fn, mean_extra_logs
 
 
 @dataclass
 class RewardConfig:
-    """remote_url: None -> Math-Verify; else a .py file with reward_func or an http(s) endpoint."""
+    """remote_url: None -> Math-Verify; else a .py file with reward_func or http(s) endpoint(s),
+    comma-separated. remote_timeout_s / remote_retries: per HTTP request (OpenRLHF: 180 s, 5 tries)."""
 
     remote_url: str | None = None
     num_workers: int = 2
     timeout_s: float = 5.0
     max_chars: int = 20000
-    remote_timeout_s: float = 60.0
-    remote_retries: int = 3
+    remote_timeout_s: float = 180.0
+    remote_retries: int = 4
+    clip_range: tuple[float, float] = (-10.0, 10.0)  # rewards are clamped into it (OpenRLHF's --reward.clip_range)
 
 
 class RewardComputer:
-    """compute(queries, prompts, labels) -> {"rewards": float32 [N], "scores": float32 [N], "extra_logs"}.
+    """compute(queries, prompts, labels) -> {"rewards": float32 [N], "scores": float32 [N], "extra_logs"}
+    where extra_logs maps metric names to floats (a plug-in's per-sample values are averaged).
 
     With Math-Verify the response is ``query[len(prompt):]`` when the query starts with its prompt
     (OpenRLHF passes prompt + response as the query), else the whole query; pass ``responses=`` to
@@ -62,7 +65,7 @@ class RewardComputer:
             raise ValueError("compute: queries, prompts, labels (and responses) must have the same length")
         if self.plugin is not None:
             out = self.plugin(queries, prompts, labels, **kw)
-            rewards, scores, extra = out["rewards"], out["scores"], dict(out["extra_logs"])
+            rewards, scores, extra = out["rewards"], out["scores"], mean_extra_logs(out["extra_logs"])
         else:
             if responses is None:
                 responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]

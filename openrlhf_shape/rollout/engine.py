@@ -42,6 +42,10 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     dtype: str = "auto"
     weight_transfer_backend: str | None = None  # GPU only: "nccl" | "ipc" (vLLM weight-transfer API)
+    # Which log-probs SamplingConfig(logprobs=True) returns. "processed_logprobs": after temperature
+    # (and top-k/top-p), i.e. of the distribution actually sampled from, comparable to the trainer's
+    # log-probs at the sampling temperature; vLLM's default "raw_logprobs" is at temperature 1.
+    logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self) -> None:
         if self.model_path and not os.path.isdir(self.model_path):
@@ -64,6 +68,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError(f"EngineConfig.max_model_len must be >= 16, got {self.max_model_len}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(
+                f"EngineConfig.logprobs_mode={self.logprobs_mode!r}; use 'processed_logprobs' (after temperature, "
+                "what the rollout sampled from) or 'raw_logprobs' (vLLM's default, temperature 1)"
+            )
         if self.weight_transfer_backend not in (None, "nccl", "ipc"):
             raise ValueError(
                 f"EngineConfig.weight_transfer_backend={self.weight_transfer_backend!r}; use None "
@@ -168,6 +177,7 @@ class VLLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             dtype=cfg.dtype,
             enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.on_cpu,
+            logprobs_mode=cfg.logprobs_mode,
         )
         block = cfg.block_size if cfg.block_size is not None else (CPU_BLOCK_SIZE if self.on_cpu else None)
         if block is not None:

@@ -6,9 +6,12 @@
 mini-batching), ``megatron`` (:class:`MegatronConfig` + rank count), ``shape``
 (:class:`ShapeConfig`), ``probe`` (:class:`ProbeConfig`), ``reward`` (:class:`RewardConfig`) and
 ``trainer`` (the loop). Every leaf is a dotted flag (``--megatron.adam_beta2 0.98``,
-``--engine.enforce_eager true``); :data:`ALIASES` keeps the older and OpenRLHF-style names
-(``--rollout.temperature``, ``--actor.learning_rate``, ``--algo.advantage.estimator``) working.
-A YAML file uses the same names nested by section. Every error names the flag and the fix.
+``--engine.enforce_eager true``). Users give OpenRLHF 0.11's names wherever the meaning is the same
+(``--actor.model_name_or_path``, ``--rollout.batch_size``, ``--train.batch_size``, ``--vllm.num_engines``,
+``--ckpt.output_dir``, ``--algo.advantage.*``; trainer/flag_translation.py: OpenRLHF flags for parts
+we do not have are refused there, and the previous release's names print a deprecation line);
+:data:`ALIASES` maps those public names onto the fields. A YAML file uses the same names nested by
+dots. Every error names the flag and the fix.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.rewards.computer import RewardConfig
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
+from openrlhf_shape.trainer.flag_translation import PUBLIC, public_name, translate
 
 
 @dataclass
@@ -35,6 +39,7 @@ class DataSection(PromptDataConfig):
 
     eval_data: str | None = None  # held-out prompts for periodic eval (same keys)
     eval_max_samples: int | None = 64
+    eval_split: str = "train"  # split of an HF dataset for the held-out prompts
 
     @property
     def prompt_data(self) -> str:
@@ -50,8 +55,14 @@ class RolloutSection:
     num_engines: int = 1
     num_cpus_per_engine: float = 0.5
     colocate: bool = False  # GPU: vLLM sleeps while Megatron trains on the same GPUs
-    dynamic_filtering: bool = False  # DAPO: drop groups whose samples all got the same reward
+    dynamic_filtering: bool = False  # DAPO: drop prompt groups whose mean score is not strictly inside the range
+    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
     weight_sync_bucket_mb: int = 256
+    # rollout/trainer mismatch correction (OpenRLHF's --algo.advantage.is_correction_*; algorithms/rollout_correction.py)
+    is_correction_level: str = "off"  # off | token | seq
+    is_correction_mode: str = "mask"  # mask | clip
+    is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
+    is_correction_threshold: tuple[float, float] = (0.5, 5.0)
 
 
 @dataclass
@@ -70,28 +81,40 @@ class MegatronSection(MegatronConfig):
 
     world_size: int = 1  # total actor ranks = TP x PP x DP
     gpus_per_rank: float = 1.0  # on GPU clusters; 0 on CPU
+    min_lr_ratio: float | None = None  # min lr = ratio x lr (OpenRLHF's --actor.min_lr_ratio); wins over min_lr
 
     def backend_config(self, total_steps: int, seed: int) -> MegatronConfig:
         """The rank-side :class:`MegatronConfig` with the schedule length and seed filled in."""
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(MegatronConfig)}
+        if self.min_lr_ratio is not None:
+            own["min_lr"] = self.min_lr_ratio * self.lr
         return MegatronConfig(**{**own, "total_steps": total_steps, "seed": seed})
 
 
 @dataclass
 class TrainerSection:
     output_dir: str = "runs/shape"
+    ckpt_path: str | None = None  # None: <output_dir>/checkpoints
+    num_episodes: int | None = None  # passes over the prompt set; when set, num_steps = episodes x prompts // batch
     num_steps: int = 360
     save_steps: int = 20  # 0 disables periodic checkpoints (a final one is always written)
     max_ckpts_keep: int = 3
     eval_steps: int = 0  # 0 disables periodic eval
+    eval_temperature: float = 0.0  # 0: greedy (one sample per prompt suffices)
+    eval_n_samples_per_prompt: int = 1
     resume: str = "auto"  # auto | none | a checkpoint directory
     seed: int = 42
     ray_address: str | None = None  # None: start a local Ray; "auto": join `ray start --head`
     use_tensorboard: bool = False
     wandb_project: str | None = None
+    wandb_org: str | None = None
+    wandb_group: str | None = None
+    wandb_run_name: str | None = None
+    tensorboard_dir: str | None = None  # set: TensorBoard on, written there (default <output_dir>/tensorboard)
     export_hf: bool = True
     log_samples: int = 2  # responses printed per step (0: none)
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)
+    verbose: bool = False  # console: also engine/worker output and samples (always in <output_dir>/train.log)
 
 
 def _train_data() -> DataSection:
@@ -127,24 +150,29 @@ class TrainConfig:
         try:
             d.validate()
         except ValueError as exc:
-            raise ValueError(str(exc).replace("--data.prompt_dataset", "--data.prompt_data")) from None
+            raise ValueError(str(exc)) from None
 
         def need(cond: bool, flag: str, msg: str) -> None:
             if not cond:
-                raise ValueError(f"--{flag}: {msg}")
+                raise ValueError(f"--{public_name(flag)}: {msg}")
 
         if self.shape.estimator == "grpo" or self.shape.outcome_baseline != "none":
             need(sp.n >= 2, "rollout.n_samples_per_prompt", "GRPO and group baselines need >= 2 samples per prompt")
         need(r.rollout_batch_size >= 1, "rollout.rollout_batch_size", "must be >= 1 prompt per step")
         need(r.num_engines >= 1, "rollout.num_engines", "must be >= 1")
         need(sp.temperature > 0, "rollout.temperature", "must be > 0 (entropy is taken at this temperature)")
+        self.rollout_correction().validate()
+        if r.is_correction_level != "off":
+            need(sp.top_p >= 1 and sp.top_k in (-1, 0), "algo.advantage.is_correction_level",
+                 "needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k vLLM's log-probs are of the "
+                 "truncated distribution, so every importance weight would carry the truncation mass")
         samples = r.rollout_batch_size * sp.n
         need(a.train_batch_size >= 1, "actor.train_batch_size", "must be >= 1")
         need(
             samples % a.train_batch_size == 0 or r.dynamic_filtering,
             "actor.train_batch_size",
-            f"{a.train_batch_size} must divide rollout_batch_size x n_samples_per_prompt = {samples} "
-            f"(e.g. --actor.train_batch_size {samples})",
+            f"{a.train_batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
+            f"(e.g. --train.batch_size {samples})",
         )
         need(a.max_epochs >= 1, "actor.max_epochs", "must be >= 1")
         need(m.world_size >= 1, "megatron.world_size", "must be >= 1")
@@ -152,7 +180,8 @@ class TrainConfig:
         need(
             m.world_size % mp == 0,
             "megatron.world_size",
-            f"{m.world_size} is not a multiple of TP x PP = {mp}; set --megatron.world_size to TP x PP x DP",
+            f"{m.world_size} ranks is not a multiple of TP x PP = {mp}; set --actor.num_nodes x "
+            "--actor.num_gpus_per_node to TP x PP x DP",
         )
         dp = m.world_size // mp
         need(
@@ -172,12 +201,20 @@ class TrainConfig:
             need(d.prompt_data in ("bundled:train", "bundled:test"), "data.prompt_data",
                  "bundled data is 'bundled:train' or 'bundled:test'")
         elif check_paths and not os.path.exists(d.prompt_data) and d.prompt_data.endswith((".jsonl", ".json", ".parquet")):
-            raise FileNotFoundError(f"--data.prompt_data: file {d.prompt_data} does not exist")
+            raise FileNotFoundError(f"--data.prompt_dataset: file {d.prompt_data} does not exist")
         if check_paths and a.pretrain != "demo" and not os.path.isdir(a.pretrain):
             raise FileNotFoundError(
-                f"--actor.pretrain: {a.pretrain} is not a Hugging Face model directory (or use 'demo')"
+                f"--actor.model_name_or_path: {a.pretrain} is not a Hugging Face model directory (or use 'demo')"
             )
         return self
+
+    def rollout_correction(self):
+        """``--algo.advantage.is_correction_*`` as a :class:`RolloutCorrectionConfig`."""
+        from openrlhf_shape.algorithms.rollout_correction import RolloutCorrectionConfig
+
+        r = self.rollout
+        return RolloutCorrectionConfig(r.is_correction_level, r.is_correction_mode, r.is_correction_gating,
+                                       tuple(r.is_correction_threshold))
 
     def max_model_len(self) -> int:
         """Engine context in tokens: ``--engine.max_model_len``, else prompt + response + probe room."""
@@ -234,15 +271,16 @@ ALIASES: dict[str, Alias] = {
     "actor.micro_batch_max_tokens": "megatron.micro_batch_max_tokens",
     "actor.micro_train_batch_size_tokens": "megatron.micro_batch_max_tokens",
     "actor.entropy_chunk_size": "megatron.entropy_chunk_size",
+    **PUBLIC,  # OpenRLHF 0.11's names and our public names (trainer/flag_translation.py)
 }
 
 # Fields computed from other settings at set-up: never flags (the value names the flag to use).
 DERIVED: dict[str, str] = {
-    "engine.model_path": "--actor.pretrain",
-    "engine.seed": "--trainer.seed",
-    "engine.enable_sleep_mode": "--rollout.colocate",
-    "megatron.total_steps": "--trainer.num_steps (with the batch sizes and --actor.max_epochs)",
-    "megatron.seed": "--trainer.seed",
+    "engine.model_path": "--actor.model_name_or_path",
+    "engine.seed": "--train.seed",
+    "engine.enable_sleep_mode": "--train.colocate_all",
+    "megatron.total_steps": "--train.num_steps (with the batch sizes and --train.max_epochs)",
+    "megatron.seed": "--train.seed",
     "probe.num_probes": "--shape.num_probes",
     "probe.max_tokens": "--shape.probe_max_tokens",
 }
@@ -251,7 +289,12 @@ FLAGS = FlagSpace(TrainConfig, ALIASES, DERIVED)
 
 
 def load_config(yaml_path: str | None = None, overrides: list[str] | None = None, *, check_paths: bool = True) -> TrainConfig:
-    """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`."""
+    """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`.
+
+    Flags and YAML keys go through :func:`~openrlhf_shape.trainer.flag_translation.translate` first:
+    OpenRLHF flags for parts this trainer does not have are refused (all of them, one line each), old
+    names print a deprecation line, OpenRLHF's value encodings are translated. ``check_paths=False``
+    (the dry run) skips the checks that the data and model paths exist on this machine."""
     values: dict[str, Any] = {}
     if yaml_path:
         if not os.path.isfile(yaml_path):
@@ -260,11 +303,11 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
             raise ValueError(f"--config: {yaml_path} must hold a mapping of sections")
-        for flag, value in flatten_mapping(data, FLAGS):
-            try:
+        try:
+            for flag, value in translate(flatten_mapping(data, FLAGS)):
                 values.update(FLAGS.resolve(flag, value))
-            except ValueError as exc:
-                raise ValueError(f"{yaml_path}: {exc}") from None
-    for flag, value in parse_overrides(list(overrides or [])):
+        except ValueError as exc:
+            raise ValueError(f"{yaml_path}: {exc}") from None
+    for flag, value in translate(parse_overrides(list(overrides or []))):
         values.update(FLAGS.resolve(flag, value))
     return FLAGS.build(TrainConfig(), values).validate(check_paths=check_paths)

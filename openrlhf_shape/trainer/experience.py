@@ -25,6 +25,11 @@ import torch
 from openrlhf_shape.algorithms import ShapeConfig, boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.entropy import token_log_probs_and_entropy
 from openrlhf_shape.algorithms.estimators import get_estimator
+from openrlhf_shape.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    rollout_correction_weights,
+    rollout_mismatch_metrics,
+)
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask, pad_rows
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_potentials
@@ -43,7 +48,8 @@ class ExperienceBatch:
     ``sequences`` prompt + response ids; ``texts`` decoded responses; ``response_mask`` ``[B, T]``
     bool; ``rollout_log_probs`` ``[B, T]`` vLLM's sampled-token log-probs (when sampled with
     ``logprobs``); ``rewards`` / ``scores`` ``[B]``; ``old_log_probs`` / ``entropy`` /
-    ``advantages`` ``[B, T]`` float32, 0 at padding.
+    ``advantages`` ``[B, T]`` float32, 0 at padding; ``is_weights`` ``[B, T]`` the rollout-correction
+    weights (None when the correction is off).
     """
 
     items: list[Any]
@@ -57,6 +63,7 @@ class ExperienceBatch:
     old_log_probs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
 
@@ -86,7 +93,7 @@ class ExperienceBatch:
             self, items=pick(self.items), sequences=pick(self.sequences), prompt_lens=pick(self.prompt_lens),
             texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
             rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
-            entropy=take(self.entropy), advantages=take(self.advantages),
+            entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
         )
 
     def sequence_batch(self, temperature: float) -> SequenceBatch:
@@ -101,6 +108,7 @@ class ExperienceBatch:
             sequences=[self.sequences[i] for i in rows], prompt_lens=[self.prompt_lens[i] for i in rows],
             temperature=temperature, old_log_probs=self.old_log_probs[idx, :width],
             advantages=self.advantages[idx, :width], loss_mask=mask[:, :width],
+            is_weights=None if self.is_weights is None else self.is_weights[idx, :width],
         )
 
 
@@ -126,11 +134,32 @@ class ShapeExperienceMaker:
         actor: computes old log-probs and entropy (see module doc).
         reward: a :class:`~openrlhf_shape.rewards.computer.RewardComputer` (outcomes and probe scores).
         tokenizer: the policy's tokenizer (probe suffixes, delimiter ids).
-        dynamic_filtering: DAPO: drop prompt groups whose samples all got the same reward.
+        dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
+            ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
+        rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
+        reward_clip_range: rewards are clamped into it (``--reward.clip_range``).
+
+    With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
+    log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
     """
 
     def __init__(self, shape: ShapeConfig, sampling: SamplingConfig, probe: ProbeConfig, engines, actor: LogProbActor,
-                 reward, tokenizer, dynamic_filtering: bool = False):
+                 reward, tokenizer, dynamic_filtering: bool = False,
+                 dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
+                 rollout_correction: RolloutCorrectionConfig | None = None,
+                 reward_clip_range: tuple[float, float] = (-10.0, 10.0)):
+        self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
+        untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
+        if self.correction.level != "off" and not untruncated:
+            raise ValueError(
+                "--algo.advantage.is_correction_level needs --rollout.top_p 1 and --rollout.top_k -1: under "
+                "top-p/top-k vLLM's log-probs are of the truncated, renormalised distribution, so every importance "
+                f"weight would carry the truncation mass (got top_p {sampling.top_p}, top_k {sampling.top_k})"
+            )
+        if untruncated and not sampling.logprobs:  # the sampled token's log-prob: mismatch metrics, correction
+            sampling = dataclasses.replace(sampling, logprobs=True)
+        self.dynamic_filtering_range = tuple(dynamic_filtering_range)
+        self.reward_clip_range = tuple(reward_clip_range)
         self.shape, self.sampling, self.probe_cfg = shape, sampling, probe
         self.engines, self.actor, self.reward, self.tokenizer = engines, actor, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
@@ -188,13 +217,14 @@ class ShapeExperienceMaker:
 
     def rewards(self, exp: ExperienceBatch) -> PhaseOutput:
         """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
+        # OpenRLHF hands reward_func the decoded prompt + response tokens, special tokens kept.
         out = self.reward.compute(
-            queries=[it.prompt + txt for it, txt in zip(exp.items, exp.texts)],
+            queries=[self.tokenizer.decode(seq, skip_special_tokens=False) for seq in exp.sequences],
             prompts=[it.prompt for it in exp.items],
             labels=[it.label for it in exp.items],
             responses=exp.texts,
         )
-        exp.rewards, exp.scores = out["rewards"].float(), out["scores"].float()
+        exp.rewards, exp.scores = out["rewards"].float().clamp(*self.reward_clip_range), out["scores"].float()
         metrics: dict[str, Any] = dict(out.get("extra_logs", {}))
         if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
@@ -209,8 +239,10 @@ class ShapeExperienceMaker:
         metrics["rollout/group_all_wrong_rate"] = float((grouped.max(-1).values <= 0).float().mean())
         exp.samples = [{"prompt": exp.items[i].prompt, "response": exp.texts[i], "label": exp.items[i].label,
                         "reward": float(exp.rewards[i])} for i in range(min(len(exp), 4))]
-        if self.dynamic_filtering:
-            keep = grouped.max(-1).values > grouped.min(-1).values  # [prompts]
+        if self.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
+            lo, hi = self.dynamic_filtering_range
+            mean_score = exp.scores.view(-1, self.sampling.n).mean(-1)
+            keep = (mean_score > lo) & (mean_score < hi)  # [prompts]
             metrics["rollout/filtered_groups"] = float((~keep).sum())
             exp = exp.select(torch.nonzero(keep.repeat_interleave(self.sampling.n)).flatten().tolist())
         return PhaseOutput(exp, metrics)
@@ -224,7 +256,15 @@ class ShapeExperienceMaker:
                                f"responses {tuple(mask.shape)}")
         exp.old_log_probs = torch.where(mask, lp.float(), torch.zeros_like(lp, dtype=torch.float32))
         exp.entropy = torch.where(mask, ent.float(), torch.zeros_like(ent, dtype=torch.float32))
-        return PhaseOutput(exp, {"actor/old_entropy/mean": float(exp.entropy[mask].mean())})
+        metrics: dict[str, Any] = {"actor/old_entropy/mean": float(exp.entropy[mask].mean())}
+        if exp.rollout_log_probs is not None:  # vLLM's vs the trainer's log-probs of the sampled tokens
+            for k, v in rollout_mismatch_metrics(exp.old_log_probs, exp.rollout_log_probs, mask).items():
+                metrics[f"rollout/mismatch/{k}"] = v
+            if self.correction.level != "off":
+                exp.is_weights, wm = rollout_correction_weights(exp.old_log_probs, exp.rollout_log_probs, mask,
+                                                                self.correction)
+                metrics.update({f"rollout/correction/{k}": v for k, v in wm.items()})
+        return PhaseOutput(exp, metrics)
 
     def segment(self, exp: ExperienceBatch) -> torch.Tensor | None:
         """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""

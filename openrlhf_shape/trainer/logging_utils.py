@@ -6,26 +6,41 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any
 
 log = logging.getLogger("openrlhf_shape")
 
 
-def setup_console_logging(level: int = logging.INFO) -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler()
+def setup_console_logging(verbose: bool = False) -> None:
+    """The project logger on the terminal: INFO lines (DEBUG too with ``verbose``). The logger
+    itself passes DEBUG so that a run's log file (trainer/console.py) gets everything."""
+    handler = next((h for h in log.handlers if getattr(h, "_openrlhf_shape_console", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler(getattr(sys.stderr, "console", sys.stderr))  # never our own filter
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+        handler._openrlhf_shape_console = True  # type: ignore[attr-defined]
         log.addHandler(handler)
-    log.setLevel(level)
+    handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.setLevel(logging.DEBUG)
     log.propagate = False
 
 
 def _jsonable(v: Any) -> Any:
+    """A metric value as JSON: tensors / numpy values become numbers or lists, non-finite floats
+    become strings ("nan", "inf"), containers are converted element-wise."""
+    if hasattr(v, "detach"):  # torch tensor (any shape)
+        v = v.detach().cpu()
+        return _jsonable(v.item() if v.numel() == 1 else v.tolist())
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):  # numpy array / scalar
+        return _jsonable(v.tolist())
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
-    if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
-        return _jsonable(v.item())
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
     return v
 
 
@@ -37,7 +52,7 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str, run_info: dict, tensorboard: bool = False, wandb_project: str | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, tensorboard_dir: str | None = None, wandb_kwargs: dict | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -55,15 +70,17 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
-                raise RuntimeError("--trainer.use_tensorboard needs the tensorboard package (pip install tensorboard)") from exc
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                raise RuntimeError("--logger.tensorboard_dir needs the tensorboard package (pip install tensorboard)") from exc
+            self._tb = SummaryWriter(tensorboard_dir or os.path.join(run_dir, "tensorboard"))
         self._wandb = None
         if wandb_project:
             try:
                 import wandb
             except ImportError as exc:
-                raise RuntimeError("--trainer.wandb_project needs the wandb package (pip install wandb)") from exc
-            self._wandb = wandb.init(project=wandb_project, config=run_info.get("config"), name=run_info.get("name"))
+                raise RuntimeError("--logger.wandb.project needs the wandb package (pip install wandb)") from exc
+            extra = {k: v for k, v in (wandb_kwargs or {}).items() if v}
+            extra.setdefault("name", run_info.get("name"))
+            self._wandb = wandb.init(project=wandb_project, config=run_info.get("config"), **extra)
 
     def _truncate_after(self, step: int) -> None:
         with open(self.path) as f:

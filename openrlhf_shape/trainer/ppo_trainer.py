@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from openrlhf_shape.trainer.config import TrainConfig
+from openrlhf_shape.trainer.console import RunConsole
 from openrlhf_shape.trainer.logging_utils import MetricsLogger, log, setup_console_logging
 from openrlhf_shape.trainer.phases import PHASES, StepLog
 from openrlhf_shape.trainer.report import write_report
 from openrlhf_shape.trainer.setup import Run, build_run, resolve_model_dir
 
-__all__ = ["PHASES", "ShapeTrainer", "resolve_model_dir", "run_training", "write_report"]
+__all__ = ["PHASES", "ShapeTrainer", "resolve_model_dir", "run_training", "step_line", "write_report"]
 
 
 def _mean_metrics(rows: list[dict]) -> dict[str, float]:
@@ -46,7 +47,8 @@ class ShapeTrainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.trainer.output_dir)
-        self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
+        self.ckpt_root = (os.path.abspath(cfg.trainer.ckpt_path) if cfg.trainer.ckpt_path
+                          else os.path.join(self.run_dir, "checkpoints"))
         self.run: Run | None = None
 
     def setup(self) -> None:
@@ -56,10 +58,11 @@ class ShapeTrainer:
     def fit(self) -> dict[str, Any]:
         cfg, run, maker = self.cfg, self.run, self.run.maker
         start = self._resume()
-        logger, bar = self._open_log(start), self._progress(start)
+        logger, steps = self._open_log(start), self._steps(start)
         history: list[dict] = []
+        t_loop = time.perf_counter()
         try:
-            for step in bar:
+            for step in steps:
                 rec = StepLog()
                 items = run.batcher.next_batch()
                 # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
@@ -82,9 +85,9 @@ class ShapeTrainer:
                     rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
                 history.append({"step": step, **metrics})
-                self._report_step(step, metrics, exp.samples, logger, bar)
+                eta = (time.perf_counter() - t_loop) / (step - start) * (steps[-1] - step)
+                self._report_step(step, metrics, exp.samples, logger, eta)
         finally:
-            bar.close()
             logger.close()
         if cfg.trainer.export_hf and history and history[-1]["step"] == cfg.trainer.num_steps:
             run.actor.export_hf(os.path.join(self.run_dir, "hf"))
@@ -115,14 +118,17 @@ class ShapeTrainer:
         return self.run.actor.push_weights(self.run.engine_handles, self.cfg.rollout.weight_sync_bucket_mb << 20)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy and mean response length on the held-out prompts (``--data.eval_data``)."""
+        """Accuracy (mean over samples) and mean response length on the held-out prompts (``--eval.dataset``),
+        at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples."""
         from openrlhf_shape.rollout.engine import SamplingConfig
 
         items = self.run.eval_items or []
         if not items:
             return {}
-        greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=self.cfg.sampling.max_tokens)
-        gens = self.run.engines.generate([list(it.prompt_ids) for it in items], greedy)
+        t = self.cfg.trainer
+        n = 1 if t.eval_temperature == 0 else t.eval_n_samples_per_prompt
+        sampling = SamplingConfig(n=n, temperature=t.eval_temperature, max_tokens=self.cfg.sampling.max_tokens)
+        gens = self.run.engines.generate([list(it.prompt_ids) for it in items], sampling)
         scores = self.run.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
         return {
             "eval/accuracy": float(sum(scores) / len(scores)),
@@ -161,32 +167,21 @@ class ShapeTrainer:
         cfg = self.cfg
         run_info = {"estimator": cfg.shape.estimator, "name": os.path.basename(self.run_dir),
                     "model": self.run.model_dir, "config": cfg.to_dict()}
-        return MetricsLogger(self.run_dir, run_info, cfg.trainer.use_tensorboard, cfg.trainer.wandb_project,
-                             resume_step=start_step if start_step > 0 else None)
+        t = cfg.trainer
+        return MetricsLogger(self.run_dir, run_info, t.use_tensorboard or bool(t.tensorboard_dir), t.wandb_project,
+                             resume_step=start_step if start_step > 0 else None, tensorboard_dir=t.tensorboard_dir,
+                             wandb_kwargs={"entity": t.wandb_org, "group": t.wandb_group, "name": t.wandb_run_name})
 
-    def _progress(self, start_step: int):
-        from tqdm import tqdm
-
+    def _steps(self, start_step: int) -> list[int]:
         t = self.cfg.trainer
         last = min(t.num_steps, start_step + (t.stop_after_steps or t.num_steps))
-        return tqdm(range(start_step + 1, last + 1), desc=f"{self.cfg.shape.estimator} steps", initial=start_step,
-                    total=t.num_steps, dynamic_ncols=True)
+        return list(range(start_step + 1, last + 1))
 
-    def _report_step(self, step: int, metrics: dict, samples: list[dict], logger: MetricsLogger, bar) -> None:
+    def _report_step(self, step: int, metrics: dict, samples: list[dict], logger: MetricsLogger, eta_s: float) -> None:
         logger.log(step, metrics)
-        bar.set_postfix(acc=f"{metrics['rollout/accuracy']:.3f}", len=f"{metrics['rollout/response_length/mean']:.0f}",
-                        t=f"{metrics['time/step']:.0f}s")
-        log.info(
-            "step %d/%d: acc %.3f, len %.0f, segments %.2f, drop rate %.2f, loss %s, step %.1f s (%s)",
-            step, self.cfg.trainer.num_steps, metrics["rollout/accuracy"], metrics["rollout/response_length/mean"],
-            metrics.get("shape/segments_per_response/mean", float("nan")),
-            metrics.get("shape/potential_drop_rate", float("nan")),
-            f"{metrics['actor/loss']:.4f}" if "actor/loss" in metrics else "-",
-            metrics["time/step"],
-            ", ".join(f"{p} {metrics['time/' + p]:.1f}s" for p in PHASES if f"time/{p}" in metrics),
-        )
-        for s in samples[: self.cfg.trainer.log_samples]:
-            log.info("  sample (R=%.0f, label %s): %s", s["reward"], s["label"], s["response"][-300:].replace("\n", " "))
+        log.info(step_line(step, self.cfg.trainer.num_steps, metrics, eta_s))
+        for s in samples[: self.cfg.trainer.log_samples]:  # the run's log file; the console with --logger.verbose
+            log.debug("  sample (R=%.0f, label %s): %s", s["reward"], s["label"], s["response"][-300:].replace("\n", " "))
 
     def shutdown(self) -> None:
         import ray
@@ -201,11 +196,37 @@ class ShapeTrainer:
             ray.shutdown()
 
 
+def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
+    """The one console line of a step: accuracy, length, SHAPE segments / drop rate, loss, the
+    rollout/trainer log-prob mismatch (mean/max |dlogp|), step time by phase, time left in this run."""
+
+    def get(key: str, fmt: str) -> str:
+        v = metrics.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    phases = ", ".join(f"{p} {metrics['time/' + p]:.1f}s" for p in PHASES if f"time/{p}" in metrics)
+    eta = f", {eta_s / 60:.1f} min left" if eta_s is not None and eta_s > 0 else ""
+    return (
+        f"step {step}/{num_steps}: acc {get('rollout/accuracy', '.3f')}, len {get('rollout/response_length/mean', '.0f')}, "
+        f"segments {get('shape/segments_per_response/mean', '.2f')}, drop {get('shape/potential_drop_rate', '.2f')}, "
+        f"loss {get('actor/loss', '.4f')}, |dlogp| {get('rollout/mismatch/abs_log_ratio/mean', '.1e')}"
+        f"/{get('rollout/mismatch/abs_log_ratio/max', '.1e')}, {get('time/step', '.1f')} s ({phases}){eta}"
+    )
+
+
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
-    setup_console_logging()
+    """Set up, train, shut down. The console shows one line per step and the warnings that matter;
+    everything (engine and worker output included) goes to ``<ckpt.output_dir>/train.log``."""
+    verbose = bool(cfg.trainer.verbose)
+    setup_console_logging(verbose=verbose)
+    console = RunConsole(os.path.abspath(cfg.trainer.output_dir), verbose=verbose).start()
     trainer = ShapeTrainer(cfg)
     try:
         trainer.setup()
         return trainer.fit()
     finally:
-        trainer.shutdown()
+        try:
+            trainer.shutdown()
+        finally:
+            console.stop()
+            log.info("full log: %s", console.path)

@@ -17,14 +17,6 @@ import torch
 from openrlhf_shape.trainer.config import TrainConfig
 from openrlhf_shape.trainer.logging_utils import log
 
-# Import-time notices that every Megatron/vLLM worker prints and that say nothing about the run.
-QUIET_WARNINGS = ",".join(
-    f"ignore:{m}"
-    for m in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated",
-              "`torch.jit.script_method` is deprecated", "`torch.distributed.reduce_op` is deprecated")
-)
-
-
 @dataclass
 class Run:
     """The components of one training run (built by :func:`build_run`)."""
@@ -59,7 +51,8 @@ def _prompt_source(spec: str) -> str:
 
 
 def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
-    """The training prompt batcher and the held-out prompt items (None without ``--data.eval_data``)."""
+    """The training prompt batcher and the held-out prompt items (None without ``--eval.dataset``).
+    With ``--train.num_episodes`` it sets ``trainer.num_steps`` from the number of usable prompts."""
     from openrlhf_shape.data.prompts import PromptBatcher, build_prompt_dataset
 
     prompts = cfg.data  # a PromptDataConfig (plus the held-out fields)
@@ -67,17 +60,20 @@ def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
                                    tokenizer)
     if len(dataset) < cfg.rollout.rollout_batch_size:
         raise ValueError(
-            f"--rollout.rollout_batch_size {cfg.rollout.rollout_batch_size} exceeds the {len(dataset)} "
+            f"--rollout.batch_size {cfg.rollout.rollout_batch_size} exceeds the {len(dataset)} "
             f"usable prompts of {cfg.data.prompt_data} ({dataset.num_filtered} filtered by "
             f"--data.max_prompt_len {cfg.data.max_prompt_len})"
         )
     log.info("prompts: %d usable, %d filtered as longer than %d tokens", len(dataset), dataset.num_filtered,
              cfg.data.max_prompt_len)
+    if cfg.trainer.num_episodes:  # OpenRLHF's --train.num_episodes: passes over the prompt set
+        cfg.trainer.num_steps = max(1, cfg.trainer.num_episodes * (len(dataset) // cfg.rollout.rollout_batch_size))
+        log.info("--train.num_episodes %d: %d steps", cfg.trainer.num_episodes, cfg.trainer.num_steps)
     batcher = PromptBatcher(dataset, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
     eval_items = None
     if cfg.data.eval_data:
         held_out = dataclasses.replace(prompts, prompt_dataset=_prompt_source(cfg.data.eval_data),
-                                       max_samples=cfg.data.eval_max_samples)
+                                       max_samples=cfg.data.eval_max_samples, prompt_split=cfg.data.eval_split)
         eval_items = list(build_prompt_dataset(held_out, tokenizer))
     return batcher, eval_items
 
@@ -90,8 +86,9 @@ def start_ray(cfg: TrainConfig) -> bool:
         if cfg.trainer.ray_address:
             ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
         else:
+            # Workers' import-time notices are not silenced: they go to <output_dir>/train.log (trainer/console.py).
             ray.init(include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": QUIET_WARNINGS}})
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     return not cfg.trainer.ray_address
 
 
@@ -106,10 +103,10 @@ def build_run(cfg: TrainConfig) -> Run:
 
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(cfg.actor.pretrain)
-    mcfg = cfg.megatron_config()
-    mcfg.validate_against_model(AutoConfig.from_pretrained(model_dir), cfg.megatron.world_size)  # heads % TP, ...
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    batcher, eval_items = build_data(cfg, tokenizer)
+    batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes)
+    mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
+    mcfg.validate_against_model(AutoConfig.from_pretrained(model_dir), cfg.megatron.world_size)  # heads % TP, ...
 
     on_gpu = torch.cuda.is_available()
     own_ray = start_ray(cfg)
@@ -134,7 +131,10 @@ def build_run(cfg: TrainConfig) -> Run:
     log.info("actor: %s", actor.init_model(model_dir))
     reward = RewardComputer(cfg.reward)
     maker = ShapeExperienceMaker(cfg.shape, cfg.sampling, cfg.probe_config(), engines, actor, reward, tokenizer,
-                                 dynamic_filtering=cfg.rollout.dynamic_filtering)
+                                 dynamic_filtering=cfg.rollout.dynamic_filtering,
+                                 dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
+                                 rollout_correction=cfg.rollout_correction(),
+                                 reward_clip_range=tuple(cfg.reward.clip_range))
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,

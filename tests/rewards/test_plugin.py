@@ -30,7 +30,8 @@ def test_local_py_plugin(tmp_path):
     f.write_text(PLUGIN)
     fn = load_reward_fn(str(f))
     out = fn(["p a 3", "p b 4"], ["p", "p"], ["3", "5"])
-    assert out["rewards"] == [1.0, 0.0] and out["extra_logs"] == {"n": 2.0}
+    # called once per sample, as OpenRLHF does: each call sees one query
+    assert out["rewards"] == [1.0, 0.0] and out["extra_logs"] == {"n": [1.0, 1.0]}
     with RewardComputer(RewardConfig(remote_url=str(f))) as rc:
         res = rc.compute(["p a 3", "p b 4"], ["p", "p"], ["3", "5"])
     assert torch.equal(res["rewards"], torch.tensor([1.0, 0.0])) and res["scores"].dtype == torch.float32
@@ -52,8 +53,8 @@ def test_bad_plugin_files(tmp_path):
     with pytest.raises(RewardPluginError, match="defines no reward_func"):
         load_reward_fn(str(f))
     g = tmp_path / "wrong.py"
-    g.write_text("def reward_func(q, p, l, **kw):\n    return {'rewards': [1.0]}\n")
-    with pytest.raises(RewardPluginError, match="list of 2 numbers"):
+    g.write_text("def reward_func(q, p, l, **kw):\n    return {'rewards': [1.0, 0.0]}\n")
+    with pytest.raises(RewardPluginError, match=r"one number per sample \(1\), got 2"):
         load_reward_fn(str(g))(["a", "b"], ["a", "b"], ["1", "2"])
     with pytest.raises(RewardPluginError, match="neither an http"):
         load_reward_fn("rm.txt")
@@ -101,7 +102,7 @@ def test_http_plugin_with_retry_and_down_endpoint():
         server.shutdown()
         server.server_close()
     down = load_reward_fn(f"http://127.0.0.1:{port}/score", timeout_s=1, retries=1, backoff_s=0.05)
-    with pytest.raises(RewardPluginError, match=rf"127.0.0.1:{port}/score unreachable"):
+    with pytest.raises(RewardPluginError, match=rf"127.0.0.1:{port}/score unreachable.*remote_retries 1"):
         down(["a"], ["a"], ["1"])
 
 

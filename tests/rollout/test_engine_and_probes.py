@@ -73,6 +73,25 @@ def test_generate_contract_and_logprob_parity_with_hf(group, prompts, tiny_model
         torch.testing.assert_close(torch.tensor(g.logprobs), ref, atol=2e-3, rtol=0)
 
 
+def test_rollout_logprobs_are_at_the_sampling_temperature(group, prompts, tiny_model_dir):
+    """Engines return vLLM's processed log-probs (EngineConfig.logprobs_mode): those of the tempered
+    distribution the token was sampled from, as the trainer computes them (raw ones are at T = 1)."""
+    from transformers import AutoModelForCausalLM
+
+    gens = group.generate(prompts[:1], SamplingConfig(n=2, max_tokens=16, temperature=0.6, logprobs=True))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    for g in gens:
+        ids = torch.tensor([prompts[0] + g.token_ids])
+        with torch.no_grad():
+            logits = hf(ids).logits[0].float()
+        n_p = len(prompts[0])
+        tgt = torch.tensor(g.token_ids)[:, None]
+        tempered = torch.log_softmax(logits / 0.6, dim=-1)[n_p - 1 : n_p - 1 + len(g.token_ids)].gather(1, tgt)[:, 0]
+        raw = torch.log_softmax(logits, dim=-1)[n_p - 1 : n_p - 1 + len(g.token_ids)].gather(1, tgt)[:, 0]
+        torch.testing.assert_close(torch.tensor(g.logprobs), tempered, atol=2e-3, rtol=0)
+        assert (torch.tensor(g.logprobs) - raw).abs().max() > 1e-2  # the temperature shows
+
+
 def test_probes_hit_the_prefix_cache_and_potentials(group, prompts, tiny_tokenizer):
     block = group.get_block_size()
     rollout = group.generate(prompts, SamplingConfig(n=2, max_tokens=112, temperature=1.0))

@@ -17,9 +17,10 @@ def test_presets_load_and_validate():
         with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
             data = yaml.safe_load(f)
         # cluster paths do not exist here: only check the flags parse and the layout arithmetic holds
-        m = data["megatron"]
-        assert m["world_size"] % (m["tensor_model_parallel_size"] * m["pipeline_model_parallel_size"]) == 0
-        assert data["actor"]["train_batch_size"] == 256 and data["rollout"]["rollout_batch_size"] == 128
+        m, a = data["megatron"], data["actor"]
+        ranks = a["num_nodes"] * a["num_gpus_per_node"]
+        assert ranks % (m["tensor_model_parallel_size"] * m["pipeline_model_parallel_size"]) == 0
+        assert data["train"]["batch_size"] == 256 and data["rollout"]["batch_size"] == 128
         assert data["shape"]["num_segments"] == (16 if name.startswith("qwen3") else 8)
 
 
@@ -45,13 +46,13 @@ def test_parse_overrides_handles_negatives_and_bare_flags():
         (["--rollout.n_sample_per_prompt", "3"], "did you mean --rollout.n_samples_per_prompt"),
         (["--shape.alpha", "0.6"], r"--shape.alpha.*A\.1"),
         (["--rollout.temperature", "hot"], "--rollout.temperature"),
-        (["--actor.train_batch_size", "7"], "--actor.train_batch_size"),
-        (["--megatron.world_size", "3", "--megatron.tensor_model_parallel_size", "2"], "--megatron.world_size"),
+        (["--train.batch_size", "7"], "--train.batch_size"),
+        (["--actor.num_gpus_per_node", "3", "--megatron.tensor_model_parallel_size", "2"], "--actor.num_nodes x"),
         (["--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "1",
-          "--actor.train_batch_size", "128"], "--rollout.n_samples_per_prompt"),
-        (["--trainer.resume", "/nonexistent/ckpt"], "--trainer.resume"),
-        (["--actor.pretrain", "/nonexistent/model"], "--actor.pretrain"),
-        (["--data.prompt_data", "/nonexistent/p.jsonl"], "--data.prompt_data"),
+          "--train.batch_size", "128"], "--rollout.n_samples_per_prompt"),
+        (["--ckpt.resume", "/nonexistent/ckpt"], "--ckpt.resume"),
+        (["--actor.model_name_or_path", "/nonexistent/model"], "--actor.model_name_or_path"),
+        (["--data.prompt_dataset", "/nonexistent/p.jsonl"], "--data.prompt_dataset"),
         (["--actor.eps_clip_low_high", "0.2"], "--actor.eps_clip_low_high"),
     ],
 )
@@ -65,4 +66,4 @@ def test_cli_rejects_unknown_flags_for_commands_without_overrides():
 
     with pytest.raises(SystemExit):
         main(["analyze", "--nonsense.flag", "1"])
-    assert main(["train", "--print_config", "--trainer.num_steps", "3"]) == 0
+    assert main(["train", "--print_config", "--train.num_steps", "3"]) == 0

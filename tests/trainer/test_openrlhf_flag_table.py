@@ -1,0 +1,69 @@
+"""The OpenRLHF flag table covers exactly the PPO flags of the installed OpenRLHF 0.11.2, with its
+defaults. The flags are read from the real package's ``cli/train_ppo_ray.py``: its argparse block
+is built with plain argparse (the module itself cannot be imported on CPU: its trainer imports
+flash_attn)."""
+
+import argparse
+import datetime
+import importlib.util
+import os
+import textwrap
+
+import pytest
+
+from openrlhf_shape.trainer.openrlhf_flags import ALWAYS, BY_NAME, OPENRLHF_PPO_FLAGS, REFUSED, SAME, VALUES, refusal
+
+
+def _openrlhf_parser() -> argparse.ArgumentParser:
+    spec = importlib.util.find_spec("openrlhf")
+    assert spec is not None and spec.origin, "openrlhf is not installed (see requirements/cpu.txt)"
+    src_path = os.path.join(os.path.dirname(spec.origin), "cli", "train_ppo_ray.py")
+    src = open(src_path).read()
+    block = src.split('if __name__ == "__main__":', 1)[1].split("args = parser.parse_args()", 1)[0]
+    scope = {"argparse": argparse, "datetime": datetime.datetime}
+    exec(textwrap.dedent(block), scope)  # only parser.add_argument(...) calls
+    return scope["parser"]
+
+
+def test_table_covers_every_openrlhf_ppo_flag_with_its_default():
+    import openrlhf
+
+    assert openrlhf.__version__ == "0.11.2" if hasattr(openrlhf, "__version__") else True
+    parser = _openrlhf_parser()
+    theirs = {a.option_strings[0][2:]: a for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"}
+    assert set(theirs) == set(BY_NAME), (sorted(set(theirs) - set(BY_NAME)), sorted(set(BY_NAME) - set(theirs)))
+    assert len(theirs) == 167
+    for name, action in theirs.items():
+        ours = BY_NAME[name].default
+        if name == "logger.wandb.run_name":
+            continue  # a timestamp
+        want = list(action.default) if isinstance(action.default, (list, tuple)) else action.default
+        got = list(ours) if isinstance(ours, (list, tuple)) else ours
+        assert got == want, f"--{name}: table default {ours!r}, OpenRLHF {action.default!r}"
+
+
+def test_every_refusal_is_one_line_that_says_why():
+    kinds = {k: [f for f in OPENRLHF_PPO_FLAGS if f.kind == k] for k in (SAME, ALWAYS, VALUES, REFUSED)}
+    assert sum(map(len, kinds.values())) == 167
+    for f in kinds[REFUSED]:
+        msg = refusal(f.name, "x")
+        assert msg and msg.startswith(f"--{f.name}: ") and "\n" not in msg and len(f.why) > 15
+    for f in kinds[SAME] + kinds[ALWAYS]:
+        assert refusal(f.name, "anything") is None
+    assert refusal("algo.kl.init_coef", "0") is None and "reference model" in refusal("algo.kl.init_coef", "1e-3")
+    assert refusal("algo.advantage.estimator", "group_norm") is None
+    assert "needs a critic" in refusal("algo.advantage.estimator", "gae")
+    assert refusal("logger.logging_steps", 1) is None and refusal("logger.logging_steps", "5")
+
+
+@pytest.mark.parametrize("name", ["ds.zero_stage", "critic.model_name_or_path", "ref.num_nodes", "algo.kl.use_loss"])
+def test_parts_we_do_not_have_are_named(name):
+    assert refusal(name, True).startswith(f"--{name}: ")
+
+
+def test_readme_table_is_the_table():
+    from openrlhf_shape.trainer.openrlhf_flags import markdown_table
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               "README.md")).read()
+    assert markdown_table() in readme, "README's OpenRLHF flag table is stale: paste openrlhf_flags.markdown_table()"
