@@ -100,11 +100,11 @@ def merge_outputs(parts: list[dict]) -> dict:
 
 
 def mean_extra_logs(extra: dict[str, list[float]], prefix: str = "reward/") -> dict[str, float]:
-    """Extra logs as scalar metrics ``{prefix + name: mean of its values}`` (NaN for a name that got
-    no values; a plug-in's own NaN is kept, it is worth seeing in the log)."""
+    """Extra logs as scalar metrics ``{name: mean of its values}``; a bare name (no ``/``) gets
+    ``prefix`` (NaN for a name that got no values; a plug-in's own NaN is kept: worth seeing)."""
     out = {}
     for k, vals in extra.items():
-        name = k if k.startswith(prefix) else prefix + k
+        name = k if "/" in k else prefix + k
         out[name] = float(sum(vals) / len(vals)) if vals else math.nan
     return out
 

@@ -30,7 +30,7 @@ def _on_cpu_platform() -> bool:
 class EngineConfig:
     """Engine construction settings, validated here (the edge)."""
 
-    model_path: str = ""  # a local HF model directory ("" = set later, e.g. from --actor.pretrain)
+    model_path: str = ""  # a local HF model directory ("" = set later, e.g. from --actor.model_name_or_path)
     seed: int = 0
     tensor_parallel_size: int = 1
     block_size: int | None = None  # None -> 32 on CPU, vLLM's default on GPU

@@ -230,7 +230,7 @@ class ShapeExperienceMaker:
             raise ValueError(
                 "SHAPE/MRT use the outcome as the final potential, so rewards must lie in [0, 1]; the reward "
                 "function (--reward.remote_url) returned values outside it. Rescale it, or use "
-                "--algo.advantage.estimator grpo"
+                "--algo.advantage.estimator group_norm (GRPO)"
             )
         grouped = exp.rewards.view(-1, self.sampling.n)
         metrics["rollout/accuracy"] = float(exp.scores.mean())

@@ -79,7 +79,7 @@ def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
 
 
 def start_ray(cfg: TrainConfig) -> bool:
-    """Join ``--trainer.ray_address`` or start a local Ray; True when this run owns the Ray instance."""
+    """Join ``--train.ray_address`` or start a local Ray; True when this run owns the Ray instance."""
     import ray
 
     if not ray.is_initialized():
