@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import kit_models
+from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker, merge_rank_outputs
 
@@ -133,7 +134,7 @@ def _make_model(model: dict, out_dir: str) -> str:
 
 
 # ------------------------------------------------------------------------------ train and resume
-def _train_batch(batch: dict, old_log_probs: list[torch.Tensor], seed: int) -> dict:
+def _train_batch(batch: dict, old_log_probs: list[torch.Tensor], seed: int) -> TrainBatch:
     """Fixed PPO batch: on-policy old log-probs, one advantage (+1 / -1) per sequence (GRPO-like)."""
     g = torch.Generator().manual_seed(seed)
     adv, mask = [], []
@@ -141,7 +142,8 @@ def _train_batch(batch: dict, old_log_probs: list[torch.Tensor], seed: int) -> d
         sign = 1.0 if k % 2 == 0 else -1.0
         adv.append(torch.full_like(lp, sign))
         mask.append(torch.rand(lp.numel(), generator=g) > 0.1)
-    return {**batch, "old_log_probs": [x.float() for x in old_log_probs], "advantages": adv, "loss_mask": mask}
+    return TrainBatch.from_ragged(batch["sequences"], batch["prompt_lens"], [x.float() for x in old_log_probs], adv,
+                                  mask, temperature=batch["temperature"])
 
 
 def train_first(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model: dict,
@@ -272,11 +274,12 @@ def _throughput_case(worker: MegatronRankWorker, model_dir: str, hf_cfg: dict, c
     resp = [tokens - prompt] * n_mb
     if update:
         g = torch.Generator().manual_seed(0)
-        batch["old_log_probs"] = [(-float(torch.log(torch.tensor(float(vocab)))) + 0.1 * torch.randn(t, generator=g)) for t in resp]
-        batch["advantages"] = [torch.randn(t, generator=g) for t in resp]
+        old = [(-float(torch.log(torch.tensor(float(vocab)))) + 0.1 * torch.randn(t, generator=g)) for t in resp]
+        adv = [torch.randn(t, generator=g) for t in resp]
+        train_batch = TrainBatch.from_ragged(seqs, [prompt] * n_mb, old, adv, temperature=1.0)
 
         def run():
-            return worker.train_step(batch)
+            return worker.train_step(train_batch)
     else:
 
         def run():
