@@ -1,0 +1,245 @@
+"""Where every Megatron rank and every vLLM engine worker runs: a pure plan, no Ray.
+
+The plan numbers GPUs as *bundles*: one bundle per GPU, node after node (node 0's GPUs first).
+Bundle ``b`` lives on node ``slot.node`` as local GPU ``slot.gpu``; ``openrlhf_shape.cluster.ray_placement``
+turns each node's bundles into one ``STRICT_PACK`` Ray placement group, so the plan's node
+assignment is what Ray enforces.
+
+Rules (each one a failure mode on a real cluster):
+
+* Megatron rank ``r`` sits on bundle ``r``. Megatron's rank order puts TP innermost and PP
+  outermost, ``rank = tp_rank + TP * (dp_rank + DP * pp_rank)``, so with ``gpus_per_node % TP == 0``
+  every TP group lies inside one node (NVLink; NCCL across nodes for TP is the slow path).
+* Every engine's ``engine_tp`` workers lie on one node (vLLM's TP all-reduce); an engine that
+  does not fit in what is left of a node starts on the next node.
+* Colocated (``colocate=True``): engines reuse the ranks' bundles, one engine worker per GPU
+  (two processes per GPU: one rank, one engine worker; vLLM sleeps while Megatron trains).
+* Disaggregated: engines get their own bundles after the ranks' (``rollout_gpus``, default
+  ``num_engines * engine_tp``), disjoint from the ranks' GPUs.
+
+Errors are ``ValueError`` naming the flags to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Flag names used in error messages (the trainer's dotted config keys).
+FLAG_WORLD = "--megatron.world_size"
+FLAG_TP = "--megatron.tensor_model_parallel_size"
+FLAG_PP = "--megatron.pipeline_model_parallel_size"
+FLAG_ENGINES = "--rollout.num_engines"
+FLAG_ENGINE_TP = "--rollout.engine_tensor_parallel_size"
+FLAG_COLOCATE = "--rollout.colocate"
+FLAG_ROLLOUT_GPUS = "--rollout.num_gpus"
+FLAG_GPUS_PER_NODE = "--trainer.gpus_per_node"
+FLAG_NUM_NODES = "--trainer.num_nodes"
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """One Megatron rank: global rank, node index, local GPU on that node, global bundle index and
+    its (tp, pp, dp) coordinates in Megatron's order."""
+
+    rank: int
+    node: int
+    gpu: int
+    bundle: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """One vLLM engine worker: engine index, worker index inside the engine's TP group (0 hosts
+    the engine actor itself), node, local GPU on that node, global bundle index."""
+
+    engine: int
+    worker: int
+    node: int
+    gpu: int
+    bundle: int
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """The whole layout. ``node_bundles[n]`` is how many bundles (GPUs) node ``n`` contributes;
+    bundle ``b`` of node ``n`` has local index ``b - sum(node_bundles[:n])`` there."""
+
+    ranks: tuple[RankSlot, ...]
+    engines: tuple[EngineSlot, ...]
+    num_bundles: int
+    num_nodes: int
+    colocate: bool
+    master_rank_node: int
+    gpus_per_node: int
+    node_bundles: tuple[int, ...]
+    tp: int
+    pp: int
+    dp: int
+    engine_tp: int
+
+    def bundle_node(self, bundle: int) -> tuple[int, int]:
+        """(node, local index on that node) of a global bundle index."""
+        start = 0
+        for node, count in enumerate(self.node_bundles):
+            if bundle < start + count:
+                return node, bundle - start
+            start += count
+        raise IndexError(f"bundle {bundle} outside the plan's {self.num_bundles} bundles")
+
+    def engine_workers(self, engine: int) -> tuple[EngineSlot, ...]:
+        """The TP workers of one engine, worker 0 first."""
+        return tuple(s for s in self.engines if s.engine == engine)
+
+    @property
+    def num_engines(self) -> int:
+        return len({s.engine for s in self.engines})
+
+    def rank_bundles(self) -> tuple[int, ...]:
+        return tuple(s.bundle for s in self.ranks)
+
+    def engine_bundles(self) -> tuple[int, ...]:
+        return tuple(s.bundle for s in self.engines)
+
+
+def megatron_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, dp_rank) of ``rank`` in Megatron's default order (TP fastest, PP slowest):
+    ``rank = tp_rank + TP * (dp_rank + DP * pp_rank)``."""
+    dp = world_size // (tp * pp)
+    return rank % tp, rank // (tp * dp), (rank // tp) % dp
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _place_groups(start: int, count: int, group: int, gpus_per_node: int) -> list[int]:
+    """Global GPU index of the first GPU of each of ``count`` groups of ``group`` GPUs, placed from
+    global GPU ``start`` on, never straddling a node boundary (a group that does not fit in what is
+    left of a node starts on the next node)."""
+    firsts: list[int] = []
+    pos = start
+    for _ in range(count):
+        left_on_node = gpus_per_node - pos % gpus_per_node
+        if left_on_node < group:
+            pos += left_on_node
+        firsts.append(pos)
+        pos += group
+    return firsts
+
+
+def plan_placement(
+    *,
+    world_size: int,
+    tp: int,
+    pp: int,
+    num_engines: int,
+    engine_tp: int,
+    colocate: bool,
+    gpus_per_node: int,
+    num_nodes: int | None = None,
+    rollout_gpus: int | None = None,
+) -> PlacementPlan:
+    """Plan Megatron ranks and vLLM engine workers on GPUs (see the module docstring for the rules).
+
+    Args:
+        world_size, tp, pp: Megatron world and its tensor / pipeline parallel sizes (DP derived).
+        num_engines, engine_tp: vLLM engines and the tensor parallel size of each.
+        colocate: engines share the ranks' GPUs (one engine worker per rank GPU).
+        gpus_per_node: GPUs of every node.
+        num_nodes: nodes available; None means as many as the plan needs.
+        rollout_gpus: disaggregated only: GPUs of the engine pool (default ``num_engines * engine_tp``).
+    Raises:
+        ValueError naming the flags when the shape is impossible.
+    """
+    _need(gpus_per_node >= 1, f"{FLAG_GPUS_PER_NODE} must be >= 1 (got {gpus_per_node})")
+    _need(world_size >= 1, f"{FLAG_WORLD} must be >= 1 (got {world_size})")
+    _need(tp >= 1 and pp >= 1, f"{FLAG_TP} and {FLAG_PP} must be >= 1 (got TP={tp}, PP={pp})")
+    _need(num_engines >= 1, f"{FLAG_ENGINES} must be >= 1 (got {num_engines})")
+    _need(engine_tp >= 1, f"{FLAG_ENGINE_TP} must be >= 1 (got {engine_tp})")
+    _need(world_size % (tp * pp) == 0,
+          f"{FLAG_TP} x {FLAG_PP} = {tp} x {pp} = {tp * pp} must divide {FLAG_WORLD} = {world_size}")
+    _need(tp <= gpus_per_node,
+          f"{FLAG_TP} = {tp} is larger than a node ({FLAG_GPUS_PER_NODE} = {gpus_per_node}): a TP group "
+          f"must stay inside one node; lower {FLAG_TP} (raise {FLAG_PP} instead)")
+    _need(gpus_per_node % tp == 0,
+          f"{FLAG_TP} = {tp} must divide {FLAG_GPUS_PER_NODE} = {gpus_per_node} so that no TP group "
+          f"straddles two nodes")
+    _need(engine_tp <= gpus_per_node,
+          f"{FLAG_ENGINE_TP} = {engine_tp} is larger than a node ({FLAG_GPUS_PER_NODE} = {gpus_per_node}): "
+          f"an engine's TP workers must stay inside one node")
+    if num_nodes is not None:
+        _need(num_nodes >= 1, f"{FLAG_NUM_NODES} must be >= 1 (got {num_nodes})")
+    dp = world_size // (tp * pp)
+    engine_gpus = num_engines * engine_tp
+
+    if colocate:
+        _need(rollout_gpus is None or rollout_gpus == world_size,
+              f"{FLAG_ROLLOUT_GPUS} = {rollout_gpus}: with {FLAG_COLOCATE} the engines share the ranks' "
+              f"{world_size} GPUs; leave {FLAG_ROLLOUT_GPUS} unset")
+        _need(engine_gpus <= world_size,
+              f"{FLAG_COLOCATE}: {FLAG_ENGINES} x {FLAG_ENGINE_TP} = {num_engines} x {engine_tp} = {engine_gpus} "
+              f"engine workers do not fit on the {world_size} rank GPUs ({FLAG_WORLD}); use at most "
+              f"{world_size // engine_tp} engines or drop {FLAG_COLOCATE}")
+        total = world_size
+    else:
+        pool = engine_gpus if rollout_gpus is None else rollout_gpus
+        _need(pool == engine_gpus,
+              f"{FLAG_ROLLOUT_GPUS} = {pool} must equal {FLAG_ENGINES} x {FLAG_ENGINE_TP} = "
+              f"{num_engines} x {engine_tp} = {engine_gpus}")
+        total = world_size + pool  # before alignment holes
+
+    # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole).
+    rank_gpu = list(range(world_size))
+    # Engines: groups of engine_tp inside a node, on the ranks' GPUs (colocated) or after them.
+    if colocate:
+        firsts = _place_groups(0, num_engines, engine_tp, gpus_per_node)
+        _need(firsts[-1] + engine_tp <= world_size,
+              f"{FLAG_COLOCATE}: {num_engines} engines of {FLAG_ENGINE_TP} = {engine_tp} cannot be laid on the "
+              f"{world_size} rank GPUs without an engine straddling two nodes ({FLAG_GPUS_PER_NODE} = "
+              f"{gpus_per_node}); make {FLAG_ENGINE_TP} divide {FLAG_GPUS_PER_NODE} or use fewer engines")
+    else:
+        firsts = _place_groups(world_size, num_engines, engine_tp, gpus_per_node)
+    engine_gpu = [[f + w for w in range(engine_tp)] for f in firsts]
+
+    used = sorted(set(rank_gpu) | {g for grp in engine_gpu for g in grp})
+    last_gpu = used[-1]
+    nodes_needed = last_gpu // gpus_per_node + 1
+    if num_nodes is not None:
+        _need(nodes_needed <= num_nodes,
+              f"the layout needs {nodes_needed} nodes of {gpus_per_node} GPUs ({world_size} rank GPUs"
+              + ("" if colocate else f" + {total - world_size} engine GPUs")
+              + f", TP groups and engines kept inside a node) but {FLAG_NUM_NODES} = {num_nodes}; add nodes or "
+              f"lower {FLAG_WORLD} / {FLAG_ENGINES} / {FLAG_ENGINE_TP}")
+
+    # Bundles: the used GPUs in order; global GPU index -> bundle index.
+    bundle_of = {g: i for i, g in enumerate(used)}
+    per_node = [0] * nodes_needed
+    for g in used:
+        per_node[g // gpus_per_node] += 1
+    # Local GPU index = position among the node's bundles (bundles of a node are 0..count-1 there).
+    local_of: dict[int, int] = {}
+    counters = [0] * nodes_needed
+    for g in used:
+        n = g // gpus_per_node
+        local_of[g] = counters[n]
+        counters[n] += 1
+
+    ranks = []
+    for r, g in enumerate(rank_gpu):
+        t, p, d = megatron_coords(r, tp, pp, world_size)
+        ranks.append(RankSlot(rank=r, node=g // gpus_per_node, gpu=local_of[g], bundle=bundle_of[g],
+                              tp_rank=t, pp_rank=p, dp_rank=d))
+    engines = []
+    for e, grp in enumerate(engine_gpu):
+        for w, g in enumerate(grp):
+            engines.append(EngineSlot(engine=e, worker=w, node=g // gpus_per_node, gpu=local_of[g],
+                                      bundle=bundle_of[g]))
+    return PlacementPlan(
+        ranks=tuple(ranks), engines=tuple(engines), num_bundles=len(used), num_nodes=nodes_needed,
+        colocate=colocate, master_rank_node=ranks[0].node, gpus_per_node=gpus_per_node,
+        node_bundles=tuple(per_node), tp=tp, pp=pp, dp=dp, engine_tp=engine_tp,
+    )
