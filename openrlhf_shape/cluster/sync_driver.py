@@ -102,6 +102,12 @@ class EngineWeightSync:
         sender's stats dict. Returns the sender's metrics plus receiver totals."""
         if not self.connected:
             raise RuntimeError("EngineWeightSync.sync before connect()")
+        import ray
+
+        asleep = [i for i, st in enumerate(ray.get([e.state.remote() for e in self.engines])) if not st["weights_awake"]]
+        if asleep:  # refuse before any sender starts (it would otherwise wait for the group timeout)
+            raise RuntimeError(f"weight sync targets engines {asleep} whose weights are asleep; the colocation "
+                               "lifecycle wakes the weights first")
         sender_payload, engine_payloads = self._payload
         recv = [e.receive_weights.remote(self.transport, p) for e, p in zip(self.engines, engine_payloads)]
         send = start_senders(sender_payload)

@@ -103,8 +103,7 @@ class ShapeTrainer:
 
         from openrlhf_shape.data.prompts import PromptBatcher, PromptDataConfig, build_prompt_dataset
         from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
-        from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, create_ray_engines
-        from openrlhf_shape.trainer.actor_group import MegatronActorGroup
+        from openrlhf_shape.rollout.engine import EngineConfig
         from openrlhf_shape.trainer.experience import ExperienceConfig, ShapeExperienceMaker
 
         cfg = self.cfg
@@ -141,17 +140,13 @@ class ShapeTrainer:
             self.eval_items = list(build_prompt_dataset(eval_cfg, self.tokenizer))
 
         on_gpu = torch.cuda.is_available()
+        self._own_ray = not ray.is_initialized() and not cfg.trainer.ray_address  # shut down only what we start
         if not ray.is_initialized():
             if cfg.trainer.ray_address:
                 ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
             else:
-                ray.init(include_dashboard=False, log_to_driver=True,
+                ray.init(address="local", include_dashboard=False, log_to_driver=True,
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": QUIET_WARNINGS}})
-        self._own_ray = not cfg.trainer.ray_address
-        gpus_rank = cfg.megatron.gpus_per_rank if on_gpu else 0.0
-        gpus_engine = None if on_gpu else 0.0
-        if on_gpu and cfg.rollout.colocate:  # share each GPU between a rank and an engine
-            gpus_rank, gpus_engine = 0.5, 0.5
         engine_cfg = EngineConfig(
             model_path=self.model_dir,
             seed=cfg.trainer.seed,
@@ -166,15 +161,15 @@ class ShapeTrainer:
         log.info("starting %d vLLM engine(s) and %d Megatron rank(s) (TP %d, PP %d, DP %d)",
                  cfg.rollout.num_engines, cfg.megatron.world_size, mcfg.tensor_model_parallel_size,
                  mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.megatron.world_size))
-        # Both start concurrently: engine start-up and Megatron start-up overlap.
+        # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
+        from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
+
         threads = None if on_gpu else max(1, (os.cpu_count() or 1) // cfg.megatron.world_size)
-        self.actor = MegatronActorGroup(mcfg, cfg.megatron.world_size, num_cpus_per_rank=cfg.actor.num_cpus_per_rank,
-                                        num_gpus_per_rank=gpus_rank, num_threads_per_rank=threads)
-        self.engine_handles = create_ray_engines(cfg.rollout.num_engines, engine_cfg,
-                                                 num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
-                                                 num_gpus_per_engine=gpus_engine)
-        self.engines = EngineGroup(self.engine_handles)
+        self.cluster = start_cluster(cfg, mcfg, engine_cfg, on_gpu=on_gpu, threads_per_rank=threads)
+        self.actor, self.engines = self.cluster.actor, self.cluster.engines
+        self.engine_handles, self.lifecycle = self.cluster.engine_handles, self.cluster.lifecycle
         info = self.actor.init_model(self.model_dir)
+        connect_sync(self.cluster)  # the trainer's engine group owns the sync (rank 0 sends)
         log.info("actor: %s", info)
         self.reward = RewardComputer(RewardConfig(remote_url=cfg.reward.remote_url, num_workers=cfg.reward.num_workers,
                                                   timeout_s=cfg.reward.timeout_s, max_chars=cfg.reward.max_chars))
@@ -191,7 +186,9 @@ class ShapeTrainer:
             think_suffix=cfg.probe.think_suffix,
             answer_suffix=cfg.probe.answer_suffix,
         )
-        self.maker = ShapeExperienceMaker(exp_cfg, self.engines, self.actor, self.reward, self.tokenizer)
+        # The maker's forward (old log-probs) runs inside the colocation lifecycle.
+        self.maker = ShapeExperienceMaker(exp_cfg, self.engines, self.lifecycle.forward_actor(), self.reward,
+                                          self.tokenizer)
         self.setup_seconds = time.perf_counter() - t0
         log.info("set-up done in %.1f s", self.setup_seconds)
 
@@ -208,19 +205,20 @@ class ShapeTrainer:
         if not path:
             if mode == "auto":
                 log.info("no complete checkpoint under %s: starting from step 0", self.ckpt_root)
+            self.lifecycle.start()
             return 0
         extra = self.actor.load_checkpoint(path)
         self.batcher.load_state_dict(extra["batcher"])
         step = int(extra["step"])
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.batcher.epoch, self.batcher.position)
-        self.actor.push_weights(self.engine_handles, self.cfg.rollout.weight_sync_bucket_mb << 20)
+        self.lifecycle.sync_weights()  # engines get the resumed weights (ends in the rollout phase)
         return step
 
     def _save(self, step: int) -> str:
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.batcher.state_dict(), "time": time.time()}
-        self.actor.save_checkpoint(path, extra)
+        self.lifecycle.around_checkpoint(self.actor.save_checkpoint, path, extra)
         # keep the newest max_ckpts_keep complete checkpoints
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.trainer.max_ckpts_keep]:
@@ -284,12 +282,11 @@ class ShapeTrainer:
                     metrics["actor/updates"] = 0.0
                 else:
                     t0 = time.perf_counter()
+                    self.lifecycle.before_update()  # colocated: engines sleep, Megatron onloads
                     metrics.update(self.train_on(exp, step))
                     metrics["time/train"] = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    if cfg.rollout.colocate:
-                        self.engines.wake_up()
-                    metrics.update(self.actor.push_weights(self.engine_handles, cfg.rollout.weight_sync_bucket_mb << 20))
+                    metrics.update(self.lifecycle.sync_weights())  # streamed sync, caches + affinity reset
                     metrics["time/sync"] = time.perf_counter() - t0
                 if cfg.trainer.eval_steps and step % cfg.trainer.eval_steps == 0:
                     t0 = time.perf_counter()
@@ -322,7 +319,7 @@ class ShapeTrainer:
             logger.close()
         if cfg.trainer.export_hf and history and history[-1]["step"] == cfg.trainer.num_steps:
             hf_out = os.path.join(self.run_dir, "hf")
-            self.actor.export_hf(hf_out)
+            self.lifecycle.around_checkpoint(self.actor.export_hf, hf_out)
             log.info("exported the trained policy to %s", hf_out)
         summary = write_report(self.run_dir, history, self.setup_seconds)
         return summary
@@ -336,6 +333,8 @@ class ShapeTrainer:
             self.engines.shutdown()
         if self.actor is not None:
             self.actor.shutdown()
+        if getattr(self, "cluster", None) is not None:
+            self.cluster.shutdown()
         if ray.is_initialized() and getattr(self, "_own_ray", True):
             ray.shutdown()
 

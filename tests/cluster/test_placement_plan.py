@@ -121,3 +121,42 @@ def test_errors_name_flags(kwargs: dict, flags: list[str]) -> None:
         plan_placement(**args)
     for f in flags:
         assert f in str(e.value), (f, str(e.value))
+
+
+@pytest.mark.parametrize("preset", ["qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "deepscaler-1.5b",
+                                    "deepseek-r1-distill-qwen-1.5b"])
+def test_trainer_config_to_plan(preset: str) -> None:
+    import os
+
+    from openrlhf_shape.cluster.runtime import plan_for
+    from openrlhf_shape.trainer.config import TrainConfig, load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        cfg = load_config(os.path.join(root, "configs", f"{preset}.yaml"))
+    except FileNotFoundError:  # the presets point at /models and /data; build the sections directly
+        import yaml
+
+        raw = yaml.safe_load(open(os.path.join(root, "configs", f"{preset}.yaml")))
+        cfg = TrainConfig()
+        for sec in ("rollout", "megatron", "trainer"):
+            for k, v in raw.get(sec, {}).items():
+                setattr(getattr(cfg, sec), k, v)
+    plan = plan_for(cfg, on_gpu=True)
+    m, r = cfg.megatron, cfg.rollout
+    check_invariants(plan, world=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                     engines=r.num_engines, etp=r.engine_tensor_parallel_size)
+    cpu = plan_for(cfg, on_gpu=False)  # CPU slots: one node holds every slot
+    assert cpu.num_nodes == 1
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--rollout.weight_sync", "nccl"], "rollout.weight_sync"),
+    (["--rollout.weight_sync", "cuda_ipc"], "rollout.weight_sync"),
+    (["--trainer.gpus_per_node", "0"], "trainer.gpus_per_node"),
+])
+def test_cluster_flags_are_validated(flags: list[str], flag: str) -> None:
+    from openrlhf_shape.trainer.config import load_config
+
+    with pytest.raises(ValueError, match=flag):
+        load_config(None, flags)

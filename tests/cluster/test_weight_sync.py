@@ -137,6 +137,17 @@ def test_tp1_collective_and_object_store(ray_local, model_dir) -> None:
         assert_engines_hold(handles, ray.get(holder.state.remote()), tp=1)
         record("object_store-tp1x2", m)
         store.close()
+
+        # A sync never targets sleeping weights, and an asleep engine never generates.
+        group.sleep(2)
+        with pytest.raises(RuntimeError, match="asleep"):
+            group.sync_weights(sync, lambda payload: [holder.push.remote(payload, BUCKET)])
+        with pytest.raises(ray.exceptions.RayTaskError, match="asleep"):
+            group.generate(prompt, greedy)
+        group.wake_up(["weights"])
+        m = run_sync(sync, holder, group)  # weights awake, KV still asleep: the lifecycle's sync point
+        group.wake_up(["kv_cache"])
+        assert len(group.generate(prompt, greedy)[0].token_ids) == 4
     finally:
         group.shutdown()
         ray.kill(holder)
