@@ -122,7 +122,7 @@ def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_
                                **{"rollout.weight_sync": "object_store"}))
     _assert_weights_exact(dp_store)
     same = [k for k in dp_coll["metrics"] if k.startswith(("rollout/", "actor/", "shape/", "probe/", "adv/"))
-            and not k.startswith("time/")]
+            and not any(w in k for w in ("per_s", "time", "seconds"))]  # wall-clock rates differ run to run
     assert len(same) > 10
     for k in same:
         assert dp_store["metrics"][k] == dp_coll["metrics"][k], k
