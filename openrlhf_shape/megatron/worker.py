@@ -114,6 +114,9 @@ class MegatronRankWorker:
         self.hf_config = None
         self.hf_dir: Optional[str] = None
         self.step = 0
+        from openrlhf_shape.megatron.offload import StateOffloader
+
+        self.offloader = StateOffloader()
 
     # ------------------------------------------------------------------ helpers
     def _mode(self):
@@ -136,6 +139,25 @@ class MegatronRankWorker:
 
     def _gpt(self):
         return _unwrap(self.model)
+
+    def _require_onloaded(self, groups: tuple[str, ...], what: str) -> None:
+        """Colocation guard: ``what`` needs these state groups in device memory."""
+        missing = [g for g in groups if g in self.offloader.offloaded]
+        if missing:
+            raise RuntimeError(f"{what} while {', '.join(missing)} are offloaded to host; onload_states() first "
+                               "(the colocation lifecycle orders this)")
+
+    def offload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        """Move parameter / gradient / optimizer storages to host memory (colocation)."""
+        self._require_model()
+        freed = self.offloader.offload([self.model], self.optimizer, groups)
+        return {"offloaded_bytes": float(freed), "offloaded": sorted(self.offloader.offloaded)}
+
+    def onload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        """Bring offloaded groups back (bit for bit)."""
+        self._require_model()
+        restored = self.offloader.onload(groups)
+        return {"onloaded_bytes": float(restored), "offloaded": sorted(self.offloader.offloaded)}
 
     def _require_model(self) -> None:
         if self.model is None:
@@ -334,6 +356,7 @@ class MegatronRankWorker:
         Output (gathered by :func:`merge_rank_outputs`): ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
         position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
         """
+        self._require_onloaded(("params",), "compute_logprobs_and_entropy")
         self._require_model()
         batch = validate_batch(batch)
         temperature = float(batch.temperature)
@@ -369,6 +392,7 @@ class MegatronRankWorker:
         loss is normalised by the number of valid response tokens of the whole mini-batch. Returns
         float metrics, identical on all ranks.
         """
+        self._require_onloaded(("params", "grads", "optimizer"), "train_step")
         from openrlhf_shape.algorithms import policy_loss
 
         self._require_model()
@@ -461,6 +485,7 @@ class MegatronRankWorker:
         """Atomically write model + optimizer + scheduler + RNG + step (+ ``extra``) to ``ckpt_dir``."""
         self._require_model()
         self._require_optimizer("save_checkpoint")
+        self._require_onloaded(("params", "grads", "optimizer"), "save_checkpoint")
         with self._mode():
             save_distributed_checkpoint(self, ckpt_dir, extra or {})
 
@@ -482,6 +507,7 @@ class MegatronRankWorker:
         from openrlhf_shape.megatron.export import iter_buckets
 
         self._require_model()
+        self._require_onloaded(("params",), "iter_hf_weights")
         with self._mode():
             yield from iter_buckets(self, bucket_bytes)
 

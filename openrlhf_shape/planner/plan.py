@@ -135,8 +135,8 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
             )
         except ValueError as exc:
             msg = str(exc)
-            for name in ("num_nodes", "gpus_per_node"):  # given as --plan.* until the config has them
-                if not hasattr(cfg.trainer, name):
+            for name in ("num_nodes", "gpus_per_node"):  # name the flag whose value the planner used
+                if getattr(cfg.trainer, name, None) != getattr(options, name):
                     msg = msg.replace(f"--trainer.{name}", f"--plan.{name}")
             plan.placement_error = msg
             plan.refusals.append(f"placement: {msg}")

@@ -163,8 +163,11 @@ class VLLMEngine:
             # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.kv_cache_gib))))
-            if cfg.tensor_parallel_size != 1:
-                raise ValueError("EngineConfig.tensor_parallel_size > 1 is GPU only; use 1 on CPU")
+            if cfg.tensor_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+                # vllm-cpu binds each TP worker's threads to its own cores; without an explicit
+                # binding it refuses ("Not enough allowed NUMA nodes ...") on small machines.
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                    str(i % (os.cpu_count() or 1)) for i in range(cfg.tensor_parallel_size))
             if cfg.enable_sleep_mode:
                 raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")
         from vllm import LLM
@@ -178,7 +181,11 @@ class VLLMEngine:
             dtype=cfg.dtype,
             enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.on_cpu,
             logprobs_mode=cfg.logprobs_mode,
+            # receiving side of the streamed weight sync (openrlhf_shape/cluster/weight_sync.py)
+            worker_extension_cls="openrlhf_shape.cluster.worker_ext.WeightSyncExtension",
         )
+        if self.on_cpu and cfg.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"  # vllm-cpu has no Ray executor
         block = cfg.block_size if cfg.block_size is not None else (CPU_BLOCK_SIZE if self.on_cpu else None)
         if block is not None:
             kwargs["block_size"] = block
@@ -195,15 +202,17 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.start_time_s = time.perf_counter() - t0
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
-        self._asleep = False
+        self._asleep = False  # weights asleep (sleep level 1: on host, level 2: discarded)
+        self._kv_asleep = False
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
         """n samples per prompt, ordered by prompt then sample. prompt_token_ids: [prompts][tokens]."""
         from vllm.inputs import TokensPrompt
 
-        if self._asleep:
-            raise RuntimeError("VLLMEngine.generate called while asleep; call wake_up() first")
+        if self._asleep or self._kv_asleep:
+            raise RuntimeError("VLLMEngine.generate called while asleep (weights or KV cache); the colocation "
+                               "lifecycle must wake it first")
         _check_prompts(prompt_token_ids, self.cfg.max_model_len, sampling.max_tokens)
         if not prompt_token_ids:
             return []
@@ -295,6 +304,38 @@ class VLLMEngine:
             self.update_weights_chunk(info)
         self.finish_weight_update()
 
+    # Streamed sync (openrlhf_shape/cluster/weight_sync.py): every TP worker receives the whole
+    # stream in one reload call; the trainer side sends while these calls run.
+    def init_weight_sync(self, host: str, port: int, world: int, rank_offset: int, backend: str,
+                         timeout_s: float = 600.0) -> list[int]:
+        """Join the sender's group: worker w of this engine becomes rank ``rank_offset + w``."""
+        return list(self.llm.collective_rpc("shape_join_sync_group",
+                                            args=(host, port, world, rank_offset, backend, timeout_s)))
+
+    def receive_weights(self, transport: str, payload: Any = None) -> list[dict]:
+        """Receive one sync (``collective`` | ``object_store`` | ``cuda_ipc``; ``payload``: the
+        per-worker queues for the latter two), then reset the prefix cache (stale KV otherwise)."""
+        if self._asleep:
+            raise RuntimeError("VLLMEngine.receive_weights while the weights sleep; wake_up(tags=['weights']) first")
+        if transport == "collective":
+            stats = self.llm.collective_rpc("shape_receive_collective")
+        elif transport == "object_store":
+            stats = self.llm.collective_rpc("shape_receive_object_store", args=(payload,))
+        elif transport == "cuda_ipc":
+            stats = self.llm.collective_rpc("shape_receive_cuda_ipc", args=tuple(payload))
+        else:
+            raise ValueError(f"unknown weight-sync transport {transport!r}")
+        self.reset_prefix_cache()
+        return list(stats)
+
+    def capture_loaded_weights(self, enable: bool = True) -> list[bool]:
+        """Tests on CPU: keep copies of linear weights as loaded (vllm-cpu empties them after packing)."""
+        return list(self.llm.collective_rpc("shape_capture_loaded_weights", args=(enable,)))
+
+    def read_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Each TP worker's parameters (vLLM names, its shard) as CPU tensors (tests)."""
+        return list(self.llm.collective_rpc("shape_read_weights"))
+
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
@@ -306,17 +347,36 @@ class VLLMEngine:
 
     # ---- memory (GPU colocation) ----------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        """Free weights/KV memory for training (GPU with enable_sleep_mode); no-op on CPU."""
-        if self.on_cpu or not self.cfg.enable_sleep_mode:
+        """Free weights (level 1: to host, level 2: discarded) and the KV cache for training. vLLM is
+        called on GPU with enable_sleep_mode; elsewhere (CPU) only the state changes, so the same
+        ordering rules hold (generate / receive_weights refuse while asleep)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep and self._kv_asleep:
             return
-        self.llm.sleep(level=level)
-        self._asleep = True
+        if not self.on_cpu and self.cfg.enable_sleep_mode:
+            self.llm.sleep(level=level)
+        self._asleep = self._kv_asleep = True
+        self.sleep_level = level
 
-    def wake_up(self) -> None:
-        if self.on_cpu or not self.cfg.enable_sleep_mode:
-            return
-        self.llm.wake_up()
-        self._asleep = False
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` (``["weights"]``, ``["kv_cache"]``; None = both), in that order when split:
+        new weights are received between the two so weights and KV are never resident with the
+        trainer's optimizer states."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        bad = set(tags) - {"weights", "kv_cache"}
+        if bad:
+            raise ValueError(f"wake_up tags {sorted(bad)}; use 'weights' and/or 'kv_cache'")
+        if not self.on_cpu and self.cfg.enable_sleep_mode and (("weights" in tags and self._asleep) or
+                                                                 ("kv_cache" in tags and self._kv_asleep)):
+            self.llm.wake_up(tags=tags)
+        if "weights" in tags:
+            self._asleep = False
+        if "kv_cache" in tags:
+            self._kv_asleep = False
+
+    def state(self) -> dict[str, bool]:
+        return {"weights_awake": not self._asleep, "kv_awake": not self._kv_asleep}
 
     # ---- misc -------------------------------------------------------------------------------------
     @property
@@ -383,6 +443,7 @@ def create_ray_engines(
     bundle_indices: list[int] | None = None,
     extra_env: dict[str, str] | None = None,
     wait_ready: bool = True,
+    placement=None,
 ) -> list:
     """Start ``num_engines`` Ray actors each holding a :class:`VLLMEngine`; returns the handles.
 
@@ -390,6 +451,8 @@ def create_ray_engines(
     fractional ``num_cpus`` on small nodes or Ray cannot place a third actor (looks like a hang).
     On GPU each engine takes ``num_gpus_per_engine`` (default 1 at TP 1; with TP > 1 vLLM places its
     own workers through Ray, so the actor itself takes 0 GPUs unless a placement group says otherwise).
+    ``placement`` (an ``openrlhf_shape.cluster.ray_placement.RayPlacement``) overrides all of that:
+    engine i on its planned bundles, vLLM's Ray executor told which (see that module).
     """
     import ray
 
@@ -414,7 +477,11 @@ def create_ray_engines(
             num_gpus=num_gpus_per_engine,
             runtime_env={"env_vars": env},
         )
-        if placement_group is not None:
+        if placement is not None:
+            planned = placement.engine_options(i, num_cpus_per_engine)
+            opts.update(planned["options"])
+            opts["runtime_env"] = {"env_vars": {**env, **planned["env"]}}
+        elif placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -550,6 +617,14 @@ class EngineGroup:
         for e in self.engines:
             e.load_weights((n, t) for bucket in buckets for n, t in bucket)
 
+    def sync_weights(self, sync, start_senders) -> dict[str, float]:
+        """Stream new weights into every engine with ``sync`` (an
+        :class:`openrlhf_shape.cluster.sync_driver.EngineWeightSync` over these engines);
+        ``start_senders(payload)`` starts the sending ranks. Each engine resets its prefix cache
+        after loading; the group forgets its prefix affinity (stale with new weights)."""
+        self._affinity.clear()
+        return sync.sync(start_senders)
+
     # ---- fan-out helpers ----------------------------------------------------------------------------
     def _call_all(self, method: str, *args) -> list:
         if all(self.remote):
@@ -575,11 +650,14 @@ class EngineGroup:
             for i, e in enumerate(self.engines):
                 e.reseed(seed + i)
 
-    def sleep(self) -> None:
-        self._call_all("sleep")
+    def sleep(self, level: int = 1) -> None:
+        self._call_all("sleep", level)
 
-    def wake_up(self) -> None:
-        self._call_all("wake_up")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call_all("wake_up", tags)
+
+    def states(self) -> list[dict[str, bool]]:
+        return self._call_all("state")
 
     def get_tokenizer(self):
         """The tokenizer of engine 0 (loaded here from the model path for Ray engines)."""

@@ -14,22 +14,50 @@ import ray
 import torch
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, pad_rows
+from openrlhf_shape.cluster.sender import WeightSenderMixin
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker, merge_rank_outputs
 
 
-class MegatronRankActor:
-    """Ray actor body: one Megatron rank. Methods run on the actor's main thread (sync actor)."""
+class MegatronRankActor(WeightSenderMixin):
+    """Ray actor body: one Megatron rank. Methods run on the actor's main thread (sync actor).
 
-    def __init__(self, cfg: MegatronConfig, rank: int, world_size: int, master_addr: str, master_port: int,
-                 num_threads: int | None = None):
+    Built without a rendezvous (``master_addr=None``): the group asks rank 0's actor for its
+    node's address and a free port (``endpoint``), then calls ``connect`` on every rank."""
+
+    def __init__(self, cfg: MegatronConfig, rank: int, world_size: int, master_addr: str | None = None,
+                 master_port: int | None = None, num_threads: int | None = None):
         if num_threads:
             # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the rank and the engines
             # take turns (rollout, then update), so the rank may use the node's cores while it trains.
             torch.set_num_threads(num_threads)
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.worker = None
+        if master_addr is not None:
+            self.connect(master_addr, int(master_port))
+
+    def connect(self, master_addr: str, master_port: int) -> bool:
         self.worker = MegatronRankWorker(
-            cfg, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port
+            self.cfg, rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port
         )
+        return True
+
+    def offload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        return self.worker.offload_states(tuple(groups))
+
+    def onload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        return self.worker.onload_states(tuple(groups))
+
+    def stream_weights_out(self, payload, bucket_bytes: int) -> dict:
+        """All ranks walk the bridge export in lockstep (it gathers TP shards and PP stages per
+        parameter); rank 0 sends each bucket through the weight-sync transport as soon as it is
+        produced (nothing is kept), so PP stages reach the engines one after another."""
+        buckets = self.worker.iter_hf_weights(bucket_bytes)
+        if self.worker.rank != 0:
+            for _ in buckets:
+                pass
+            return {}
+        return self.stream_weights(buckets, payload)
 
     def init_model(self, hf_dir: str) -> dict:
         return self.worker.init_model(hf_dir)
@@ -48,31 +76,6 @@ class MegatronRankActor:
 
     def export_hf(self, out_dir: str) -> None:
         self.worker.export_hf(out_dir)
-
-    def push_weights(self, engines: list, bucket_bytes: int) -> dict:
-        """Stream HF-named weights to the vLLM engines; every rank iterates, rank 0 sends.
-
-        All ranks walk the bridge's export generator in lockstep (it gathers TP/PP shards per
-        parameter); rank 0 puts each bucket into the object store and each engine loads all of them
-        in one reload call (fused q/k/v and gate/up must arrive together), then resets its cache.
-        """
-        import time
-
-        from openrlhf_shape.rollout.engine import EngineGroup
-
-        t0 = time.perf_counter()
-        buckets = self.worker.iter_hf_weights(bucket_bytes)
-        if self.worker.rank != 0:
-            for _ in buckets:
-                pass
-            return {}
-        nbytes = 0
-        kept = []
-        for bucket in buckets:
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            kept.append(bucket)
-        EngineGroup(engines).update_weights(iter(kept))
-        return {"sync/bytes": float(nbytes), "sync/buckets": float(len(kept)), "sync/seconds": time.perf_counter() - t0}
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -103,12 +106,23 @@ class MegatronActorGroup:
         num_threads_per_rank: int | None = None,
         placement_group=None,
         env: dict[str, str] | None = None,
+        placement=None,
     ):
         self.cfg = cfg
         self.world_size = world_size
+        actor_cls = ray.remote(MegatronRankActor)
+        if placement is not None:  # openrlhf_shape.cluster.ray_placement.RayPlacement
+            from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
+
+            if len(placement.plan.ranks) != world_size:
+                raise ValueError(f"placement plan has {len(placement.plan.ranks)} ranks, --megatron.world_size {world_size}")
+            self.actors, self.rendezvous = spawn_rank_actors(
+                placement, actor_cls, num_cpus=num_cpus_per_rank, env=env,
+                args_for_rank=lambda r: (cfg, r, world_size, None, None, num_threads_per_rank))
+            ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
+            return
         master_addr = "127.0.0.1" if num_gpus_per_rank == 0 else ray.util.get_node_ip_address()
         port = _free_port()
-        actor_cls = ray.remote(MegatronRankActor)
         self.actors = []
         for rank in range(world_size):
             opts: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)
@@ -147,8 +161,15 @@ class MegatronActorGroup:
     def export_hf(self, out_dir: str) -> None:
         self._all("export_hf", out_dir)
 
-    def push_weights(self, engines: list, bucket_bytes: int) -> dict:
-        return self._all("push_weights", engines, bucket_bytes)[0]
+    def start_weight_stream(self, payload, bucket_bytes: int) -> list:
+        """Refs of every rank's ``stream_weights_out`` (rank 0's result first: the sender's metrics)."""
+        return [a.stream_weights_out.remote(payload, bucket_bytes) for a in self.actors]
+
+    def offload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        return self._all("offload_states", tuple(groups))[0]
+
+    def onload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        return self._all("onload_states", tuple(groups))[0]
 
     def shutdown(self) -> None:
         try:

@@ -63,6 +63,8 @@ class RolloutSection:
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
     is_correction_threshold: tuple[float, float] = (0.5, 5.0)
+    weight_sync: str = "auto"  # auto (= collective) | collective (gloo on CPU, NCCL on GPU) | object_store | cuda_ipc
+    num_gpus: int | None = None  # disaggregated engine pool; None: num_engines x engine_tensor_parallel_size
 
 
 @dataclass
@@ -115,6 +117,8 @@ class TrainerSection:
     log_samples: int = 2  # responses printed per step (0: none)
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)
     verbose: bool = False  # console: also engine/worker output and samples (always in <output_dir>/train.log)
+    gpus_per_node: int = 8  # GPU nodes of the cluster (placement keeps TP groups and engines inside one)
+    num_nodes: int | None = None  # None: as many as the layout needs (checked against the Ray cluster)
 
 
 def _train_data() -> DataSection:
@@ -195,8 +199,11 @@ class TrainConfig:
         need(t.max_ckpts_keep >= 1, "trainer.max_ckpts_keep", "must keep at least 1 checkpoint")
         need(not check_paths or t.resume in ("auto", "none") or os.path.isdir(t.resume), "trainer.resume",
              f"{t.resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
-        if r.colocate:
-            need(m.gpus_per_rank > 0, "rollout.colocate", "colocation only applies on GPU (set --megatron.gpus_per_rank)")
+        need(r.weight_sync in ("auto", "collective", "object_store", "cuda_ipc"), "rollout.weight_sync",
+             f"{r.weight_sync!r}: use auto, collective, object_store or cuda_ipc")
+        need(r.weight_sync != "cuda_ipc" or r.colocate, "rollout.weight_sync",
+             "cuda_ipc needs --rollout.colocate (sender and engine worker on the same GPU)")
+        need(t.gpus_per_node >= 1, "trainer.gpus_per_node", "must be >= 1")
         if d.prompt_data.startswith("bundled:"):
             need(d.prompt_data in ("bundled:train", "bundled:test"), "data.prompt_data",
                  "bundled data is 'bundled:train' or 'bundled:test'")

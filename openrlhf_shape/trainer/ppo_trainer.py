@@ -74,6 +74,7 @@ class ShapeTrainer:
                     boundaries = rec.phase("segment", maker.segment, exp)
                     potentials = rec.phase("probes", maker.probes, exp, boundaries)
                     exp = rec.phase("advantages", maker.advantages, exp, boundaries, potentials)
+                    run.lifecycle.before_update()  # colocated: engines sleep, Megatron onloads
                     rec.phase("train", self.train, exp, step)
                     rec.phase("sync", self.sync)
                 else:
@@ -90,7 +91,7 @@ class ShapeTrainer:
         finally:
             logger.close()
         if cfg.trainer.export_hf and history and history[-1]["step"] == cfg.trainer.num_steps:
-            run.actor.export_hf(os.path.join(self.run_dir, "hf"))
+            run.lifecycle.around_checkpoint(run.actor.export_hf, os.path.join(self.run_dir, "hf"))
             log.info("exported the trained policy to %s", os.path.join(self.run_dir, "hf"))
         return write_report(self.run_dir, history, run.setup_seconds)
 
@@ -112,10 +113,9 @@ class ShapeTrainer:
         return out
 
     def sync(self) -> dict[str, float]:
-        """Stream the new weights to the engines (waking them first when colocated)."""
-        if self.cfg.rollout.colocate:
-            self.run.engines.wake_up()
-        return self.run.actor.push_weights(self.run.engine_handles, self.cfg.rollout.weight_sync_bucket_mb << 20)
+        """Stream the new weights to the engines; the lifecycle (openrlhf_shape/cluster/lifecycle.py)
+        wakes colocated engines around it and resets prefix caches and affinity after it."""
+        return self.run.lifecycle.sync_weights()
 
     def evaluate(self) -> dict[str, float]:
         """Accuracy (mean over samples) and mean response length on the held-out prompts (``--eval.dataset``),
@@ -139,7 +139,7 @@ class ShapeTrainer:
         """Checkpoint actor + data position; keep the newest ``trainer.max_ckpts_keep`` complete ones."""
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time()}
-        self.run.actor.save_checkpoint(path, extra)
+        self.run.lifecycle.around_checkpoint(self.run.actor.save_checkpoint, path, extra)
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.trainer.max_ckpts_keep]:
             shutil.rmtree(os.path.join(self.ckpt_root, old), ignore_errors=True)
@@ -154,13 +154,14 @@ class ShapeTrainer:
         if not path:
             if mode == "auto":
                 log.info("no complete checkpoint under %s: starting from step 0", self.ckpt_root)
+            self.run.lifecycle.start()
             return 0
         extra = self.run.actor.load_checkpoint(path)
         self.run.batcher.load_state_dict(extra["batcher"])
         step = int(extra["step"])
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.run.batcher.epoch, self.run.batcher.position)
-        self.run.actor.push_weights(self.run.engine_handles, self.cfg.rollout.weight_sync_bucket_mb << 20)
+        self.run.lifecycle.sync_weights()  # engines get the resumed weights (ends in the rollout phase)
         return step
 
     def _open_log(self, start_step: int) -> MetricsLogger:
@@ -191,6 +192,7 @@ class ShapeTrainer:
             run.reward.close()
             run.engines.shutdown()
             run.actor.shutdown()
+            run.cluster.shutdown()
         own_ray = run.own_ray if run is not None else not self.cfg.trainer.ray_address
         if ray.is_initialized() and own_ray:
             ray.shutdown()

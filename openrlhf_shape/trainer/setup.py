@@ -25,9 +25,11 @@ class Run:
     tokenizer: Any
     batcher: Any  # PromptBatcher over the training prompts
     eval_items: list | None  # held-out prompt items
-    engines: Any  # EngineGroup
-    engine_handles: list  # the engines' Ray actor handles (weight sync)
+    engines: Any  # EngineGroup (owns the weight sync's cache and affinity resets)
+    engine_handles: list  # the engines' Ray actor handles
     actor: Any  # MegatronActorGroup
+    cluster: Any  # ClusterRuntime: placement groups, weight sync (openrlhf_shape/cluster/runtime.py)
+    lifecycle: Any  # Lifecycle: colocation sleep/offload order and the weight sync
     reward: Any  # RewardComputer
     maker: Any  # ShapeExperienceMaker
     own_ray: bool
@@ -87,7 +89,7 @@ def start_ray(cfg: TrainConfig) -> bool:
             ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
         else:
             # Workers' import-time notices are not silenced: they go to <output_dir>/train.log (trainer/console.py).
-            ray.init(include_dashboard=False, log_to_driver=True,
+            ray.init(address="local", include_dashboard=False, log_to_driver=True,
                      runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     return not cfg.trainer.ray_address
 
@@ -97,8 +99,7 @@ def build_run(cfg: TrainConfig) -> Run:
     from transformers import AutoConfig, AutoTokenizer
 
     from openrlhf_shape.rewards.computer import RewardComputer
-    from openrlhf_shape.rollout.engine import EngineGroup, create_ray_engines
-    from openrlhf_shape.trainer.actor_group import MegatronActorGroup
+    from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
 
     t0 = time.perf_counter()
@@ -110,10 +111,6 @@ def build_run(cfg: TrainConfig) -> Run:
 
     on_gpu = torch.cuda.is_available()
     own_ray = start_ray(cfg)
-    gpus_rank = cfg.megatron.gpus_per_rank if on_gpu else 0.0
-    gpus_engine = None if on_gpu else 0.0
-    if on_gpu and cfg.rollout.colocate:  # share each GPU between a rank and an engine
-        gpus_rank, gpus_engine = 0.5, 0.5
     engine_cfg = dataclasses.replace(
         cfg.engine, model_path=model_dir, seed=cfg.trainer.seed, max_model_len=cfg.max_model_len(),
         enable_sleep_mode=bool(on_gpu and cfg.rollout.colocate),
@@ -122,15 +119,16 @@ def build_run(cfg: TrainConfig) -> Run:
     log.info("starting %d vLLM engine(s) and %d Megatron rank(s) (TP %d, PP %d, DP %d)",
              cfg.rollout.num_engines, cfg.megatron.world_size, mcfg.tensor_model_parallel_size,
              mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.megatron.world_size))
+    # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
     threads = None if on_gpu else max(1, (os.cpu_count() or 1) // cfg.megatron.world_size)
-    actor = MegatronActorGroup(mcfg, cfg.megatron.world_size, num_cpus_per_rank=cfg.actor.num_cpus_per_rank,
-                               num_gpus_per_rank=gpus_rank, num_threads_per_rank=threads)
-    handles = create_ray_engines(cfg.rollout.num_engines, engine_cfg, num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
-                                 num_gpus_per_engine=gpus_engine)
-    engines = EngineGroup(handles)
+    cluster = start_cluster(cfg, mcfg, engine_cfg, on_gpu=on_gpu, threads_per_rank=threads)
+    actor, engines, lifecycle = cluster.actor, cluster.engines, cluster.lifecycle
     log.info("actor: %s", actor.init_model(model_dir))
+    connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
-    maker = ShapeExperienceMaker(cfg.shape, cfg.sampling, cfg.probe_config(), engines, actor, reward, tokenizer,
+    # The maker's forward (old log-probs) runs inside the colocation lifecycle.
+    maker = ShapeExperienceMaker(cfg.shape, cfg.sampling, cfg.probe_config(), engines, lifecycle.forward_actor(),
+                                 reward, tokenizer,
                                  dynamic_filtering=cfg.rollout.dynamic_filtering,
                                  dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
@@ -138,4 +136,4 @@ def build_run(cfg: TrainConfig) -> Run:
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,
-               engine_handles=handles, actor=actor, reward=reward, maker=maker, own_ray=own_ray, setup_seconds=seconds)
+               engine_handles=cluster.engine_handles, actor=actor, cluster=cluster, lifecycle=lifecycle, reward=reward, maker=maker, own_ray=own_ray, setup_seconds=seconds)

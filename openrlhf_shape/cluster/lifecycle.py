@@ -1,0 +1,118 @@
+"""The one place that orders GPU sharing between Megatron ranks and vLLM engines, and the weight
+sync between them. Every transition goes through :class:`Lifecycle` and is recorded in
+``events`` (tests read the order).
+
+Colocated (one rank and one engine worker per GPU), per step:
+
+1. rollout: engines awake (weights + KV), Megatron fully offloaded to host;
+2. old log-probs / entropy (``forward``): Megatron's parameters come back, grads and optimizer
+   states stay on host; engines stay awake so the probes that follow still hit the prefix cache
+   of the rollout; the parameters go back to host afterwards;
+3. update (``before_update``): engines sleep at **level 2** (weights and KV discarded, not copied
+   to host: the full new weights arrive by the sync right after the update anyway, so level 1's
+   host copy of the old weights would cost host RAM and two copies for nothing), then Megatron
+   onloads everything;
+4. sync (``sync_weights``): Megatron offloads grads + optimizer states (the bulk: ~16 of 18
+   bytes/parameter), engines wake their weights, the new weights stream in (Megatron's
+   parameters must still be on the GPU: the export gathers them there), Megatron offloads its
+   parameters, engines wake the KV cache, prefix caches are reset and the group forgets its
+   prefix affinity. Back to 1.
+
+Not colocated: Megatron and the engines never share memory, so only the sync (and the cache
+resets) happen; the same calls are made with no sleep/offload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ALL_STATES = ("params", "grads", "optimizer")
+SLEEP_LEVEL = 2
+
+
+class Lifecycle:
+    """Args:
+        actor: ``MegatronActorGroup`` (offload_states / onload_states / start_weight_stream).
+        engines: the trainer's ``EngineGroup``.
+        sync: ``EngineWeightSync`` over those engines (connected).
+        bucket_bytes: weight-sync bucket size.
+        colocate: engines share the ranks' GPUs.
+    """
+
+    def __init__(self, actor, engines, sync, bucket_bytes: int, colocate: bool):
+        self.actor = actor
+        self.engines = engines
+        self.sync = sync
+        self.bucket_bytes = int(bucket_bytes)
+        self.colocate = bool(colocate)
+        self.events: list[str] = []
+        self.phase = "init"
+
+    def _do(self, event: str, fn, *args) -> Any:
+        self.events.append(event)
+        return fn(*args)
+
+    def start(self) -> None:
+        """After start-up: engines loaded the initial weights themselves; Megatron to host."""
+        if self.colocate:
+            self._do("megatron.offload(all)", self.actor.offload_states, ALL_STATES)
+        self.phase = "rollout"
+
+    # ---- forward for old log-probs ----------------------------------------------------------------
+    def forward(self, fn, *args) -> Any:
+        """Run a Megatron forward (``fn(*args)``) inside the rollout phase."""
+        if self.colocate:
+            self._do("megatron.onload(params)", self.actor.onload_states, ("params",))
+        try:
+            return self._do("megatron.forward", fn, *args)
+        finally:
+            if self.colocate:
+                self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
+
+    def forward_actor(self) -> "_ForwardActor":
+        """The actor as the experience maker sees it: its forward calls go through :meth:`forward`."""
+        return _ForwardActor(self)
+
+    # ---- update -------------------------------------------------------------------------------------
+    def before_update(self) -> None:
+        if self.colocate:
+            self._do(f"engines.sleep({SLEEP_LEVEL})", self.engines.sleep, SLEEP_LEVEL)
+            self._do("megatron.onload(all)", self.actor.onload_states, ALL_STATES)
+        self.phase = "update"
+
+    def sync_weights(self) -> dict[str, float]:
+        """After the update: new weights into every engine, back to the rollout phase."""
+        if self.colocate:
+            self._do("megatron.offload(grads,optimizer)", self.actor.offload_states, ("grads", "optimizer"))
+            self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
+        metrics = self._do("sync", self.engines.sync_weights, self.sync,
+                           lambda payload: self.actor.start_weight_stream(payload, self.bucket_bytes))
+        if self.colocate:
+            self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
+            self._do("engines.wake(kv_cache)", self.engines.wake_up, ["kv_cache"])
+        self._do("engines.reset_prefix_cache", self.engines.reset_prefix_cache)
+        self.phase = "rollout"
+        return metrics
+
+    def around_checkpoint(self, fn, *args) -> Any:
+        """Checkpoints need every state on the device (the distributed checkpoint writes from it)."""
+        if self.colocate and self.phase == "rollout":
+            self._do("megatron.onload(all)", self.actor.onload_states, ALL_STATES)
+            try:
+                return self._do("megatron.checkpoint", fn, *args)
+            finally:
+                self._do("megatron.offload(all)", self.actor.offload_states, ALL_STATES)
+        return self._do("megatron.checkpoint", fn, *args)
+
+
+class _ForwardActor:
+    """Delegates to the actor group; forward calls are bracketed by the lifecycle."""
+
+    def __init__(self, lifecycle: Lifecycle):
+        self._lc = lifecycle
+
+    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
+        return self._lc.forward(self._lc.actor.compute_logprobs_and_entropy, batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lc.actor, name)

@@ -1,0 +1,130 @@
+"""Move a Megatron rank's parameters, gradients and optimizer states to host memory and back
+(colocation: vLLM needs the GPU memory while Megatron does not train).
+
+Works on storages, not tensors: parameters are views into DDP's contiguous buffers (and the
+distributed optimizer's shards are views into those), so each distinct storage is copied to host
+once and then resized to zero bytes; every view keeps pointing at its storage and sees the data
+again after :meth:`StateOffloader.onload` resizes it back and copies the bytes in. On GPU the
+host copies are pinned and the freed blocks go back to the driver (``torch.cuda.empty_cache``) so
+vLLM can take them; on CPU the same code runs (host and "device" are one memory, so nothing is
+saved, but the storages really are emptied: any use while offloaded fails loudly).
+
+Groups (offloaded/onloaded independently):
+* ``params``: the model's parameters (and anything sharing their storage, e.g. fp32 optimizer
+  shards that are views of them);
+* ``grads``: ``main_grad`` buffers;
+* ``optimizer``: optimizer states (Adam moments) and fp32 master copies of bf16 parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+GROUPS = ("params", "grads", "optimizer")
+
+
+def _optimizers(optimizer) -> list:
+    """The leaf Megatron optimizers (a ChainedOptimizer holds several)."""
+    subs = getattr(optimizer, "chained_optimizers", None)
+    return list(subs) if subs else [optimizer]
+
+
+def _tensors(model_chunks: Iterable, optimizer) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            out["params"].append(p.data)
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                out["grads"].append(g)
+        for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            if getattr(buf, "param_data", None) is not None:
+                out["params"].append(buf.param_data)
+            if getattr(buf, "grad_data", None) is not None:
+                out["grads"].append(buf.grad_data)
+    if optimizer is not None:
+        for opt in _optimizers(optimizer):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:  # fp32 master params / shards
+                out["optimizer"].extend(p.data for p in group["params"])
+            for state in inner.state.values():
+                out["optimizer"].extend(v for v in state.values() if torch.is_tensor(v) and v.numel() > 0)
+            for name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+                for grp in getattr(opt, name, None) or []:
+                    out["optimizer"].extend(p.data for p in grp)
+    return out
+
+
+@dataclass
+class _Saved:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor
+
+
+@dataclass
+class StateOffloader:
+    """Per-group host copies of a rank's storages. ``offloaded`` lists the groups now on host."""
+
+    pin_memory: bool = field(default_factory=torch.cuda.is_available)
+    saved: dict[str, list[_Saved]] = field(default_factory=dict)
+
+    @property
+    def offloaded(self) -> set[str]:
+        return set(self.saved)
+
+    def offload(self, model_chunks: Iterable, optimizer, groups: Iterable[str] = GROUPS) -> int:
+        """Copy each not yet offloaded group's storages to host and free them; returns bytes freed."""
+        groups = [g for g in groups if g not in self.saved]
+        for g in groups:
+            if g not in GROUPS:
+                raise ValueError(f"unknown offload group {g!r}; choose from {GROUPS}")
+        tensors = _tensors(model_chunks, optimizer)
+        # A storage belongs to the first group (in GROUPS order) that reaches it, offloaded or not.
+        owner: dict[int, str] = {}
+        storages: dict[int, torch.UntypedStorage] = {}
+        for g in GROUPS:
+            for t in tensors[g]:
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if st.nbytes() == 0 or key in owner:
+                    continue
+                owner[key] = g
+                storages[key] = st
+        freed = 0
+        for g in groups:
+            saved = []
+            for key, st in storages.items():
+                if owner[key] != g:
+                    continue
+                n = st.nbytes()
+                host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+                host.copy_(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st), non_blocking=self.pin_memory)
+                saved.append(_Saved(st, n, host))
+            if self.pin_memory:
+                torch.cuda.synchronize()
+            for s in saved:
+                s.storage.resize_(0)
+                freed += s.nbytes
+            self.saved[g] = saved
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return freed
+
+    def onload(self, groups: Iterable[str] = GROUPS) -> int:
+        """Restore offloaded groups (bit for bit); returns bytes restored."""
+        restored = 0
+        for g in list(groups):
+            for s in self.saved.pop(g, []):
+                s.storage.resize_(s.nbytes)
+                torch.empty(0, dtype=torch.uint8, device=s.storage.device).set_(s.storage).copy_(
+                    s.host, non_blocking=self.pin_memory)
+                restored += s.nbytes
+        if self.pin_memory:
+            torch.cuda.synchronize()
+        return restored

@@ -1,0 +1,50 @@
+"""A Ray actor that holds HF-named tensors and sends them through the real weight-sync senders:
+the transport tests' stand-in for Megatron rank 0 (which sends through the same mixin)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from openrlhf_shape.cluster.sender import WeightSenderMixin
+
+
+class TensorHolder(WeightSenderMixin):
+    """``hf_dir``'s safetensors weights; ``perturb(seed)`` adds seeded noise (a "training step")."""
+
+    def __init__(self, hf_dir: str):
+        import glob
+
+        from safetensors.torch import load_file
+
+        self.weights: dict[str, torch.Tensor] = {}
+        for f in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
+            self.weights.update(load_file(f))
+
+    def perturb(self, seed: int, scale: float = 0.02) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for k, v in self.weights.items():
+            v.add_(scale * torch.randn(v.shape, generator=gen, dtype=v.dtype))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.weights.items()}
+
+    def model_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.weights.values())
+
+    def _buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Copies made bucket by bucket, as the Megatron export makes them."""
+        bucket, size = [], 0
+        for name, t in self.weights.items():
+            nb = t.numel() * t.element_size()
+            if bucket and size + nb > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t.detach().clone()))
+            size += nb
+        if bucket:
+            yield bucket
+
+    def push(self, payload, bucket_bytes: int) -> dict[str, float]:
+        return self.stream_weights(self._buckets(bucket_bytes), payload, model_bytes=self.model_bytes())

@@ -1,0 +1,52 @@
+"""Rank-side scenario for the offload test (run in subprocesses by ``launch.run_ranks``)."""
+
+from __future__ import annotations
+
+import torch
+
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.megatron.offload import GROUPS, _tensors
+from openrlhf_shape.megatron.worker import MegatronRankWorker
+
+
+def _snapshot(worker) -> dict[str, list[torch.Tensor]]:
+    return {g: [t.detach().clone() for t in ts] for g, ts in _tensors([worker.model], worker.optimizer).items()}
+
+
+def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model_dir: str,
+        batches: list[dict], offload: bool) -> dict:
+    w = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
+                           master_port=master_port)
+    w.init_model(model_dir)
+    out: dict = {"metrics": [w.train_step(batches[0])]}
+    if offload:
+        before = _snapshot(w)
+        assert all(before[g] for g in GROUPS), {g: len(v) for g, v in before.items()}
+        info = w.offload_states()
+        out["offloaded_bytes"] = info["offloaded_bytes"]
+        out["empty_after_offload"] = all(t.untyped_storage().nbytes() == 0
+                                         for ts in _tensors([w.model], w.optimizer).values() for t in ts)
+        errors = []
+        for call in (lambda: w.train_step(batches[1]), lambda: w.compute_logprobs_and_entropy(batches[1]),
+                     lambda: list(w.iter_hf_weights(1 << 20))):
+            try:
+                call()
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e))
+        out["errors_while_offloaded"] = errors
+        w.onload_states(("params",))
+        out["forward_with_params_only"] = bool(w.compute_logprobs_and_entropy(batches[1]) is not None)
+        try:
+            w.train_step(batches[1])
+            out["train_with_params_only"] = "ran"
+        except RuntimeError as e:
+            out["train_with_params_only"] = str(e)
+        w.onload_states()
+        after = _snapshot(w)
+        out["restored_bitwise"] = all(
+            len(before[g]) == len(after[g]) and all(torch.equal(a, b) for a, b in zip(before[g], after[g]))
+            for g in GROUPS)
+    out["metrics"].append(w.train_step(batches[1]))
+    w.shutdown()
+    return out

