@@ -244,18 +244,38 @@ class ShapeTrainer:
         return out
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out avg@N pass@1 and mean response length with 95% CIs (openrlhf_shape/trainer/heldout.py).
+
+        The engines are reseeded first, so the same weights always give the same numbers.
+        """
         from openrlhf_shape.rollout.engine import SamplingConfig
+        from openrlhf_shape.trainer.heldout import group_results, heldout_metrics
 
         items = self.eval_items or []
         if not items:
             return {}
-        gens = self.engines.generate([list(it.prompt_ids) for it in items],
-                                     SamplingConfig(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_new_tokens))
+        t = self.cfg.trainer
+        self.engines.reseed(t.seed * 7_000_003 + 1)
+        sampling = SamplingConfig(n=t.eval_n_samples, temperature=t.eval_temperature, top_p=t.eval_top_p,
+                                  top_k=t.eval_top_k, max_tokens=self.cfg.rollout.max_new_tokens)
+        gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
         scores = self.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
-        return {
-            "eval/accuracy": float(sum(scores) / len(scores)),
-            "eval/response_length/mean": float(sum(len(g.token_ids) for g in gens) / len(gens)),
-        }
+        problems = group_results([g.prompt_index for g in gens], scores, [len(g.token_ids) for g in gens],
+                                 [g.finish_reason for g in gens])
+        return heldout_metrics(problems, seed=t.seed)
+
+    def _val_before_train(self, logger) -> dict[str, float] | None:
+        """Step 0: the base policy's held-out metrics, before any update (--trainer.val_before_train)."""
+        if not (self.cfg.trainer.val_before_train and self.eval_items):
+            return None
+        t0 = time.perf_counter()
+        metrics = self.evaluate()
+        metrics["time/eval"] = time.perf_counter() - t0
+        logger.log(0, metrics)
+        log.info("step 0 (before training): held-out accuracy %.3f [%.3f, %.3f], length %.1f, eval %.1f s",
+                 metrics["eval/accuracy"], metrics["eval/accuracy_ci_low"], metrics["eval/accuracy_ci_high"],
+                 metrics["eval/response_length/mean"], metrics["time/eval"])
+        return metrics
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
@@ -267,6 +287,8 @@ class ShapeTrainer:
                     "model": self.model_dir, "config": cfg.to_dict()}
         logger = MetricsLogger(self.run_dir, run_info, cfg.trainer.use_tensorboard, cfg.trainer.wandb_project,
                                resume_step=start_step if start_step > 0 else None)
+        if start_step == 0:
+            self._val_before_train(logger)
         last = min(cfg.trainer.num_steps, start_step + (cfg.trainer.stop_after_steps or cfg.trainer.num_steps))
         history: list[dict] = []
         bar = tqdm(range(start_step + 1, last + 1), desc=f"{cfg.shape.estimator} steps", initial=start_step,
@@ -295,6 +317,11 @@ class ShapeTrainer:
                     t0 = time.perf_counter()
                     metrics.update(self.evaluate())
                     metrics["time/eval"] = time.perf_counter() - t0
+                    if "eval/accuracy" in metrics:
+                        log.info("step %d: held-out accuracy %.3f [%.3f, %.3f], length %.1f, eval %.1f s", step,
+                                 metrics["eval/accuracy"], metrics["eval/accuracy_ci_low"],
+                                 metrics["eval/accuracy_ci_high"], metrics["eval/response_length/mean"],
+                                 metrics["time/eval"])
                 if (cfg.trainer.save_steps and step % cfg.trainer.save_steps == 0) or step == cfg.trainer.num_steps:
                     t0 = time.perf_counter()
                     metrics["checkpoint"] = self._save(step)
