@@ -13,6 +13,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
+# Ray's memory monitor kills actors when the *node* passes ~92% memory, whoever uses it: on a machine shared
+# with other jobs it killed a run's vLLM engine. Off by default here; the kernel still stops a real OOM.
+export RAY_memory_monitor_refresh_ms=${RAY_memory_monitor_refresh_ms:-0}
 RUNS=${RUNS:-runs}
 ests=()
 while [[ $# -gt 0 && $1 != --* ]]; do ests+=("$1"); shift; done
