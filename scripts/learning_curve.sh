@@ -16,6 +16,9 @@ PY=${PYTHON:-python}
 # Ray's memory monitor kills actors when the *node* passes ~92% memory, whoever uses it: on a machine shared
 # with other jobs it killed a run's vLLM engine. Off by default here; the kernel still stops a real OOM.
 export RAY_memory_monitor_refresh_ms=${RAY_memory_monitor_refresh_ms:-0}
+# Ray starts its workers (the vLLM engine, the Megatron rank) at niceness 15; on a shared machine they then
+# starve behind every other job. The runs keep the shell's priority instead.
+export RAY_worker_niceness=${RAY_worker_niceness:-0}
 RUNS=${RUNS:-runs}
 ests=()
 while [[ $# -gt 0 && $1 != --* ]]; do ests+=("$1"); shift; done
