@@ -44,11 +44,30 @@ def _mean(xs: list[float]) -> float | None:
     return float(sum(xs) / len(xs)) if xs else None
 
 
-def summarize_run(run_dir: str) -> dict[str, Any]:
-    """One estimator's entry of learning_curve.json."""
+def _held_out_protocol(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Everything that decides a held-out eval's numbers for a given policy."""
+    d, r, t = cfg.get("data", {}), cfg.get("rollout", {}), cfg.get("trainer", {})
+    return {"eval_data": d.get("eval_data"), "eval_max_samples": d.get("eval_max_samples"),
+            "input_template": d.get("input_template"), "max_new_tokens": r.get("max_new_tokens"),
+            "pretrain": cfg.get("actor", {}).get("pretrain"), "seed": t.get("seed"),
+            **{k: t.get(k) for k in ("eval_n_samples", "eval_temperature", "eval_top_p", "eval_top_k")}}
+
+
+def summarize_run(run_dir: str, base_from: str | None = None) -> dict[str, Any]:
+    """One estimator's entry of learning_curve.json.
+
+    ``base_from``: another run directory whose step-0 eval is this run's base, for a run started with
+    ``--trainer.val_before_train false``; its held-out protocol and base model must equal this run's.
+    """
     with open(os.path.join(run_dir, "run.json")) as f:
         info = json.load(f)
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if base_from and not any(r["step"] == 0 for r in records):
+        with open(os.path.join(base_from, "run.json")) as f:
+            base_cfg = json.load(f).get("config", {})
+        if _held_out_protocol(base_cfg) != _held_out_protocol(info.get("config", {})):
+            raise ValueError(f"--base_from {base_from}: its held-out eval settings differ from {run_dir}'s")
+        records = [r for r in read_metrics(os.path.join(base_from, "metrics.jsonl")) if r["step"] == 0] + records
     cfg = info.get("config", {})
     num_steps = int(cfg.get("trainer", {}).get("num_steps", 0))
     evals = [_eval_point(r) for r in records if "eval/accuracy_ci_low" in r]
@@ -81,6 +100,8 @@ def summarize_run(run_dir: str) -> dict[str, Any]:
         "step_seconds_mean": _mean(step_s),
         "phase_seconds_mean": {p: _mean([r[f"time/{p}"] for r in train if f"time/{p}" in r])
                                for p in ("generate", "logprobs", "probes", "train", "sync", "eval", "checkpoint")},
+        "base_from": base_from if base_from and base and not any(r["step"] == 0 for r in read_metrics(
+            os.path.join(run_dir, "metrics.jsonl"))) else None,
         "bar_cleared": bool(base and trained and trained["ci_low"] > base["ci_high"]),
         "config": {"learning_rate": cfg.get("actor", {}).get("learning_rate"),
                    "train_batch_size": cfg.get("actor", {}).get("train_batch_size"),
@@ -156,6 +177,11 @@ def render_markdown(data: dict[str, Any], notes: str | None) -> str:
             f"{_fmt_acc(mid) + ' (step ' + str(mid['step']) + ')' if mid else '-'} | {_fmt_acc(e['trained'])} | "
             f"{_fmt_len(e['base'])} | {_fmt_len(e['trained'])} | {'yes' if e['bar_cleared'] else 'no'} | "
             f"{e['seconds']:.0f} | {e['step_seconds_mean'] or 0:.0f} | {probes if probes is None else f'{probes:.1f}'} |")
+    for name, e in ests.items():
+        if e.get("base_from"):
+            lines += ["", f"{name.upper()}'s step-0 (base) eval is the one of `{e['base_from']}`: the same base model, "
+                      "held-out problems, sampling settings and seed (the engines are reseeded before every eval), "
+                      "so the same numbers; the run itself used `--trainer.val_before_train false`."]
     lines += ["", f"![held-out curve]({FIG_DIR}/heldout_curve.png)", ""]
     lines += ["Per-step training reward (rollouts at T 1.0, 8 prompts x 4 samples):", ""]
     for name, e in ests.items():
@@ -190,10 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", default="PARALLEL=1 bash scripts/learning_curve.sh grpo shape")
     ap.add_argument("--machine", default="2 CPU cores, 24 GiB RAM, no GPU; shared with other jobs during the runs")
     ap.add_argument("--no_analyze", action="store_true")
+    ap.add_argument("--base_from", nargs="*", default=[], metavar="EST=DIR",
+                    help="step-0 eval of EST taken from run DIR (same held-out protocol), e.g. grpo=runs/attempt1/learn-grpo")
     args = ap.parse_args(argv)
+    base_from = dict(x.split("=", 1) for x in args.base_from)
     entries = {}
     for d in args.run_dirs:
-        e = summarize_run(d)
+        with open(os.path.join(d, "run.json")) as f:
+            est = json.load(f).get("estimator")
+        e = summarize_run(d, base_from.get(est))
         entries[e["estimator"] or os.path.basename(d)] = e
     fig_dir = os.path.join(args.out, FIG_DIR)
     os.makedirs(fig_dir, exist_ok=True)

@@ -5,6 +5,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -52,3 +54,18 @@ def test_summary_base_trained_bar_and_partial(tmp_path):
     md = (out / "learning_curve.md").read_text()
     assert "Partial" in md and "| GRPO | 2/2 | 15.0% [10.0, 21.0]" in md and "30.0% [24.0, 37.0]" in md
     assert (out / "learning_curve" / "heldout_curve.png").stat().st_size > 0
+
+
+def test_base_from_another_run_with_the_same_protocol(tmp_path):
+    mod = _load()
+    proto = {"trainer": {"num_steps": 2, "eval_n_samples": 4, "seed": 42}, "data": {"eval_max_samples": 100}}
+    base = _run(tmp_path, "base", "grpo", 2, [{"step": 0, **_eval(0.15, 0.10, 0.21, 50)}])
+    run = _run(tmp_path, "run", "grpo", 2, [_step(1, 0.2), _step(2, 0.3, **_eval(0.30, 0.24, 0.37, 35))])
+    for d in (base, run):
+        (tmp_path / d / "run.json").write_text(json.dumps({"estimator": "grpo", "config": proto}))
+    e = mod.summarize_run(run, base_from=base)
+    assert e["base"]["accuracy"] == 0.15 and e["base_from"] == base and e["bar_cleared"]
+    other = {**proto, "trainer": {**proto["trainer"], "eval_n_samples": 2}}
+    (tmp_path / "base" / "run.json").write_text(json.dumps({"estimator": "grpo", "config": other}))
+    with pytest.raises(ValueError, match="held-out eval settings differ"):
+        mod.summarize_run(run, base_from=base)
