@@ -102,8 +102,11 @@ class TrainerSection:
     save_steps: int = 20  # 0 disables periodic checkpoints (a final one is always written)
     max_ckpts_keep: int = 3
     eval_steps: int = 0  # 0 disables periodic eval
+    val_before_train: bool = False  # evaluate the base policy before the first update, logged as step 0
     eval_temperature: float = 0.0  # 0: greedy (one sample per prompt suffices)
-    eval_n_samples_per_prompt: int = 1
+    eval_n_samples_per_prompt: int = 1  # responses per held-out problem (avg@N pass@1) when eval_temperature > 0
+    eval_top_p: float = 1.0
+    eval_top_k: int = -1
     resume: str = "auto"  # auto | none | a checkpoint directory
     seed: int = 42
     ray_address: str | None = None  # None: start a local Ray; "auto": join `ray start --head`
@@ -196,6 +199,11 @@ class TrainConfig:
         need(d.max_prompt_len is not None, "data.max_prompt_len", "must be set (tokens; it sizes the engines)")
         need(t.num_steps >= 1, "trainer.num_steps", "must be >= 1")
         need(t.save_steps >= 0 and t.eval_steps >= 0, "trainer.save_steps", "save/eval steps must be >= 0")
+        need(t.eval_n_samples_per_prompt >= 1, "trainer.eval_n_samples_per_prompt", "must be >= 1 response per held-out problem")
+        need(t.eval_temperature >= 0, "trainer.eval_temperature", "must be >= 0 (0 is greedy)")
+        need(0 < t.eval_top_p <= 1, "trainer.eval_top_p", "must lie in (0, 1]")
+        need(not ((t.val_before_train or t.eval_steps) and d.eval_max_samples == 0), "data.eval_max_samples",
+             "is 0 but an eval is asked for (--eval.steps / --trainer.val_before_train); raise it or use None")
         need(t.max_ckpts_keep >= 1, "trainer.max_ckpts_keep", "must keep at least 1 checkpoint")
         need(not check_paths or t.resume in ("auto", "none") or os.path.isdir(t.resume), "trainer.resume",
              f"{t.resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")

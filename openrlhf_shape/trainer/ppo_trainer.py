@@ -59,6 +59,8 @@ class ShapeTrainer:
         cfg, run, maker = self.cfg, self.run, self.run.maker
         start = self._resume()
         logger, steps = self._open_log(start), self._steps(start)
+        if start == 0:
+            self._val_before_train(logger)
         history: list[dict] = []
         t_loop = time.perf_counter()
         try:
@@ -118,22 +120,38 @@ class ShapeTrainer:
         return self.run.lifecycle.sync_weights()
 
     def evaluate(self) -> dict[str, float]:
-        """Accuracy (mean over samples) and mean response length on the held-out prompts (``--eval.dataset``),
-        at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples."""
+        """Held-out avg@N pass@1 and mean response length with 95% CIs (openrlhf_shape/trainer/heldout.py),
+        at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples.
+        The engines are reseeded first, so the same weights always give the same numbers."""
         from openrlhf_shape.rollout.engine import SamplingConfig
+        from openrlhf_shape.trainer.heldout import group_results, heldout_metrics
 
         items = self.run.eval_items or []
         if not items:
             return {}
         t = self.cfg.trainer
+        self.run.engines.reseed(t.seed * 7_000_003 + 1)
         n = 1 if t.eval_temperature == 0 else t.eval_n_samples_per_prompt
-        sampling = SamplingConfig(n=n, temperature=t.eval_temperature, max_tokens=self.cfg.sampling.max_tokens)
+        sampling = SamplingConfig(n=n, temperature=t.eval_temperature, top_p=t.eval_top_p, top_k=t.eval_top_k,
+                                  max_tokens=self.cfg.sampling.max_tokens)
         gens = self.run.engines.generate([list(it.prompt_ids) for it in items], sampling)
         scores = self.run.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
-        return {
-            "eval/accuracy": float(sum(scores) / len(scores)),
-            "eval/response_length/mean": float(sum(len(g.token_ids) for g in gens) / len(gens)),
-        }
+        problems = group_results([g.prompt_index for g in gens], scores, [len(g.token_ids) for g in gens],
+                                 [g.finish_reason for g in gens])
+        metrics = heldout_metrics(problems, seed=t.seed)
+        log.info("held-out accuracy %.3f [%.3f, %.3f], length %.1f (%d problems x %d)", metrics["eval/accuracy"],
+                 metrics["eval/accuracy_ci_low"], metrics["eval/accuracy_ci_high"],
+                 metrics["eval/response_length/mean"], len(items), n)
+        return metrics
+
+    def _val_before_train(self, logger: MetricsLogger) -> None:
+        """Step 0: the base policy's held-out metrics, before any update (``--trainer.val_before_train``)."""
+        if not (self.cfg.trainer.val_before_train and self.run.eval_items):
+            return
+        t0 = time.perf_counter()
+        metrics = self.evaluate()
+        metrics["time/eval"] = time.perf_counter() - t0
+        logger.log(0, metrics)
 
     def save(self, step: int) -> str:
         """Checkpoint actor + data position; keep the newest ``trainer.max_ckpts_keep`` complete ones."""

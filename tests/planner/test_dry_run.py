@@ -36,7 +36,7 @@ def test_every_preset_fits_and_prints_map_and_plan(capsys, preset):
     assert "memory per GPU by phase" in out and "weights:" in out and "optimizer:" in out
     margin = float(out.split("FITS: smallest margin ")[1].split(" GiB")[0])
     assert margin >= 2.0  # --plan.min_free_gib default
-    if preset != "cpu-smoke.yaml":
+    if not preset.startswith("cpu-"):  # the CPU presets have no GPU map
         # the map: every rank with its coordinates and a colocated engine worker, node by node
         assert "node 0:" in out and "rank   0 (tp 0, pp 0, dp 0) + engine 0 worker 0" in out
         for phase in ("[rollout]", "[log-probs]", "[update]"):
