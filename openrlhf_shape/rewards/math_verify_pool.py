@@ -118,12 +118,27 @@ def _default_context() -> mp.context.BaseContext:
     return ctx
 
 
-class MathVerifyScorer:
-    """score(responses, labels) -> [1.0 | 0.0] per pair, each verification under ``timeout_s``."""
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's or Ray's share),
+    not the machine's total."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # platforms without affinity masks
+        return max(1, os.cpu_count() or 1)
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, max_chars: int = 20000, mp_context=None):
-        if num_workers < 1:
-            raise ValueError(f"MathVerifyScorer.num_workers must be >= 1, got {num_workers}")
+
+class MathVerifyScorer:
+    """score(responses, labels) -> [1.0 | 0.0] per pair, each verification under ``timeout_s``.
+
+    ``num_workers=0`` sizes the pool to :func:`available_cores`."""
+
+    def __init__(self, num_workers: int = 0, timeout_s: float = 5.0, max_chars: int = 20000, mp_context=None):
+        if num_workers < 0:
+            raise ValueError(
+                f"MathVerifyScorer.num_workers must be >= 1, or 0 for one per available core; got {num_workers}"
+            )
+        if num_workers == 0:
+            num_workers = available_cores()
         if timeout_s <= 0:
             raise ValueError(f"MathVerifyScorer.timeout_s must be > 0 seconds, got {timeout_s}")
         if max_chars < 100:
