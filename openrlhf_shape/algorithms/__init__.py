@@ -29,6 +29,7 @@ from openrlhf_shape.algorithms.pipeline import (
     pad_potentials,
     segment_batch,
 )
+from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, estimator_moments, stopping_outcomes
 from openrlhf_shape.algorithms.segmentation import (
     boundaries_to_segment_ids,
     delimiter_cutpoints,
@@ -39,6 +40,9 @@ from openrlhf_shape.algorithms.segmentation import (
 from openrlhf_shape.algorithms.tcr import redistribute_token_credit, tcr_weights
 
 __all__ = [
+    "AdaptiveProbeRule",
+    "estimator_moments",
+    "stopping_outcomes",
     "AdvantageResult",
     "ShapeConfig",
     "boundaries_as_lists",
