@@ -91,12 +91,19 @@ class ProbeSection:
     top_p: float = 1.0
     think_suffix: str = "\n\nTime is up. I should stop thinking and give the final answer now.\n</think>\n\nThe final answer is $\\boxed{"
     answer_suffix: str = "\n\nThe final answer is $\\boxed{"
+    # adaptive probe budget (off: the paper's fixed m = --shape.num_probes); see docs/adaptive_probes.md
+    adaptive: bool = False
+    adaptive_tol: float = 0.13  # stop a state once the Jeffreys posterior sd of Phi is <= this
+    max_probes: int = 0  # cap on samples per state; 0 = --shape.num_probes
+    adaptive_first_round: int = 4
+    adaptive_round_size: int = 4
 
 
 @dataclass
 class RewardSection:
     remote_url: str | None = None  # a .py with reward_func, or an http(s) endpoint; None = Math-Verify
-    num_workers: int = 2
+    num_workers: int = 0  # Math-Verify processes; 0 = one per CPU core this process may use
+    fast_probe_scoring: bool = True  # each distinct (probe answer, label) verified once; integers exact
     timeout_s: float = 5.0
     max_chars: int = 20000
 
@@ -178,6 +185,7 @@ class TrainConfig:
         need(t.max_ckpts_keep >= 1, "trainer.max_ckpts_keep", "must keep at least 1 checkpoint")
         need(t.resume == "auto" or t.resume == "none" or os.path.isdir(t.resume), "trainer.resume",
              f"{t.resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
+        self._validate_probes()
         if r.colocate:
             need(m.gpus_per_rank > 0, "rollout.colocate", "colocation only applies on GPU (set --megatron.gpus_per_rank)")
         if d.prompt_data.startswith("bundled:"):
@@ -190,6 +198,27 @@ class TrainConfig:
                 f"--actor.pretrain: {a.pretrain} is not a Hugging Face model directory (or use 'demo')"
             )
         return self
+
+    def _validate_probes(self) -> None:
+        p, sh = self.probe, self.shape
+        if p.max_probes < 0:
+            raise ValueError(f"--probe.max_probes: must be >= 0 (0 = --shape.num_probes), got {p.max_probes}")
+        if self.reward.num_workers < 0:
+            raise ValueError(f"--reward.num_workers: must be >= 1, or 0 for one per core; got {self.reward.num_workers}")
+        if not p.adaptive:
+            return
+        from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule
+
+        cap = p.max_probes or sh.num_probes
+        AdaptiveProbeRule(min(p.adaptive_first_round, cap), p.adaptive_round_size, cap, p.adaptive_tol)  # names the flag
+        g = sh.gamma_min if sh.fixed_gamma is None else sh.fixed_gamma
+        if sh.estimator == "shape" and not sh.allow_unsafe_hparams and g <= (cap - 1) / cap:
+            raise ValueError(
+                f"--probe.max_probes: up to {cap} probes per state make Phi = {cap - 1}/{cap} possible, and a step "
+                f"from there to 1 needs gamma > {(cap - 1) / cap:.4f} for a positive shaping reward (paper appendix "
+                f"A.2); gamma is {g}. Lower --probe.max_probes, raise --shape.gamma_min, or pass "
+                "--shape.allow_unsafe_hparams"
+            )
 
     def max_model_len(self) -> int:
         if self.rollout.max_model_len:

@@ -42,6 +42,11 @@ class ExperienceConfig:
     probe_top_p: float = 1.0
     think_suffix: str | None = None
     answer_suffix: str | None = None
+    probe_adaptive: bool = False
+    probe_adaptive_tol: float = 0.13
+    probe_max_probes: int = 0
+    probe_adaptive_first_round: int = 4
+    probe_adaptive_round_size: int = 4
 
     def probe_config(self) -> ProbeConfig:
         kw: dict[str, Any] = dict(
@@ -49,6 +54,11 @@ class ExperienceConfig:
             max_tokens=self.shape.probe_max_tokens,
             temperature=self.probe_temperature,
             top_p=self.probe_top_p,
+            adaptive=self.probe_adaptive,
+            adaptive_tol=self.probe_adaptive_tol,
+            max_probes=self.probe_max_probes,
+            adaptive_first_round=self.probe_adaptive_first_round,
+            adaptive_round_size=self.probe_adaptive_round_size,
         )
         if self.think_suffix:
             kw["think_suffix"] = self.think_suffix
@@ -247,6 +257,11 @@ class ShapeExperienceMaker:
             metrics["probe/prompt_tokens"] = st.get("probe_prompt_tokens", 0.0)
             metrics["probe/cached_tokens"] = st.get("probe_cached_tokens", 0.0)
             metrics["probe/prefix_hit_rate"] = st.get("probe_prefix_hit_rate", 0.0)
+            metrics["probe/rounds"] = st.get("probe_rounds", 1.0)
+            metrics["probe/samples_per_state"] = st.get("probe_samples_per_state", float(shape.num_probes))
+            metrics["probe/tokens_saved"] = st.get("probe_tokens_saved", 0.0)
+            metrics["probe/score_seconds"] = st.get("probe_score_time_s", 0.0)
+            metrics["probe/unique_answers"] = st.get("probe_unique_answers", 0.0)
             metrics["probe/prefill_per_response_token"] = st.get("probe_computed_prompt_tokens", 0.0) / max(
                 float(sum(len(r) for r in responses)), 1.0
             )

@@ -177,6 +177,7 @@ class ShapeTrainer:
         info = self.actor.init_model(self.model_dir)
         log.info("actor: %s", info)
         self.reward = RewardComputer(RewardConfig(remote_url=cfg.reward.remote_url, num_workers=cfg.reward.num_workers,
+                                                  fast_probe_scoring=cfg.reward.fast_probe_scoring,
                                                   timeout_s=cfg.reward.timeout_s, max_chars=cfg.reward.max_chars))
         exp_cfg = ExperienceConfig(
             shape=cfg.shape,
@@ -190,6 +191,11 @@ class ShapeTrainer:
             probe_top_p=cfg.probe.top_p,
             think_suffix=cfg.probe.think_suffix,
             answer_suffix=cfg.probe.answer_suffix,
+            probe_adaptive=cfg.probe.adaptive,
+            probe_adaptive_tol=cfg.probe.adaptive_tol,
+            probe_max_probes=cfg.probe.max_probes,
+            probe_adaptive_first_round=cfg.probe.adaptive_first_round,
+            probe_adaptive_round_size=cfg.probe.adaptive_round_size,
         )
         self.maker = ShapeExperienceMaker(exp_cfg, self.engines, self.actor, self.reward, self.tokenizer)
         self.setup_seconds = time.perf_counter() - t0
