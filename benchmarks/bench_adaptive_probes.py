@@ -29,7 +29,7 @@ import torch  # noqa: E402
 DEFAULT_SETTINGS = [
     "fixed:4", "fixed:8",
     "adaptive:4,4,8,0.13", "adaptive:4,4,8,0.19", "adaptive:2,2,8,0.19",
-    "adaptive:4,4,12,0.13", "adaptive:4,4,16,0.13", "adaptive:4,4,16,0.11",
+    "adaptive:4,4,12,0.13", "adaptive:4,4,16,0.11", "adaptive:2,2,4,0.19",
 ]
 
 
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS)
     ap.add_argument("--default", default="adaptive:4,4,8,0.13", help="the setting of the last line")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-gt", default=None, help="write the ground-truth Phi of every state (JSON) here")
     args = ap.parse_args()
     if args.gt_m % args.gt_chunk:
         ap.error("--gt-m must be a multiple of --gt-chunk")
@@ -118,6 +119,11 @@ def main() -> None:
     gt_states = unique_states(st, gt)
     gt_adv = advantages(st, gt)
     gt_var = float((gt_states * (1 - gt_states)).mean() / args.gt_m)
+    if args.save_gt:
+        import json
+
+        with open(args.save_gt, "w") as f:
+            json.dump({"gt_m": args.gt_m, "phi": gt_states.tolist()}, f)
     hist = torch.histc(gt_states.float(), bins=5, min=0, max=1).int().tolist()
     print(f"ground truth: m={args.gt_m} on {gt_states.numel()} states in {time.perf_counter() - t0:.0f} s; "
           f"Phi histogram over [0,1] in 5 bins {hist}; share of states with Phi in {{0, 1}} "
