@@ -83,32 +83,37 @@ def probes_main(args) -> None:
     from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer
 
     texts, labels = _demo_probe_batch(args.probe_batch, args.prompts, args.samples, args.m)
-    with MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout) as pool:
-        pool.score(["\\boxed{1}"], ["1"])  # start the workers outside the timing
+    # plain: the scorer before this change (one Math-Verify call per completion, label re-parsed
+    # each time); new: distinct keys once, exact shortcuts, labels parsed once per worker.
+    with MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout, cache_gold=False) as plain_pool, \
+            MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout) as new_pool:
+        plain_pool.score(["\\boxed{1}"], ["1"])  # start the workers outside the timing
+        new_pool.score(["\\boxed{1}"], ["0"])
         plain_s, new_s, same = [], [], True
         for _ in range(args.repeats):  # interleaved, so load on the shared machine hits both alike
             t0 = time.perf_counter()
-            plain = pool.score(texts, labels)
+            plain = plain_pool.score(texts, labels)
             plain_s.append(time.perf_counter() - t0)
-            fast = DedupProbeScorer(pool)
+            fast = DedupProbeScorer(new_pool)  # fresh per-step verdict cache each repeat
             t0 = time.perf_counter()
             new = fast.score(texts, labels)
             new_s.append(time.perf_counter() - t0)
             same &= new == plain
+        workers = plain_pool.num_workers
     st = fast.last
     a, b = sorted(plain_s)[len(plain_s) // 2], sorted(new_s)[len(new_s) // 2]
     print(f"probe batch: {len(texts)} completions of the demo model ({args.probe_batch}); "
           f"distinct (answer, label) keys {st.unique} (duplicate rate {1 - st.unique / len(texts):.3f}); "
-          f"decided by the integer shortcut {st.fast}, sent to Math-Verify {st.pool}; accuracy {sum(plain) / len(plain):.3f}")
-    print(f"median of {args.repeats} interleaved runs with {pool.num_workers} workers: plain {a:.3f} s, new {b:.4f} s; "
-          f"scores identical: {same}")
+          f"decided by the exact shortcuts {st.fast}, sent to Math-Verify {st.pool}; accuracy {sum(plain) / len(plain):.3f}")
+    print(f"median of {args.repeats} interleaved runs with {workers} workers each (machine shared): plain {a:.3f} s, "
+          f"new {b:.4f} s; scores identical: {same}")
     print(f"probe scoring: plain_per_s={len(texts) / a:.0f} new_per_s={len(texts) / b:.0f} speedup={a / b:.1f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2000)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=0, help="0: one per available core")
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--probes", action="store_true", help="score one real probe batch plainly and with fast scoring")
     ap.add_argument("--probe-batch", default=os.path.join(os.path.expanduser("~"), ".cache", "openrlhf_shape",
@@ -124,6 +129,7 @@ def main() -> None:
     from openrlhf_shape.rewards import MathVerifyScorer
 
     with MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout) as scorer:
+        args.workers = scorer.num_workers
         scorer.score(["\\boxed{1}"], ["1"])  # start the workers outside the timing
         for name, frac in (("clean", 0.0), ("2% pathological", 0.02)):
             texts, labels = _cases(args.n, seed=1 if frac else 0, pathological=frac)

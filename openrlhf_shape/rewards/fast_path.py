@@ -16,6 +16,15 @@ there its verdict is not a string comparison (it is not even symmetric: answer `
 label ``1`` but answer ``1`` does not match label ``01``). ``tests/rewards/test_probe_scoring.py``
 checks the claim against Math-Verify on such cases. The one difference from the pool: Math-Verify
 can time out on a loaded machine and score a correct answer 0; the shortcut never times out.
+
+Second claim: an answer matching ``-?(0|[1-9][0-9]{0,8})\.[0-9]{0,5}[1-9]`` (a decimal with at most
+9 integer and 6 fraction digits whose value is not an integer, e.g. ``10.9``, ``-0.25``) never
+matches a canonical-integer label. Math-Verify parses it to a ``Float``; with a ``Float`` on one
+side ``sympy_numeric_eq`` compares both sides rounded to 6 decimals, and the decimal is its own
+6-decimal rounding (at most 15 significant digits, within sympy's 15-digit float precision),
+which is not an integer; the strings differ, and ``sympy_symbolic_eq`` (simplify(a - b) == 0)
+fails for a non-zero difference. ``117.0`` (an integer value) and ``117.0000001`` (7 fraction
+digits, which rounding could merge) are left to Math-Verify.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from __future__ import annotations
 import re
 
 CANONICAL_INT_RE = re.compile(r"0|-?[1-9][0-9]{0,29}")
+# a decimal that is not an integer: at most 9 integer digits, 1-6 fraction digits, last one non-zero
+NON_INTEGER_DECIMAL_RE = re.compile(r"-?(0|[1-9][0-9]{0,8})\.[0-9]{0,5}[1-9]")
 
 
 def is_canonical_int(text: str) -> bool:
@@ -31,10 +42,12 @@ def is_canonical_int(text: str) -> bool:
 
 
 def fast_verdict(answer: str | None, label: str) -> float | None:
-    """1.0 / 0.0 when both sides are canonical integers (Math-Verify's verdict, see module doc),
-    else None (ask Math-Verify). ``answer`` is the extracted answer (None: nothing extracted)."""
-    if answer is None:
+    """Math-Verify's verdict when it is known without running it (see module doc), else None.
+    ``answer`` is the extracted answer (None: nothing extracted)."""
+    if answer is None or not is_canonical_int(label):
         return None
-    if is_canonical_int(answer) and is_canonical_int(label):
+    if is_canonical_int(answer):
         return 1.0 if answer == label else 0.0
+    if NON_INTEGER_DECIMAL_RE.fullmatch(answer):
+        return 0.0
     return None

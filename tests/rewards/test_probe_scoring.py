@@ -34,16 +34,25 @@ def test_canonical_int_regex():
     ]
 
 
+DECIMALS = ["10.9", "117.5", "-0.25", "0.5", "1.000001", "999999999.999999", "-12.1", "0.000001", "7.05"]
+NOT_DECIDED_DECIMALS = ["117.0", "1.50", "1.0000001", "1234567890.5", "00.5", ".5", "1.", "+1.5"]
+
+
 def test_fast_path_agrees_with_math_verify_on_every_pair_it_decides(pool):
-    pairs = list(itertools.product(TRICKY, TRICKY))
+    pairs = list(itertools.product(TRICKY + DECIMALS + NOT_DECIDED_DECIMALS, TRICKY))
     decided = [(a, b, fast_verdict(a, b)) for a, b in pairs]
     decided = [d for d in decided if d[2] is not None]
-    # exactly the canonical-integer pairs are decided; everything else goes to Math-Verify
-    assert len(decided) == 12 * 12
+    # exactly the canonical-integer pairs and non-integer decimals against integer labels are
+    # decided; everything else goes to Math-Verify
+    ints = [t for t in TRICKY if is_canonical_int(t)]
+    dec_in_tricky = [t for t in TRICKY if t in ("0.5", "0.50")]  # "0.50" ends in 0: not taken
+    assert len(decided) == 12 * 12 + (len(DECIMALS) + 1) * 12, (len(decided), dec_in_tricky)
+    assert all(fast_verdict(a, "117") is None for a in NOT_DECIDED_DECIMALS)
     mv = pool.score(["\\boxed{" + a + "}" for a, _, _ in decided], [b for _, b, _ in decided])
     disagree = [(a, b, v, w) for (a, b, v), w in zip(decided, mv) if v != w]
     assert not disagree, disagree
-    assert sum(v for _, _, v in decided) == 12  # only identical strings match
+    assert sum(v for _, _, v in decided) == 12  # only identical integer strings match
+    assert ints
     # and the pairs the shortcut refuses include ones where string equality would be wrong
     assert fast_verdict("01", "1") is None and fast_verdict("1,000", "1000") is None
     assert fast_verdict("-0", "0") is None and fast_verdict("1.0", "1") is None
