@@ -36,6 +36,7 @@ from openrlhf_shape.algorithms.pipeline import (
     pad_potentials,
     segment_batch,
 )
+from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, estimator_moments, stopping_outcomes
 from openrlhf_shape.algorithms.segmentation import (
     boundaries_to_segment_ids,
     delimiter_cutpoints,
@@ -48,6 +49,9 @@ from openrlhf_shape.algorithms.tcr import redistribute_token_credit, tcr_weights
 __all__ = [
     "ESTIMATOR_REGISTRY",
     "AdvantageEstimator",
+    "AdaptiveProbeRule",
+    "estimator_moments",
+    "stopping_outcomes",
     "AdvantageResult",
     "RolloutCorrectionConfig",
     "get_estimator",

@@ -8,6 +8,7 @@ import torch
 
 from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
 from openrlhf_shape.rewards.plugin import load_reward_fn, mean_extra_logs
+from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer, ProbeScoreStats
 
 
 @dataclass
@@ -16,7 +17,8 @@ class RewardConfig:
     comma-separated. remote_timeout_s / remote_retries: per HTTP request (OpenRLHF: 180 s, 5 tries)."""
 
     remote_url: str | None = None
-    num_workers: int = 2
+    num_workers: int = 0  # Math-Verify processes; 0 = one per core this process may use
+    fast_probe_scoring: bool = True  # probes: distinct (answer, label) once, integers without Math-Verify
     timeout_s: float = 5.0
     max_chars: int = 20000
     remote_timeout_s: float = 180.0
@@ -37,6 +39,7 @@ class RewardComputer:
         self.cfg = cfg or RewardConfig()
         self.plugin = None
         self.scorer: MathVerifyScorer | None = None
+        self._probe_scorer: DedupProbeScorer | None = None
         if self.cfg.remote_url:
             self.plugin = load_reward_fn(
                 self.cfg.remote_url, timeout_s=self.cfg.remote_timeout_s, retries=self.cfg.remote_retries
@@ -53,9 +56,20 @@ class RewardComputer:
             )
         return self.scorer
 
-    def score(self, texts: list[str], labels: list[str]) -> list[float]:
-        """Math-Verify 1.0/0.0 per text (the probe scorer interface)."""
-        return self._math_verify().score(texts, labels)
+    def score(self, texts: list[str], labels: list[str], cache: dict | None = None) -> list[float]:
+        """Math-Verify 1.0/0.0 per text (the probe scorer interface). With ``fast_probe_scoring``
+        each distinct (extracted answer, label) is verified once (``cache`` carries verdicts across
+        calls of one step) and canonical integers skip Math-Verify: same scores, see
+        :mod:`openrlhf_shape.rewards.probe_scoring`."""
+        if not self.cfg.fast_probe_scoring:
+            return self._math_verify().score(texts, labels)
+        if self._probe_scorer is None or self._probe_scorer.pool is not self._math_verify():
+            self._probe_scorer = DedupProbeScorer(self._math_verify())
+        return self._probe_scorer.score(texts, labels, cache=cache)
+
+    def last_probe_score_stats(self) -> ProbeScoreStats | None:
+        """Counters of the last ``score`` call (None without fast probe scoring)."""
+        return None if self._probe_scorer is None else self._probe_scorer.last
 
     def compute(
         self, queries: list[str], prompts: list[str], labels: list[str], responses: list[str] | None = None, **kw

@@ -33,12 +33,27 @@ def _as_latex(text: str) -> str:
     return f"${text}$"
 
 
-def verify_one(response: str, label: str, inner_timeout: int) -> tuple[float, str]:
+GOLD_CACHE_SIZE = 4096  # parsed labels kept per worker
+
+
+def verify_one(
+    response: str, label: str, inner_timeout: int, gold_cache: dict | None = None
+) -> tuple[float, str]:
     """(score, how) for one response against one gold label. Runs Math-Verify with its own signal
-    timeouts (fine: a worker's main thread). how = extraction path or "unparsed"."""
+    timeouts (fine: a worker's main thread). how = extraction path or "unparsed".
+
+    ``gold_cache`` (label -> parsed label) skips re-parsing a label seen before: ``parse`` is a
+    deterministic function of its input and returns immutable sympy objects, so the verdict is the
+    same; only successful parses are kept (a parse that timed out is retried next time)."""
     from math_verify import parse, verify
 
-    gold = parse(_as_latex(label), parsing_timeout=inner_timeout)
+    gold = gold_cache.get(label) if gold_cache is not None else None
+    if gold is None:
+        gold = parse(_as_latex(label), parsing_timeout=inner_timeout)
+        if gold and gold_cache is not None:
+            if len(gold_cache) >= GOLD_CACHE_SIZE:
+                gold_cache.clear()
+            gold_cache[label] = gold
     if not gold:
         return 0.0, "bad_label"
     answer, how = extract_answer(response)
@@ -64,7 +79,7 @@ class _InnerTimeoutCounter(logging.Filter):
         return False
 
 
-def _worker_main(conn, inner_timeout: int) -> None:
+def _worker_main(conn, inner_timeout: int, cache_gold: bool = True) -> None:
     import math_verify  # noqa: F401  (import before the first job: keeps job latency flat)
 
     mv_logger = logging.getLogger("math_verify")
@@ -72,6 +87,7 @@ def _worker_main(conn, inner_timeout: int) -> None:
     for name in ("math_verify.parser", "math_verify.grader", "math_verify.utils"):
         logging.getLogger(name).addFilter(_InnerTimeoutCounter())
     verify_one("\\boxed{1}", "1", inner_timeout)  # warm sympy/latex2sympy caches
+    gold_cache: dict | None = {} if cache_gold else None
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -83,7 +99,7 @@ def _worker_main(conn, inner_timeout: int) -> None:
         job_id, response, label = job
         try:
             before = _InnerTimeoutCounter.count
-            score, how = verify_one(response, label, inner_timeout)
+            score, how = verify_one(response, label, inner_timeout, gold_cache)
             if _InnerTimeoutCounter.count != before:
                 how = "inner_timeout"
             conn.send((job_id, score, how, None))
@@ -118,17 +134,41 @@ def _default_context() -> mp.context.BaseContext:
     return ctx
 
 
-class MathVerifyScorer:
-    """score(responses, labels) -> [1.0 | 0.0] per pair, each verification under ``timeout_s``."""
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's or Ray's share),
+    not the machine's total."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # platforms without affinity masks
+        return max(1, os.cpu_count() or 1)
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, max_chars: int = 20000, mp_context=None):
-        if num_workers < 1:
-            raise ValueError(f"MathVerifyScorer.num_workers must be >= 1, got {num_workers}")
+
+class MathVerifyScorer:
+    """score(responses, labels) -> [1.0 | 0.0] per pair, each verification under ``timeout_s``.
+
+    ``num_workers=0`` sizes the pool to :func:`available_cores`. ``cache_gold=False`` re-parses the
+    label for every pair (the behaviour before the label cache; benchmarks compare against it)."""
+
+    def __init__(
+        self,
+        num_workers: int = 0,
+        timeout_s: float = 5.0,
+        max_chars: int = 20000,
+        mp_context=None,
+        cache_gold: bool = True,
+    ):
+        if num_workers < 0:
+            raise ValueError(
+                f"MathVerifyScorer.num_workers must be >= 1, or 0 for one per available core; got {num_workers}"
+            )
+        if num_workers == 0:
+            num_workers = available_cores()
         if timeout_s <= 0:
             raise ValueError(f"MathVerifyScorer.timeout_s must be > 0 seconds, got {timeout_s}")
         if max_chars < 100:
             raise ValueError(f"MathVerifyScorer.max_chars must be >= 100, got {max_chars}")
         self.num_workers = num_workers
+        self.cache_gold = bool(cache_gold)  # each worker keeps parsed labels (see verify_one)
         self.timeout_s = float(timeout_s)
         self.max_chars = int(max_chars)
         # Math-Verify's own (signal) limits inside the worker, parse + verify within the deadline.
@@ -151,7 +191,8 @@ class MathVerifyScorer:
     # ---- workers -----------------------------------------------------------------------------------
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child, self._inner_timeout), daemon=True)
+        proc = self._ctx.Process(target=_worker_main, args=(child, self._inner_timeout, self.cache_gold),
+                                 daemon=True)
         proc.start()
         child.close()
         # The deadline covers verification only: wait for the worker to finish its imports first.

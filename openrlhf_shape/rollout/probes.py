@@ -9,12 +9,15 @@ main rollout of that prompt, so they land on the engine that cached the prefix).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, StateTally
+from openrlhf_shape.rewards.probe_scoring import score_key
 from openrlhf_shape.rollout.engine import EngineGroup, SamplingConfig
 
 DEFAULT_THINK_SUFFIX = (
@@ -27,7 +30,13 @@ PROBE_TEXT_PREFIX = "\\boxed{"  # the suffix opened the box; scoring re-attaches
 
 @dataclass
 class ProbeConfig:
-    """Probe settings. num_probes = m (samples per state); max_tokens per probe sample."""
+    """Probe settings. num_probes = m (samples per state); max_tokens per probe sample.
+
+    adaptive: probe in rounds and stop a state early once its estimate is certain enough
+    (:class:`~openrlhf_shape.algorithms.adaptive_probes.AdaptiveProbeRule`: first round
+    ``adaptive_first_round`` samples, then ``adaptive_round_size`` more while the Jeffreys posterior
+    sd exceeds ``adaptive_tol``, at most ``max_probes``; 0 = num_probes). Off: the paper's fixed m.
+    """
 
     num_probes: int = 8
     max_tokens: int = 16
@@ -36,6 +45,23 @@ class ProbeConfig:
     think_suffix: str = DEFAULT_THINK_SUFFIX
     answer_suffix: str = DEFAULT_ANSWER_SUFFIX
     think_end_token: str = "</think>"
+    adaptive: bool = False
+    adaptive_tol: float = 0.13
+    max_probes: int = 0
+    adaptive_first_round: int = 4
+    adaptive_round_size: int = 4
+
+    def rule(self) -> AdaptiveProbeRule | None:
+        """The stopping rule when adaptive, else None (one round of num_probes)."""
+        if not self.adaptive:
+            return None
+        cap = self.max_probes or self.num_probes
+        return AdaptiveProbeRule(
+            first_round=min(self.adaptive_first_round, cap),
+            round_size=self.adaptive_round_size,
+            max_probes=cap,
+            tol=self.adaptive_tol,
+        )
 
     def __post_init__(self) -> None:
         if self.num_probes < 1:
@@ -50,6 +76,9 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.answer_suffix must be non-empty (it forces the final answer)")
         if not self.think_suffix:
             raise ValueError("ProbeConfig.think_suffix must be non-empty (it closes the thinking block)")
+        if self.max_probes < 0:
+            raise ValueError(f"--probe.max_probes must be >= 0 (0 = --shape.num_probes), got {self.max_probes}")
+        self.rule()  # validates the adaptive settings
 
 
 @dataclass(frozen=True)
@@ -95,20 +124,24 @@ def build_probe_prompt(
 @dataclass
 class PotentialResult:
     """potentials[i]: float32 [K_i + 1] = (Phi(s_0), Phi at each interior boundary, R_i).
-    probe_scores[i]: float32 [K_i, m] raw per-sample scores of the probed states (row 0 = prompt).
-    stats: probe_* counters for logging (tokens are summed over all m samples)."""
+    probe_scores[i]: float32 [K_i, cap] raw per-sample scores of the probed states (row 0 = prompt),
+    cap = m (fixed) or max_probes (adaptive; samples never drawn are NaN).
+    stats: probe_* counters for logging (tokens are summed over all samples)."""
 
     potentials: list[torch.Tensor]
     probe_scores: list[torch.Tensor]
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def _score(scorer, texts: list[str], labels: list[str]) -> list[float]:
-    if hasattr(scorer, "score"):
-        return list(scorer.score(texts, labels))
-    if callable(scorer):
-        return list(scorer(texts, labels))
-    raise TypeError("scorer must have .score(texts, labels) or be callable(texts, labels) -> list[float]")
+def _score(scorer, texts: list[str], labels: list[str], cache: dict) -> list[float]:
+    fn = scorer.score if hasattr(scorer, "score") else scorer
+    if not callable(fn):
+        raise TypeError("scorer must have .score(texts, labels) or be callable(texts, labels) -> list[float]")
+    try:
+        takes_cache = "cache" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    return list(fn(texts, labels, cache=cache) if takes_cache else fn(texts, labels))
 
 
 def estimate_potentials(
@@ -164,21 +197,51 @@ def estimate_potentials(
             req_labels.append(labels[i])
         state_req.append(rows)
 
-    m = cfg.num_probes
-    sampling = SamplingConfig(
-        n=m, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, logprobs=False
-    )
-    t0 = time.perf_counter()
-    gens = engines.generate(requests, sampling, affinity_keys=keys)
-    gen_time = time.perf_counter() - t0
-    if len(gens) != len(requests) * m:
-        raise RuntimeError(f"engines returned {len(gens)} probe samples, expected {len(requests) * m}")
-    texts = [PROBE_TEXT_PREFIX + g.text for g in gens]
-    t1 = time.perf_counter()
-    scores = _score(scorer, texts, [req_labels[g.prompt_index] for g in gens])
-    score_time = time.perf_counter() - t1
-    score_mat = torch.tensor(scores, dtype=torch.float32).view(len(requests), m)
-    phi = score_mat.mean(dim=1)
+    rule = cfg.rule()
+    cap = rule.max_probes if rule is not None else cfg.num_probes
+    checkpoints = rule.checkpoints() if rule is not None else [cap]
+    tallies = [StateTally() for _ in requests]
+    score_mat = torch.full((len(requests), cap), float("nan"), dtype=torch.float32)
+    distinct: set = set()
+    cache: dict = {}  # verdicts of distinct (answer, label) keys, shared by the rounds of this step
+    active = list(range(len(requests)))
+    gen_time = score_time = 0.0
+    rounds = samples = prompt_tokens = cached = decode = 0
+    prev = 0
+    for c in checkpoints:
+        if not active:
+            break
+        k = c - prev
+        sampling = SamplingConfig(
+            n=k, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, logprobs=False
+        )
+        # one batch per round, in response order, each state keyed to its response's engine
+        t0 = time.perf_counter()
+        gens = engines.generate([requests[i] for i in active], sampling, affinity_keys=[keys[i] for i in active])
+        gen_time += time.perf_counter() - t0
+        if len(gens) != len(active) * k:
+            raise RuntimeError(f"engines returned {len(gens)} probe samples, expected {len(active) * k}")
+        texts = [PROBE_TEXT_PREFIX + g.text for g in gens]
+        t1 = time.perf_counter()
+        scores = _score(scorer, texts, [req_labels[active[g.prompt_index]] for g in gens], cache)
+        score_time += time.perf_counter() - t1
+        if not cache:  # the scorer keeps no cache: count distinct (answer, label) keys here
+            distinct.update(score_key(t, req_labels[active[g.prompt_index]], 1 << 30)[0] for t, g in zip(texts, gens))
+        round_mat = torch.tensor(scores, dtype=torch.float32).view(len(active), k)
+        for row, i in enumerate(active):
+            score_mat[i, prev:c] = round_mat[row]
+            tallies[i].add(round_mat[row].tolist())
+        rounds += 1
+        samples += len(gens)
+        prompt_tokens += sum(g.num_prompt_tokens for g in gens)
+        cached += sum(g.num_cached_tokens for g in gens)
+        decode += sum(len(g.token_ids) for g in gens)
+        if rule is None:
+            active = []
+        else:
+            active = [i for i in active if not rule.can_stop(int(round(tallies[i].successes)), tallies[i].n)]
+        prev = c
+    phi = torch.tensor([t.estimate() for t in tallies], dtype=torch.float32)
 
     potentials, probe_scores = [], []
     for i in range(n):
@@ -186,18 +249,25 @@ def estimate_potentials(
         potentials.append(torch.cat([phi[rows], torch.tensor([float(outcomes[i])], dtype=torch.float32)]))
         probe_scores.append(score_mat[rows].clone())
 
-    prompt_tokens = sum(g.num_prompt_tokens for g in gens)
-    cached = sum(g.num_cached_tokens for g in gens)
+    drawn = torch.tensor([t.n for t in tallies], dtype=torch.float32)
+    mean_decode = decode / samples if samples else 0.0
+    saved_samples = len(requests) * cap - samples
     stats = {
         "probe_requests": float(len(requests)),
-        "probe_samples": float(len(gens)),
+        "probe_samples": float(samples),
+        "probe_rounds": float(rounds),
+        "probe_samples_per_state": float(drawn.mean()) if len(tallies) else 0.0,
+        "probe_samples_saved": float(saved_samples),
+        # decode tokens a fixed cap-sample budget would have spent beyond this one (mean per sample)
+        "probe_tokens_saved": float(saved_samples * mean_decode),
         "probe_prompt_tokens": float(prompt_tokens),
         "probe_cached_tokens": float(cached),
         "probe_computed_prompt_tokens": float(prompt_tokens - cached),
-        "probe_decode_tokens": float(sum(len(g.token_ids) for g in gens)),
+        "probe_decode_tokens": float(decode),
         "probe_prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "probe_time_s": gen_time + score_time,
         "probe_generate_time_s": gen_time,
         "probe_score_time_s": score_time,
+        "probe_unique_answers": float(len(cache) or len(distinct)),
     }
     return PotentialResult(potentials=potentials, probe_scores=probe_scores, stats=stats)

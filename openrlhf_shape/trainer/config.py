@@ -212,6 +212,7 @@ class TrainConfig:
         need(r.weight_sync != "cuda_ipc" or r.colocate, "rollout.weight_sync",
              "cuda_ipc needs --rollout.colocate (sender and engine worker on the same GPU)")
         need(t.gpus_per_node >= 1, "trainer.gpus_per_node", "must be >= 1")
+        self._validate_probes()
         if d.prompt_data.startswith("bundled:"):
             need(d.prompt_data in ("bundled:train", "bundled:test"), "data.prompt_data",
                  "bundled data is 'bundled:train' or 'bundled:test'")
@@ -230,6 +231,27 @@ class TrainConfig:
         r = self.rollout
         return RolloutCorrectionConfig(r.is_correction_level, r.is_correction_mode, r.is_correction_gating,
                                        tuple(r.is_correction_threshold))
+
+    def _validate_probes(self) -> None:
+        p, sh = self.probe, self.shape  # probe: a ProbeConfig
+        if p.max_probes < 0:
+            raise ValueError(f"--probe.max_probes: must be >= 0 (0 = --shape.num_probes), got {p.max_probes}")
+        if self.reward.num_workers < 0:
+            raise ValueError(f"--reward.num_workers: must be >= 1, or 0 for one per core; got {self.reward.num_workers}")
+        if not p.adaptive:
+            return
+        from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule
+
+        cap = p.max_probes or sh.num_probes
+        AdaptiveProbeRule(min(p.adaptive_first_round, cap), p.adaptive_round_size, cap, p.adaptive_tol)  # names the flag
+        g = sh.gamma_min if sh.fixed_gamma is None else sh.fixed_gamma
+        if sh.estimator == "shape" and not sh.allow_unsafe_hparams and g <= (cap - 1) / cap:
+            raise ValueError(
+                f"--probe.max_probes: up to {cap} probes per state make Phi = {cap - 1}/{cap} possible, and a step "
+                f"from there to 1 needs gamma > {(cap - 1) / cap:.4f} for a positive shaping reward (paper appendix "
+                f"A.2); gamma is {g}. Lower --probe.max_probes, raise --shape.gamma_min, or pass "
+                "--shape.allow_unsafe_hparams"
+            )
 
     def max_model_len(self) -> int:
         """Engine context in tokens: ``--engine.max_model_len``, else prompt + response + probe room."""

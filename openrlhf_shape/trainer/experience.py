@@ -289,6 +289,12 @@ class ShapeExperienceMaker:
             "probe/prompt_tokens": st.get("probe_prompt_tokens", 0.0),
             "probe/cached_tokens": st.get("probe_cached_tokens", 0.0),
             "probe/prefix_hit_rate": st.get("probe_prefix_hit_rate", 0.0),
+            # adaptive probe budget and probe scoring (docs/adaptive_probes.md)
+            "probe/rounds": st.get("probe_rounds", 1.0),
+            "probe/samples_per_state": st.get("probe_samples_per_state", float(self.probe_cfg.num_probes)),
+            "probe/tokens_saved": st.get("probe_tokens_saved", 0.0),
+            "probe/score_seconds": st.get("probe_score_time_s", 0.0),
+            "probe/unique_answers": st.get("probe_unique_answers", 0.0),
             "probe/prefill_per_response_token": st.get("probe_computed_prompt_tokens", 0.0)
             / max(float(exp.response_mask.sum()), 1.0),
         }

@@ -54,6 +54,10 @@ def test_parse_overrides_handles_negatives_and_bare_flags():
         (["--actor.model_name_or_path", "/nonexistent/model"], "--actor.model_name_or_path"),
         (["--data.prompt_dataset", "/nonexistent/p.jsonl"], "--data.prompt_dataset"),
         (["--actor.eps_clip_low_high", "0.2"], "--actor.eps_clip_low_high"),
+        (["--probe.adaptive", "--probe.adaptive_tol", "0.7"], "--probe.adaptive_tol"),
+        (["--probe.adaptive", "--probe.max_probes", "16"], r"--probe.max_probes.*gamma > 0.9375"),
+        (["--probe.max_probes", "-1"], "--probe.max_probes"),
+        (["--reward.num_workers", "-2"], "--reward.num_workers"),
     ],
 )
 def test_bad_flags_name_the_flag(flags, match):
@@ -67,3 +71,10 @@ def test_cli_rejects_unknown_flags_for_commands_without_overrides():
     with pytest.raises(SystemExit):
         main(["analyze", "--nonsense.flag", "1"])
     assert main(["train", "--print_config", "--train.num_steps", "3"]) == 0
+
+
+def test_adaptive_probe_flags():
+    cfg = load_config(None, ["--probe.adaptive", "--probe.adaptive_tol", "0.2", "--probe.max_probes", "8"])
+    assert cfg.probe.adaptive and cfg.probe.adaptive_tol == 0.2 and cfg.probe.max_probes == 8
+    assert not load_config(None, []).probe.adaptive  # the paper's fixed m is the default
+    assert load_config(None, []).reward.num_workers == 0 and load_config(None, []).reward.fast_probe_scoring

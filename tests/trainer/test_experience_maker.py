@@ -94,6 +94,20 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
             assert adv.max() <= alpha * 1.5 + 1e-6
 
 
+def test_adaptive_probes_in_the_step(engines, parts):
+    tok, items, actor, reward = parts
+    cfg = ExperienceConfig(shape=ShapeConfig(num_segments=4, num_probes=4, min_segment_len=4), n_samples_per_prompt=N,
+                           max_new_tokens=48, probe_adaptive=True, probe_adaptive_tol=0.2, probe_adaptive_first_round=2,
+                           probe_adaptive_round_size=2)
+    exp = ShapeExperienceMaker(cfg, engines, actor, reward, tok).make_experience(items)
+    m = exp.metrics
+    assert 1 <= m["probe/rounds"] <= 2
+    assert 2 <= m["probe/samples_per_state"] <= 4
+    assert m["probe/tokens_saved"] >= 0 and m["probe/score_seconds"] >= 0
+    assert 1 <= m["probe/unique_answers"] <= m["probe/samples_per_state"] * m["probe/requests"]
+    assert all(torch.isfinite(a).all() for a in exp.advantages)
+
+
 def test_grpo_step_matches_formula(engines, parts):
     maker, items, _ = _maker(engines, parts, estimator="grpo")
     exp = maker.make_experience(items)

@@ -1,0 +1,106 @@
+"""Probe scoring that scales: each distinct (extracted answer, label) scored once, integers without
+Math-Verify, the rest through the process pool.
+
+Probe answers are short and repeat heavily (m samples of one state, K states of one response, n
+responses of one prompt all aim at the same few answers). :func:`verify_one` in the pool decides a
+(response, label) pair from the extracted answer alone whenever extraction finds one, so
+
+- key ``("answer", extracted answer, label)`` when :func:`extract_answer` finds an answer: every
+  response with that key gets the same verdict from Math-Verify;
+- key ``("text", response, label)`` otherwise (Math-Verify searches the whole text then).
+
+Both keys see the response exactly as the pool would (capped to its last ``max_chars``). The
+verdict of a key comes from :func:`~openrlhf_shape.rewards.fast_path.fast_verdict` when both sides
+are canonical integers, else from one pool verification of a representative response. A cache
+dict passed by the caller carries verdicts across calls (the rounds of one step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+
+from openrlhf_shape.rewards.extract import extract_answer
+from openrlhf_shape.rewards.fast_path import fast_verdict
+from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
+
+ScoreKey = tuple[str, str, str]
+
+
+@dataclass
+class ProbeScoreStats:
+    """Counters of one or more ``score`` calls: texts scored, distinct keys, keys decided by the
+    integer shortcut, keys sent to the pool, keys found in the caller's cache, seconds spent."""
+
+    texts: int = 0
+    unique: int = 0
+    fast: int = 0
+    pool: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "ProbeScoreStats") -> None:
+        for name in ("texts", "unique", "fast", "pool", "cached", "seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def score_key(response: str, label: str, max_chars: int) -> tuple[ScoreKey, str | None]:
+    """(key, extracted answer or None) of one pair, seeing the response as the pool does."""
+    if len(response) > max_chars:
+        response = response[-max_chars:]
+    answer, _ = extract_answer(response)
+    if answer is None:
+        return ("text", response, label), None
+    return ("answer", answer, label), answer
+
+
+@dataclass
+class DedupProbeScorer:
+    """``score(texts, labels)`` -> [1.0 | 0.0], equal to ``pool.score`` on the same pairs (see module
+    doc) at a fraction of the Math-Verify calls. ``fast_path=False`` keeps deduplication only."""
+
+    pool: MathVerifyScorer
+    fast_path: bool = True
+    last: ProbeScoreStats = field(default_factory=ProbeScoreStats)
+    total: ProbeScoreStats = field(default_factory=ProbeScoreStats)
+
+    def score(
+        self, texts: list[str], labels: list[str], cache: MutableMapping[ScoreKey, float] | None = None
+    ) -> list[float]:
+        if len(texts) != len(labels):
+            raise ValueError(f"score: {len(texts)} texts but {len(labels)} labels")
+        t0 = time.perf_counter()
+        st = ProbeScoreStats(texts=len(texts))
+        cache = {} if cache is None else cache
+        keys: list[ScoreKey] = []
+        todo: dict[ScoreKey, str] = {}  # key -> a representative response for the pool
+        seen: set[ScoreKey] = set()
+        for text, label in zip(texts, labels):
+            text = "" if text is None else str(text)
+            label = "" if label is None else str(label)
+            key, answer = score_key(text, label, self.pool.max_chars)
+            keys.append(key)
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in cache:
+                st.cached += 1
+                continue
+            verdict = fast_verdict(answer, label) if self.fast_path else None
+            if verdict is not None:
+                cache[key] = verdict
+                st.fast += 1
+            else:
+                todo[key] = text
+        st.unique = len(seen)
+        if todo:
+            todo_keys = list(todo)
+            verdicts = self.pool.score([todo[k] for k in todo_keys], [k[2] for k in todo_keys])
+            for k, v in zip(todo_keys, verdicts):
+                cache[k] = float(v)
+            st.pool = len(todo_keys)
+        st.seconds = time.perf_counter() - t0
+        self.last = st
+        self.total.add(st)
+        return [cache[k] for k in keys]

@@ -1,0 +1,119 @@
+"""Probe scoring that scales: the integer shortcut agrees with Math-Verify wherever it answers, and
+the deduplicating scorer gives the plain pool's scores on the same completions (real Math-Verify)."""
+
+import itertools
+import random
+
+import pytest
+
+from openrlhf_shape.rewards import MathVerifyScorer
+from openrlhf_shape.rewards.fast_path import fast_verdict, is_canonical_int
+from openrlhf_shape.rewards.math_verify_pool import available_cores
+from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer
+
+# Spellings where a string shortcut could go wrong: leading zeros, signs, separators, decimals,
+# percent, fractions, big integers, scientific notation, whitespace.
+TRICKY = [
+    "0", "1", "01", "00", "-0", "+1", "-1", "-01", "1.0", "1.", "0.5", "1,000", "1000", "1 000", "10^3",
+    "1e3", "\\frac{1}{2}", "\\frac12", "1/2", "50", "50\\%", "5000", "0.50", "12", "-12", "7",
+    "123456789012345678901234567890", "123456789012345678901234567891", "1234567890123456789012345678901",
+    "\\text{1}", "x=1", "1\\,000", "\\{1\\}", "(1)", "1^{1}", "\\sqrt{4}", "2",
+]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with MathVerifyScorer(num_workers=2, timeout_s=10.0) as s:
+        yield s
+
+
+def test_canonical_int_regex():
+    assert [t for t in TRICKY if is_canonical_int(t)] == [
+        "0", "1", "-1", "1000", "50", "5000", "12", "-12", "7",
+        "123456789012345678901234567890", "123456789012345678901234567891", "2",
+    ]
+
+
+DECIMALS = ["10.9", "117.5", "-0.25", "0.5", "1.000001", "999999999.999999", "-12.1", "0.000001", "7.05"]
+NOT_DECIDED_DECIMALS = ["117.0", "1.50", "1.0000001", "1234567890.5", "00.5", ".5", "1.", "+1.5"]
+
+
+def test_fast_path_agrees_with_math_verify_on_every_pair_it_decides(pool):
+    pairs = list(itertools.product(TRICKY + DECIMALS + NOT_DECIDED_DECIMALS, TRICKY))
+    decided = [(a, b, fast_verdict(a, b)) for a, b in pairs]
+    decided = [d for d in decided if d[2] is not None]
+    # exactly the canonical-integer pairs and non-integer decimals against integer labels are
+    # decided; everything else goes to Math-Verify
+    ints = [t for t in TRICKY if is_canonical_int(t)]
+    dec_in_tricky = [t for t in TRICKY if t in ("0.5", "0.50")]  # "0.50" ends in 0: not taken
+    assert len(decided) == 12 * 12 + (len(DECIMALS) + 1) * 12, (len(decided), dec_in_tricky)
+    assert all(fast_verdict(a, "117") is None for a in NOT_DECIDED_DECIMALS)
+    mv = pool.score(["\\boxed{" + a + "}" for a, _, _ in decided], [b for _, b, _ in decided])
+    disagree = [(a, b, v, w) for (a, b, v), w in zip(decided, mv) if v != w]
+    assert not disagree, disagree
+    assert sum(v for _, _, v in decided) == 12  # only identical integer strings match
+    assert ints
+    # and the pairs the shortcut refuses include ones where string equality would be wrong
+    assert fast_verdict("01", "1") is None and fast_verdict("1,000", "1000") is None
+    assert fast_verdict("-0", "0") is None and fast_verdict("1.0", "1") is None
+    assert fast_verdict("\\frac{1}{2}", "0.5") is None and fast_verdict(None, "1") is None
+
+
+def test_shortcut_refusals_matter(pool):
+    """Math-Verify calls these equal although the strings differ (why the shortcut leaves them)."""
+    got = pool.score(["\\boxed{01}", "\\boxed{1,000}", "\\boxed{-0}", "\\boxed{1.0}", "\\boxed{0.5}"],
+                     ["1", "1000", "0", "1", "\\frac{1}{2}"])
+    assert got == [1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def _probe_like(n: int, seed: int) -> tuple[list[str], list[str]]:
+    """Texts shaped like probe completions ("\\boxed{" + 16 tokens), heavy repetition per label."""
+    rng = random.Random(seed)
+    labels_pool = ["12", "7", "-3", "\\frac{1}{6}", "-\\frac{3}{14}", "1000", "0"]
+    texts, labels = [], []
+    for _ in range(n):
+        label = rng.choice(labels_pool)
+        forms = [
+            label + "}$.", label + "}$\n\nExplanation:", "12}", "13}$", "\\frac{1}{6}}$", "1/6}$", "0.5}$",
+            "01}$", "1,000}$", "-0}", "1.0}$", "\\dfrac{-3}{14}}$", "-3/14", "12", "the answer", "x = 7}",
+            "7 + 5 = 12", "}", "", "6}\\boxed{7}", "\\frac{1}{6", "2", "3}$. So " + label,
+        ]
+        texts.append("\\boxed{" + rng.choice(forms))
+        labels.append(label)
+    return texts, labels
+
+
+def test_dedup_scorer_equals_plain_pool(pool):
+    texts, labels = _probe_like(600, seed=3)
+    plain = pool.score(texts, labels)
+    fast = DedupProbeScorer(pool)
+    got = fast.score(texts, labels)
+    assert got == plain
+    st = fast.last
+    assert st.texts == 600 and st.unique < 200 and st.fast > 0 and st.pool + st.fast == st.unique
+    assert 0 < sum(plain) < len(plain)  # a mix of right and wrong answers, so equality is informative
+    # without the integer shortcut: same scores, every distinct key through the pool
+    dedup_only = DedupProbeScorer(pool, fast_path=False)
+    assert dedup_only.score(texts, labels) == plain
+    assert dedup_only.last.pool == st.unique and dedup_only.last.fast == 0
+
+
+def test_cache_carries_verdicts_across_calls(pool):
+    texts, labels = _probe_like(200, seed=5)
+    scorer = DedupProbeScorer(pool)
+    cache: dict = {}
+    first = scorer.score(texts[:100], labels[:100], cache=cache)
+    second = scorer.score(texts[100:], labels[100:], cache=cache)
+    assert first + second == pool.score(texts, labels)
+    assert scorer.last.cached > 0
+    assert scorer.last.unique == scorer.last.cached + scorer.last.fast + scorer.last.pool
+
+
+def test_pool_sized_to_available_cores():
+    import os
+
+    assert available_cores() == len(os.sched_getaffinity(0))
+    with MathVerifyScorer(num_workers=0) as s:
+        assert s.num_workers == available_cores()
+    with pytest.raises(ValueError, match="num_workers"):
+        MathVerifyScorer(num_workers=-1)
