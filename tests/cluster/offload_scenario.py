@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.offload import GROUPS, _tensors
 from openrlhf_shape.megatron.worker import MegatronRankWorker
@@ -18,6 +19,8 @@ def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: 
     w = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                            master_port=master_port)
     w.init_model(model_dir)
+    batches = [TrainBatch.from_ragged(b["sequences"], b["prompt_lens"], b["old_log_probs"], b["advantages"],
+                                      temperature=b["temperature"]) for b in batches]
     out: dict = {"metrics": [w.train_step(batches[0])]}
     if offload:
         before = _snapshot(w)
