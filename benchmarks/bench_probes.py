@@ -1,5 +1,5 @@
 """Probe cost on the CPU smoke config: prefill actually computed per response token (vs the cost
-floor of DESIGN.md section 3) and probe wall time / main rollout wall time, measured in one run.
+floor in docs/architecture.md) and probe wall time / main rollout wall time, measured in one run.
 
     .venv/bin/python benchmarks/bench_probes.py                 # tiny random Qwen3 (thinking suffix)
     .venv/bin/python benchmarks/bench_probes.py --model demo    # SmolLM2-135M (answer suffix)
@@ -102,7 +102,7 @@ def main() -> None:
         cold = estimate_potentials(group, prm, resp, bounds, labels, [0.0] * len(resp), scorer, cfg, suffixes)
     group.shutdown()
 
-    floor_design = 1 + args.K * (B / 2 + S) / mean_T  # DESIGN.md: once per state, response not cached
+    floor_design = 1 + args.K * (B / 2 + S) / mean_T  # docs/architecture.md: once per state, response not cached
     floor_m_warm = K_eff * (S + args.m * B / 2) / mean_T  # each of m samples redoes the last partial block
     floor_m_cold = 1 + floor_m_warm
     print(f"model={os.path.basename(model_dir)} block={B} suffix_tokens={S} prompts={len(prompts)} n={args.n}")
@@ -115,7 +115,7 @@ def main() -> None:
         print(f"   prompt tokens {st['probe_prompt_tokens']:.0f}, cached {st['probe_cached_tokens']:.0f} "
               f"(hit rate {st['probe_prefix_hit_rate']:.3f}), decode tokens {st['probe_decode_tokens']:.0f}")
         print(f"   prefill computed per response token: {computed / total_T:.3f}  "
-              f"(floor with m-fold partial block {floor_m:.3f}; DESIGN.md floor 1+K(B/2+S)/T = {floor_design:.3f}; "
+              f"(floor with m-fold partial block {floor_m:.3f}; design floor 1+K(B/2+S)/T = {floor_design:.3f}; "
               f"target <= 1.1)")
         print(f"   probe wall {st['probe_time_s']:.2f} s (generate {st['probe_generate_time_s']:.2f} s, "
               f"score {st['probe_score_time_s']:.2f} s); probe/rollout wall = {st['probe_time_s'] / rollout_s:.2f} "

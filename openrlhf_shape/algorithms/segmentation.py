@@ -5,7 +5,7 @@ at the boundary is prompt + ``y[:b]``. Interior boundaries are returned sorted a
 closing boundaries 0 and T are implicit. ``T`` is the number of valid (mask == True) tokens, which
 must form a prefix of the row (right padding).
 
-Downsampling (DESIGN.md section 3): for ``j = 1..K-1`` take the unused candidate nearest to
+Downsampling (docs/architecture.md): for ``j = 1..K-1`` take the unused candidate nearest to
 ``j*T/K`` (ties: the earlier position) that keeps at least ``min_segment_len`` tokens between it and
 every boundary already chosen, and between it and both ends. Fewer candidates give fewer segments;
 no boundary is ever placed at a non-candidate position.

@@ -2,7 +2,7 @@
 in-process or as a Ray actor, plus an :class:`EngineGroup` that dispatches across engines.
 
 Prompts go in as token ids and results come out as token ids (never re-tokenised), so probe
-prompts built in token space hit the prefix cache. See DESIGN.md section 5 for the CPU traps
+prompts built in token space hit the prefix cache. See docs/architecture.md for the CPU traps
 this module works around (no per-request seed, small KV block, explicit KV space).
 """
 

@@ -1,4 +1,4 @@
-"""Potential probes (DESIGN.md section 3, "Potentials").
+"""Potential probes (docs/architecture.md, "Decisions and departures": potentials).
 
 Phi(s) = mean verifier score of m forced-termination probes from state s = prompt + y[:b]. A probe
 prompt is built in token space: prompt_ids + response_ids[:b] + suffix_ids, the suffix tokenised
