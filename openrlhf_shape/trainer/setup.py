@@ -81,17 +81,19 @@ def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
 
 
 def start_ray(cfg: TrainConfig) -> bool:
-    """Join ``--train.ray_address`` or start a local Ray; True when this run owns the Ray instance."""
+    """Join ``--train.ray_address`` or start a local Ray; True when this run started (and so owns) the
+    Ray instance. A Ray that is already up (a test, a notebook) is used and left running."""
     import ray
 
-    if not ray.is_initialized():
-        if cfg.trainer.ray_address:
-            ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
-        else:
-            # Workers' import-time notices are not silenced: they go to <output_dir>/train.log (trainer/console.py).
-            ray.init(address="local", include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    return not cfg.trainer.ray_address
+    if ray.is_initialized():
+        return False
+    if cfg.trainer.ray_address:
+        ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
+        return False
+    # Workers' import-time notices are not silenced: they go to <output_dir>/train.log (trainer/console.py).
+    ray.init(address="local", include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    return True
 
 
 def build_run(cfg: TrainConfig) -> Run:

@@ -58,12 +58,13 @@ def _run(overrides: list[str]) -> dict:
     trainer = ShapeTrainer(cfg)
     try:
         trainer.setup()
-        ray.get([h.capture_loaded_weights.remote() for h in trainer.engine_handles])
+        run = trainer.run  # the components set-up built (trainer/setup.py)
+        ray.get([h.capture_loaded_weights.remote() for h in run.engine_handles])
         trainer.fit()
-        engine_weights = [ray.get(h.read_weights.remote()) for h in trainer.engine_handles]
-        states = trainer.engines.states()
-        events = list(trainer.lifecycle.events)
-        rendezvous = dict(trainer.actor.rendezvous)
+        engine_weights = [ray.get(h.read_weights.remote()) for h in run.engine_handles]
+        states = run.engines.states()
+        events = list(run.lifecycle.events)
+        rendezvous = dict(run.actor.rendezvous)
     finally:
         trainer.shutdown()
     import glob
