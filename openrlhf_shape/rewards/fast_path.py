@@ -1,4 +1,4 @@
-"""Exact shortcut before Math-Verify for the one answer shape where its verdict is known in advance.
+r"""Exact shortcut before Math-Verify for the one answer shape where its verdict is known in advance.
 
 Claim: if the extracted answer and the gold label are both *canonical integers* -- the regex
 ``0|-?[1-9][0-9]{0,29}`` (no sign on zero, no ``+``, no leading zeros, no separators, at most 30
