@@ -96,10 +96,11 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
 
 def test_adaptive_probes_in_the_step(engines, parts):
     tok, items, actor, reward = parts
-    cfg = ExperienceConfig(shape=ShapeConfig(num_segments=4, num_probes=4, min_segment_len=4), n_samples_per_prompt=N,
-                           max_new_tokens=48, probe_adaptive=True, probe_adaptive_tol=0.2, probe_adaptive_first_round=2,
-                           probe_adaptive_round_size=2)
-    exp = ShapeExperienceMaker(cfg, engines, actor, reward, tok).make_experience(items)
+    shape = ShapeConfig(num_segments=4, num_probes=4, min_segment_len=4)
+    probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens, adaptive=True,
+                        adaptive_tol=0.2, adaptive_first_round=2, adaptive_round_size=2)
+    exp = ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=48), probe, engines, actor, reward,
+                               tok).make_experience(items)
     m = exp.metrics
     assert 1 <= m["probe/rounds"] <= 2
     assert 2 <= m["probe/samples_per_state"] <= 4
