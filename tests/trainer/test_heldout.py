@@ -45,7 +45,7 @@ def test_group_results_rejects_mismatched_lengths():
 def test_learn_preset_evaluates_before_training_with_sampling():
     cfg = load_config(os.path.join(ROOT, "configs", "cpu-learn.yaml"))
     t = cfg.trainer
-    assert t.val_before_train and t.eval_n_samples_per_prompt == 4 and t.eval_temperature == 0.6
+    assert t.val_before_train and t.eval_n_samples_per_prompt == 8 and t.eval_temperature == 0.6
     assert cfg.data.eval_max_samples == 100 and cfg.engine.kv_cache_gib == 1
 
 
