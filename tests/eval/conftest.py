@@ -17,10 +17,3 @@ def tiny_model_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny_qwen3")
     make_tiny_model(out, arch="qwen3", seed=0, num_layers=2, vocab_size=1024)
     return str(out)
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
