@@ -134,6 +134,8 @@ class ShapeTrainer:
         n = 1 if t.eval_temperature == 0 else t.eval_n_samples_per_prompt
         sampling = SamplingConfig(n=n, temperature=t.eval_temperature, top_p=t.eval_top_p, top_k=t.eval_top_k,
                                   max_tokens=self.cfg.sampling.max_tokens)
+        log.info("held-out eval: %d problems x %d samples at T %.2f (up to %d tokens each)", len(items), n,
+                 t.eval_temperature, sampling.max_tokens)
         gens = self.run.engines.generate([list(it.prompt_ids) for it in items], sampling)
         scores = self.run.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
         problems = group_results([g.prompt_index for g in gens], scores, [len(g.token_ids) for g in gens],
