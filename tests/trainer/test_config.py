@@ -24,6 +24,13 @@ def test_presets_load_and_validate():
         assert data["shape"]["num_segments"] == (16 if name.startswith("qwen3") else 8)
 
 
+@pytest.mark.parametrize("preset", sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")))
+def test_presets_use_only_current_flag_names(capsys, preset):
+    """A preset a user copies must not teach names that are going away: loading it prints no deprecation."""
+    load_config(os.path.join(ROOT, "configs", preset), check_paths=False)
+    assert "[deprecated]" not in capsys.readouterr().err
+
+
 def test_dotted_flags_override_yaml_and_aliases(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("rollout:\n  n_samples_per_prompt: 4\n  rollout_batch_size: 2\nactor:\n  train_batch_size: 8\n")
