@@ -33,7 +33,7 @@ train() {  # $1 = estimator, rest = extra flags
   mkdir -p "$out"
   echo "[$(date -u +%H:%M:%S)] $est -> $out (log: $out/log.txt)"
   "$PY" -m openrlhf_shape.cli.main train --config configs/cpu-learn.yaml \
-    --algo.advantage.estimator "$est" --trainer.output_dir "$out" "$@" >>"$out/log.txt" 2>&1
+    --algo.advantage.estimator "$est" --ckpt.output_dir "$out" "$@" >>"$out/log.txt" 2>&1
   echo "[$(date -u +%H:%M:%S)] $est done"
 }
 
