@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The CPU learning curve (docs/results/learning_curve.md): train the demo policy with configs/cpu-learn.yaml,
-# held-out avg@4 pass@1 with 95% CIs at step 0, the middle and the end; then draw the analyze figures.
+# held-out avg@8 pass@1 with 95% CIs at step 0, the middle and the end; then draw the analyze figures.
 #
 #   bash scripts/learning_curve.sh                 # GRPO then SHAPE, one after the other (what docs/results used)
 #   bash scripts/learning_curve.sh grpo            # one estimator
 #   PARALLEL=1 bash scripts/learning_curve.sh grpo shape   # both at once (needs ~20 GiB free)
-#   bash scripts/learning_curve.sh shape --trainer.num_steps 2   # extra flags go to every run
+#   bash scripts/learning_curve.sh shape --train.num_steps 2   # extra flags go to every run
 #
 # Each run writes runs/learn-<estimator>/ (metrics.jsonl, report.md, log.txt, checkpoints/, hf/); running
 # again resumes from the final checkpoint (nothing to redo). Afterwards:
