@@ -56,6 +56,12 @@ def _held_out_protocol(cfg: dict[str, Any]) -> dict[str, Any]:
             **{k: t.get(k) for k in ("eval_temperature", "eval_top_p", "eval_top_k")}}
 
 
+def run_label(entry: dict[str, Any]) -> str | None:
+    """The estimator's name, plus the outcome baseline when it is not the paper's (``shape+group_norm``)."""
+    est, baseline = entry.get("estimator"), entry.get("config", {}).get("outcome_baseline")
+    return f"{est}+{baseline}" if est and baseline not in (None, "none") else est
+
+
 def summarize_run(run_dir: str, base_from: str | None = None) -> dict[str, Any]:
     """One estimator's entry of learning_curve.json.
 
@@ -109,8 +115,9 @@ def summarize_run(run_dir: str, base_from: str | None = None) -> dict[str, Any]:
         "config": {"learning_rate": cfg.get("actor", {}).get("learning_rate"),
                    "train_batch_size": cfg.get("actor", {}).get("train_batch_size"),
                    "rollout_batch_size": cfg.get("rollout", {}).get("rollout_batch_size"),
-                   "n_samples_per_prompt": cfg.get("rollout", {}).get("n_samples_per_prompt"),
-                   "max_new_tokens": cfg.get("rollout", {}).get("max_new_tokens"),
+                   "n_samples_per_prompt": cfg.get("sampling", {}).get("n", cfg.get("rollout", {}).get("n_samples_per_prompt")),
+                   "max_new_tokens": cfg.get("sampling", {}).get("max_tokens", cfg.get("rollout", {}).get("max_new_tokens")),
+                   "outcome_baseline": cfg.get("shape", {}).get("outcome_baseline"),
                    "seed": cfg.get("trainer", {}).get("seed")},
     }
     return out
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(d, "run.json")) as f:
             est = json.load(f).get("estimator")
         e = summarize_run(d, base_from.get(est))
-        entries[e["estimator"] or os.path.basename(d)] = e
+        entries[run_label(e) or os.path.basename(d)] = e
     fig_dir = os.path.join(args.out, FIG_DIR)
     os.makedirs(fig_dir, exist_ok=True)
     plot_heldout(entries, os.path.join(fig_dir, "heldout_curve.png"))
