@@ -69,3 +69,10 @@ def test_base_from_another_run_with_the_same_protocol(tmp_path):
     (tmp_path / "base" / "run.json").write_text(json.dumps({"estimator": "grpo", "config": other}))
     with pytest.raises(ValueError, match="held-out eval settings differ"):
         mod.summarize_run(run, base_from=base)
+
+
+def test_a_run_with_another_outcome_baseline_gets_its_own_label():
+    mod = _load()
+    assert mod.run_label({"estimator": "shape", "config": {"outcome_baseline": "none"}}) == "shape"
+    assert mod.run_label({"estimator": "shape", "config": {"outcome_baseline": "group_norm"}}) == "shape+group_norm"
+    assert mod.run_label({"estimator": "grpo", "config": {}}) == "grpo"
