@@ -46,8 +46,11 @@ def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_
     t1 = time.time()
     res["info"] = worker.init_model(train_dir)
     start = 0
-    if resume_from is not None:
-        res["extra"] = worker.load_checkpoint(resume_from)
+    if resume_from is not None:  # a checkpoint root: the newest complete checkpoint under it
+        from openrlhf_shape.megatron.checkpoint import latest_checkpoint
+
+        res["resumed_from"] = latest_checkpoint(resume_from)
+        res["extra"] = worker.load_checkpoint(res["resumed_from"])
         start = int(res["extra"]["step"])
     batches = train_batches(batch, train_steps, seed=1234)
     metrics = []
