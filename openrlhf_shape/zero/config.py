@@ -58,9 +58,9 @@ class ZeroConfig:
                 "--actor.backend deepspeed shards over data parallelism only: set "
                 "--megatron.tensor_model_parallel_size 1 and --megatron.pipeline_model_parallel_size 1 "
                 "(or use --actor.backend megatron for TP/PP)")
-        if t.sequence_parallel or t.use_distributed_optimizer:
-            raise ValueError("--megatron.sequence_parallel / --megatron.use_distributed_optimizer are Megatron "
-                             "switches; with --actor.backend deepspeed use --ds.zero_stage to shard")
+        if t.use_distributed_optimizer:
+            raise ValueError("--megatron.use_distributed_optimizer is a Megatron switch; with --actor.backend "
+                             "deepspeed use --ds.zero_stage to shard")
         if self.zero3_param_persistence_threshold < 0 or self.reduce_bucket_elems < 1:
             raise ValueError("zero3_param_persistence_threshold must be >= 0 and reduce_bucket_elems >= 1")
 
@@ -114,7 +114,12 @@ class ZeroConfig:
 
 
 def zero_config_from(train: MegatronConfig, ds: Optional[Any] = None) -> ZeroConfig:
-    """``ds``: the trainer's ``ds`` section (zero_stage, adam_offload, param_dtype, ...) or None."""
+    """``ds``: the trainer's ``ds`` section (zero_stage, adam_offload, param_dtype, ...) or None.
+
+    ``--megatron.use_distributed_optimizer`` is Megatron's way to shard the optimizer; a preset that
+    sets it runs on DeepSpeed with ``--actor.backend deepspeed`` alone (ZeRO shards by its stage), so
+    it is dropped here. TP/PP > 1 still refuse (DeepSpeed here is data-parallel only)."""
+    train = dataclasses.replace(train, use_distributed_optimizer=False)
     if ds is None:
         return ZeroConfig(train=train)
     own = {f.name: getattr(ds, f.name) for f in dataclasses.fields(ZeroConfig) if f.name != "train" and hasattr(ds, f.name)}
