@@ -7,12 +7,13 @@ other in the same process group
 trip, export, weight buckets), DeepSpeed world 2 resuming both from step 3, Megatron world 1 and
 Megatron TP2 (parity forward, the same 5 updates).
 
-Tolerances: log-probs and entropy (fp32) within 1e-5 of each other and of Hugging Face. The 5-update
-trajectory compares loss (abs) and gradient norm (rel) with TRAJ_LOSS_TOL / TRAJ_GNORM_RTOL: the two
+Tolerances: log-probs and entropy (fp32) within 1e-5 of each other and of Hugging Face (measured: 1.9e-6
+log-prob, 2.4e-6 entropy vs HF, 9.5e-7 entropy vs Megatron). The 5-update trajectory compares loss
+(abs 5e-5) and gradient norm (rel 2e-4), about 10x the measured gaps (5.4e-6, 1.9e-5): the two
 backends run different kernels (HF attention/RMSNorm/rotary vs Megatron's) and reduce gradients in a
-different order, so they start ~1e-6 apart; with lr 2e-3 Adam's normalised steps carry that
-difference forward (each weight moves by ~lr whatever its gradient's size), and it grows over the
-updates. ZeRO-2 vs ZeRO-3 and vs ZeRO-2 with DeepSpeedCPUAdam (same kernels, different reduction or Adam
+different order, so they start ~1e-6 apart, and with lr 2e-3 Adam's normalised steps carry that
+difference forward (a weight moves by ~lr whatever its gradient's size), so it can grow over the
+updates; a wrong loss normalisation, schedule or clipping moves these numbers by 1e-2 or more. ZeRO-2 vs ZeRO-3 and vs ZeRO-2 with DeepSpeedCPUAdam (same kernels, different reduction or Adam
 implementation) are compared tighter.
 """
 
@@ -32,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MEGATRON_TESTS = os.path.join(os.path.dirname(HERE), "megatron")
 
 PARITY_TOL = 1e-5
-TRAJ_LOSS_TOL = 2e-4
-TRAJ_GNORM_RTOL = 2e-3
+TRAJ_LOSS_TOL = 5e-5  # measured <= 5.4e-6 (ZeRO-2/3/offload vs Megatron world 1 and TP2)
+TRAJ_GNORM_RTOL = 2e-4  # measured <= 1.9e-5
 Z2_Z3_LOSS_TOL = 2e-5
 TRAIN_STEPS = 5
 SAVE_AT = 3
