@@ -7,8 +7,9 @@ With N parameters, data-parallel size d, parameter bytes b (2 bf16, 4 fp32) and 
   largest weight-sync bucket, whichever is larger) as a transient;
 * gradients: ``N b`` (stages 0, 1: the full gradient before the reduce) or ``N b / d`` (stages 2, 3:
   each rank keeps its partition) plus one reduce bucket (``reduce_bucket_elems x b``) in flight;
-* optimizer: Adam m and v (8 B/param) and, for bf16 weights, an fp32 master copy (4 B/param): ``N x
-  12 / d`` (or ``N x 8 / d`` for fp32 weights) from stage 1 up, ``N x 12`` at stage 0;
+* optimizer: Adam m and v (8 B/param) and an fp32 master copy (4 B/param; ZeRO keeps one even for fp32
+  weights, only stage 0 with fp32 weights steps them in place): ``N x 12 / d`` from stage 1 up, ``N x 12``
+  (``N x 8`` fp32) at stage 0;
   ``--ds.adam_offload`` moves all of it to host memory (it leaves the GPU; see :func:`zero_host_term`).
 * activations and the chunked log-prob scratch: the Megatron formulas at TP 1 (the HF decoder layer
   keeps the same tensors; gradient checkpointing = full recompute).
@@ -46,11 +47,13 @@ def zero_grads_term(n: int, dtype: str, dp: int, stage: int, bucket_elems: int) 
 
 
 def zero_optimizer_term(n: int, dtype: str, dp: int, stage: int, adam_offload: bool, adam_state: bool = True) -> Term:
-    per = (8 if adam_state else 0) + (4 if dtype != "fp32" else 0)
+    # ZeRO-1/2/3 keep an fp32 master partition even for fp32 weights (a clone of the flat group); stage 0 with
+    # fp32 weights steps them in place.
+    per = (8 if adam_state else 0) + (4 if dtype != "fp32" or stage >= 1 else 0)
     shard = dp if stage >= 1 else 1
     if adam_offload:
         return Term("optimizer", 0, f"{n:,} params x {per} B / DP {shard} on host (--ds.adam_offload): 0 on the GPU")
-    what = "fp32 master + Adam m, v" if per == 12 else "Adam m, v (fp32 weights: no master copy)" if per == 8 else f"{per} B"
+    what = "fp32 master + Adam m, v" if per == 12 else "Adam m, v (fp32 weights stepped in place)" if per == 8 else f"{per} B"
     how = f"/ DP {dp} (ZeRO-{stage})" if shard > 1 else "(ZeRO-0: not sharded)"
     return Term("optimizer", n * per // shard, f"{n:,} params x {per} B ({what}) {how}")
 
@@ -58,7 +61,7 @@ def zero_optimizer_term(n: int, dtype: str, dp: int, stage: int, adam_offload: b
 def zero_host_term(model: ModelShape, dtype: str, dp: int, stage: int, ranks_on_node: int) -> Term:
     """Host memory that ``--ds.adam_offload`` takes on one node: each rank's optimizer partition."""
     n = model.total_params()
-    per = 12 if dtype != "fp32" else 8
+    per = 12  # fp32 master partition + Adam m, v (offload needs stage >= 1)
     shard = dp if stage >= 1 else 1
     return Term("Adam states offloaded (--ds.adam_offload)", n * per // shard * ranks_on_node,
                 f"{n:,} params x {per} B / DP {shard} x {ranks_on_node} ranks on the node")
