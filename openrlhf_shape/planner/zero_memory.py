@@ -54,7 +54,7 @@ def zero_optimizer_term(n: int, dtype: str, dp: int, stage: int, adam_offload: b
     if adam_offload:
         return Term("optimizer", 0, f"{n:,} params x {per} B / DP {shard} on host (--ds.adam_offload): 0 on the GPU")
     what = "fp32 master + Adam m, v" if per == 12 else "Adam m, v (fp32 weights stepped in place)" if per == 8 else f"{per} B"
-    how = f"/ DP {dp} (ZeRO-{stage})" if shard > 1 else "(ZeRO-0: not sharded)"
+    how = f"/ DP {dp} (ZeRO-{stage})" if stage >= 1 else "(ZeRO-0: not sharded)"
     return Term("optimizer", n * per // shard, f"{n:,} params x {per} B ({what}) {how}")
 
 
