@@ -20,7 +20,7 @@ import math
 import os
 import random
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist

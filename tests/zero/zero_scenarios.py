@@ -59,7 +59,6 @@ def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_
         if save_at is not None and step + 1 == save_at:
             worker.save_checkpoint(os.path.join(ckpt_root, f"step_{step + 1}"), extra={"step": step + 1, "data_pos": 7})
     res["metrics"] = metrics
-    res["step_s"] = [m.get("_s", 0.0) for m in metrics]
     res["after_train"] = worker.compute_logprobs_and_entropy(batch)
     res["timing"]["train_s"] = time.time() - t1
     if offload_check:
