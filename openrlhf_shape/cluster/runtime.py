@@ -52,7 +52,7 @@ def start_cluster(cfg, mcfg, engine_cfg, *, on_gpu: bool, threads_per_rank: int 
     from openrlhf_shape.cluster.ray_placement import RayPlacement
     from openrlhf_shape.cluster.sync_driver import EngineWeightSync
     from openrlhf_shape.rollout.engine import EngineGroup, create_ray_engines
-    from openrlhf_shape.trainer.actor_group import MegatronActorGroup
+    from openrlhf_shape.trainer.actor_group import make_actor_group
 
     r = cfg.rollout
     plan = plan_for(cfg, on_gpu)
@@ -62,8 +62,8 @@ def start_cluster(cfg, mcfg, engine_cfg, *, on_gpu: bool, threads_per_rank: int 
     try:
         engine_handles = create_ray_engines(r.num_engines, engine_cfg, num_cpus_per_engine=c_engine,
                                             placement=placement, wait_ready=False)
-        actor = MegatronActorGroup(mcfg, cfg.megatron.world_size, num_cpus_per_rank=c_rank,
-                                   num_threads_per_rank=threads_per_rank, placement=placement, env=env)
+        actor = make_actor_group(cfg, mcfg, num_cpus_per_rank=c_rank, num_threads_per_rank=threads_per_rank,
+                                 placement=placement, env=env)  # --actor.backend megatron | deepspeed
         import ray
 
         ray.get([h.ready.remote() for h in engine_handles])

@@ -78,13 +78,17 @@ class StateOffloader:
     def offloaded(self) -> set[str]:
         return set(self.saved)
 
-    def offload(self, model_chunks: Iterable, optimizer, groups: Iterable[str] = GROUPS) -> int:
-        """Copy each not yet offloaded group's storages to host and free them; returns bytes freed."""
+    def offload(self, model_chunks: Iterable, optimizer, groups: Iterable[str] = GROUPS,
+                tensors: dict[str, list[torch.Tensor]] | None = None) -> int:
+        """Copy each not yet offloaded group's storages to host and free them; returns bytes freed.
+
+        ``tensors``: the group -> tensors map of another backend (the DeepSpeed ranks); by default
+        the Megatron model chunks' and optimizer's."""
         groups = [g for g in groups if g not in self.saved]
         for g in groups:
             if g not in GROUPS:
                 raise ValueError(f"unknown offload group {g!r}; choose from {GROUPS}")
-        tensors = _tensors(model_chunks, optimizer)
+        tensors = _tensors(model_chunks, optimizer) if tensors is None else tensors
         # A storage belongs to the first group (in GROUPS order) that reaches it, offloaded or not.
         owner: dict[int, str] = {}
         storages: dict[int, torch.UntypedStorage] = {}

@@ -166,8 +166,17 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
               sequence_parallel=sp, dtype=dtype, distributed_optimizer=rs.distributed_optimizer,
               logprob_chunk=rs.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
-    megs = megatron_memory_stages(model, **kw)
-    fwds = megatron_memory_stages(model, **{**kw, "forward_only": True})
+    if rs.backend == "deepspeed":  # one ZeRO rank (planner/zero_memory.py)
+        from openrlhf_shape.planner.zero_memory import zero_memory
+
+        zkw = dict(dp=dp, stage=rs.zero_stage, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
+                   dtype=dtype, adam_offload=rs.adam_offload, logprob_chunk=rs.entropy_chunk_size, spec=spec,
+                   gather_bucket_bytes=int(getattr(cfg.rollout, "weight_sync_bucket_mb", 0)) << 20)
+        megs = [zero_memory(model, **zkw)]
+        fwds = [zero_memory(model, **{**zkw, "forward_only": True})]
+    else:
+        megs = megatron_memory_stages(model, **kw)
+        fwds = megatron_memory_stages(model, **{**kw, "forward_only": True})
     meg = max(megs, key=lambda x: x.peak)
     fwd = max(fwds, key=lambda x: x.peak)
     plan.megatron, plan.megatron_fwd = meg, fwd
@@ -244,6 +253,10 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
             Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
             Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
         ]
+        if rs.backend == "deepspeed" and rs.adam_offload:
+            from openrlhf_shape.planner.zero_memory import zero_host_term
+
+            plan.host.append(zero_host_term(model, dtype, dp, rs.zero_stage, n_ranks_node0))
         plan.host_capacity = options.host_bytes(True)
         host_total = sum(t.bytes for t in plan.host)
         if host_total > plan.host_capacity:

@@ -51,6 +51,9 @@ class RunShape:
     num_probes: int
     probe_max_tokens: int
     think_suffix: str
+    backend: str = "megatron"  # --actor.backend
+    zero_stage: int = 2  # --ds.zero_stage (deepspeed backend)
+    adam_offload: bool = False  # --ds.adam_offload (deepspeed backend)
 
 
 def run_shape(cfg: Any) -> RunShape:
@@ -82,4 +85,7 @@ def run_shape(cfg: Any) -> RunShape:
         num_probes=_first(cfg, "shape.num_probes"),
         probe_max_tokens=_first(cfg, "shape.probe_max_tokens"),
         think_suffix=_first(cfg, "probe.think_suffix", default="x" * 105),
+        backend=str(_first(cfg, "actor.backend", default="megatron")),
+        zero_stage=int(_first(cfg, "ds.zero_stage", default=2)),
+        adam_offload=bool(getattr(getattr(cfg, "ds", None), "adam_offload", False)),
     )

@@ -88,7 +88,8 @@ def _free_port() -> int:
 
 
 class MegatronActorGroup:
-    """All Megatron ranks of the actor model.
+    """All Megatron ranks of the actor model (``rank_actor_cls``: the Ray actor body of one rank; the
+    DeepSpeed backend's group, :class:`openrlhf_shape.zero.actor.ZeroActorGroup`, swaps it).
 
     Args:
         cfg: the Megatron layout/optimiser settings.
@@ -96,6 +97,8 @@ class MegatronActorGroup:
         num_cpus_per_rank / num_gpus_per_rank: Ray resources of each rank.
         placement_group: optional; bundle i hosts rank i.
     """
+
+    rank_actor_cls: type = MegatronRankActor
 
     def __init__(
         self,
@@ -110,7 +113,7 @@ class MegatronActorGroup:
     ):
         self.cfg = cfg
         self.world_size = world_size
-        actor_cls = ray.remote(MegatronRankActor)
+        actor_cls = ray.remote(self.rank_actor_cls)
         if placement is not None:  # openrlhf_shape.cluster.ray_placement.RayPlacement
             from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
 
@@ -179,3 +182,14 @@ class MegatronActorGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+
+
+def make_actor_group(cfg, mcfg: MegatronConfig, **kwargs) -> MegatronActorGroup:
+    """The actor group of ``--actor.backend`` (``cfg``: the TrainConfig; ``mcfg``: its rank-side
+    training settings); ``kwargs`` go to the group (resources, placement, env)."""
+    if cfg.actor.backend == "deepspeed":
+        from openrlhf_shape.zero.actor import ZeroActorGroup
+        from openrlhf_shape.zero.config import zero_config_from
+
+        return ZeroActorGroup(zero_config_from(mcfg, cfg.ds), cfg.megatron.world_size, **kwargs)
+    return MegatronActorGroup(mcfg, cfg.megatron.world_size, **kwargs)

@@ -72,6 +72,7 @@ class ActorSection:
     """The policy model and how a rollout batch is cut into optimizer steps."""
 
     pretrain: str = "demo"  # an HF model directory, or "demo" for the bundled SmolLM2-135M-Instruct
+    backend: str = "megatron"  # megatron (TP/PP/DP, openrlhf_shape/megatron) | deepspeed (ZeRO DP, openrlhf_shape/zero)
     train_batch_size: int = 256  # samples per optimizer step (mini-batch); the rollout batch is split into these
     max_epochs: int = 1  # passes over each rollout batch
     num_cpus_per_rank: float = 0.5
@@ -91,6 +92,18 @@ class MegatronSection(MegatronConfig):
         if self.min_lr_ratio is not None:
             own["min_lr"] = self.min_lr_ratio * self.lr
         return MegatronConfig(**{**own, "total_steps": total_steps, "seed": seed})
+
+
+@dataclass
+class DeepSpeedSection:
+    """The DeepSpeed actor backend (``--actor.backend deepspeed``; openrlhf_shape/zero). The optimiser,
+    schedule, micro-batching and loss settings are shared with Megatron (``actor.*``, ``train.*``)."""
+
+    zero_stage: int = 2  # 0 plain DP, 1 optimizer states sharded, 2 + gradients, 3 + parameters
+    adam_offload: bool = False  # Adam moments and fp32 masters in host memory (DeepSpeedCPUAdam)
+    param_dtype: str = "auto"  # auto (bf16 on GPU ranks, fp32 on CPU) | bf16 | fp32
+    zero3_param_persistence_threshold: int = 100_000  # ZeRO-3: tensors smaller than this stay whole
+    attn_implementation: str = "sdpa"  # the Hugging Face attention kernel (sdpa | flash_attention_2 | eager)
 
 
 @dataclass
@@ -142,6 +155,7 @@ class TrainConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     actor: ActorSection = field(default_factory=ActorSection)
     megatron: MegatronSection = field(default_factory=MegatronSection)
+    ds: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     shape: ShapeConfig = field(default_factory=ShapeConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -196,6 +210,7 @@ class TrainConfig:
             "actor.train_batch_size",
             f"{a.train_batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP))",
         )
+        self._validate_backend()
         need(d.max_prompt_len is not None, "data.max_prompt_len", "must be set (tokens; it sizes the engines)")
         need(t.num_steps >= 1, "trainer.num_steps", "must be >= 1")
         need(t.save_steps >= 0 and t.eval_steps >= 0, "trainer.save_steps", "save/eval steps must be >= 0")
@@ -223,6 +238,23 @@ class TrainConfig:
                 f"--actor.model_name_or_path: {a.pretrain} is not a Hugging Face model directory (or use 'demo')"
             )
         return self
+
+    def _validate_backend(self) -> None:
+        a, ds = self.actor, self.ds
+        if a.backend not in ("megatron", "deepspeed"):
+            raise ValueError(f"--actor.backend: {a.backend!r}; use megatron or deepspeed")
+        if ds.param_dtype == "fp16":
+            raise ValueError("--ds.param_dtype: fp16 needs dynamic loss scaling, which this trainer does not run; "
+                             "use bf16 (or fp32 on CPU)")
+        if a.backend == "megatron":
+            if ds.zero_stage == 3 or ds.adam_offload:
+                raise ValueError(
+                    "--ds.zero_stage 3 / --ds.adam_offload configure the DeepSpeed backend; add --actor.backend "
+                    "deepspeed, or shard on Megatron with --megatron.use_distributed_optimizer")
+            return
+        from openrlhf_shape.zero.config import zero_config_from
+
+        zero_config_from(self.megatron_config(), ds)  # its errors name the flags
 
     def rollout_correction(self):
         """``--algo.advantage.is_correction_*`` as a :class:`RolloutCorrectionConfig`."""

@@ -36,10 +36,10 @@ _NO_CRITIC = "no critic here (GRPO, MRT and SHAPE are critic-free); use --algo.a
 _NO_REF = "no reference model here (training runs without a KL term, as the paper); drop it"
 _NO_KL = "no KL term here (there is no reference model; the paper trains without KL); drop it"
 _NO_RM = "no reward-model actor here; rewards come from Math-Verify or --reward.remote_url (a reward_func .py or HTTP server)"
-_DS = "the DeepSpeed backend is not available yet; the actor trains on Megatron-core"
+_DS = "not a switch of this trainer's DeepSpeed backend (--actor.backend deepspeed: ZeRO 0-3, adam offload, bf16/fp32, gradient checkpointing)"
 _NO_ASYNC = "training is synchronous here (rollout, then update); drop it"
 _NO_VLM = "text-only: vision-language models are not supported"
-_NO_LORA = f"{_DS}, and LoRA is not supported on Megatron here: full fine-tuning"
+_NO_LORA = "LoRA / 4-bit loading are not supported on either backend: full fine-tuning"
 _TOKEN_BUDGET = "micro-batches are packed by a token budget here (--train.max_tokens_per_gpu)"
 
 
@@ -106,7 +106,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("ckpt.save_hf", False, SAME, why="export Hugging Face weights (here: at the end of the run)"),
     _f("ckpt.max_num", 3, SAME),
     _f("ckpt.load_enable", False, SAME, why="resume from the newest complete checkpoint under --ckpt.path"),
-    _f("ckpt.disable_ds", False, REFUSED, why=_DS),
+    _f("ckpt.disable_ds", False, REFUSED, why="checkpoints always hold the optimizer state (exact resume); drop it"),
     _f("ckpt.max_mem", float("inf"), REFUSED, why="no size cap on checkpoints; use --ckpt.max_num"),
     _f("ckpt.best_metric_key", "", REFUSED, why="best-checkpoint selection is not implemented; use --ckpt.max_num and eval metrics"),
     _f("logger.logging_steps", 1, VALUES, accept={1: None}, why="metrics are logged every step"),
@@ -117,32 +117,33 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("logger.wandb.run_name", "ppo_%m%dT%H:%M", SAME),
     _f("logger.tensorboard_dir", None, SAME),
     # ---- DeepSpeed and model-loading switches of the DeepSpeed actor
-    _f("local_rank", -1, REFUSED, why=f"{_DS}; ranks are placed by Ray"),
-    _f("ds.use_universal_ckpt", False, REFUSED, why=_DS),
-    _f("ds.zero_stage", 2, REFUSED, why=f"{_DS}; shard optimizer state with --megatron.use_distributed_optimizer"),
-    _f("ds.deepcompile", False, REFUSED, why=_DS),
-    _f("ds.param_dtype", "bf16", REFUSED, why=f"{_DS}; Megatron trains in bf16 on GPU (float32 on CPU) automatically"),
-    _f("ds.zpg", 1, REFUSED, why=_DS),
-    _f("ds.adam_offload", False, REFUSED, why=f"{_DS}; use --megatron.use_distributed_optimizer"),
-    _f("ds.attn_implementation", "flash_attention_2", REFUSED, why=f"{_DS}; Megatron picks its attention kernel"),
-    _f("ds.experts_implementation", None, REFUSED, why=_DS),
-    _f("ds.use_liger_kernel", False, REFUSED, why=_DS),
-    _f("ds.grad_accum_dtype", None, REFUSED, why=_DS),
-    _f("ds.overlap_comm", False, REFUSED, why=_DS),
-    _f("ds.enable_sleep", False, REFUSED, why=f"{_DS}; --train.colocate_all colocates the Megatron ranks"),
-    _f("ds.tensor_parallel_size", 1, REFUSED, why=f"{_DS}; use --megatron.tensor_model_parallel_size"),
-    _f("ds.packing_samples", False, REFUSED, why=f"{_DS}; {_TOKEN_BUDGET}, always"),
-    _f("ds.ring_attn_size", 1, REFUSED, why=f"{_DS}; context parallelism is not wired on Megatron here"),
-    _f("ds.ring_attn_head_stride", 1, REFUSED, why=_DS),
+    _f("local_rank", -1, REFUSED, why="ranks are placed by Ray (no deepspeed launcher); drop it"),
+    _f("ds.use_universal_ckpt", False, REFUSED, why="universal checkpoints are not written; resume a DeepSpeed checkpoint with the same --ds.zero_stage and rank count"),
+    _f("ds.zero_stage", 2, SAME, why="ZeRO stage of --actor.backend deepspeed (0-3); on Megatron shard with --megatron.use_distributed_optimizer"),
+    _f("ds.deepcompile", False, REFUSED, why=f"{_DS}: the model runs eagerly; drop it"),
+    _f("ds.param_dtype", "bf16", SAME, why="bf16 or fp32 (default auto: bf16 on GPU, fp32 on CPU); fp16 is refused (no loss scaling); Megatron picks the same automatically"),
+    _f("ds.zpg", 1, REFUSED, why=f"{_DS}: ZeRO++ hierarchical partitioning is not configured; drop it"),
+    _f("ds.adam_offload", False, SAME, why="Adam states in host memory (DeepSpeedCPUAdam) with --actor.backend deepspeed"),
+    _f("ds.attn_implementation", "flash_attention_2", SAME, why="the HF attention kernel of --actor.backend deepspeed (default sdpa); Megatron picks its own"),
+    _f("ds.experts_implementation", None, REFUSED, why="dense models only (no MoE); drop it"),
+    _f("ds.use_liger_kernel", False, REFUSED, why=f"{_DS}: the chunked log-prob head already avoids full logits; drop it"),
+    _f("ds.grad_accum_dtype", None, REFUSED, why=f"{_DS}: gradients are reduced once per step into the fp32 master partitions; drop it"),
+    _f("ds.overlap_comm", False, REFUSED, why=f"{_DS}: gradients are reduced once, after the last micro-batch; drop it"),
+    _f("ds.enable_sleep", False, REFUSED, why="--train.colocate_all offloads the actor ranks (either backend) while vLLM rolls out; drop it"),
+    _f("ds.tensor_parallel_size", 1, REFUSED, why="the DeepSpeed backend is data-parallel only; for TP use --actor.backend megatron --megatron.tensor_model_parallel_size"),
+    _f("ds.packing_samples", False, REFUSED, why=f"samples are not packed into one row on either backend; {_TOKEN_BUDGET}, always"),
+    _f("ds.ring_attn_size", 1, REFUSED, why="ring attention (context parallelism) is not implemented on either backend"),
+    _f("ds.ring_attn_head_stride", 1, REFUSED, why="ring attention (context parallelism) is not implemented on either backend"),
     _f("ds.value_head_prefix", "score", REFUSED, why=_NO_CRITIC),
     _f("ds.load_in_4bit", False, REFUSED, why=_NO_LORA),
     _f("ds.lora.rank", 0, REFUSED, why=_NO_LORA),
     _f("ds.lora.alpha", 16, REFUSED, why=_NO_LORA),
     _f("ds.lora.target_modules", "all-linear", REFUSED, why=_NO_LORA),
     _f("ds.lora.dropout", 0, REFUSED, why=_NO_LORA),
-    _f("actor.gradient_checkpointing_enable", False, SAME, ours="megatron.recompute_activations"),
+    _f("actor.gradient_checkpointing_enable", False, SAME, ours="megatron.recompute_activations",
+       why="activation recompute on either backend (Megatron recompute; HF gradient checkpointing under DeepSpeed)"),
     _f("actor.gradient_checkpointing_reentrant", False, REFUSED,
-       why="Megatron's activation recompute has no reentrant variant; use --actor.gradient_checkpointing_enable"),
+       why="activation recompute is non-reentrant on both backends; use --actor.gradient_checkpointing_enable"),
     _f("train.enable_ema", False, REFUSED, why="EMA weights are not implemented; drop it"),
     _f("train.ema_beta", 0.992, REFUSED, why="EMA weights are not implemented; drop it"),
     # ---- batching and schedule

@@ -118,8 +118,8 @@ def build_run(cfg: TrainConfig) -> Run:
         enable_sleep_mode=bool(on_gpu and cfg.rollout.colocate),
         dtype=("float32" if not on_gpu else "auto") if cfg.engine.dtype == "auto" else cfg.engine.dtype,
     )
-    log.info("starting %d vLLM engine(s) and %d Megatron rank(s) (TP %d, PP %d, DP %d)",
-             cfg.rollout.num_engines, cfg.megatron.world_size, mcfg.tensor_model_parallel_size,
+    log.info("starting %d vLLM engine(s) and %d %s rank(s) (TP %d, PP %d, DP %d)",
+             cfg.rollout.num_engines, cfg.megatron.world_size, cfg.actor.backend, mcfg.tensor_model_parallel_size,
              mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.megatron.world_size))
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
     threads = None if on_gpu else max(1, (os.cpu_count() or 1) // cfg.megatron.world_size)

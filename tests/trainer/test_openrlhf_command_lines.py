@@ -42,15 +42,16 @@ DAPO = COMMON + [
     "--data.max_samples", "20000", "--ds.enable_sleep", "--algo.advantage.is_correction_level", "token",
 ]
 REFUSED_COMMON = {"ref.num_nodes", "ref.num_gpus_per_node", "algo.kl.use_loss", "algo.kl.estimator", "algo.kl.init_coef",
-                  "ds.zero_stage", "ds.param_dtype", "ds.packing_samples"}
+                  "ds.packing_samples"}
 REFUSED = {
     "grpo": REFUSED_COMMON | {"reward.num_nodes", "reward.num_gpus_per_node", "reward.model_name_or_path",
-                              "reward.normalize_enable", "ds.adam_offload"},
+                              "reward.normalize_enable"},
     "dapo": REFUSED_COMMON | {"ds.enable_sleep"},
 }
-# What this project swaps in: its own model and data (the examples' hub ids do not exist offline).
+# What this project swaps in: its own model and data (the examples' hub ids do not exist offline), and
+# the backend the examples' --ds.* flags configure (the default backend is Megatron).
 OURS = ["--actor.model_name_or_path", "demo", "--data.prompt_dataset", "bundled:train",
-        "--data.input_key", "question", "--data.label_key", "answer"]
+        "--data.input_key", "question", "--data.label_key", "answer", "--actor.backend", "deepspeed"]
 
 
 def _without(flags: list[str], names: set[str]) -> list[str]:
@@ -77,8 +78,7 @@ def test_example_command_line_refuses_exactly_the_parts_we_do_not_have(name, fla
     assert named == REFUSED[name], lines
     assert len(lines) == len(REFUSED[name])  # one line each
     by = {ln.split(":")[0].split()[0][2:]: ln for ln in lines}
-    assert "reference model" in by["ref.num_nodes"] and "DeepSpeed" in by["ds.zero_stage"]
-    assert "Megatron" in by["ds.zero_stage"]
+    assert "reference model" in by["ref.num_nodes"] and "token budget" in by["ds.packing_samples"]
 
 
 @pytest.mark.parametrize("name, flags", [("grpo", GRPO), ("dapo", DAPO)])
@@ -95,6 +95,9 @@ def test_example_command_line_resolves_without_them(name, flags, capsys):
     assert cfg["actor"]["gradient_checkpointing_enable"] is True and cfg["vllm"]["enforce_eager"] is True
     assert cfg["vllm"]["gpu_memory_utilization"] == pytest.approx(0.6)
     assert cfg["ckpt"]["path"] == "/tmp/openrlhf-example/ckpt" and cfg["ckpt"]["save_hf"] is True
+    # the DeepSpeed switches are real: ZeRO-3, bf16, and the GRPO example's Adam offload
+    assert cfg["actor"]["backend"] == "deepspeed" and cfg["ds"]["zero_stage"] == 3 and cfg["ds"]["param_dtype"] == "bf16"
+    assert cfg["ds"]["adam_offload"] is (name == "grpo")
     if name == "grpo":
         assert cfg["vllm"]["num_engines"] == 2 and cfg["vllm"]["tensor_parallel_size"] == 4
         assert cfg["rollout"]["batch_size"] == 1024 and cfg["rollout"]["max_new_tokens"] == 1024

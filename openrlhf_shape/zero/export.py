@@ -1,0 +1,115 @@
+"""HF-named full weights out of a DeepSpeed rank: size-bounded buckets (the vLLM weight sync) and
+HF directories.
+
+Under ZeRO-3 each parameter lives as 1/dp partitions; a bucket's parameters are gathered together
+(``deepspeed.zero.GatheredParameters`` over that bucket only, a collective all ranks join in
+lockstep), copied to host on rank 0, and released before the next bucket: the full model is never
+materialised. Bucket boundaries come from the full sizes (``ds_numel``), so every rank cuts the same
+buckets without talking. ZeRO-0/1/2 keep full parameters on every rank: nothing to gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+
+from openrlhf_shape.zero.model import hf_named_parameters
+
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.zero.worker import ZeroRankWorker
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt")
+_SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def _full_numel(p: torch.nn.Parameter) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def plan_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive groups of at most ``bucket_bytes`` (full size); a bigger tensor gets its own."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[tuple[str, torch.nn.Parameter]]] = []
+    cur: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
+    for name, p in named:
+        nb = _full_numel(p) * p.element_size()
+        if cur and size + nb > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append((name, p))
+        size += nb
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _gathered(params: list[torch.nn.Parameter], zero3: bool):
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def iter_buckets(worker: "ZeroRankWorker", bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Rank 0: lists of (HF name, detached CPU copy); other ranks: ``[]`` at the same iterations."""
+    keep = dist.get_rank() == 0
+    zero3 = worker.cfg.zero_stage == 3
+    for bucket in plan_buckets(hf_named_parameters(worker.policy), bucket_bytes):
+        with _gathered([p for _, p in bucket], zero3):
+            out = [(name, p.detach().to("cpu", copy=True).contiguous()) for name, p in bucket] if keep else []
+        yield out
+
+
+def export_hf_dir(worker: "ZeroRankWorker", out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
+    """safetensors shards + index + config + the source dir's tokenizer files, written atomically."""
+    from safetensors.torch import save_file
+
+    final = os.path.abspath(out_dir)
+    tmp = final + ".tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    weight_map: dict[str, str] = {}
+    files: list[str] = []
+    total = 0
+    for bucket in iter_buckets(worker, shard_bytes):
+        if not rank0:
+            continue
+        fname = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(dict(bucket), os.path.join(tmp, fname), metadata={"format": "pt"})
+        files.append(fname)
+        for name, t in bucket:
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    if rank0:
+        n = len(files)
+        renamed = {}
+        for i, old in enumerate(files, start=1):
+            new = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(tmp, old), os.path.join(tmp, new))
+            renamed[old] = new
+        index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=1)
+        hf_config = worker.hf_config
+        hf_config.torch_dtype = str(worker.cfg.params_dtype).replace("torch.", "")
+        hf_config.save_pretrained(tmp)
+        src = worker.hf_dir
+        for name in os.listdir(src):
+            path = os.path.join(src, name)
+            if os.path.isfile(path) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_FILES):
+                shutil.copy2(path, os.path.join(tmp, name))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()

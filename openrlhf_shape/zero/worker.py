@@ -1,0 +1,377 @@
+"""One DeepSpeed ZeRO rank of the actor: the same methods, inputs and outputs as
+:class:`~openrlhf_shape.megatron.worker.MegatronRankWorker`, on a Hugging Face model.
+
+SPMD like the Megatron ranks: every rank receives the whole batch and the same calls in the same
+order; each takes its data-parallel shard (:func:`~openrlhf_shape.megatron.batching.shard_for_dp`,
+the same sharding and token-budget micro-batching as Megatron). ZeRO-3 gathers parameters inside
+every forward, a collective, so every rank runs the same number of micro-batches (the shorter
+plans are topped up with fully masked two-token fillers; every rank can compute every rank's plan).
+
+One optimizer step: each micro-batch's backward is marked as inside (or, the last one, at) the
+gradient-accumulation boundary, so DeepSpeed reduces gradients once, at the end; then
+``engine.step()`` clips by the global norm and updates. The loss of a micro-batch is its token-loss
+sum divided by the mini-batch's global valid-token count (all ranks), times the data-parallel size
+because DeepSpeed averages gradients over ranks: the result is the gradient of the global token mean.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
+from openrlhf_shape.megatron.batching import MicroBatch, build_micro_batch, plan_micro_batches, shard_for_dp, validate_batch
+from openrlhf_shape.zero.config import ZeroConfig
+
+__all__ = ["ZeroRankWorker"]
+
+METRIC_KEYS = ("pg_loss_sum", "clipfrac_low_sum", "clipfrac_high_sum", "approx_kl_sum", "num_tokens", "entropy_sum", "nonfinite")
+
+
+def set_cpu_accelerator() -> None:
+    """DeepSpeed picks its accelerator at import: on a machine without CUDA it must be told "cpu"."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class ZeroRankWorker:
+    """Owns one DeepSpeed rank (plain class; :mod:`openrlhf_shape.zero.actor` wraps it in a Ray actor)."""
+
+    def __init__(self, cfg: ZeroConfig, *, rank: int, world_size: int, master_addr: str, master_port: int):
+        set_cpu_accelerator()
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.on_cpu = not torch.cuda.is_available()
+        n_dev = 0 if self.on_cpu else torch.cuda.device_count()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % n_dev if n_dev > 1 else 0))
+        if not self.on_cpu:
+            torch.cuda.set_device(local_rank)
+        # DeepSpeed reads the rank layout from the environment (its launcher's variables).
+        for key, value in (("LOCAL_RANK", local_rank), ("RANK", rank), ("WORLD_SIZE", world_size),
+                           ("MASTER_ADDR", master_addr), ("MASTER_PORT", master_port)):
+            os.environ.setdefault(key, str(value))
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo" if self.on_cpu else "nccl",
+                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(minutes=30))
+        import deepspeed
+
+        # DeepSpeed's communication layer adopts the existing torch.distributed group.
+        deepspeed.init_distributed(dist_backend="gloo" if self.on_cpu else "nccl", auto_mpi_discovery=False)
+        self.dp_size = world_size
+        self.dp_rank = rank
+        _seed_all(cfg.train.seed)
+        self.engine = None
+        self.base_optimizer = None
+        self.hf_config = None
+        self.hf_dir: Optional[str] = None
+        self.step = 0
+        from openrlhf_shape.megatron.offload import StateOffloader
+
+        self.offloader = StateOffloader()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def policy(self):
+        return self.engine.module
+
+    def _require_model(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("call init_model(hf_dir) before using the worker")
+
+    def _require_onloaded(self, groups: tuple[str, ...], what: str) -> None:
+        missing = [g for g in groups if g in self.offloader.offloaded]
+        if missing:
+            raise RuntimeError(f"{what} while {', '.join(missing)} are offloaded to host; onload_states() first "
+                               "(the colocation lifecycle orders this)")
+
+    # ------------------------------------------------------------------ model
+    def init_model(self, hf_dir: str, *, train: bool = True) -> dict:
+        """Load the HF model, wrap it in a DeepSpeed engine (ZeRO stage, optimizer, offload).
+
+        ``train`` is accepted for interface parity; the DeepSpeed engine always carries its optimizer."""
+        import deepspeed
+        from transformers import AutoConfig
+
+        from openrlhf_shape.zero.model import PolicyModule, load_hf_model, register_head_weight
+
+        cfg, t = self.cfg, self.cfg.train
+        self._release_engine()
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+        hf = load_hf_model(hf_dir, dtype=cfg.params_dtype, attn_implementation=cfg.attn_implementation,
+                           gradient_checkpointing=t.recompute_activations)
+        n_params = sum(p.numel() for p in hf.parameters())
+        policy = PolicyModule(hf, t.entropy_chunk_size)
+        optimizer = self._make_optimizer(policy)
+        engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer,
+                                               config=cfg.ds_config(on_gpu=not self.on_cpu),
+                                               dist_init_required=False)
+        if cfg.zero_stage == 3:
+            register_head_weight(engine.module)
+        self.engine, self.base_optimizer = engine, optimizer
+        self.hf_config, self.hf_dir = hf_config, hf_dir
+        self.step = 0
+        self._set_lr()
+        return {
+            "num_parameters": int(n_params),
+            "model_type": hf_config.model_type,
+            "tp": 1, "pp": 1, "dp": self.dp_size,
+            "zero_stage": cfg.zero_stage,
+            "adam_offload": cfg.adam_offload,
+            "dtype": str(cfg.params_dtype),
+            "backend": "deepspeed",
+        }
+
+    def _make_optimizer(self, policy) -> torch.optim.Optimizer:
+        """AdamW (decoupled weight decay, as Megatron's CPU/GPU Adam) with Megatron's grouping: no weight
+        decay on biases and 1-D (norm) weights. ``DeepSpeedCPUAdam`` under ``--ds.adam_offload``."""
+        t = self.cfg.train
+        decay, no_decay = [], []
+        for name, p in policy.named_parameters():
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+        groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        kw = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+        if self.cfg.adam_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+        return torch.optim.AdamW(groups, **kw)
+
+    def _set_lr(self) -> float:
+        from openrlhf_shape.zero.schedule import lr_at
+
+        lr = lr_at(self.cfg.train, self.step)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _release_engine(self) -> None:
+        if self.engine is not None:
+            self.offloader.saved.clear()
+            self.engine.destroy()
+            self.engine = self.base_optimizer = None
+
+    # ------------------------------------------------------------------ micro-batching
+    def _plans(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
+        """This rank's sample indices and micro-batches, topped up with fillers to the longest plan."""
+        lengths = [len(s) for s in batch.sequences]
+        pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        shards = shard_for_dp(lengths, self.dp_size)
+        budget = self.cfg.train.micro_batch_max_tokens
+        counts = [len(plan_micro_batches([lengths[i] for i in s], budget)) if s else 0 for s in shards]
+        shard = shards[self.dp_rank]
+        mbs = []
+        if shard:
+            groups = plan_micro_batches([lengths[i] for i in shard], budget)
+            mbs = [build_micro_batch(batch.sequences, batch.prompt_lens, [shard[k] for k in g], pad_id=pad_id)
+                   for g in groups]
+        filler = build_micro_batch([[pad_id, pad_id]], [2], [0], pad_id=pad_id)
+        filler.rows = []  # a filler carries no sample
+        while len(mbs) < max(max(counts), 1):
+            mbs.append(filler)
+        return shard, mbs
+
+    def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.device
+        return self.engine(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.resp_rows.to(dev),
+                           mb.resp_pos.to(dev), mb.resp_targets.to(dev))
+
+    # ------------------------------------------------------------------ log-probs / entropy
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch | dict) -> dict:
+        """Forward only; ``{"indices", "log_probs", "entropy"}`` of this rank's shard (``{}`` without one).
+
+        Position j of a sample's tensors is response token j: log-prob and full-vocab entropy of
+        ``logits / temperature`` in float32 (see :mod:`openrlhf_shape.zero.model`)."""
+        self._require_model()
+        self._require_onloaded(("params",), "compute_logprobs_and_entropy")
+        batch = validate_batch(batch)
+        self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
+        shard, mbs = self._plans(batch)
+        out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
+        self.engine.eval()
+        with torch.no_grad():
+            for mb in mbs:
+                lp, en = self._forward(mb)
+                lp, en = lp.float().cpu(), en.float().cpu()
+                for row, (a, b) in zip(mb.rows, mb.resp_offsets):
+                    out["indices"].append(row)
+                    out["log_probs"].append(lp[a:b].clone())
+                    out["entropy"].append(en[a:b].clone())
+        self.engine.train()
+        return out if shard else {}
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch) -> dict:
+        """One optimizer step over the whole mini-batch; float metrics identical on every rank
+        (the same keys as the Megatron backend's ``train_step``)."""
+        self._require_model()
+        self._require_onloaded(("params", "grads", "optimizer"), "train_step")
+        if not isinstance(batch, TrainBatch):
+            raise TypeError(f"train_step needs an openrlhf_shape.batch.TrainBatch, got {type(batch).__name__}")
+        batch.validate()
+        masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
+        num_global_tokens = max(int(masks.sum()), 1)
+        self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
+        shard, mbs = self._plans(batch)
+        lr_used = self._set_lr()
+        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+        self.engine.train()
+        for k, mb in enumerate(mbs):
+            self.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+            lp, en = self._forward(mb)
+            loss, stats = self._micro_loss(lp, en, mb, batch, masks, num_global_tokens)
+            for j, key in enumerate(METRIC_KEYS):
+                sums[j] += float(stats[key])
+            # DeepSpeed averages gradients over the DP ranks; the loss is already a global token mean.
+            self.engine.backward(loss * self.dp_size)
+        self.engine.step()
+        dist.all_reduce(sums)
+        # DeepSpeed skips the update itself when the global gradient norm is not finite (a non-finite
+        # loss gives non-finite gradients): the step counter and the LR schedule then stay put.
+        overflow = bool(getattr(self.engine.optimizer, "overflow", False))
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        ok = not overflow and math.isfinite(grad_norm)
+        if ok:
+            self.step += 1
+        n_tok = max(sums[METRIC_KEYS.index("num_tokens")].item(), 1.0)
+        return {
+            "loss": sums[0].item() / n_tok,
+            "pg_clipfrac_low": sums[1].item() / n_tok,
+            "pg_clipfrac_high": sums[2].item() / n_tok,
+            "pg_clipfrac": (sums[1].item() + sums[2].item()) / n_tok,
+            "approx_kl": sums[3].item() / n_tok,
+            "num_tokens": float(sums[4].item()),
+            "entropy": sums[5].item() / n_tok,
+            "grad_norm": grad_norm if ok else float("nan"),
+            "lr": lr_used,
+            "skipped": 0.0 if ok else 1.0,
+            "step": float(self.step),
+        }
+
+    def _micro_loss(self, lp: torch.Tensor, en: torch.Tensor, mb: MicroBatch, batch: TrainBatch,
+                    masks: torch.Tensor, num_global_tokens: int) -> tuple[torch.Tensor, dict]:
+        """Flat per-token log-probs of a micro-batch -> ``[rows, T_mb]`` and the PPO/DAPO loss."""
+        from openrlhf_shape.algorithms import policy_loss
+
+        t = self.cfg.train
+        rows = max(len(mb.resp_offsets), 1)
+        tmax = max([1] + [b - a for a, b in mb.resp_offsets])
+        dev = lp.device
+        if lp.numel():
+            row_idx = torch.cat([torch.full((b - a,), k, dtype=torch.long) for k, (a, b) in enumerate(mb.resp_offsets)])
+            col_idx = torch.cat([torch.arange(b - a) for a, b in mb.resp_offsets])
+        else:
+            row_idx = col_idx = torch.zeros(0, dtype=torch.long)
+        where = (row_idx.to(dev), col_idx.to(dev))
+        lp2 = lp.new_zeros(rows, tmax).index_put(where, lp)
+        ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev).index_put(where, en.float())
+        if mb.rows:
+            sel = torch.tensor(mb.rows, dtype=torch.long)
+            old = _take(batch.old_log_probs, sel, tmax).float().to(dev)
+            adv = _take(batch.advantages, sel, tmax).float().to(dev)
+            msk = _take(masks, sel, tmax).to(dev)
+            isw = _take(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
+        else:  # a filler: nothing enters the loss
+            old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
+            adv, msk, isw = torch.zeros_like(old), torch.zeros(rows, tmax, dtype=torch.bool, device=dev), None
+        loss, m = policy_loss(lp2.float(), old, adv, msk, eps_low=t.eps_clip_low, eps_high=t.eps_clip_high,
+                              dual_clip=t.dual_clip, num_global_tokens=num_global_tokens, is_weights=isw)
+        stats = {k: float(m[k]) for k in METRIC_KEYS if k in m}
+        stats["entropy_sum"] = float((ent * msk).sum())
+        stats["nonfinite"] = 0.0 if bool(torch.isfinite(loss.detach())) else 1.0
+        return loss, stats
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:
+        """Atomically write model + optimizer + schedule step + RNG (+ ``extra``) to ``ckpt_dir``."""
+        from openrlhf_shape.zero.checkpoint import save_checkpoint
+
+        self._require_model()
+        self._require_onloaded(("params", "grads", "optimizer"), "save_checkpoint")
+        save_checkpoint(self, ckpt_dir, extra or {})
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        """Restore everything :meth:`save_checkpoint` wrote; returns its ``extra``."""
+        from openrlhf_shape.zero.checkpoint import load_checkpoint
+
+        self._require_model()
+        return load_checkpoint(self, ckpt_dir)
+
+    # ------------------------------------------------------------------ weights out
+    def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full weights in buckets of at most ``bucket_bytes`` (a bigger tensor: its own).
+
+        All ranks iterate in lockstep (ZeRO-3 gathers each bucket's parameters, a collective); rank 0
+        yields detached CPU copies, the others ``[]`` at the same points."""
+        from openrlhf_shape.zero.export import iter_buckets
+
+        self._require_model()
+        self._require_onloaded(("params",), "iter_hf_weights")
+        yield from iter_buckets(self, bucket_bytes)
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write an HF directory (safetensors + config + tokenizer files) atomically to ``out_dir``."""
+        from openrlhf_shape.zero.export import export_hf_dir
+
+        self._require_model()
+        export_hf_dir(self, out_dir)
+
+    # ------------------------------------------------------------------ colocation
+    def offload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        """Move parameter / gradient / optimizer storages to host memory (colocation)."""
+        from openrlhf_shape.zero.offload import state_tensors
+
+        self._require_model()
+        freed = self.offloader.offload([], None, groups, tensors=state_tensors(self.engine))
+        return {"offloaded_bytes": float(freed), "offloaded": sorted(self.offloader.offloaded)}
+
+    def onload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
+        """Bring offloaded groups back (bit for bit)."""
+        self._require_model()
+        restored = self.offloader.onload(groups)
+        return {"onloaded_bytes": float(restored), "offloaded": sorted(self.offloader.offloaded)}
+
+    # ------------------------------------------------------------------ teardown
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        """Drop the engine and the process group (idempotent)."""
+        try:
+            if self.engine is not None:
+                self.offloader.onload()
+                self._release_engine()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``t[rows, :width]``, zero-padded on the right when ``t`` is narrower than ``width``."""
+    out = t[rows, :width]
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
+    return out

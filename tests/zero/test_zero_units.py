@@ -1,0 +1,75 @@
+"""DeepSpeed backend pieces that need no process group: config checks, the DeepSpeed JSON, the LR
+schedule against Megatron's own scheduler, bucket planning, trainer flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.zero.config import ZeroConfig, zero_config_from
+from openrlhf_shape.zero.export import plan_buckets
+from openrlhf_shape.zero.schedule import lr_at
+
+
+@pytest.mark.parametrize("style, warmup", [("cosine", 1), ("cosine", 0), ("linear", 3), ("constant", 2)])
+def test_lr_schedule_is_megatrons(style, warmup):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    cfg = MegatronConfig(lr=2e-3, min_lr=2e-4, lr_warmup_steps=warmup, lr_decay_style=style, total_steps=7)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched = OptimizerParamScheduler(opt, init_lr=cfg.lr / (warmup + 1), max_lr=cfg.lr, min_lr=cfg.min_lr,
+                                    lr_warmup_steps=warmup, lr_decay_steps=cfg.total_steps, lr_decay_style=style,
+                                    start_wd=0.0, end_wd=0.0, wd_incr_steps=cfg.total_steps, wd_incr_style="constant")
+    for step in range(9):  # past the end: min_lr
+        assert lr_at(cfg, step) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-15, abs=0), step
+        sched.step(increment=1)
+
+
+def test_config_refusals_name_the_flag():
+    with pytest.raises(ValueError, match="--ds.zero_stage"):
+        ZeroConfig(zero_stage=4)
+    with pytest.raises(ValueError, match="--ds.adam_offload"):
+        ZeroConfig(zero_stage=0, adam_offload=True)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size 1"):
+        ZeroConfig(train=MegatronConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ValueError, match="--ds.param_dtype"):
+        ZeroConfig(param_dtype="fp16")
+    # a preset's Megatron optimizer sharding is dropped when the trainer switches backends
+    assert zero_config_from(MegatronConfig(use_distributed_optimizer=True)).train.use_distributed_optimizer is False
+
+
+def test_ds_config():
+    z3 = ZeroConfig(train=MegatronConfig(clip_grad=0.5), zero_stage=3, adam_offload=True, param_dtype="bf16",
+                    zero3_param_persistence_threshold=0).ds_config(on_gpu=True)
+    assert z3["zero_optimization"]["stage"] == 3 and z3["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert z3["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert z3["bf16"] == {"enabled": True} and z3["gradient_clipping"] == 0.5
+    assert z3["train_micro_batch_size_per_gpu"] == 1 and z3["gradient_accumulation_steps"] == 1
+    z2 = ZeroConfig().ds_config(on_gpu=False)
+    assert "offload_optimizer" not in z2["zero_optimization"] and z2["bf16"]["enabled"] is torch.cuda.is_available()
+
+
+def test_bucket_plan_uses_full_sizes():
+    ps = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate([10, 10, 30, 5, 5])]
+    ps[2][1].ds_numel = 100  # a ZeRO-3 partition: the full size decides
+    buckets = plan_buckets(ps, bucket_bytes=80)
+    assert [[n for n, _ in b] for b in buckets] == [["p0", "p1"], ["p2"], ["p3", "p4"]]
+    with pytest.raises(ValueError):
+        plan_buckets(ps, 0)
+
+
+def test_trainer_flags_reach_the_backend():
+    from openrlhf_shape.trainer.config import load_config
+
+    cfg = load_config("configs/deepseek-r1-distill-qwen-1.5b.yaml",
+                      ["--actor.backend", "deepspeed", "--ds.zero_stage", "3", "--ds.adam_offload"], check_paths=False)
+    z = zero_config_from(cfg.megatron_config(), cfg.ds)
+    assert (z.zero_stage, z.adam_offload, z.train.recompute_activations) == (3, True, True)  # + gradient checkpointing
+    assert z.train.lr == cfg.megatron.lr and z.train.micro_batch_max_tokens == cfg.megatron.micro_batch_max_tokens
+    with pytest.raises(ValueError, match="--actor.backend deepspeed"):
+        load_config("configs/qwen3-4b.yaml", ["--ds.zero_stage", "3"], check_paths=False)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size 1"):
+        load_config("configs/qwen3-8b.yaml", ["--actor.backend", "deepspeed"], check_paths=False)
+    with pytest.raises(ValueError, match="--actor.backend"):
+        load_config(None, ["--actor.backend", "fsdp"], check_paths=False)
