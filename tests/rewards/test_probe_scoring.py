@@ -56,7 +56,7 @@ def test_fast_path_agrees_with_math_verify_on_every_pair_it_decides(pool):
     mv = pool.score(["\\boxed{" + a + "}" for a, _, _ in decided], [b for _, b, _ in decided])
     disagree = [(a, b, v, w) for (a, b, v), w in zip(decided, mv) if v != w]
     assert not disagree, disagree
-    # only identical integer strings match, and "\\frac{1}{2}" / "1/2" against "\\frac{1}{2}"
+    # only identical integer strings match, and "\frac{1}{2}" / "1/2" against "\frac{1}{2}"
     assert sum(v for _, _, v in decided) == 12 + 2
     assert ints
     # and the pairs the shortcut refuses include ones where string equality would be wrong
