@@ -11,8 +11,15 @@ the preset). ``exp_*`` columns are exact expectations under the binomial model w
 ground-truth Phi as the truth (no sampling noise; see openrlhf_shape/algorithms/adaptive_probes.py).
 The ground truth is itself an estimate: its variance Phi(1-Phi)/gt_m adds to every measured MSE.
 
-Settings: ``fixed:M`` or ``adaptive:FIRST,ROUND,CAP,TOL``. The last line compares ``--default``
-with ``fixed:8``: ``adaptive: probe_tokens_ratio=R advantage_mse_ratio=Q``.
+The token advantages are affine in the potentials, so each setting also gets its *exact* expected
+advantage MSE (``exp``: bias and variance of every state at its ground-truth Phi, pushed through the
+Jacobian). ``--search`` prints the exact frontier of a grid of rules (samples ratio vs advantage-MSE
+ratio against fixed m = 8); ``--save-gt FILE`` keeps the ground truth and Jacobian so that
+``--search-from FILE`` re-derives the frontier without engines.
+
+Settings: ``fixed:M`` or ``adaptive:FIRST,ROUND,CAP,TOL``. The last line compares ``--default`` (the
+``--probe.adaptive`` default, 4,5,9,0.13) with ``fixed:8``:
+``adaptive: probe_tokens_ratio=R advantage_mse_ratio=Q`` (measured, mean of ``--repeats``).
 """
 
 from __future__ import annotations
