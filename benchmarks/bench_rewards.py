@@ -1,7 +1,13 @@
 """Math-Verify verifications per second through MathVerifyScorer (process pool, per-call deadline).
 
     .venv/bin/python benchmarks/bench_rewards.py [--n 2000] [--workers 2]
-    .venv/bin/python benchmarks/bench_rewards.py --probes      # one real probe batch, plain vs fast scoring
+    .venv/bin/python benchmarks/bench_rewards.py --probes [--synthetic]   # probe batches, plain vs fast scoring
+
+``--probes`` scores one real probe batch of the demo model two ways in one run, interleaved, median of
+``--repeats``: "plain" is what the trainer did before (every completion through the Math-Verify pool,
+the label parsed on every call), "new" is DedupProbeScorer over a pool of the same size. Its last
+line is ``probe scoring: plain_per_s=A new_per_s=B speedup=S``. ``--synthetic`` first does the same
+for a synthetic batch shaped like a capable model's probes (clean answers; labelled as synthetic).
 
 Inputs are varied (no two identical, so no parser cache helps): boxed integers, fractions in
 several spellings, decimals, wrong answers, answers in prose, probe-like unclosed boxes; a second
@@ -14,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -78,18 +85,66 @@ def _demo_probe_batch(path: str, prompts: int, n: int, m: int) -> tuple[list[str
     return texts, labs
 
 
-def probes_main(args) -> None:
+def _capable_probe_batch(prompts: int, n: int, states: int, m: int, seed: int = 0,
+                         malformed: float = 0.02) -> tuple[list[str], list[str]]:
+    """A synthetic probe batch shaped like a capable model's (not the demo model's): labels of the
+    bundled training set (integers and fractions as they occur), ``prompts`` x ``n`` responses x
+    ``states`` probed states x ``m`` samples; each state has a potential drawn from Beta(1/2, 1/2)
+    (mass near 0 and 1); a sample gives the label (in one of three spellings) with that probability,
+    else one of three wrong values of the state, and with probability ``malformed`` a cut-off or
+    text answer that only Math-Verify can judge; then a few tokens of trailing text."""
+    from openrlhf_shape.data.prompts import bundled_math_path
+
+    rng = random.Random(seed)
+    with open(bundled_math_path("train")) as f:
+        labels_all = [json.loads(line)["answer"] for line in f if line.strip()]
+    tails = ["}$.", "}$", "}", "}$.\n\nThe", "}$ is the answer.", "} \\end{align}", "}$, so"]
+    junk = ["\\frac{", "x = ", "the answer is", "12 + ", "\\text{", "\\sqrt{2", "(3, ", "a"]
+
+    def spellings(label: str) -> list[str]:
+        m_ = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", label)
+        if m_:
+            sgn, a, b = m_.groups()
+            return [label, f"{sgn}{a}/{b}", f"{sgn}\\dfrac{{{a}}}{{{b}}}"]
+        return [label, label, label + "."]
+
+    def wrong(label: str) -> str:
+        m_ = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", label)
+        if m_:
+            a, b = int(m_.group(2)), int(m_.group(3))
+            return rng.choice([f"\\frac{{{a + 1}}}{{{b}}}", f"{a}/{b + 1}", str(a), f"\\frac{{{b}}}{{{a}}}"])
+        v = int(label)
+        return str(rng.choice([v + 1, v - 1, 2 * v, v + 10, -v if v else 3]))
+
+    texts, labs = [], []
+    for _ in range(prompts):
+        label = rng.choice(labels_all)
+        for _ in range(n * states):
+            phi = rng.betavariate(0.5, 0.5)
+            wrongs = [wrong(label) for _ in range(3)]
+            for _ in range(m):
+                if rng.random() < malformed:
+                    ans = rng.choice(junk) + str(rng.randint(0, 99))
+                elif rng.random() < phi:
+                    ans = rng.choice(spellings(label))
+                else:
+                    ans = rng.choice(wrongs)
+                texts.append("\\boxed{" + ans + rng.choice(tails))
+                labs.append(label)
+    return texts, labs
+
+
+def _compare(texts: list[str], labels: list[str], args) -> dict:
+    """Score one batch plainly (the trainer before: every completion through the pool, label parsed
+    per call) and with :class:`DedupProbeScorer`, interleaved, median seconds of ``args.repeats``."""
     from openrlhf_shape.rewards import MathVerifyScorer
     from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer
 
-    texts, labels = _demo_probe_batch(args.probe_batch, args.prompts, args.samples, args.m)
-    # plain: the scorer before this change (one Math-Verify call per completion, label re-parsed
-    # each time); new: distinct keys once, exact shortcuts, labels parsed once per worker.
     with MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout, cache_gold=False) as plain_pool, \
             MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout) as new_pool:
         plain_pool.score(["\\boxed{1}"], ["1"])  # start the workers outside the timing
         new_pool.score(["\\boxed{1}"], ["0"])
-        plain_s, new_s, same = [], [], True
+        plain_s, new_s, pool_s, same = [], [], [], True
         for _ in range(args.repeats):  # interleaved, so load on the shared machine hits both alike
             t0 = time.perf_counter()
             plain = plain_pool.score(texts, labels)
@@ -98,16 +153,36 @@ def probes_main(args) -> None:
             t0 = time.perf_counter()
             new = fast.score(texts, labels)
             new_s.append(time.perf_counter() - t0)
+            pool_s.append(fast.last.pool_seconds)
             same &= new == plain
         workers = plain_pool.num_workers
-    st = fast.last
-    a, b = sorted(plain_s)[len(plain_s) // 2], sorted(new_s)[len(new_s) // 2]
-    print(f"probe batch: {len(texts)} completions of the demo model ({args.probe_batch}); "
-          f"distinct (answer, label) keys {st.unique} (duplicate rate {1 - st.unique / len(texts):.3f}); "
-          f"decided by the exact shortcuts {st.fast}, sent to Math-Verify {st.pool}; accuracy {sum(plain) / len(plain):.3f}")
-    print(f"median of {args.repeats} interleaved runs with {workers} workers each (machine shared): plain {a:.3f} s, "
-          f"new {b:.4f} s; scores identical: {same}")
-    print(f"probe scoring: plain_per_s={len(texts) / a:.0f} new_per_s={len(texts) / b:.0f} speedup={a / b:.1f}")
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"n": len(texts), "plain": med(plain_s), "new": med(new_s), "pool": med(pool_s), "same": same,
+            "workers": workers, "stats": fast.last, "accuracy": sum(plain) / len(plain)}
+
+
+def _report(name: str, r: dict) -> None:
+    st = r["stats"]
+    print(f"{name}: {r['n']} completions; distinct (answer, label) keys {st.unique} (duplicate rate "
+          f"{1 - st.unique / r['n']:.3f}); decided by the exact shortcuts {st.fast}, sent to Math-Verify {st.pool}; "
+          f"accuracy {r['accuracy']:.3f}")
+    print(f"  with {r['workers']} workers each: plain {r['plain']:.3f} s, "
+          f"new {r['new']:.4f} s (Math-Verify pool {r['pool']:.4f} s, keys + shortcuts {r['new'] - r['pool']:.4f} s); "
+          f"scores identical: {r['same']}")
+
+
+def probes_main(args) -> None:
+    texts, labels = _demo_probe_batch(args.probe_batch, args.prompts, args.samples, args.m)
+    print(f"repeats {args.repeats}, interleaved, medians (the machine may be shared: see `uptime`)")
+    if args.synthetic:
+        syn = _compare(*_capable_probe_batch(args.prompts, args.samples, 4, args.m), args)
+        _report("synthetic capable-model batch (bundled labels, Beta(1/2,1/2) potentials, 2% malformed)", syn)
+        print(f"probe scoring (synthetic capable-model batch): plain_per_s={syn['n'] / syn['plain']:.0f} "
+              f"new_per_s={syn['n'] / syn['new']:.0f} speedup={syn['plain'] / syn['new']:.1f}")
+    demo = _compare(texts, labels, args)
+    _report(f"demo probe batch ({args.probe_batch})", demo)
+    print(f"probe scoring: plain_per_s={demo['n'] / demo['plain']:.0f} new_per_s={demo['n'] / demo['new']:.0f} "
+          f"speedup={demo['plain'] / demo['new']:.1f}")
 
 
 def main() -> None:
@@ -121,7 +196,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="--probes: prompts of the demo batch")
     ap.add_argument("--samples", type=int, default=4, help="--probes: responses per prompt")
     ap.add_argument("--m", type=int, default=8, help="--probes: probe samples per state")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--synthetic", action="store_true",
+                    help="--probes: also a synthetic batch shaped like a capable model's probes (clean answers)")
     args = ap.parse_args()
     if args.probes:
         os.makedirs(os.path.dirname(args.probe_batch), exist_ok=True)

@@ -67,8 +67,9 @@ def main() -> None:
     print(f"{'phase':<12}{'shape':>10}{'grpo':>10}{'ratio':>8}")
     for p in (*PHASES, "step"):
         if shape.get(p, 0) or grpo.get(p, 0):
-            ratio = shape[p] / grpo[p] if grpo.get(p) else float("inf")
-            print(f"{p:<12}{shape[p]:>10.1f}{grpo[p]:>10.1f}{ratio:>8.2f}")
+            # a phase GRPO does not run (segment, probes) shows "-" instead of a ratio over ~0 s
+            ratio = f"{shape[p] / grpo[p]:.2f}" if grpo.get(p, 0) >= 0.05 else "-"
+            print(f"{p:<12}{shape[p]:>10.1f}{grpo[p]:>10.1f}{ratio:>8}")
     print(f"probes/step: {shape['probe_requests']:.0f} states, {shape['probe_rounds']:.0f} rounds, "
           f"{shape['probe_samples_per_state']:.2f} samples/state, decode tokens {shape['probe_tokens']:.0f} "
           f"(saved {shape['probe_tokens_saved']:.0f}), scoring {shape['probe_score_seconds']:.2f} s for "

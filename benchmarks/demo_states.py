@@ -39,31 +39,32 @@ class DemoStates:
 
 def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=None) -> DemoStates:
     from openrlhf_shape.algorithms import boundaries_as_lists, segment_batch
+    from openrlhf_shape.batch import SequenceBatch, length_mask
     from openrlhf_shape.data.demo_model import ensure_demo_model
     from openrlhf_shape.data.prompts import PromptDataConfig, build_prompt_dataset
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.rollout import EngineConfig, EngineGroup, SamplingConfig, VLLMEngine
     from openrlhf_shape.trainer.config import load_config
-    from openrlhf_shape.trainer.experience import HFActor, _pad
-    from openrlhf_shape.trainer.ppo_trainer import _prompt_source
+    from openrlhf_shape.trainer.experience import HFActor
+    from openrlhf_shape.trainer.setup import _prompt_source
 
     cfg = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), [])
     model_dir = ensure_demo_model()
-    engine = VLLMEngine(EngineConfig(model_path=model_dir, seed=seed, block_size=cfg.rollout.block_size or 32,
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, seed=seed, block_size=cfg.engine.block_size or 32,
                                      max_model_len=cfg.max_model_len(), kv_cache_gib=1.0, dtype="float32"))
     group = EngineGroup([engine])
     tok = group.get_tokenizer()
     d = cfg.data
     dataset = build_prompt_dataset(
-        PromptDataConfig(prompt_dataset=_prompt_source(d.prompt_data), input_key=d.input_key, label_key=d.label_key,
+        PromptDataConfig(prompt_dataset=_prompt_source(d.prompt_dataset), input_key=d.input_key, label_key=d.label_key,
                          apply_chat_template=d.apply_chat_template, input_template=d.input_template,
                          system_prompt=d.system_prompt, max_prompt_len=d.max_prompt_len),
         tok,
     )
     items = random.Random(seed).sample(list(dataset), num_prompts)
-    r = cfg.rollout
+    r = cfg.sampling
     gens = group.generate([list(it.prompt_ids) for it in items],
-                          SamplingConfig(n=n_samples, temperature=r.temperature, max_tokens=r.max_new_tokens))
+                          SamplingConfig(n=n_samples, temperature=r.temperature, max_tokens=r.max_tokens))
     sample_items = [items[g.prompt_index] for g in gens]
     responses = [list(g.token_ids) for g in gens]
     own = reward is None
@@ -77,13 +78,12 @@ def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=No
             reward.close()
     actor = HFActor(model_dir)
     seqs = [list(it.prompt_ids) + resp for it, resp in zip(sample_items, responses)]
-    lp = actor.compute_logprobs_and_entropy({"sequences": seqs, "prompt_lens": [len(it.prompt_ids) for it in sample_items],
-                                             "temperature": r.temperature})
+    _, ent = actor.compute_logprobs_and_entropy(
+        SequenceBatch(sequences=seqs, prompt_lens=[len(it.prompt_ids) for it in sample_items], temperature=r.temperature))
     del actor
-    width = max(len(x) for x in responses)
-    ent, mask = _pad(lp["entropy"], width)
+    mask = length_mask([len(x) for x in responses], ent.shape[1])
     bounds = segment_batch(ent, mask, cfg.shape)
-    return DemoStates(group=group, tokenizer=tok, shape=cfg.shape, max_new_tokens=r.max_new_tokens,
+    return DemoStates(group=group, tokenizer=tok, shape=cfg.shape, max_new_tokens=r.max_tokens,
                       prompts=[list(it.prompt_ids) for it in sample_items], responses=responses,
                       labels=[it.label for it in sample_items], rewards=out["rewards"].float(), entropy=ent,
                       mask=mask, boundaries=bounds, boundary_lists=boundaries_as_lists(bounds), n_samples=n_samples)

@@ -50,8 +50,8 @@ class AdaptiveProbeRule:
     """
 
     first_round: int = 4
-    round_size: int = 4
-    max_probes: int = 8
+    round_size: int = 5
+    max_probes: int = 9
     tol: float = 0.13
 
     def __post_init__(self) -> None:

@@ -36,6 +36,8 @@ class ProbeConfig:
     (:class:`~openrlhf_shape.algorithms.adaptive_probes.AdaptiveProbeRule`: first round
     ``adaptive_first_round`` samples, then ``adaptive_round_size`` more while the Jeffreys posterior
     sd exceeds ``adaptive_tol``, at most ``max_probes``; 0 = num_probes). Off: the paper's fixed m.
+    The adaptive defaults (4, 5, 9, 0.13) read "4 probes; when they agree stop, else 5 more": chosen
+    with ``benchmarks/bench_adaptive_probes.py`` (docs/adaptive_probes.md, "Choosing the default").
     """
 
     num_probes: int = 8
@@ -47,9 +49,9 @@ class ProbeConfig:
     think_end_token: str = "</think>"
     adaptive: bool = False
     adaptive_tol: float = 0.13
-    max_probes: int = 0
+    max_probes: int = 9  # cap per state when adaptive; 0 = num_probes. 8/9 < gamma_min 0.9 keeps appendix A.2
     adaptive_first_round: int = 4
-    adaptive_round_size: int = 4
+    adaptive_round_size: int = 5
 
     def rule(self) -> AdaptiveProbeRule | None:
         """The stopping rule when adaptive, else None (one round of num_probes)."""

@@ -66,7 +66,7 @@ def test_tol_zero_equals_fixed_m(setup, tiny_tokenizer):
     fixed = _run(group, prm, resp, bounds, ProbeConfig(num_probes=4, max_tokens=8), 11, tiny_tokenizer)
     spy = CountingGroup(group)
     adaptive_cfg = ProbeConfig(num_probes=4, max_tokens=8, adaptive=True, adaptive_tol=0.0, adaptive_first_round=2,
-                               adaptive_round_size=1)
+                               adaptive_round_size=1, max_probes=0)  # cap 0 = num_probes
     adaptive = _run(spy, prm, resp, bounds, adaptive_cfg, 11, tiny_tokenizer)
     assert len(spy.calls) == 1 and spy.calls[0][1] == 4  # no state can stop early: one round of m
     assert adaptive.stats["probe_rounds"] == 1 and adaptive.stats["probe_samples_saved"] == 0

@@ -84,4 +84,9 @@ def test_adaptive_probe_flags():
     cfg = load_config(None, ["--probe.adaptive", "--probe.adaptive_tol", "0.2", "--probe.max_probes", "8"])
     assert cfg.probe.adaptive and cfg.probe.adaptive_tol == 0.2 and cfg.probe.max_probes == 8
     assert not load_config(None, []).probe.adaptive  # the paper's fixed m is the default
+    rule = load_config(None, ["--probe.adaptive"]).probe.rule()  # the documented adaptive default
+    assert (rule.first_round, rule.round_size, rule.max_probes, rule.tol) == (4, 5, 9, 0.13)
+    assert rule.checkpoints() == [4, 9]  # "4 probes; when they agree stop, else 5 more"
+    smoke = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), []).probe.rule()
+    assert (smoke.first_round, smoke.round_size, smoke.max_probes) == (2, 2, 4)
     assert load_config(None, []).reward.num_workers == 0 and load_config(None, []).reward.fast_probe_scoring

@@ -98,7 +98,7 @@ def test_adaptive_probes_in_the_step(engines, parts):
     tok, items, actor, reward = parts
     shape = ShapeConfig(num_segments=4, num_probes=4, min_segment_len=4)
     probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens, adaptive=True,
-                        adaptive_tol=0.2, adaptive_first_round=2, adaptive_round_size=2)
+                        adaptive_tol=0.2, adaptive_first_round=2, adaptive_round_size=2, max_probes=4)
     exp = ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=48), probe, engines, actor, reward,
                                tok).make_experience(items)
     m = exp.metrics
