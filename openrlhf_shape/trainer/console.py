@@ -97,7 +97,8 @@ class ConsoleFilter(io.TextIOBase):
             self._emit(self._buf + "\n")
             self._buf = ""
         with self.lock:
-            self.log_file.flush()
+            if not self.log_file.closed:
+                self.log_file.flush()
             self.console.flush()
 
     def _show(self, line: str) -> bool:
@@ -123,6 +124,9 @@ class ConsoleFilter(io.TextIOBase):
         show = self._show(line)
         with self.lock:
             self.lines_seen += 1
+            if self.log_file.closed:  # a stale reference after the run stopped (a second run in one process)
+                self.console.write(line)
+                return
             self.log_file.write(_ANSI.sub("", line))
             if show:
                 self.lines_shown += 1

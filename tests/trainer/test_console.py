@@ -74,3 +74,16 @@ def test_run_console_routes_streams_and_the_project_logger(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "preempted" in err and "Initializing" not in err
     logging.getLogger("openrlhf_shape").handlers[0].flush()
+
+
+def test_a_stream_kept_from_a_stopped_run_writes_to_the_console_not_the_closed_file(tmp_path, capsys):
+    """Two runs in one process (bench_step_time): a library that kept the first run's sys.stderr must not
+    raise 'I/O operation on closed file' during the second."""
+    with RunConsole(str(tmp_path / "a")) as first:
+        kept = sys.stderr
+    assert kept is first.err
+    with RunConsole(str(tmp_path / "b")):
+        print("late line from the first run's stream", file=kept)
+        kept.flush()
+    assert "late line from the first run's stream" in capsys.readouterr().err
+    assert "late line" not in (tmp_path / "b" / "train.log").read_text()
