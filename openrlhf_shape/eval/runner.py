@@ -36,7 +36,9 @@ class Scorer(Protocol):
 
 def build_prompt_ids(tokenizer, question: str, cfg: EvalConfig) -> list[int]:
     """Prompt token ids: the template with the question, inside the chat template when asked."""
-    text = cfg.prompt_template.replace("{question}", question)
+    from openrlhf_shape.data.prompts import fill_template
+
+    text = fill_template(cfg.prompt_template, question)
     if cfg.apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(

@@ -12,6 +12,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
+from openrlhf_shape.config_flags import is_flag
+
 
 @dataclass
 class PlanOptions:
@@ -73,18 +75,10 @@ def split_plan_flags(argv: list[str]) -> tuple[list[str], list[str]]:
         target = plan if tok.startswith("--plan.") else rest
         target.append(tok)
         i += 1
-        while i < len(argv) and not (argv[i].startswith("--") and len(argv[i]) > 2 and not _is_number(argv[i])):
+        while i < len(argv) and not is_flag(argv[i]):
             target.append(argv[i])
             i += 1
     return plan, rest
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
 
 
 def parse_plan_options(argv: list[str]) -> PlanOptions:

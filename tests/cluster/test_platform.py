@@ -74,23 +74,11 @@ def test_profile_round_trips_as_handed() -> None:
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
+    pytest.importorskip("ray")
+    from openrlhf_shape.testing.simulated_cluster import simulated_gpu_cluster
 
-    from test_simulated_cluster import _forget_bootstrap_address
-
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
-    _forget_bootstrap_address(c.address)
-    for _ in range(2):
-        c.add_node(num_cpus=2, num_gpus=8)
-    ray.init(address=c.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    c.wait_for_nodes()
-    try:
+    with simulated_gpu_cluster(nodes=2, gpus_per_node=8, cpus_per_node=2) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(gpu_cluster) -> None:
