@@ -121,24 +121,24 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, Any]]:
             continue
         values = []
         i += 1
-        while i < len(argv) and not is_flag_token(argv[i]):
+        while i < len(argv) and not is_flag(argv[i]):
             values.append(argv[i])
             i += 1
         out.append((name, True if not values else values[0] if len(values) == 1 else values))
     return out
 
 
-def is_number(s: str) -> bool:
+def is_flag(token: str) -> bool:
+    """True for ``--name`` tokens (a negative number such as ``--1e-3`` is a value, not a flag)."""
+    return token.startswith("--") and len(token) > 2 and not _is_number(token)
+
+
+def _is_number(s: str) -> bool:
     try:
         float(s)
         return True
     except ValueError:
         return False
-
-
-def is_flag_token(tok: str) -> bool:
-    """True for a token that starts a new flag (``--name``); False for a value such as ``-0.5`` or ``x``."""
-    return tok.startswith("--") and len(tok) > 2 and not is_number(tok)
 
 
 class FlagSpace:

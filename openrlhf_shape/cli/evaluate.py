@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id_key", default=None, help="problem id field (default: row index)")
     p.add_argument("--benchmark_keys", action="append", default=[], metavar="NAME=INPUT_KEY,LABEL_KEY",
                    help="per-benchmark question/answer fields")
-    p.add_argument("--prompt_template", default=None, help="text with '{question}' (default: the R1 boxed prompt)")
+    p.add_argument("--prompt_template", default=None, help="text with '{question}' (or OpenRLHF's '{}', braces doubled) for the problem "
+                   "(default: the R1 boxed prompt)")
     p.add_argument("--no_chat_template", action="store_true", help="feed the raw prompt, no chat template")
     p.add_argument("--no_save_responses", action="store_true", help="keep only scores and token counts")
     p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out_dir")

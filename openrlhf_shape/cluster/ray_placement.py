@@ -20,7 +20,6 @@ straddle two nodes.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from openrlhf_shape.cluster.placement import (
@@ -145,19 +144,15 @@ class RayPlacement:
         self.groups = []
 
 
-def free_port() -> int:
-    """A free TCP port on this host (called inside rank 0's actor, on rank 0's node)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def local_endpoint() -> dict[str, Any]:
     """This process's node id, node IP and a free port: the rendezvous rank 0 offers the others."""
     import ray
 
+    from openrlhf_shape.megatron.launch import free_port
+
+    # Bound on every interface: the other ranks connect from other nodes.
     return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-            "port": free_port()}
+            "port": free_port("")}
 
 
 def rendezvous_from(rank0_actor) -> dict[str, Any]:
@@ -167,8 +162,8 @@ def rendezvous_from(rank0_actor) -> dict[str, Any]:
     return ray.get(rank0_actor.endpoint.remote())
 
 
-def spawn_rank_actors(placement: RayPlacement, actor_cls, *, num_cpus: float, args_for_rank,
-                      env: dict[str, str] | None = None) -> tuple[list, dict[str, Any]]:
+def spawn_rank_actors(placement: RayPlacement, actor_cls, *, num_cpus: float,
+                      args_for_rank) -> tuple[list, dict[str, Any]]:
     """Start one actor of ``actor_cls`` (a ``ray.remote`` class) per Megatron rank on its bundle.
 
     ``args_for_rank(rank)`` gives the constructor's positional args. The actors must not join
@@ -179,7 +174,5 @@ def spawn_rank_actors(placement: RayPlacement, actor_cls, *, num_cpus: float, ar
     actors = []
     for rank in range(len(placement.plan.ranks)):
         opts = placement.rank_options(rank, num_cpus)
-        if env:
-            opts["runtime_env"] = {"env_vars": dict(env)}
         actors.append(actor_cls.options(**opts).remote(*args_for_rank(rank)))
     return actors, rendezvous_from(actors[0])

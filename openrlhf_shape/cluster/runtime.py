@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from openrlhf_shape.cluster.placement import PlacementPlan, plan_placement
+from openrlhf_shape.platform import Platform
 
 
 @dataclass
 class ClusterRuntime:
     plan: PlacementPlan
     placement: Any  # RayPlacement
+    platform: Platform  # the run's CPU/GPU profile, as handed to every rank and engine
     actor: Any  # MegatronActorGroup
     engine_handles: list
     engines: Any  # EngineGroup
@@ -33,7 +35,8 @@ class ClusterRuntime:
 
 
 def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
-    """The plan for a TrainConfig. CPU: every slot on the local node (gpus_per_node = all slots)."""
+    """The plan for a TrainConfig (``on_gpu``: ``Platform.on_gpu``). CPU: every slot on the local
+    node (gpus_per_node = all slots)."""
     r, m, t = cfg.rollout, cfg.megatron, cfg.trainer
     etp = cfg.engine.tensor_parallel_size
     if on_gpu:
@@ -45,37 +48,37 @@ def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
                           num_nodes=nodes, rollout_gpus=r.num_gpus)
 
 
-def start_cluster(cfg, mcfg, engine_cfg, *, on_gpu: bool, threads_per_rank: int | None,
-                  env: dict[str, str] | None = None) -> ClusterRuntime:
-    """Everything the PPO loop drives; the engines start while the Megatron ranks connect."""
+def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
+    """Everything the PPO loop drives; the engines start while the Megatron ranks connect.
+
+    ``platform``: the run's profile (``openrlhf_shape/platform.py``, decided once by the driver). It
+    sets the bundles' GPUs, the actors' CPU shares and threads and the weight-sync backend here, and
+    is handed to every rank actor and engine actor (they do not decide CPU vs GPU themselves)."""
+    import ray
+
     from openrlhf_shape.cluster.lifecycle import Lifecycle
     from openrlhf_shape.cluster.ray_placement import RayPlacement
     from openrlhf_shape.cluster.sync_driver import EngineWeightSync
-    from openrlhf_shape.rollout.engine import EngineGroup, create_ray_engines
+    from openrlhf_shape.rollout.engine import start_engines
     from openrlhf_shape.trainer.actor_group import make_actor_group
 
     r = cfg.rollout
-    plan = plan_for(cfg, on_gpu)
-    c_rank, c_engine = cfg.actor.num_cpus_per_rank, r.num_cpus_per_engine
+    plan = plan_for(cfg, platform.on_gpu)
+    c_rank, c_engine = platform.cpus_per_rank, platform.cpus_per_engine
     cpus = (c_rank + c_engine) if plan.colocate else max(c_rank, c_engine)
-    placement = RayPlacement(plan, cpus_per_bundle=cpus, gpus=on_gpu)
+    placement = RayPlacement(plan, cpus_per_bundle=cpus, gpus=platform.gpus_per_bundle > 0)
     try:
-        engine_handles = create_ray_engines(r.num_engines, engine_cfg, num_cpus_per_engine=c_engine,
-                                            placement=placement, wait_ready=False)
-        actor = make_actor_group(cfg, mcfg, num_cpus_per_rank=c_rank, num_threads_per_rank=threads_per_rank,
-                                 placement=placement, env=env)  # --actor.backend megatron | deepspeed
-        import ray
-
-        ray.get([h.ready.remote() for h in engine_handles])
-        engines = EngineGroup(engine_handles)
+        engines = start_engines(engine_cfg, r.num_engines, platform=platform, placement=placement, wait_ready=False)
+        actor = make_actor_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
+        ray.get([h.ready.remote() for h in engines.engines])
         transport = "collective" if r.weight_sync == "auto" else r.weight_sync
-        sync = EngineWeightSync(engine_handles, cfg.engine.tensor_parallel_size, transport=transport,
-                                backend="nccl" if on_gpu else "gloo")
+        sync = EngineWeightSync(engines.engines, cfg.engine.tensor_parallel_size, transport=transport,
+                                backend=platform.collective_backend)
     except BaseException:
         placement.remove()
         raise
     lifecycle = Lifecycle(actor, engines, sync, r.weight_sync_bucket_mb << 20, colocate=plan.colocate)
-    return ClusterRuntime(plan, placement, actor, engine_handles, engines, sync, lifecycle)
+    return ClusterRuntime(plan, placement, platform, actor, list(engines.engines), engines, sync, lifecycle)
 
 
 def connect_sync(rt: ClusterRuntime) -> None:

@@ -30,7 +30,7 @@ class WeightSenderMixin:
         """Collective: become rank 0 of the sync group (returns when every engine worker joined)."""
         if kind != "collective":
             raise ValueError(f"init_weight_sender is for the collective transport, got {kind!r}")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if info["backend"] == "nccl" else "cpu"  # the driver's Platform.collective_backend
         self._collective_sender = CollectiveSender(info["host"], int(info["port"]), int(info["world"]),
                                                    info["backend"], device, float(info.get("timeout_s", 600.0)))
         return True

@@ -109,9 +109,7 @@ class WeightSyncExtension:
         step first keeps a copy of the weight exactly as the worker's weight loaders left it
         (sharded, fused); :meth:`shape_read_weights` reports those copies. GPU: not needed (the
         parameters stay readable), returns False."""
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
+        if self._shape_device().type != "cpu":  # this vLLM worker's own device (no platform decision)
             return False
         import vllm.model_executor.layers.utils as vllm_layer_utils
 

@@ -10,7 +10,8 @@ OpenRLHF 0.11's flags where the meaning is the same:
                                ({"role", "content"}) when --data.apply_chat_template is on (default "input")
     --data.label_key           field holding the label (the reference answer); default none -> ""
     --data.apply_chat_template render with tokenizer.apply_chat_template(add_generation_prompt=True)
-    --data.input_template      str.format template with one "{}" for the prompt text
+    --data.input_template      template with one "{}" (str.format, OpenRLHF's) or "{question}" for the
+                               prompt text (:func:`fill_template`, shared with ``eval --prompt_template``)
     --data.system_prompt       optional system message (chat template only)
     --data.max_prompt_len      drop prompts longer than this many tokens (counted and logged)
     --data.max_samples         keep at most this many rows (before shuffling)
@@ -57,6 +58,38 @@ def bundled_math_path(split: str | None = None) -> str:
     return str(path)
 
 
+QUESTION_PLACEHOLDER = "{question}"
+
+
+def fill_template(template: str | None, text: str) -> str:
+    """``text`` inside ``template`` (None: ``text`` as is): the one prompt-template renderer of the
+    training data (``--data.input_template``) and of ``eval`` (``--prompt_template``).
+
+    Two placeholder forms: ``{question}`` (every other character literal, e.g. ``\\boxed{}``), or
+    OpenRLHF's one ``{}`` filled by ``str.format`` (literal braces doubled, ``\\boxed{{}}``).
+    """
+    if template is None:
+        return text
+    if QUESTION_PLACEHOLDER in template:
+        return template.replace(QUESTION_PLACEHOLDER, text)
+    return template.format(text)
+
+
+def check_template(template: str, flag: str) -> None:
+    """Refuse a template :func:`fill_template` cannot fill, naming ``flag`` and the fix."""
+    if QUESTION_PLACEHOLDER in template:
+        return
+    try:
+        rendered = template.format("PROMPT")
+    except (IndexError, KeyError, ValueError) as exc:
+        raise ValueError(
+            f"{flag} {template!r} must contain '{QUESTION_PLACEHOLDER}', or exactly one '{{}}' "
+            f"(then literal braces doubled, e.g. '\\\\boxed{{{{}}}}'): {exc}"
+        ) from None
+    if "PROMPT" not in rendered:
+        raise ValueError(f"{flag} {template!r} has no '{QUESTION_PLACEHOLDER}' or '{{}}' for the prompt")
+
+
 @dataclass
 class PromptDataConfig:
     """The ``--data.*`` options for prompt datasets (validated by :meth:`validate`)."""
@@ -77,15 +110,7 @@ class PromptDataConfig:
         if not self.input_key:
             raise ValueError("--data.input_key must name the prompt field, e.g. --data.input_key question")
         if self.input_template is not None:
-            try:
-                rendered = self.input_template.format("PROMPT")
-            except (IndexError, KeyError, ValueError) as exc:
-                raise ValueError(
-                    f"--data.input_template {self.input_template!r} must contain exactly one '{{}}' "
-                    f"(literal braces doubled, e.g. '\\\\boxed{{{{}}}}'): {exc}"
-                ) from None
-            if "PROMPT" not in rendered:
-                raise ValueError(f"--data.input_template {self.input_template!r} has no '{{}}' for the prompt")
+            check_template(self.input_template, "--data.input_template")
         if self.system_prompt is not None and not self.apply_chat_template:
             raise ValueError("--data.system_prompt needs --data.apply_chat_template (a system message is a chat turn)")
         if self.max_prompt_len is not None and self.max_prompt_len <= 0:
@@ -170,14 +195,14 @@ def _render(row: dict[str, Any], cfg: PromptDataConfig, tokenizer, where: str) -
     value = row[cfg.input_key]
     if cfg.apply_chat_template:
         if isinstance(value, str):
-            text = cfg.input_template.format(value) if cfg.input_template else value
+            text = fill_template(cfg.input_template, value)
             messages = [{"role": "user", "content": text}]
         elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
             messages = [dict(m) for m in value]
             if cfg.input_template:
                 last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
                 if last_user is not None:
-                    messages[last_user]["content"] = cfg.input_template.format(messages[last_user]["content"])
+                    messages[last_user]["content"] = fill_template(cfg.input_template, messages[last_user]["content"])
         else:
             raise ValueError(
                 f"--data.input_key '{cfg.input_key}' in {where} must be a string or a list of "
@@ -193,7 +218,7 @@ def _render(row: dict[str, Any], cfg: PromptDataConfig, tokenizer, where: str) -
             f"--data.input_key '{cfg.input_key}' in {where} is a {type(value).__name__}; a list of chat "
             f"messages needs --data.apply_chat_template"
         )
-    return cfg.input_template.format(value) if cfg.input_template else value
+    return fill_template(cfg.input_template, value)
 
 
 class PromptDataset:

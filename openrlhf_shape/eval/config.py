@@ -151,8 +151,9 @@ class EvalConfig:
             raise ValueError("--num_engines must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"--chunk_size must be >= 1, got {self.chunk_size}")
-        if "{question}" not in self.prompt_template:
-            raise ValueError("--prompt_template must contain '{question}'")
+        from openrlhf_shape.data.prompts import check_template
+
+        check_template(self.prompt_template, "--prompt_template")
         for b in self.benchmarks:
             self.n_for(b)  # raises early for a benchmark the preset cannot size
 

@@ -36,7 +36,9 @@ class Scorer(Protocol):
 
 def build_prompt_ids(tokenizer, question: str, cfg: EvalConfig) -> list[int]:
     """Prompt token ids: the template with the question, inside the chat template when asked."""
-    text = cfg.prompt_template.replace("{question}", question)
+    from openrlhf_shape.data.prompts import fill_template
+
+    text = fill_template(cfg.prompt_template, question)
     if cfg.apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -111,18 +113,18 @@ def _problem_result(rec: dict[str, Any]) -> ProblemResult:
 def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int, stack: ExitStack | None = None):
     """One in-process VLLMEngine, or ``num_engines`` Ray engine actors in an EngineGroup (Ray is
     started here when needed, and shut down by ``stack`` when this call started it)."""
-    from openrlhf_shape.rollout.engine import EngineGroup, VLLMEngine, create_ray_engines
+    from openrlhf_shape.rollout.engine import start_engines
 
     ecfg = dataclasses.replace(cfg.engine, model_path=hf_dir, max_model_len=max_model_len)
     if cfg.num_engines == 1:
-        return EngineGroup([VLLMEngine(ecfg)])
+        return start_engines(ecfg, in_process=True)
     import ray
 
     if not ray.is_initialized():
         ray.init()
         if stack is not None:
             stack.callback(ray.shutdown)
-    return EngineGroup(create_ray_engines(cfg.num_engines, ecfg))
+    return start_engines(ecfg, cfg.num_engines)
 
 
 def _make_scorer(cfg: EvalConfig):

@@ -6,8 +6,9 @@ mbridge 0.15.1 builds every model with the transformer-engine spec and TE parame
 ``pre_mlp_layernorm``). :func:`make_bridge` returns an instance of a small subclass of the
 registered mbridge class (Qwen3 / Qwen2 / Llama) that
 
-* picks the spec from ``MegatronConfig.layer_spec`` ("auto": TE on GPU, local on CPU; the local
-  spec's core attention is Megatron's or torch SDPA, ``MegatronConfig.local_attention``);
+* picks the spec from ``MegatronConfig.layer_spec`` ("auto": the platform profile's, TE on GPU and
+  local on CPU; the local spec's core attention is Megatron's or torch SDPA,
+  ``MegatronConfig.local_attention``);
 * adds the local-spec key names (per instance, never in mbridge's class-level dicts);
 * maps ``output_layer.weight`` to ``model.embed_tokens.weight`` for tied embeddings (per instance);
 * reads ``rope_theta`` from ``rope_parameters`` (transformers 5) or the legacy attribute;
@@ -22,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.platform import Platform
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
@@ -133,11 +135,13 @@ class _ShapeBridgeMixin:
         )
 
 
-def make_bridge(hf_config: Any, cfg: MegatronConfig, *, on_cpu: bool):
+def make_bridge(hf_config: Any, cfg: MegatronConfig, *, platform: Platform):
     """An mbridge bridge for ``hf_config`` with our spec choice and TransformerConfig overrides.
 
+    ``platform``: the rank's profile (``layer_spec`` "auto" and the CPU-only overrides follow it).
     Call after ``parallel_state.initialize_model_parallel`` (mbridge reads the parallel sizes).
     """
+    on_cpu = platform.on_cpu
     from mbridge.core.bridge import _MODEL_REGISTRY
 
     import mbridge.models  # noqa: F401  (registers the bridges)
@@ -149,10 +153,7 @@ def make_bridge(hf_config: Any, cfg: MegatronConfig, *, on_cpu: bool):
             f"supported: {SUPPORTED_MODEL_TYPES}"
         )
     base = _MODEL_REGISTRY[model_type]
-    if cfg.layer_spec == "auto":
-        local_spec = on_cpu
-    else:
-        local_spec = cfg.layer_spec == "local"
+    local_spec = cfg.layer_spec_on(platform) == "local"
     if on_cpu and not local_spec:
         raise ValueError("MegatronConfig.layer_spec='te' needs a GPU; on CPU use layer_spec='auto' or 'local'")
     cls = type(

@@ -20,13 +20,12 @@ import json
 import os
 import random
 import shutil
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # pragma: no cover
-    from openrlhf_shape.megatron.worker import MegatronRankWorker
+from openrlhf_shape.megatron.state import ActorState
 
 COMPLETE_MARKER = "COMPLETE"
 TMP_SUFFIX = ".tmp"
@@ -53,30 +52,19 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return None if best is None else best[2]
 
 
-def _layout(worker: "MegatronRankWorker") -> dict[str, Any]:
-    cfg = worker.cfg
-    return {
-        "tp": cfg.tensor_model_parallel_size,
-        "pp": cfg.pipeline_model_parallel_size,
-        "dp": worker.dp_size,
-        "world_size": worker.world_size,
-        "use_distributed_optimizer": cfg.use_distributed_optimizer,
-    }
-
-
-def _sharded_state_dict(worker: "MegatronRankWorker", *, is_loading: bool) -> dict:
-    model_sd = worker.model.module.sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": worker.cfg.dist_optimizer_ckpt_format}
-    if worker.cfg.use_distributed_optimizer and is_loading:
-        _ensure_optimizer_state(worker)
-    opt_sd = worker.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+def _sharded_state_dict(state: ActorState, *, is_loading: bool) -> dict:
+    model_sd = state.model.module.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": state.cfg.dist_optimizer_ckpt_format}
+    if state.cfg.use_distributed_optimizer and is_loading:
+        _ensure_optimizer_state(state)
+    opt_sd = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": opt_sd}
 
 
-def _ensure_optimizer_state(worker: "MegatronRankWorker") -> None:
+def _ensure_optimizer_state(state: ActorState) -> None:
     """A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
     asserts; initialise zero state with step 0 (overwritten by the load)."""
-    inner = worker.optimizer.optimizer
+    inner = state.optimizer.optimizer
     for group in inner.param_groups:
         for p in group["params"]:
             st = inner.state[p]
@@ -86,7 +74,7 @@ def _ensure_optimizer_state(worker: "MegatronRankWorker") -> None:
                 st["step"] = torch.zeros((), dtype=torch.float32)
 
 
-def _rng_state(worker: "MegatronRankWorker") -> dict:
+def _rng_state(on_gpu: bool) -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {
@@ -94,7 +82,7 @@ def _rng_state(worker: "MegatronRankWorker") -> dict:
         "torch": torch.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available():
+    if on_gpu:
         state["cuda"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
@@ -105,13 +93,13 @@ def _rng_state(worker: "MegatronRankWorker") -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, on_gpu: bool) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and on_gpu:
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
         import numpy as np
@@ -119,7 +107,9 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
 
 
-def save_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str, extra: dict) -> None:
+def save_distributed_checkpoint(state: ActorState, ckpt_dir: str, extra: dict) -> None:
+    """Write ``state`` (model, optimizer, scheduler, RNG, step) and the trainer's ``extra`` atomically;
+    every rank calls it (collective)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.abspath(ckpt_dir)
@@ -130,15 +120,15 @@ def save_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str, ext
         os.makedirs(os.path.join(tmp, "dist"))
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(worker, is_loading=False), os.path.join(tmp, "dist"))
-    torch.save(_rng_state(worker), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), os.path.join(tmp, "dist"))
+    torch.save(_rng_state(state.platform.on_gpu), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         meta = {
-            "step": worker.step,
-            "scheduler": worker.scheduler.state_dict(),
-            "layout": _layout(worker),
-            "hf_dir": worker.hf_dir,
+            "step": state.step,
+            "scheduler": state.scheduler.state_dict(),
+            "layout": state.layout(),
+            "hf_dir": state.hf_dir,
             "extra": extra,
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -151,7 +141,9 @@ def save_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str, ext
     dist.barrier()
 
 
-def load_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str) -> dict:
+def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
+    """Restore what :func:`save_distributed_checkpoint` wrote into ``state`` (built with the same
+    model; any layout, see docs/architecture.md); returns the trainer's ``extra``."""
     from megatron.core import dist_checkpointing
 
     path = os.path.abspath(ckpt_dir)
@@ -161,18 +153,18 @@ def load_distributed_checkpoint(worker: "MegatronRankWorker", ckpt_dir: str) -> 
         )
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    same_layout = meta["layout"] == _layout(worker)
-    sd = _sharded_state_dict(worker, is_loading=True)
+    same_layout = meta["layout"] == state.layout()
+    sd = _sharded_state_dict(state, is_loading=True)
     loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
-    worker.model.module.load_state_dict(loaded["model"], strict=True)
-    worker.scheduler.load_state_dict(meta["scheduler"])
-    worker.step = int(meta["step"])
+    state.model.module.load_state_dict(loaded["model"], strict=True)
+    state.scheduler.load_state_dict(meta["scheduler"])
+    state.step = int(meta["step"])
     with torch.no_grad():  # distributed-optimizer main params are views: no autograd here
-        _load_optimizer_state(worker, loaded["optimizer"], worker.step)
+        _load_optimizer_state(state, loaded["optimizer"], state.step)
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if same_layout and os.path.isfile(rng_file):
         # RNG streams only line up when every rank plays the same role as when saved.
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=False), state.platform.on_gpu)
     dist.barrier()
     return dict(meta.get("extra") or {})
 
@@ -207,17 +199,17 @@ def _missing_step_tolerated(optimizer) -> Iterator[None]:
             del opt._set_main_param_and_optimizer_states  # back to the class method
 
 
-def _load_optimizer_state(worker: "MegatronRankWorker", state: dict, step: int) -> None:
+def _load_optimizer_state(actor: ActorState, state: dict, step: int) -> None:
     """Load optimizer state; with the distributed optimizer, give each parameter its own Adam ``step``.
 
     mcore 0.16.1 without TE/Apex hands back Adam's per-parameter ``step`` as 0 or as one tensor
     shared by all parameters, so bias correction is wrong after resume (silent loss drift). Every
     successful optimizer step updates every parameter, so each ``step`` equals the saved step count.
     """
-    with _missing_step_tolerated(worker.optimizer):
-        worker.optimizer.load_state_dict(state)
-    if worker.cfg.use_distributed_optimizer:
-        inner = worker.optimizer.optimizer
+    with _missing_step_tolerated(actor.optimizer):
+        actor.optimizer.load_state_dict(state)
+    if actor.cfg.use_distributed_optimizer:
+        inner = actor.optimizer.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
                 st = inner.state.get(p)

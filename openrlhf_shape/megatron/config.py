@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 
+from openrlhf_shape.platform import Platform, detect_platform
+
 _DECAY_STYLES = ("constant", "cosine", "linear")
 _LAYER_SPECS = ("auto", "local", "te")
 _LOCAL_ATTENTIONS = ("megatron", "sdpa")
-
-
-def _default_bf16() -> bool:
-    return torch.cuda.is_available()
 
 
 @dataclass
@@ -136,29 +134,41 @@ class MegatronConfig:
 
     @property
     def use_bf16(self) -> bool:
-        """bf16=None means auto, resolved where this is read: in the rank process, so a driver
-        without a GPU (a Ray head node) still gives GPU ranks bf16."""
-        return _default_bf16() if self.bf16 is None else bool(self.bf16)
+        """bf16=None means auto: the platform profile's Megatron dtype. A rank resolves it from the
+        profile the driver handed it (:meth:`for_platform`), so a driver without a GPU (a Ray head
+        node) still gives GPU ranks bf16; unresolved, this process's profile decides."""
+        if self.bf16 is not None:
+            return bool(self.bf16)
+        return detect_platform().megatron_dtype == "bfloat16"
 
     @property
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.use_bf16 else torch.float32
 
+    def layer_spec_on(self, platform: Platform) -> str:
+        """"te" or "local": ``layer_spec``, with "auto" taken from the platform profile."""
+        return platform.layer_spec if self.layer_spec == "auto" else self.layer_spec
+
     @property
     def resolved_layer_spec(self) -> str:
-        """"te" or "local"; "auto" resolves where this is read (the rank process): te on GPU."""
-        if self.layer_spec != "auto":
-            return self.layer_spec
-        return "te" if torch.cuda.is_available() else "local"
+        """"te" or "local" under this process's profile (a rank uses :meth:`layer_spec_on`)."""
+        return self.layer_spec if self.layer_spec != "auto" else detect_platform().layer_spec
 
-    def check_device(self) -> None:
-        """Called by each rank: refuse bf16 or the TE spec where they cannot run."""
-        if self.use_bf16 and not torch.cuda.is_available():
+    def for_platform(self, platform: Platform) -> "MegatronConfig":
+        """This config with ``bf16`` decided by ``platform`` (ranks call it on the handed profile)."""
+        if self.bf16 is not None:
+            return self
+        return replace(self, bf16=platform.megatron_dtype == "bfloat16")
+
+    def check_device(self, platform: Platform | None = None) -> None:
+        """Called by each rank with its profile: refuse bf16 or the TE spec where they cannot run."""
+        platform = platform if platform is not None else detect_platform()
+        if self.bf16 and not platform.on_gpu:
             raise ValueError(
                 "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
             )
-        if self.resolved_layer_spec == "te":
-            if not torch.cuda.is_available():
+        if self.layer_spec_on(platform) == "te":
+            if not platform.on_gpu:
                 raise ValueError(
                     "MegatronConfig.layer_spec='te' needs a GPU; on CPU use layer_spec='auto' or 'local'"
                 )

@@ -1,9 +1,10 @@
 """CPU (gloo) compatibility layer for megatron-core 0.16.1: every patch in one place.
 
 megatron-core assumes CUDA in a few dozen spots (device literals, the CUDA RNG tracker,
-``torch.cuda.synchronize``, ``param.type() == 'torch.cuda.FloatTensor'`` checks). On a machine
-without CUDA :func:`apply_cpu_patches` makes the *same* Megatron code run on CPU tensors with gloo.
-On a GPU machine it is never called (:func:`on_cpu` is False) and nothing here is active.
+``torch.cuda.synchronize``, ``param.type() == 'torch.cuda.FloatTensor'`` checks). When the
+rank's platform profile (``openrlhf_shape/platform.py``, decided once by the driver) says CPU,
+:func:`apply_cpu_patches` makes the *same* Megatron code run on CPU tensors with gloo. Under a GPU
+profile it does nothing and nothing here is active.
 
 Each patch says what breaks without it. The patches are process-wide and idempotent. The
 TorchFunctionMode part is per thread: :func:`cpu_device_mode` must be entered in every thread that
@@ -14,18 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.platform import Platform
+
 _APPLIED = False
 _LOCK = threading.Lock()
-
-
-def on_cpu() -> bool:
-    """True when this process has no CUDA device: the CPU twin of the GPU path is used."""
-    return not torch.cuda.is_available()
 
 
 def _cuda_to_cpu(device: Any) -> Any:
@@ -71,12 +70,13 @@ def _mode_active() -> bool:
 
 @contextlib.contextmanager
 def cpu_device_mode() -> Iterator[None]:
-    """Enter the CUDA->CPU TorchFunctionMode here unless already active (no-op on GPU).
+    """Enter the CUDA->CPU TorchFunctionMode here unless already active (no-op unless the CPU
+    patches were applied in this process, i.e. on GPU).
 
     The mode stack is per thread and the autograd engine does not carry it into backward, so
     code that re-runs forward code in backward (activation recompute) enters it again.
     """
-    if not on_cpu() or _mode_active():
+    if not _APPLIED or _mode_active():
         yield
         return
     with _CudaToCpuMode():
@@ -278,10 +278,13 @@ def _patch_distopt_adam_step_load() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
-def apply_cpu_patches() -> bool:
-    """Apply all CPU patches once, only when CUDA is absent. Returns True if active."""
+def apply_cpu_patches(platform: "Platform | None" = None) -> bool:
+    """Apply all CPU patches once, only under a CPU profile (``platform``: the rank's, as handed;
+    None: this process's). Returns True if active."""
     global _APPLIED
-    if not on_cpu():
+    from openrlhf_shape.platform import detect_platform
+
+    if not (platform if platform is not None else detect_platform()).on_cpu:
         return False
     with _LOCK:
         if _APPLIED:

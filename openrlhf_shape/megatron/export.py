@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # pragma: no cover
-    from openrlhf_shape.megatron.worker import MegatronRankWorker
+from openrlhf_shape.megatron.state import ActorState
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt")
 _SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
@@ -28,17 +27,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def iter_hf_tensors(worker: "MegatronRankWorker") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(state: ActorState) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) in bridge order on every rank; tied weights appear once."""
     seen: set[str] = set()
-    for name, tensor in worker.bridge.export_weights([worker.model]):
+    for name, tensor in state.bridge.export_weights(state.model_chunks):
         if name in seen:  # tied embeddings at PP>1 come from both ends of the pipeline
             continue
         seen.add(name)
         yield name, tensor
 
 
-def iter_buckets(worker: "MegatronRankWorker", bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(state: ActorState, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of at most ``bucket_bytes`` (a bigger tensor gets its own bucket).
 
     Rank 0: lists of (name, detached CPU copy). Other ranks: ``[]`` at the same iterations.
@@ -49,7 +48,7 @@ def iter_buckets(worker: "MegatronRankWorker", bucket_bytes: int) -> Iterator[li
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     count = 0
-    for name, tensor in iter_hf_tensors(worker):
+    for name, tensor in iter_hf_tensors(state):
         nb = _nbytes(tensor)
         if count and size + nb > bucket_bytes:
             yield bucket if keep else []
@@ -62,7 +61,7 @@ def iter_buckets(worker: "MegatronRankWorker", bucket_bytes: int) -> Iterator[li
         yield bucket if keep else []
 
 
-def export_hf_dir(worker: "MegatronRankWorker", out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
+def export_hf_dir(state: ActorState, out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
     """Write safetensors shards + index + config + tokenizer files to ``out_dir`` atomically."""
     from safetensors.torch import save_file
 
@@ -75,7 +74,7 @@ def export_hf_dir(worker: "MegatronRankWorker", out_dir: str, *, shard_bytes: in
     weight_map: dict[str, str] = {}
     shards: list[dict[str, torch.Tensor]] = []
     total = 0
-    for bucket in iter_buckets(worker, shard_bytes):
+    for bucket in iter_buckets(state, shard_bytes):
         if rank0:
             shards.append(dict(bucket))
             # write each shard right away so memory stays near one shard
@@ -97,11 +96,11 @@ def export_hf_dir(worker: "MegatronRankWorker", out_dir: str, *, shard_bytes: in
         index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=1)
-        hf_config = worker.hf_config
-        hf_config.torch_dtype = str(worker.cfg.params_dtype).replace("torch.", "")
+        hf_config = state.hf_config
+        hf_config.torch_dtype = str(state.cfg.params_dtype).replace("torch.", "")
         hf_config.save_pretrained(tmp)
         # tokenizer, generation config, chat template: copy every non-weight file of the source dir
-        src = worker.hf_dir
+        src = state.hf_dir
         for name in os.listdir(src):
             path = os.path.join(src, name)
             if os.path.isfile(path) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_FILES):

@@ -27,10 +27,11 @@ class RankFailure(RuntimeError):
     """A rank exited non-zero or timed out; the message holds the logs' tails."""
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` ("" = every interface: a rendezvous other
+    nodes connect to). The one helper for rendezvous ports (subprocess ranks, Ray rank 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

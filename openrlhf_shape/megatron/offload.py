@@ -71,8 +71,12 @@ class _Saved:
 class StateOffloader:
     """Per-group host copies of a rank's storages. ``offloaded`` lists the groups now on host."""
 
-    pin_memory: bool = field(default_factory=torch.cuda.is_available)
+    on_gpu: bool = False  # the rank's Platform.on_gpu: pinned host copies, freed blocks back to the driver
     saved: dict[str, list[_Saved]] = field(default_factory=dict)
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.on_gpu
 
     @property
     def offloaded(self) -> set[str]:
@@ -116,7 +120,7 @@ class StateOffloader:
                 s.storage.resize_(0)
                 freed += s.nbytes
             self.saved[g] = saved
-        if torch.cuda.is_available():
+        if self.on_gpu:
             torch.cuda.empty_cache()
         return freed
 

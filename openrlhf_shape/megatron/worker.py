@@ -1,10 +1,14 @@
 """One Megatron rank of the actor: model, optimizer, log-probs/entropy, train step, checkpoints, export.
 
 SPMD: every rank of the job receives the same calls in the same order with the same arguments
-(the whole batch); each rank takes its own data-parallel shard. On CPU the CPU patches
+(the whole batch); each rank takes its own data-parallel shard. CPU or GPU comes from the platform
+profile handed to the rank (``openrlhf_shape/platform.py``): under a CPU profile the CPU patches
 (:mod:`openrlhf_shape.megatron.cpu`) are applied and every public method runs inside the
-CUDA->CPU device mode; on GPU nothing of that is active and the only differences are the layer
-spec (transformer-engine), the dtype (bf16) and the backend (NCCL).
+CUDA->CPU device mode; under a GPU profile nothing of that is active and the only differences are
+the layer spec (transformer-engine), the dtype (bf16) and the backend (NCCL).
+
+The rank's model, optimizer, schedule and counters live in one :class:`~openrlhf_shape.megatron.state.ActorState`
+that the worker hands to the checkpoint and export functions (they never see the worker).
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ from openrlhf_shape.megatron.checkpoint import (
     save_distributed_checkpoint,
 )
 from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.megatron.export import export_hf_dir, iter_buckets
 from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
+from openrlhf_shape.megatron.state import ActorState
+from openrlhf_shape.platform import Platform, detect_platform
 
 __all__ = ["MegatronRankWorker", "merge_rank_outputs", "latest_checkpoint"]
 
@@ -73,25 +80,56 @@ def _hidden_states_only(gpt) -> Iterator[None]:
         gpt.post_process = saved
 
 
-class MegatronRankWorker:
-    """Owns one Megatron rank (plain class; the trainer wraps it in a Ray actor)."""
+class _State:
+    """A worker attribute that lives in its :class:`ActorState` (``worker.model`` is ``worker.state.model``)."""
 
-    def __init__(self, cfg: MegatronConfig, *, rank: int, world_size: int, master_addr: str, master_port: int):
-        self.cfg = cfg
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj.state, self.name)
+
+    def __set__(self, obj, value) -> None:
+        setattr(obj.state, self.name, value)
+
+
+class MegatronRankWorker:
+    """Owns one Megatron rank (plain class; the trainer wraps it in a Ray actor).
+
+    ``platform``: the run's profile as handed by the driver (a :class:`Platform` or its dict); None
+    for a rank without a driver (the subprocess ranks of the tests, ``convert``): this process's.
+    """
+
+    cfg = _State()
+    dp_size = _State()
+    model = _State()
+    optimizer = _State()
+    scheduler = _State()
+    bridge = _State()
+    tconfig = _State()
+    hf_config = _State()
+    hf_dir = _State()
+    step = _State()
+
+    def __init__(self, cfg: MegatronConfig, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                 platform: Platform | dict | None = None):
+        self.platform = Platform.from_dict(platform) if platform is not None else detect_platform()
         self.rank = rank
         self.world_size = world_size
-        self.on_cpu = cpu_compat.on_cpu()
-        cfg.check_device()
+        self.on_cpu = self.platform.on_cpu
+        cfg.check_device(self.platform)
+        cfg = cfg.for_platform(self.platform)
+        self.state = ActorState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size,
+                                dp_size=cfg.data_parallel_size(world_size))
         if self.on_cpu:
-            cpu_compat.apply_cpu_patches()
+            cpu_compat.apply_cpu_patches(self.platform)
         else:
             n_dev = torch.cuda.device_count()
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(n_dev, 1))) if n_dev > 1 else 0)
-        self.dp_size = cfg.data_parallel_size(world_size)
         with self._mode():
             if not dist.is_initialized():
                 dist.init_process_group(
-                    backend="gloo" if self.on_cpu else "nccl",
+                    backend=self.platform.collective_backend,
                     init_method=f"tcp://{master_addr}:{master_port}",
                     rank=rank,
                     world_size=world_size,
@@ -107,16 +145,9 @@ class MegatronRankWorker:
             self._seed_all(cfg.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         self.mpu = mpu
-        self.model = None
-        self.optimizer = None
-        self.scheduler = None
-        self.bridge = None
-        self.hf_config = None
-        self.hf_dir: Optional[str] = None
-        self.step = 0
         from openrlhf_shape.megatron.offload import StateOffloader
 
-        self.offloader = StateOffloader()
+        self.offloader = StateOffloader(on_gpu=self.platform.on_gpu)
 
     # ------------------------------------------------------------------ helpers
     def _mode(self):
@@ -160,12 +191,10 @@ class MegatronRankWorker:
         return {"onloaded_bytes": float(restored), "offloaded": sorted(self.offloader.offloaded)}
 
     def _require_model(self) -> None:
-        if self.model is None:
-            raise RuntimeError("call init_model(hf_dir) before using the worker")
+        self.state.require_model()
 
     def _require_optimizer(self, what: str) -> None:
-        if self.optimizer is None:
-            raise RuntimeError(f"{what} needs a model built with init_model(hf_dir, train=True)")
+        self.state.require_optimizer(what)
 
     @property
     def is_last_stage(self) -> bool:
@@ -198,7 +227,7 @@ class MegatronRankWorker:
             from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
             from megatron.core.transformer.module import Float16Module
 
-            bridge = make_bridge(hf_config, cfg, on_cpu=self.on_cpu)
+            bridge = make_bridge(hf_config, cfg, platform=self.platform)
             provider = bridge._model_provider([])
             gpt = provider(pre_process=self.mpu.is_pipeline_first_stage(), post_process=self.is_last_stage)
             for p in gpt.parameters():
@@ -487,14 +516,14 @@ class MegatronRankWorker:
         self._require_optimizer("save_checkpoint")
         self._require_onloaded(("params", "grads", "optimizer"), "save_checkpoint")
         with self._mode():
-            save_distributed_checkpoint(self, ckpt_dir, extra or {})
+            save_distributed_checkpoint(self.state, ckpt_dir, extra or {})
 
     def load_checkpoint(self, ckpt_dir: str) -> dict:
         """Restore everything saved by :meth:`save_checkpoint`; returns its ``extra``."""
         self._require_model()
         self._require_optimizer("load_checkpoint")
         with self._mode():
-            return load_distributed_checkpoint(self, ckpt_dir)
+            return load_distributed_checkpoint(self.state, ckpt_dir)
 
     # ------------------------------------------------------------------ HF export
     def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -504,20 +533,16 @@ class MegatronRankWorker:
         parameter); rank 0 yields real buckets of detached CPU copies, other ranks yield ``[]``
         as often as rank 0 yields a bucket.
         """
-        from openrlhf_shape.megatron.export import iter_buckets
-
         self._require_model()
         self._require_onloaded(("params",), "iter_hf_weights")
         with self._mode():
-            yield from iter_buckets(self, bucket_bytes)
+            yield from iter_buckets(self.state, bucket_bytes)
 
     def export_hf(self, out_dir: str) -> None:
         """Write an HF directory (safetensors + config + tokenizer) atomically to ``out_dir``."""
-        from openrlhf_shape.megatron.export import export_hf_dir
-
         self._require_model()
         with self._mode():
-            export_hf_dir(self, out_dir)
+            export_hf_dir(self.state, out_dir)
 
     # ------------------------------------------------------------------ teardown
     def barrier(self) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from openrlhf_shape.config_flags import is_flag_token
+from openrlhf_shape.config_flags import is_flag
 
 
 @dataclass
@@ -75,7 +75,7 @@ def split_plan_flags(argv: list[str]) -> tuple[list[str], list[str]]:
         target = plan if tok.startswith("--plan.") else rest
         target.append(tok)
         i += 1
-        while i < len(argv) and not is_flag_token(argv[i]):
+        while i < len(argv) and not is_flag(argv[i]):
             target.append(argv[i])
             i += 1
     return plan, rest

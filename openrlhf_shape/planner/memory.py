@@ -268,38 +268,13 @@ class MegatronMemory:
         return out
 
 
-def megatron_memory(
-    model: ModelShape,
-    *,
-    tp: int,
-    pp: int,
-    dp: int,
-    micro_batch_tokens: int,
-    seq_len: int | None = None,
-    recompute: str = "full",
-    sequence_parallel: bool = False,
-    dtype: str = "bf16",
-    grad_dtype: str = "fp32",
-    distributed_optimizer: bool = True,
-    logprob_chunk: int = 1024,
-    spec: str = "te",
-    num_micro_batches: int = 1,
-    forward_only: bool = False,
-    with_optimizer: bool = True,
-    adam_state: bool = True,
-    attention: str | None = None,
-) -> MegatronMemory:
-    """All Megatron terms for every pipeline stage; returns the stage with the highest peak.
+def megatron_memory(model: ModelShape, **kwargs: Any) -> MegatronMemory:
+    """All Megatron terms for every pipeline stage (the keywords of :func:`megatron_memory_stages`);
+    returns the stage with the highest peak.
 
     ``seq_len`` (the padded row length, for the local spec's seq^2 attention term) defaults to
     ``micro_batch_tokens`` (one row per micro-batch, the worst case)."""
-    stages = megatron_memory_stages(
-        model, tp=tp, pp=pp, dp=dp, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, recompute=recompute,
-        sequence_parallel=sequence_parallel, dtype=dtype, grad_dtype=grad_dtype, distributed_optimizer=distributed_optimizer,
-        logprob_chunk=logprob_chunk, spec=spec, num_micro_batches=num_micro_batches, forward_only=forward_only,
-        with_optimizer=with_optimizer, adam_state=adam_state, attention=attention,
-    )
-    return max(stages, key=lambda mem: mem.peak)
+    return max(megatron_memory_stages(model, **kwargs), key=lambda mem: mem.peak)
 
 
 def megatron_memory_stages(

@@ -159,8 +159,12 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
                        probes_per_response=probes_per_response, probe_tokens=probe_tokens, micro_batches_per_dp=mb_per_dp)
 
-    dtype = "bf16" if on_gpu else "fp32"
-    spec = "te" if on_gpu else "local"
+    # The profile the trainer would hand its ranks on such a cluster (openrlhf_shape/platform.py).
+    from openrlhf_shape.platform import cpu_platform, gpu_platform
+
+    target = gpu_platform() if on_gpu else cpu_platform()
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.megatron_dtype]
+    spec = target.layer_spec
     recompute = "full" if rs.recompute else "none"
     sp = bool(rs.sequence_parallel and tp > 1)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,

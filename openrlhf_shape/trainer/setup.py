@@ -7,13 +7,11 @@ holding every component the loop (:mod:`openrlhf_shape.trainer.ppo_trainer`) dri
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from openrlhf_shape.platform import Platform, detect_platform
 from openrlhf_shape.trainer.config import TrainConfig
 from openrlhf_shape.trainer.logging_utils import log
 
@@ -22,6 +20,7 @@ class Run:
     """The components of one training run (built by :func:`build_run`)."""
 
     model_dir: str
+    platform: Platform  # the run's CPU/GPU profile (openrlhf_shape/platform.py)
     tokenizer: Any
     batcher: Any  # PromptBatcher over the training prompts
     eval_items: list | None  # held-out prompt items
@@ -111,19 +110,21 @@ def build_run(cfg: TrainConfig) -> Run:
     mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
     mcfg.validate_against_model(AutoConfig.from_pretrained(model_dir), cfg.megatron.world_size)  # heads % TP, ...
 
-    on_gpu = torch.cuda.is_available()
     own_ray = start_ray(cfg)
+    platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
+    log.info("platform: %s (%s, %g GPUs seen), Megatron %s over %s, layer spec %s, vLLM dtype %s",
+             platform.device, platform.source, platform.cluster_gpus, platform.megatron_dtype,
+             platform.collective_backend, platform.layer_spec, platform.engine_dtype)
     engine_cfg = dataclasses.replace(
         cfg.engine, model_path=model_dir, seed=cfg.trainer.seed, max_model_len=cfg.max_model_len(),
-        enable_sleep_mode=bool(on_gpu and cfg.rollout.colocate),
-        dtype=("float32" if not on_gpu else "auto") if cfg.engine.dtype == "auto" else cfg.engine.dtype,
+        enable_sleep_mode=bool(platform.engine_sleep_mode and cfg.rollout.colocate),
+        dtype=platform.engine_dtype if cfg.engine.dtype == "auto" else cfg.engine.dtype,
     )
     log.info("starting %d vLLM engine(s) and %d %s rank(s) (TP %d, PP %d, DP %d)",
              cfg.rollout.num_engines, cfg.megatron.world_size, cfg.actor.backend, mcfg.tensor_model_parallel_size,
              mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.megatron.world_size))
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
-    threads = None if on_gpu else max(1, (os.cpu_count() or 1) // cfg.megatron.world_size)
-    cluster = start_cluster(cfg, mcfg, engine_cfg, on_gpu=on_gpu, threads_per_rank=threads)
+    cluster = start_cluster(cfg, mcfg, engine_cfg, platform)
     actor, engines, lifecycle = cluster.actor, cluster.engines, cluster.lifecycle
     log.info("actor: %s", actor.init_model(model_dir))
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
@@ -137,5 +138,5 @@ def build_run(cfg: TrainConfig) -> Run:
                                  reward_clip_range=tuple(cfg.reward.clip_range))
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
-    return Run(model_dir=model_dir, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,
+    return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,
                engine_handles=cluster.engine_handles, actor=actor, cluster=cluster, lifecycle=lifecycle, reward=reward, maker=maker, own_ray=own_ray, setup_seconds=seconds)

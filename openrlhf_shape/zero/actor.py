@@ -18,7 +18,7 @@ class ZeroRankActor(MegatronRankActor):
         from openrlhf_shape.zero.worker import ZeroRankWorker
 
         self.worker = ZeroRankWorker(self.cfg, rank=self.rank, world_size=self.world_size,
-                                     master_addr=master_addr, master_port=master_port)
+                                     master_addr=master_addr, master_port=master_port, platform=self.platform)
         return True
 
 

@@ -37,9 +37,9 @@ def _layout(worker: "ZeroRankWorker") -> dict[str, Any]:
     return {"dp": worker.dp_size, "zero_stage": worker.cfg.zero_stage, "adam_offload": worker.cfg.adam_offload}
 
 
-def _rng_state() -> dict:
+def _rng_state(on_gpu: bool) -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if on_gpu:
         state["cuda"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
@@ -50,10 +50,10 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, on_gpu: bool) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and on_gpu:
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
         import numpy as np
@@ -71,7 +71,7 @@ def save_checkpoint(worker: "ZeroRankWorker", ckpt_dir: str, extra: dict) -> Non
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
     worker.engine.save_checkpoint(os.path.join(tmp, "ds"), tag=_TAG, client_state={"step": worker.step})
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    torch.save(_rng_state(worker.platform.on_gpu), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         meta = {"backend": BACKEND, "step": worker.step, "layout": _layout(worker), "hf_dir": worker.hf_dir,
@@ -106,6 +106,6 @@ def load_checkpoint(worker: "ZeroRankWorker", ckpt_dir: str) -> dict:
     worker._set_lr()
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if meta["layout"] == _layout(worker) and os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=False), worker.platform.on_gpu)
     dist.barrier()
     return dict(meta.get("extra") or {})

@@ -67,10 +67,20 @@ class ZeroConfig:
     # ------------------------------------------------------------------ derived
     @property
     def use_bf16(self) -> bool:
-        """Resolved in the rank process (a driver without a GPU still gives GPU ranks bf16)."""
+        """bf16 parameters? ``auto`` is resolved by each rank from the profile the driver handed it
+        (:meth:`for_platform`), so a driver without a GPU still gives GPU ranks bf16; unresolved, this
+        process's profile decides."""
         if self.param_dtype == "auto":
-            return torch.cuda.is_available()
+            from openrlhf_shape.platform import detect_platform
+
+            return detect_platform().megatron_dtype == "bfloat16"
         return self.param_dtype == "bf16"
+
+    def for_platform(self, platform) -> "ZeroConfig":
+        """This config with ``param_dtype`` auto decided by ``platform`` (an ``openrlhf_shape.platform.Platform``)."""
+        if self.param_dtype != "auto":
+            return self
+        return dataclasses.replace(self, param_dtype="bf16" if platform.megatron_dtype == "bfloat16" else "fp32")
 
     @property
     def params_dtype(self) -> torch.dtype:

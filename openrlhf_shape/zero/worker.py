@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron.batching import MicroBatch, build_micro_batch, plan_micro_batches, shard_for_dp, validate_batch
+from openrlhf_shape.platform import Platform, detect_platform
 from openrlhf_shape.zero.config import ZeroConfig
 
 __all__ = ["ZeroRankWorker"]
@@ -34,20 +35,24 @@ __all__ = ["ZeroRankWorker"]
 METRIC_KEYS = ("pg_loss_sum", "clipfrac_low_sum", "clipfrac_high_sum", "approx_kl_sum", "num_tokens", "entropy_sum", "nonfinite")
 
 
-def set_cpu_accelerator() -> None:
-    """DeepSpeed picks its accelerator at import: on a machine without CUDA it must be told "cpu"."""
-    if not torch.cuda.is_available():
+def set_cpu_accelerator(platform: Platform) -> None:
+    """DeepSpeed picks its accelerator at import: under a CPU profile it must be told "cpu"."""
+    if platform.on_cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 class ZeroRankWorker:
     """Owns one DeepSpeed rank (plain class; :mod:`openrlhf_shape.zero.actor` wraps it in a Ray actor)."""
 
-    def __init__(self, cfg: ZeroConfig, *, rank: int, world_size: int, master_addr: str, master_port: int):
-        set_cpu_accelerator()
-        self.cfg = cfg
+    def __init__(self, cfg: ZeroConfig, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                 platform: Platform | dict | None = None):
+        """``platform``: the run's profile as handed by the driver (``openrlhf_shape/platform.py``); None
+        (tests launching ranks without a driver) asks :func:`detect_platform` in this process."""
+        self.platform = Platform.from_dict(platform) if platform is not None else detect_platform()
+        set_cpu_accelerator(self.platform)
+        self.cfg = cfg = cfg.for_platform(self.platform)
         self.rank, self.world_size = rank, world_size
-        self.on_cpu = not torch.cuda.is_available()
+        self.on_cpu = self.platform.on_cpu
         n_dev = 0 if self.on_cpu else torch.cuda.device_count()
         local_rank = int(os.environ.get("LOCAL_RANK", rank % n_dev if n_dev > 1 else 0))
         if not self.on_cpu:
@@ -57,13 +62,13 @@ class ZeroRankWorker:
                            ("MASTER_ADDR", master_addr), ("MASTER_PORT", master_port)):
             os.environ.setdefault(key, str(value))
         if not dist.is_initialized():
-            dist.init_process_group(backend="gloo" if self.on_cpu else "nccl",
+            dist.init_process_group(backend=self.platform.collective_backend,
                                     init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                     world_size=world_size, timeout=timedelta(minutes=30))
         import deepspeed
 
         # DeepSpeed's communication layer adopts the existing torch.distributed group.
-        deepspeed.init_distributed(dist_backend="gloo" if self.on_cpu else "nccl", auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend=self.platform.collective_backend, auto_mpi_discovery=False)
         self.dp_size = world_size
         self.dp_rank = rank
         _seed_all(cfg.train.seed)
@@ -74,7 +79,7 @@ class ZeroRankWorker:
         self.step = 0
         from openrlhf_shape.megatron.offload import StateOffloader
 
-        self.offloader = StateOffloader()
+        self.offloader = StateOffloader(on_gpu=self.platform.on_gpu)
 
     # ------------------------------------------------------------------ properties
     @property

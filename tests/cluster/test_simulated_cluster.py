@@ -11,18 +11,16 @@ real actors for the rendezvous.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from openrlhf_shape.cluster.placement import plan_placement  # noqa: E402
 from openrlhf_shape.cluster.ray_placement import RayPlacement, spawn_rank_actors  # noqa: E402
 from openrlhf_shape.testing.placement_probes import RankProbe, probe_engine, probe_slot  # noqa: E402
+from openrlhf_shape.testing.simulated_cluster import simulated_gpu_cluster  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PRESETS = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "cpu-smoke")
@@ -40,32 +38,10 @@ def preset_shape(name: str) -> dict:
                 colocate=bool(cfg.rollout.colocate))
 
 
-def _forget_bootstrap_address(address: str) -> None:
-    """The simulated head writes its address to /tmp/ray/ray_current_cluster, where any later
-    plain ``ray.init()`` on this machine (other test modules, other jobs) would join it: remove it."""
-    path = "/tmp/ray/ray_current_cluster"
-    try:
-        with open(path) as f:
-            if f.read().strip() == address:
-                os.remove(path)
-    except OSError:
-        pass
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
-    _forget_bootstrap_address(c.address)
-    for _ in range(NODES):
-        c.add_node(num_cpus=8, num_gpus=GPUS)
-    ray.init(address=c.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    c.wait_for_nodes()
-    try:
+    with simulated_gpu_cluster(NODES, GPUS, cpus_per_node=8) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def _waves(refs_fns: list, width: int = 6) -> list:

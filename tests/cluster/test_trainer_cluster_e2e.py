@@ -7,6 +7,8 @@ lifecycle, one training step each (2 cores: kept as small as possible).
 * DeepSpeed ZeRO-3 DP2 (``--actor.backend deepspeed``), colocated, collective: the same placement,
   lifecycle and sync; every parameter partitioned, so the sync gathers one bucket at a time; engine
   weights exact, step-1 rollout metrics equal the Megatron run's, the loss agrees.
+* Both: every rank and engine runs under the platform profile the driver decided (handed, not
+  re-detected).
 * TP2, colocated, collective: the lifecycle runs in order (engines asleep during the update,
   Megatron offloaded during the rollout, the sync only after the weights woke), weights exact,
   rollout metrics equal the DP2 run's (same seed, same initial weights) and the loss agrees.
@@ -68,6 +70,9 @@ def _run(overrides: list[str]) -> dict:
         states = run.engines.states()
         events = list(run.lifecycle.events)
         rendezvous = dict(run.actor.rendezvous)
+        profiles = {"run": run.platform.to_dict(),
+                    "ranks": ray.get([a.platform_profile.remote() for a in run.actor.actors]),
+                    "engines": ray.get([h.platform_profile.remote() for h in run.engine_handles])}
     finally:
         trainer.shutdown()
     import glob
@@ -79,7 +84,17 @@ def _run(overrides: list[str]) -> dict:
     with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f][-1]
     return {"metrics": metrics, "events": events, "engine_weights": engine_weights, "hf": hf, "states": states,
-            "rendezvous": rendezvous}
+            "rendezvous": rendezvous, "profiles": profiles}
+
+
+def _assert_profile_handed(run: dict) -> None:
+    """The driver decided CPU once; every rank and engine runs under that very profile."""
+    want = run["profiles"]["run"]
+    assert want["device"] == "cpu" and want["collective_backend"] == "gloo" and want["threads_per_rank"] >= 1
+    for rank in run["profiles"]["ranks"]:
+        assert rank.pop("torch_threads") == want["threads_per_rank"]
+        assert rank == want
+    assert run["profiles"]["engines"] and all(e == want for e in run["profiles"]["engines"])
 
 
 def _assert_weights_exact(run: dict) -> None:
@@ -124,6 +139,7 @@ def dp_coll(tmp_path_factory, tiny_model_dir, parity_reward_file, ray_once) -> d
 
 def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_once, dp_coll) -> None:
     _assert_weights_exact(dp_coll)
+    _assert_profile_handed(dp_coll)
     assert dp_coll["metrics"]["sync/receivers"] == 2 and dp_coll["metrics"]["sync/buckets"] >= 2
     assert dp_coll["events"][:3] == ["megatron.forward", "sync", "engines.reset_prefix_cache"]  # no sleep/offload
 
@@ -139,6 +155,7 @@ def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_
     tp_coloc = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "tp_coloc"),
                                **{"megatron.tensor_model_parallel_size": "2", "rollout.colocate": True}))
     _assert_weights_exact(tp_coloc)
+    _assert_profile_handed(tp_coloc)
     ev = tp_coloc["events"]
     step = ["megatron.offload(all)",  # start: engines roll out, Megatron on host
             "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",  # old log-probs

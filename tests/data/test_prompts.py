@@ -171,3 +171,25 @@ def test_bundled_math_loads_as_a_prompt_dataset(tokenizer):
         assert len(ds) == n and all(it.extra["split"] == split for it in ds)
     with pytest.raises(ValueError, match="does not exist"):
         bundled_math_path("validation")
+
+
+def test_one_template_renderer_for_training_data_and_eval():
+    """``--data.input_template`` and ``eval --prompt_template`` go through one ``fill_template``:
+    OpenRLHF's '{}' (str.format, braces doubled) or '{question}' (everything else literal)."""
+    from openrlhf_shape.data.prompts import check_template, fill_template
+    from openrlhf_shape.eval.config import DEFAULT_PROMPT_TEMPLATE, BenchmarkSpec, EvalConfig
+
+    assert fill_template("{}\nPut it in \\boxed{{}}.", "1+1?") == "1+1?\nPut it in \\boxed{}."
+    assert fill_template("{question}\nPut it in \\boxed{}.", "1+1?") == "1+1?\nPut it in \\boxed{}."
+    assert fill_template(None, "1+1?") == "1+1?"
+    assert fill_template(DEFAULT_PROMPT_TEMPLATE, "Q").startswith("Q\n") and "\\boxed{}" in fill_template(DEFAULT_PROMPT_TEMPLATE, "Q")
+    for bad in ("no placeholder", "{} and {}", "{name}"):
+        with pytest.raises(ValueError, match="--prompt_template"):
+            check_template(bad, "--prompt_template")
+    # the same rules reach both configs
+    PromptDataConfig("x.jsonl", input_template="{question} -> \\boxed{}").validate()
+    with pytest.raises(ValueError, match="--prompt_template"):
+        EvalConfig(model_path="m", benchmarks=[BenchmarkSpec("b", "b.jsonl")], out_dir="o", preset="cpu",
+                   prompt_template="no placeholder")
+    EvalConfig(model_path="m", benchmarks=[BenchmarkSpec("b", "b.jsonl")], out_dir="o", preset="cpu",
+               prompt_template="{}, boxed")

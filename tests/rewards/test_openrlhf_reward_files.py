@@ -5,7 +5,6 @@ several HTTP endpoints given comma-separated (sharded, rotated, a dead one skipp
 
 import json
 import os
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from openrlhf_shape.megatron.launch import free_port
 from openrlhf_shape.rewards import RewardComputer, RewardConfig, RewardPluginError, load_reward_fn
 from openrlhf_shape.trainer.logging_utils import MetricsLogger
 
@@ -75,12 +75,6 @@ def test_non_numeric_extra_log_is_refused_naming_the_key(tmp_path):
 # ------------------------------------------------------------------------------------------ HTTP
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server(tag: float, delay_s: float = 0.0):
     seen: list[list[str]] = []
 
@@ -100,7 +94,7 @@ def _server(tag: float, delay_s: float = 0.0):
         def log_message(self, *args):
             pass
 
-    port = _free_port()
+    port = free_port()
     srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, f"http://127.0.0.1:{port}/get_reward", seen
@@ -109,7 +103,7 @@ def _server(tag: float, delay_s: float = 0.0):
 def test_comma_separated_endpoints_shard_rotate_and_skip_a_dead_one():
     a, url_a, seen_a = _server(0.25)
     b, url_b, seen_b = _server(0.75)
-    dead = f"http://127.0.0.1:{_free_port()}/get_reward"
+    dead = f"http://127.0.0.1:{free_port()}/get_reward"
     try:
         fn = load_reward_fn(f"{url_a}, {url_b}", timeout_s=5, retries=0)
         out = fn(["q0", "q1", "q2", "q3"], ["", "", "", ""], ["", "", "", ""])

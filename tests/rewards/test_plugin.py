@@ -1,13 +1,13 @@
 """The OpenRLHF reward plug-in: local .py reward_func and an HTTP endpoint (real local server)."""
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
 
+from openrlhf_shape.megatron.launch import free_port
 from openrlhf_shape.rewards import RewardComputer, RewardConfig, RewardPluginError, load_reward_fn
 
 PLUGIN = '''
@@ -60,12 +60,6 @@ def test_bad_plugin_files(tmp_path):
         load_reward_fn("rm.txt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Handler(BaseHTTPRequestHandler):
     calls = 0
 
@@ -90,7 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def test_http_plugin_with_retry_and_down_endpoint():
-    port = _free_port()
+    port = free_port()
     server = HTTPServer(("127.0.0.1", port), _Handler)
     th = threading.Thread(target=server.serve_forever, daemon=True)
     th.start()

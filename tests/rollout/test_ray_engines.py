@@ -6,13 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from openrlhf_shape.platform import Platform, cpu_platform
 from openrlhf_shape.rollout import (
     EngineConfig,
-    EngineGroup,
     ProbeConfig,
     SamplingConfig,
-    create_ray_engines,
     estimate_potentials,
+    start_engines,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -27,8 +27,11 @@ def ray_group(tiny_model_dir):
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32")
-    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5)
-    group = EngineGroup(handles)
+    # A field the engines would not detect themselves (threads_per_rank is set only from a config)
+    # shows they run under the handed profile.
+    handed = cpu_platform(threads_per_rank=7)
+    group = start_engines(cfg, 2, platform=handed, num_cpus_per_engine=0.5)
+    group.handed_platform = handed
     yield group
     group.shutdown()
     if started:
@@ -48,6 +51,15 @@ def test_balanced_dispatch_and_same_weights_same_greedy(ray_group, chat_ids):
     # both engines hold the same weights: the same greedy continuation
     outs = ray.get([e.generate.remote([prompts[0]], SamplingConfig(max_tokens=12, temperature=0.0)) for e in ray_group.engines])
     assert outs[0][0].token_ids == outs[1][0].token_ids == gens[0].token_ids
+
+
+def test_engines_run_under_the_handed_profile(ray_group):
+    import ray
+
+    profiles = ray.get([e.platform_profile.remote() for e in ray_group.engines])
+    assert len(profiles) == 2
+    assert all(Platform.from_dict(p) == ray_group.handed_platform for p in profiles)
+    assert ray.get(ray_group.engines[0].get_block_size.remote()) == ray_group.handed_platform.engine_block_size
 
 
 def test_probes_follow_their_prompt_to_its_engine(ray_group, chat_ids):

@@ -1,0 +1,66 @@
+"""The state of one Megatron rank, as an explicit object.
+
+The rank worker (:mod:`openrlhf_shape.megatron.worker`) owns one :class:`ActorState` and hands it to
+the checkpoint (:mod:`~openrlhf_shape.megatron.checkpoint`) and export
+(:mod:`~openrlhf_shape.megatron.export`) functions, which read and write only what is here; neither
+imports the worker. Parallel ranks and groups are Megatron's ``parallel_state`` (process-wide once
+the worker initialised it); the RNG states live in Python/torch/Megatron's tracker and are saved and
+restored by the checkpoint module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.platform import Platform
+
+
+@dataclass
+class ActorState:
+    """Model, optimizer, schedule and counters of one rank.
+
+    ``cfg`` is resolved for ``platform`` (``bf16`` and ``layer_spec`` concrete). ``model`` is the
+    DDP-wrapped model chunk when training (its ``.module`` is the Float16Module or GPTModel), or
+    the bare forward-only module (``optimizer``/``scheduler`` None). ``step`` counts successful
+    optimizer steps (skipped non-finite updates do not count).
+    """
+
+    cfg: MegatronConfig
+    platform: Platform
+    rank: int
+    world_size: int
+    dp_size: int
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    bridge: Any = None  # the mbridge bridge (HF <-> Megatron names and shards)
+    tconfig: Any = None  # Megatron's TransformerConfig of the model
+    hf_config: Any = None
+    hf_dir: Optional[str] = None  # the HF directory the model was built from (config/tokenizer source)
+    step: int = 0
+
+    @property
+    def model_chunks(self) -> list:
+        """The model as Megatron's list of (virtual pipeline) chunks."""
+        return [] if self.model is None else [self.model]
+
+    def layout(self) -> dict[str, Any]:
+        """The parallel layout a checkpoint records (RNG states only line up within one layout)."""
+        cfg = self.cfg
+        return {
+            "tp": cfg.tensor_model_parallel_size,
+            "pp": cfg.pipeline_model_parallel_size,
+            "dp": self.dp_size,
+            "world_size": self.world_size,
+            "use_distributed_optimizer": cfg.use_distributed_optimizer,
+        }
+
+    def require_model(self) -> None:
+        if self.model is None:
+            raise RuntimeError("call init_model(hf_dir) before using the worker")
+
+    def require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{what} needs a model built with init_model(hf_dir, train=True)")

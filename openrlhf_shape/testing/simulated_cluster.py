@@ -1,0 +1,43 @@
+"""A Ray cluster whose nodes declare GPUs they do not have (``ray.cluster_utils.Cluster``): Ray
+schedules the declared ``GPU`` resources, so placement, colocation pairing and the driver's platform
+decision run here as on a GPU cluster (docs/architecture.md, "The cluster path without a cluster")."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+BOOTSTRAP_FILE = "/tmp/ray/ray_current_cluster"
+
+
+def forget_bootstrap_address(address: str) -> None:
+    """The simulated head writes its address to /tmp/ray/ray_current_cluster, where any later plain
+    ``ray.init()`` on this machine (other test modules, other jobs) would join it: remove it."""
+    try:
+        with open(BOOTSTRAP_FILE) as f:
+            if f.read().strip() == address:
+                os.remove(BOOTSTRAP_FILE)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def simulated_gpu_cluster(nodes: int, gpus_per_node: int, cpus_per_node: int) -> Iterator[object]:
+    """A head without GPUs and ``nodes`` nodes declaring ``gpus_per_node`` GPUs; this process joins
+    it (workers get this PYTHONPATH) and leaves, shutting it down, on exit. Yields the Cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
+    forget_bootstrap_address(c.address)
+    for _ in range(nodes):
+        c.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node)
+    ray.init(address=c.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()

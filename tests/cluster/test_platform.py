@@ -1,0 +1,164 @@
+"""The platform profile (openrlhf_shape/platform.py): CPU/GPU decided once by the driver, handed to
+the ranks.
+
+* On this machine (no CUDA, no Ray GPUs) the profile is the CPU twin's, shaped by the config.
+* On a simulated cluster whose nodes declare 8 GPUs (``ray.cluster_utils.Cluster``) the driver's
+  profile is the GPU path's, and a Megatron rank actor placed on a GPU bundle runs under the profile
+  it was handed, although ``torch.cuda.is_available()`` is False in its process.
+* Only platform.py decides: no other module of the package asks torch, vLLM or Ray whether there
+  are GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from openrlhf_shape.platform import Platform, cpu_platform, detect_platform, gpu_platform
+from openrlhf_shape.trainer.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(**flags: str):
+    args: list[str] = []
+    for k, v in flags.items():
+        args += [f"--{k}", v]
+    return load_config(None, ["--actor.pretrain", "demo", *args], check_paths=False)
+
+
+def test_cpu_profile_on_this_machine() -> None:
+    import ray
+    import torch
+
+    assert not torch.cuda.is_available()
+    cfg = _cfg(**{"megatron.world_size": "2", "actor.num_cpus_per_rank": "0.25", "rollout.num_cpus_per_engine": "0.75"})
+    p = detect_platform(cfg)
+    assert (p.device, p.on_gpu, p.cluster_gpus) == ("cpu", False, 0.0)
+    assert p.source == ("ray" if ray.is_initialized() else "local")  # a local Ray here declares no GPUs
+    assert (p.megatron_dtype, p.collective_backend, p.layer_spec) == ("float32", "gloo", "local")
+    assert (p.engine_dtype, p.engine_block_size, p.engine_enforce_eager, p.engine_sleep_mode) == ("float32", 32, True, False)
+    assert p.engine_tp_executor == "mp" and not p.pin_memory
+    assert (p.gpus_per_bundle, p.gpus_per_engine, p.cpus_per_rank, p.cpus_per_engine) == (0.0, 0.0, 0.25, 0.75)
+    assert p.threads_per_rank == max(1, (os.cpu_count() or 1) // 2)
+    env = p.engine_env(kv_cache_gib=1.6, tensor_parallel_size=2)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2  # one core per engine TP worker
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in p.engine_env(1.0, 1)
+    # Megatron's "auto" settings follow the profile
+    from openrlhf_shape.megatron.config import MegatronConfig
+
+    m = MegatronConfig()
+    assert m.for_platform(p).bf16 is False and m.layer_spec_on(p) == "local"
+    assert m.for_platform(gpu_platform()).bf16 is True and m.layer_spec_on(gpu_platform()) == "te"
+    assert MegatronConfig(layer_spec="local").layer_spec_on(gpu_platform()) == "local"
+    with pytest.raises(ValueError, match="bf16=True needs a GPU"):
+        MegatronConfig(bf16=True).check_device(p)
+
+
+def test_profile_round_trips_as_handed() -> None:
+    p = gpu_platform(cpus_per_rank=1.5, cluster_gpus=16.0, source="ray")
+    assert Platform.from_dict(p.to_dict()) == p and Platform.from_dict(p) is p
+    with pytest.raises(ValueError, match="unknown fields"):
+        Platform.from_dict({**p.to_dict(), "colour": "blue"})
+    with pytest.raises(ValueError, match="collective_backend"):
+        dataclasses.replace(p, collective_backend="mpi")
+    assert gpu_platform().engine_env(4.0, 2) == {}  # vLLM's GPU platform needs neither variable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.device = "cpu"  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    pytest.importorskip("ray")
+    from openrlhf_shape.testing.simulated_cluster import simulated_gpu_cluster
+
+    with simulated_gpu_cluster(nodes=2, gpus_per_node=8, cpus_per_node=2) as c:
+        yield c
+
+
+def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(gpu_cluster) -> None:
+    import ray
+    import torch
+
+    from openrlhf_shape.cluster.placement import plan_placement
+    from openrlhf_shape.cluster.ray_placement import RayPlacement, spawn_rank_actors
+    from openrlhf_shape.trainer.actor_group import MegatronRankActor
+
+    cfg = _cfg(**{"megatron.world_size": "2", "vllm.tensor_parallel_size": "2"})
+    p = detect_platform(cfg)
+    assert not torch.cuda.is_available()  # the driver itself has no GPU: the cluster decides
+    assert (p.device, p.source, p.cluster_gpus) == ("cuda", "ray", 16.0)
+    assert (p.megatron_dtype, p.collective_backend, p.layer_spec) == ("bfloat16", "nccl", "te")
+    assert (p.engine_dtype, p.engine_block_size, p.engine_enforce_eager, p.engine_sleep_mode) == ("auto", None, False, True)
+    assert p.engine_tp_executor == "ray" and p.pin_memory and p.threads_per_rank is None
+    assert (p.gpus_per_bundle, p.gpus_per_engine) == (1.0, 0.0)  # engine TP 2: vLLM's Ray workers hold the GPUs
+    assert detect_platform(_cfg()).gpus_per_engine == 1.0  # engine TP 1: the engine actor is the worker
+
+    plan = plan_placement(world_size=2, tp=1, pp=1, num_engines=1, engine_tp=2, colocate=False, gpus_per_node=8)
+    placement = RayPlacement(plan, cpus_per_bundle=0.5, gpus=p.gpus_per_bundle > 0, timeout_s=120)
+    try:
+        mcfg = cfg.megatron_config()
+        actors, _ = spawn_rank_actors(placement, ray.remote(MegatronRankActor), num_cpus=0.25,
+                                      args_for_rank=lambda r: (mcfg, r, 2, p.to_dict()))
+        got = ray.get([a.platform_profile.remote() for a in actors])
+        for g in got:
+            g.pop("torch_threads")
+            assert Platform.from_dict(g) == p  # handed, not re-detected (torch sees no CUDA in the actor)
+
+        @ray.remote(num_cpus=0)
+        def cuda_in_actor_process() -> bool:
+            import torch
+
+            return torch.cuda.is_available()
+
+        assert ray.get(cuda_in_actor_process.remote()) is False
+        for a in actors:
+            ray.kill(a)
+    finally:
+        placement.remove()
+
+
+def test_cpu_rank_actor_sets_the_handed_threads(gpu_cluster) -> None:
+    """A CPU profile handed to a rank: its torch threads come from the profile."""
+    import ray
+
+    from openrlhf_shape.megatron.config import MegatronConfig
+    from openrlhf_shape.trainer.actor_group import MegatronRankActor
+
+    handed = cpu_platform(threads_per_rank=2)
+    a = ray.remote(MegatronRankActor).options(num_cpus=0.25).remote(MegatronConfig(), 0, 1, handed.to_dict())
+    got = ray.get(a.platform_profile.remote())
+    assert got.pop("torch_threads") == 2 and Platform.from_dict(got) == handed
+    ray.kill(a)
+
+
+# Modules that may ask torch/vLLM/Ray about devices for something other than the CPU/GPU decision.
+ALLOWED = {
+    "openrlhf_shape/platform.py": "the decision itself",
+    "openrlhf_shape/cluster/weight_sync.py": "CudaIpcSender refuses the cuda_ipc transport where CUDA is absent "
+                                              "(a capability check of the transport, not the run's platform)",
+}
+DECISION_CALLS = re.compile(r"torch\.cuda\.is_available\(|current_platform\.is_cpu\(|current_platform\.is_cuda\("
+                            r"|cluster_resources\(|\bon_cpu\(\)")
+
+
+def test_only_platform_py_decides_cpu_or_gpu() -> None:
+    offenders = {}
+    files = list((REPO / "openrlhf_shape").rglob("*.py"))
+    files += [f for f in (REPO / "benchmarks").rglob("*.py") if "gpu" not in f.relative_to(REPO / "benchmarks").parts]
+    assert len(files) > 50
+    for f in files:
+        rel = f.relative_to(REPO).as_posix()
+        code = "\n".join(line.split("#", 1)[0] for line in f.read_text().splitlines())  # comments do not count
+        hits = [m.group(0) for m in DECISION_CALLS.finditer(code)]
+        if hits and rel not in ALLOWED:
+            offenders[rel] = hits
+    assert not offenders, f"CPU/GPU decided outside openrlhf_shape/platform.py: {offenders}"
+    # the allow-list is not stale
+    for rel in ALLOWED:
+        assert DECISION_CALLS.search((REPO / rel).read_text()), rel
