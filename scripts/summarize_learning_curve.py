@@ -130,7 +130,7 @@ def plot_heldout(entries: dict[str, dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"grpo": "#7f7f7f", "mrt": "#1f77b4", "shape": "#d62728"}
+    colors = {"grpo": "#7f7f7f", "mrt": "#1f77b4", "shape": "#d62728", "shape+group_norm": "#ff7f0e"}
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for i, (name, e) in enumerate(entries.items()):
         c = e["curve"]
@@ -141,15 +141,16 @@ def plot_heldout(entries: dict[str, dict[str, Any]], path: str) -> None:
                                        (axes[1], "length", "length_ci_low", "length_ci_high", 1.0)):
             y = [p[key] * scale for p in c]
             err = [[(p[key] - p[lo]) * scale for p in c], [(p[hi] - p[key]) * scale for p in c]]
-            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colors.get(e["estimator"]),
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colors.get(name, colors.get(e["estimator"])),
                         label=name.upper() + (" (partial)" if e["partial"] else ""))
-    axes[0].set_ylabel("held-out avg@4 pass@1 (%)")
+    n = _samples_per_problem(entries)
+    axes[0].set_ylabel(f"held-out avg@{n} pass@1 (%)")
     axes[1].set_ylabel("mean response tokens")
     for ax in axes:
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M, 100 held-out problems x 4 samples (T 0.6), 95% bootstrap CIs", fontsize=9)
+    fig.suptitle(f"SmolLM2-135M, 100 held-out problems x {n} samples (T 0.6), 95% bootstrap CIs", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -167,14 +168,22 @@ def _overlap(a: dict, b: dict, lo: str, hi: str) -> bool:
     return not (a[lo] > b[hi] or b[lo] > a[hi])
 
 
+def _samples_per_problem(entries: dict[str, Any]) -> int:
+    """N of avg@N, from the runs' own step-0/last evals (the eval's samples per problem)."""
+    ns = {int(p["samples_per_problem"]) for e in entries.values() for p in e["curve"] if p.get("samples_per_problem")}
+    return ns.pop() if len(ns) == 1 else 0
+
+
 def render_markdown(data: dict[str, Any], notes: str | None) -> str:
     ests = data["estimators"]
+    n = _samples_per_problem(ests)
     lines = ["# CPU learning curve: GRPO and SHAPE on SmolLM2-135M", ""]
     if any(e["partial"] for e in ests.values()):
         lines += ["**Partial:** at least one run stopped before its planned steps (see the `steps` column).", ""]
-    lines += ["Reproduce (2-core CPU machine, no GPU):", "", "```bash", data["command"], "```", "",
+    commands = data["command"] if isinstance(data["command"], list) else [data["command"]]
+    lines += ["Reproduce (2-core CPU machine, no GPU):", "", "```bash", *commands, "```", "",
               f"Machine: {data['machine']}", "",
-              "Held-out: all 100 bundled test problems x 4 samples at T 0.6 (top-p 0.95, top-k 40), avg@4 pass@1 "
+              f"Held-out: all 100 bundled test problems x {n} samples at T 0.6 (top-p 0.95, top-k 40), avg@{n} pass@1 "
               "with 95% percentile-bootstrap CIs over problems; step 0 is the base policy (`--trainer.val_before_train`).",
               "", "| estimator | steps | held-out accuracy, step 0 | middle | trained | mean tokens, step 0 | trained "
               "| bar (trained low > base high) | run seconds | mean step s | probes s/step |",
@@ -223,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dirs", nargs="+")
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--notes", default=None, help="a markdown file appended to learning_curve.md (the discussion)")
-    ap.add_argument("--command", default="PARALLEL=1 bash scripts/learning_curve.sh grpo shape")
+    ap.add_argument("--command", action="append", default=None,
+                    help="a command that reproduces the runs (repeat for several); default: the script's")
     ap.add_argument("--machine", default="2 CPU cores, 24 GiB RAM, no GPU; shared with other jobs during the runs")
     ap.add_argument("--no_analyze", action="store_true")
     ap.add_argument("--base_from", nargs="*", default=[], metavar="EST=DIR",
@@ -250,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copy(os.path.join(tmp, name), os.path.join(fig_dir, name))
                 figures.append(os.path.join(fig_dir, name))
         shutil.rmtree(tmp)
-    data = {"command": args.command, "machine": args.machine, "estimators": entries,
+    data = {"command": args.command or ["bash scripts/learning_curve.sh grpo shape"], "machine": args.machine, "estimators": entries,
             "figures": [os.path.relpath(f, args.out) for f in figures]}
     with open(os.path.join(args.out, "learning_curve.json"), "w") as f:
         json.dump(data, f, indent=1)
