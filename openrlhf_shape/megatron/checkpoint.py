@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 from typing import Iterator, Optional
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.megatron.state import ActorState
+from openrlhf_shape.rng import capture_rng, restore_rng
 
 COMPLETE_MARKER = "COMPLETE"
 TMP_SUFFIX = ".tmp"
@@ -77,34 +77,14 @@ def _ensure_optimizer_state(state: ActorState) -> None:
 def _rng_state(on_gpu: bool) -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-    if on_gpu:
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        pass
-    return state
+    return {**capture_rng(on_gpu), "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict, on_gpu: bool) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    restore_rng(state, on_gpu)
     get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and on_gpu:
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
 
 
 def save_distributed_checkpoint(state: ActorState, ckpt_dir: str, extra: dict) -> None:

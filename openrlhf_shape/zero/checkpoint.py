@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.megatron.checkpoint import COMPLETE_MARKER, TMP_SUFFIX
+from openrlhf_shape.rng import capture_rng, restore_rng
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.zero.worker import ZeroRankWorker
@@ -37,30 +37,6 @@ def _layout(worker: "ZeroRankWorker") -> dict[str, Any]:
     return {"dp": worker.dp_size, "zero_stage": worker.cfg.zero_stage, "adam_offload": worker.cfg.adam_offload}
 
 
-def _rng_state(on_gpu: bool) -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if on_gpu:
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        pass
-    return state
-
-
-def _set_rng_state(state: dict, on_gpu: bool) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and on_gpu:
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-
-
 def save_checkpoint(worker: "ZeroRankWorker", ckpt_dir: str, extra: dict) -> None:
     final = os.path.abspath(ckpt_dir)
     tmp = final + TMP_SUFFIX
@@ -71,7 +47,7 @@ def save_checkpoint(worker: "ZeroRankWorker", ckpt_dir: str, extra: dict) -> Non
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
     worker.engine.save_checkpoint(os.path.join(tmp, "ds"), tag=_TAG, client_state={"step": worker.step})
-    torch.save(_rng_state(worker.platform.on_gpu), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    torch.save(capture_rng(worker.platform.on_gpu), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         meta = {"backend": BACKEND, "step": worker.step, "layout": _layout(worker), "hf_dir": worker.hf_dir,
@@ -106,6 +82,6 @@ def load_checkpoint(worker: "ZeroRankWorker", ckpt_dir: str) -> dict:
     worker._set_lr()
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if meta["layout"] == _layout(worker) and os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False), worker.platform.on_gpu)
+        restore_rng(torch.load(rng_file, weights_only=False), worker.platform.on_gpu)
     dist.barrier()
     return dict(meta.get("extra") or {})
