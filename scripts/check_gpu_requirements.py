@@ -74,13 +74,17 @@ def _uv() -> list[str] | None:
         return [path] if path else None
 
 
-def resolve(lock_path: str) -> tuple[int, str]:
+def resolve(lock_path: str, constraints: str | None = None) -> tuple[int, str]:
+    """``uv pip compile`` of requirements/gpu.txt into ``lock_path``; with ``constraints`` (the committed
+    lock) every package it names must keep its pin, as in the image build (docker/Dockerfile)."""
     uv = _uv()
     if uv is None:
         return 2, "uv is not installed (pip install uv; requirements/cpu.txt lists it)"
     cmd = [*uv, "pip", "compile", "--python-version", PYTHON, "--python-platform", PLATFORM, "--no-build",
            "--no-config", "--exclude-newer", EXCLUDE_NEWER, "--index-url", _index(), GPU_REQ, "-o", lock_path,
            "--quiet", "--no-header"]
+    if constraints:
+        cmd += ["-c", constraints]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         text = proc.stderr + proc.stdout
@@ -102,11 +106,15 @@ def _sdist_or_wheel_exists(name: str, version: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lock", default=None, help="keep the resolved, fully pinned set here")
+    ap.add_argument("--constraints", default=None,
+                    help="resolve under these pins (CI: requirements/gpu.lock.txt, so a new upstream release of an "
+                         "unpinned dependency does not count as a change; a change of gpu.txt that the lock cannot "
+                         "satisfy fails)")
     args = ap.parse_args(argv)
     t0 = time.time()
     problems: list[str] = []
     lock = args.lock or os.path.join(tempfile.mkdtemp(prefix="gpu_req_"), "gpu.lock.txt")
-    code, msg = resolve(lock)
+    code, msg = resolve(lock, args.constraints)
     if code:
         print(msg)
         return code
