@@ -27,6 +27,33 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def finish_hf_dir(tmp: str, final: str, files: list[str], weight_map: dict[str, str], total_bytes: int,
+                  hf_config, params_dtype: torch.dtype, hf_dir: str) -> None:
+    """Rank 0's last part of an HF export (both backends): number the shard ``files`` (written in this
+    order under ``tmp``) ``model-i-of-n``, write the index (``weight_map``: tensor name -> file), the config
+    with ``params_dtype``, copy the source dir's non-weight files (tokenizer, generation config, chat
+    template), then move ``tmp`` onto ``final`` in one rename."""
+    n = len(files)
+    renamed: dict[str, str] = {}
+    for i, old in enumerate(files, start=1):
+        new = f"model-{i:05d}-of-{n:05d}.safetensors"
+        os.replace(os.path.join(tmp, old), os.path.join(tmp, new))
+        renamed[old] = new
+    index = {"metadata": {"total_size": total_bytes},
+             "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=1)
+    hf_config.torch_dtype = str(params_dtype).replace("torch.", "")
+    hf_config.save_pretrained(tmp)
+    for name in os.listdir(hf_dir):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_FILES):
+            shutil.copy2(path, os.path.join(tmp, name))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
 def iter_hf_tensors(state: ActorState) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, full tensor) in bridge order on every rank; tied weights appear once."""
     seen: set[str] = set()
@@ -86,26 +113,6 @@ def export_hf_dir(state: ActorState, out_dir: str, *, shard_bytes: int = 2 << 30
                 total += _nbytes(t)
             shards[-1] = {}
     if rank0:
-        n = len(shards)
-        renamed: dict[str, str] = {}
-        for i in range(1, n + 1):
-            old = f"model-{i:05d}.safetensors"
-            new = f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.replace(os.path.join(tmp, old), os.path.join(tmp, new))
-            renamed[old] = new
-        index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=1)
-        hf_config = state.hf_config
-        hf_config.torch_dtype = str(state.cfg.params_dtype).replace("torch.", "")
-        hf_config.save_pretrained(tmp)
-        # tokenizer, generation config, chat template: copy every non-weight file of the source dir
-        src = state.hf_dir
-        for name in os.listdir(src):
-            path = os.path.join(src, name)
-            if os.path.isfile(path) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_FILES):
-                shutil.copy2(path, os.path.join(tmp, name))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        finish_hf_dir(tmp, final, [f"model-{i:05d}.safetensors" for i in range(1, len(shards) + 1)], weight_map, total,
+                      state.hf_config, state.cfg.params_dtype, state.hf_dir)
     dist.barrier()

@@ -11,7 +11,6 @@ buckets without talking. ZeRO-0/1/2 keep full parameters on every rank: nothing 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from typing import TYPE_CHECKING, Iterator
@@ -19,13 +18,12 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 
+from openrlhf_shape.megatron.export import finish_hf_dir
 from openrlhf_shape.zero.model import hf_named_parameters
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.zero.worker import ZeroRankWorker
 
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt")
-_SKIP_FILES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
 
 def _full_numel(p: torch.nn.Parameter) -> int:
@@ -92,24 +90,5 @@ def export_hf_dir(worker: "ZeroRankWorker", out_dir: str, *, shard_bytes: int = 
             weight_map[name] = fname
             total += t.numel() * t.element_size()
     if rank0:
-        n = len(files)
-        renamed = {}
-        for i, old in enumerate(files, start=1):
-            new = f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.replace(os.path.join(tmp, old), os.path.join(tmp, new))
-            renamed[old] = new
-        index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=1)
-        hf_config = worker.hf_config
-        hf_config.torch_dtype = str(worker.cfg.params_dtype).replace("torch.", "")
-        hf_config.save_pretrained(tmp)
-        src = worker.hf_dir
-        for name in os.listdir(src):
-            path = os.path.join(src, name)
-            if os.path.isfile(path) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_FILES):
-                shutil.copy2(path, os.path.join(tmp, name))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        finish_hf_dir(tmp, final, files, weight_map, total, worker.hf_config, worker.cfg.params_dtype, worker.hf_dir)
     dist.barrier()
