@@ -134,18 +134,71 @@ def _capable_probe_batch(prompts: int, n: int, states: int, m: int, seed: int = 
     return texts, labs
 
 
+def _demo_keys_with_malformed_rate(texts: list[str], labels: list[str], rate: float,
+                                   seed: int = 0) -> tuple[list[str], list[str], float]:
+    """The demo batch with its duplicate structure kept and only its malformed share changed.
+
+    Every distinct (answer, label) key of the demo batch keeps its completions (so the number of
+    distinct keys, i.e. the measured duplicate rate, is exactly the demo's). Keys that only
+    Math-Verify can decide (malformed text such as ``11+21*282=11\\times(2``) are kept, in a random
+    order, while their completions stay within ``rate`` of the batch; every other such key gets a
+    clean wrong integer of its own (``\\boxed{N}.``, N distinct per key) in all its completions.
+    Returns (texts, labels, achieved malformed share of completions)."""
+    from openrlhf_shape.rewards.fast_path import fast_verdict
+    from openrlhf_shape.rewards.probe_scoring import score_key
+
+    members: dict[tuple, list[int]] = {}
+    slow: list[tuple] = []
+    for i, (text, label) in enumerate(zip(texts, labels)):
+        key, answer = score_key(text, label, 10**9)
+        if key not in members:
+            members[key] = []
+            if fast_verdict(answer, label) is None:
+                slow.append(key)
+        members[key].append(i)
+    random.Random(seed).shuffle(slow)
+    out, kept, budget = list(texts), 0, rate * len(texts)
+    for j, key in enumerate(slow):
+        if kept + len(members[key]) <= budget:
+            kept += len(members[key])
+            continue
+        for i in members[key]:
+            out[i] = f"\\boxed{{{100003 + j}}}."  # no label of the bundled set is this large
+    return out, list(labels), kept / len(texts)
+
+
+def _malformed_share(texts: list[str], labels: list[str]) -> float:
+    """Share of completions whose verdict only Math-Verify can give (no exact shortcut applies)."""
+    from openrlhf_shape.rewards.fast_path import fast_verdict
+    from openrlhf_shape.rewards.probe_scoring import score_key
+
+    slow = sum(fast_verdict(score_key(t, lab, 10**9)[1], lab) is None for t, lab in zip(texts, labels))
+    return slow / max(1, len(texts))
+
+
+WARMUP = 200  # verifications that warm each fresh pool before a timed pass
+
+
 def _compare(texts: list[str], labels: list[str], args) -> dict:
     """Score one batch plainly (the trainer before: every completion through the pool, label parsed
-    per call) and with :class:`DedupProbeScorer`, interleaved, median seconds of ``args.repeats``."""
+    per call) and with :class:`DedupProbeScorer`, interleaved, median seconds of ``args.repeats``.
+
+    Each repeat starts both pools afresh and warms them on ``WARMUP`` other verifications (varied
+    answers from :func:`_cases`), as a trainer's long-lived pool is warm from earlier steps. Not on
+    this batch itself: a worker that verified these very answers before has them in sympy's caches
+    (a second pass over the demo's malformed answers runs ~2x faster), which a new step's answers
+    would not find; a cold pool, on the other hand, pays one-time parser and sympy set-up inside the
+    timing (fresh workers ran the demo batch's malformed answers ~2x slower)."""
     from openrlhf_shape.rewards import MathVerifyScorer
     from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer
 
-    with MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout, cache_gold=False) as plain_pool, \
-            MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout) as new_pool:
-        plain_pool.score(["\\boxed{1}"], ["1"])  # start the workers outside the timing
-        new_pool.score(["\\boxed{1}"], ["0"])
-        plain_s, new_s, pool_s, same = [], [], [], True
-        for _ in range(args.repeats):  # interleaved, so load on the shared machine hits both alike
+    plain_s, new_s, pool_s, same = [], [], [], True
+    for _ in range(args.repeats):  # interleaved, so load on the shared machine hits both alike
+        with MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout, cache_gold=False) as plain_pool, \
+                MathVerifyScorer(num_workers=args.workers, timeout_s=args.timeout) as new_pool:
+            warm_texts, warm_labels = _cases(WARMUP, seed=1000 + len(plain_s))
+            plain_pool.score(warm_texts, warm_labels)  # start and warm the workers outside the timing
+            new_pool.score(warm_texts, warm_labels)
             t0 = time.perf_counter()
             plain = plain_pool.score(texts, labels)
             plain_s.append(time.perf_counter() - t0)
@@ -155,7 +208,7 @@ def _compare(texts: list[str], labels: list[str], args) -> dict:
             new_s.append(time.perf_counter() - t0)
             pool_s.append(fast.last.pool_seconds)
             same &= new == plain
-        workers = plain_pool.num_workers
+            workers = plain_pool.num_workers
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return {"n": len(texts), "plain": med(plain_s), "new": med(new_s), "pool": med(pool_s), "same": same,
             "workers": workers, "stats": fast.last, "accuracy": sum(plain) / len(plain)}
@@ -179,8 +232,15 @@ def probes_main(args) -> None:
         _report("synthetic capable-model batch (bundled labels, Beta(1/2,1/2) potentials, 2% malformed)", syn)
         print(f"probe scoring (synthetic capable-model batch): plain_per_s={syn['n'] / syn['plain']:.0f} "
               f"new_per_s={syn['n'] / syn['new']:.0f} speedup={syn['plain'] / syn['new']:.1f}")
+    for rate in args.malformed_rates:  # the demo's duplicate structure, fewer malformed answers
+        t_r, l_r, got = _demo_keys_with_malformed_rate(texts, labels, rate)
+        r = _compare(t_r, l_r, args)
+        _report(f"demo keys, malformed answers cut to {got:.3f} of completions", r)
+        print(f"probe scoring (demo duplicate structure, {got:.1%} malformed): plain_per_s={r['n'] / r['plain']:.0f} "
+              f"new_per_s={r['n'] / r['new']:.0f} speedup={r['plain'] / r['new']:.1f}")
     demo = _compare(texts, labels, args)
-    _report(f"demo probe batch ({args.probe_batch})", demo)
+    _report(f"demo probe batch ({args.probe_batch}; {_malformed_share(texts, labels):.1%} of completions malformed)",
+            demo)
     print(f"probe scoring: plain_per_s={demo['n'] / demo['plain']:.0f} new_per_s={demo['n'] / demo['new']:.0f} "
           f"speedup={demo['plain'] / demo['new']:.1f}")
 
@@ -197,6 +257,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4, help="--probes: responses per prompt")
     ap.add_argument("--m", type=int, default=8, help="--probes: probe samples per state")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--malformed-rates", type=float, nargs="*", default=[0.05, 0.02],
+                    help="--probes: also the demo batch's keys with malformed answers cut to these shares")
     ap.add_argument("--synthetic", action="store_true",
                     help="--probes: also a synthetic batch shaped like a capable model's probes (clean answers)")
     args = ap.parse_args()

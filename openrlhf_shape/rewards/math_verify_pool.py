@@ -86,7 +86,12 @@ def _worker_main(conn, inner_timeout: int, cache_gold: bool = True) -> None:
     mv_logger.addFilter(_InnerTimeoutCounter())
     for name in ("math_verify.parser", "math_verify.grader", "math_verify.utils"):
         logging.getLogger(name).addFilter(_InnerTimeoutCounter())
-    verify_one("\\boxed{1}", "1", inner_timeout)  # warm sympy/latex2sympy caches
+    # Warm-up before the first job: a number and a symbolic answer. The first symbolic comparison in a
+    # process pays ~0.1 s of one-time set-up inside sympy's simplify (measured on 2 cores), which a
+    # number alone does not trigger; without it, a step's first malformed probe answer per worker
+    # carries that cost.
+    for warm_answer in ("1", "x+1"):
+        verify_one(f"\\boxed{{{warm_answer}}}", "1", inner_timeout)
     gold_cache: dict | None = {} if cache_gold else None
     conn.send(("ready", os.getpid()))
     while True:
