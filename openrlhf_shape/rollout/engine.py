@@ -161,6 +161,12 @@ class VLLMEngine:
                 os.environ.setdefault(key, value)  # an explicit binding (the actor's env) wins
             else:
                 os.environ[key] = value
+        if self.platform.threads_per_engine and cfg.tensor_parallel_size == 1:
+            # The actor's OMP_NUM_THREADS sets this at torch's import; an in-process engine handed a
+            # profile needs the call (vLLM's CPU worker turns set_num_threads into a no-op later).
+            import torch
+
+            torch.set_num_threads(self.platform.threads_per_engine)
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -337,8 +343,10 @@ class VLLMEngine:
         return self.llm.get_tokenizer()
 
     def platform_profile(self) -> dict[str, Any]:
-        """The platform profile this engine runs under (as handed by the driver)."""
-        return self.platform.to_dict()
+        """The platform profile this engine runs under (as handed by the driver), and its torch threads."""
+        import torch
+
+        return {**self.platform.to_dict(), "torch_threads": torch.get_num_threads()}
 
     def get_model_path(self) -> str:
         return self.cfg.model_path

@@ -45,10 +45,16 @@ def test_cpu_profile_on_this_machine() -> None:
     assert p.engine_tp_executor == "mp" and not p.pin_memory
     assert (p.gpus_per_bundle, p.gpus_per_engine, p.cpus_per_rank, p.cpus_per_engine) == (0.0, 0.0, 0.25, 0.75)
     assert p.threads_per_rank == max(1, (os.cpu_count() or 1) // 2)
+    assert p.threads_per_engine == os.cpu_count()  # one engine at TP 1: all cores while it generates
     env = p.engine_env(kv_cache_gib=1.6, tensor_parallel_size=2)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2  # one core per engine TP worker
+    assert "OMP_NUM_THREADS" not in env  # bound cores instead
     assert "VLLM_CPU_OMP_THREADS_BIND" not in p.engine_env(1.0, 1)
+    assert p.engine_env(1.0, 1)["OMP_NUM_THREADS"] == str(os.cpu_count())
+    two = detect_platform(_cfg(**{"rollout.num_engines": "2"}))
+    assert two.threads_per_engine == max(1, (os.cpu_count() or 1) // 2)
+    assert detect_platform(_cfg(**{"engine.tensor_parallel_size": "2"})).threads_per_engine is None
     # Megatron's "auto" settings follow the profile
     from openrlhf_shape.megatron.config import MegatronConfig
 
@@ -95,7 +101,7 @@ def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(gpu_cluster) ->
     assert (p.device, p.source, p.cluster_gpus) == ("cuda", "ray", 16.0)
     assert (p.megatron_dtype, p.collective_backend, p.layer_spec) == ("bfloat16", "nccl", "te")
     assert (p.engine_dtype, p.engine_block_size, p.engine_enforce_eager, p.engine_sleep_mode) == ("auto", None, False, True)
-    assert p.engine_tp_executor == "ray" and p.pin_memory and p.threads_per_rank is None
+    assert p.engine_tp_executor == "ray" and p.pin_memory and p.threads_per_rank is None and p.threads_per_engine is None
     assert (p.gpus_per_bundle, p.gpus_per_engine) == (1.0, 0.0)  # engine TP 2: vLLM's Ray workers hold the GPUs
     assert detect_platform(_cfg()).gpus_per_engine == 1.0  # engine TP 1: the engine actor is the worker
 

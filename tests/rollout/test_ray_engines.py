@@ -27,9 +27,9 @@ def ray_group(tiny_model_dir):
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32")
-    # A field the engines would not detect themselves (threads_per_rank is set only from a config)
-    # shows they run under the handed profile.
-    handed = cpu_platform(threads_per_rank=7)
+    # Fields the engines would not detect themselves (the thread counts are set only from a config)
+    # show they run under the handed profile.
+    handed = cpu_platform(threads_per_rank=7, threads_per_engine=2)
     group = start_engines(cfg, 2, platform=handed, num_cpus_per_engine=0.5)
     group.handed_platform = handed
     yield group
@@ -58,6 +58,8 @@ def test_engines_run_under_the_handed_profile(ray_group):
 
     profiles = ray.get([e.platform_profile.remote() for e in ray_group.engines])
     assert len(profiles) == 2
+    # Ray starts each 0.5-CPU actor with OMP_NUM_THREADS=1; the profile's threads_per_engine wins
+    assert [p.pop("torch_threads") for p in profiles] == [2, 2]
     assert all(Platform.from_dict(p) == ray_group.handed_platform for p in profiles)
     assert ray.get(ray_group.engines[0].get_block_size.remote()) == ray_group.handed_platform.engine_block_size
 
