@@ -294,6 +294,7 @@ class ShapeExperienceMaker:
             "probe/samples_per_state": st.get("probe_samples_per_state", float(self.probe_cfg.num_probes)),
             "probe/tokens_saved": st.get("probe_tokens_saved", 0.0),
             "probe/score_seconds": st.get("probe_score_time_s", 0.0),
+            "probe/generate_seconds": st.get("probe_generate_time_s", 0.0),
             "probe/unique_answers": st.get("probe_unique_answers", 0.0),
             "probe/prefill_per_response_token": st.get("probe_computed_prompt_tokens", 0.0)
             / max(float(exp.response_mask.sum()), 1.0),

@@ -105,6 +105,8 @@ def test_adaptive_probes_in_the_step(engines, parts):
     assert 1 <= m["probe/rounds"] <= 2
     assert 2 <= m["probe/samples_per_state"] <= 4
     assert m["probe/tokens_saved"] >= 0 and m["probe/score_seconds"] >= 0
+    # the engine and scoring shares of the probe phase (the phase also builds requests and potentials)
+    assert 0 < m["probe/generate_seconds"] and m["probe/score_seconds"] + m["probe/generate_seconds"] <= m["time/probes"]
     assert 1 <= m["probe/unique_answers"] <= m["probe/samples_per_state"] * m["probe/requests"]
     assert all(torch.isfinite(a).all() for a in exp.advantages)
 
