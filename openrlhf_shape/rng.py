@@ -1,4 +1,4 @@
-"""The host-side random-number state a checkpoint saves per rank, so a resumed run draws what the
+"""Seeding and the host-side random-number state a checkpoint saves per rank, so a resumed run draws what the
 uninterrupted one would have: Python's ``random``, torch's CPU generator, numpy's (when installed) and,
 on a GPU profile, the current CUDA device's generator. Backends add their own (Megatron: its CUDA RNG
 tracker) on top."""
@@ -34,3 +34,15 @@ def restore_rng(state: dict, on_gpu: bool) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's ``random``, torch (CPU, and CUDA through ``torch.manual_seed``) and numpy (mod 2**32)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:  # pragma: no cover
+        pass

@@ -24,7 +24,7 @@ def is_megatron_checkpoint(path: Path) -> bool:
 def _pick_checkpoint(path: Path) -> Path:
     if (path / "COMPLETE").is_file():
         return path
-    from openrlhf_shape.megatron.checkpoint import latest_checkpoint
+    from openrlhf_shape.checkpoint_dir import latest_checkpoint
 
     found = latest_checkpoint(str(path))
     if found is None:

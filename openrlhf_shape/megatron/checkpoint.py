@@ -1,55 +1,30 @@
 """Atomic Megatron distributed checkpoints (model, optimizer, scheduler, RNG, step, trainer extra).
 
-Layout of one checkpoint directory (all ranks write into ``<dir>.tmp``; rank 0 renames it to
-``<dir>`` after a barrier, so a crash never leaves a directory that looks complete):
+Layout of one checkpoint directory (written through :func:`openrlhf_shape.checkpoint_dir.staged_checkpoint_dir`:
+all ranks write into ``<dir>.tmp``; rank 0 renames it to ``<dir>`` after a barrier, so a crash
+never leaves a directory that looks complete):
 
     <dir>/dist/            megatron dist_checkpointing (torch_dist): model + optimizer
     <dir>/rng/rank<r>.pt   per-rank RNG states (python, torch, Megatron tracker)
     <dir>/meta.json        step, scheduler state, parallel layout, trainer ``extra``
     <dir>/COMPLETE         written last, before the rename
 
-Assumes a filesystem shared by all ranks. ``latest_checkpoint(root)`` returns the complete
-checkpoint with the highest step under ``root`` (ties: newest mtime), ignoring ``*.tmp`` and any
-directory without ``COMPLETE``.
+Assumes a filesystem shared by all ranks. ``openrlhf_shape.checkpoint_dir.latest_checkpoint(root)``
+finds the newest complete one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from openrlhf_shape.checkpoint_dir import read_complete_meta, staged_checkpoint_dir
 from openrlhf_shape.megatron.state import ActorState
 from openrlhf_shape.rng import capture_rng, restore_rng
-
-COMPLETE_MARKER = "COMPLETE"
-TMP_SUFFIX = ".tmp"
-
-
-def latest_checkpoint(root: str) -> Optional[str]:
-    """Newest complete checkpoint directory under ``root`` (by step, then mtime), or None."""
-    if not os.path.isdir(root):
-        return None
-    best: Optional[tuple[int, float, str]] = None
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        marker = os.path.join(path, COMPLETE_MARKER)
-        if name.endswith(TMP_SUFFIX) or not os.path.isfile(marker):
-            continue
-        try:
-            with open(os.path.join(path, "meta.json")) as f:
-                step = int(json.load(f).get("step", -1))
-        except (OSError, ValueError):
-            continue
-        key = (step, os.path.getmtime(marker), path)
-        if best is None or key > best:
-            best = key
-    return None if best is None else best[2]
 
 
 def _sharded_state_dict(state: ActorState, *, is_loading: bool) -> dict:
@@ -92,33 +67,11 @@ def save_distributed_checkpoint(state: ActorState, ckpt_dir: str, extra: dict) -
     every rank calls it (collective)."""
     from megatron.core import dist_checkpointing
 
-    final = os.path.abspath(ckpt_dir)
-    tmp = final + TMP_SUFFIX
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "dist"))
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), os.path.join(tmp, "dist"))
-    torch.save(_rng_state(state.platform.on_gpu), os.path.join(tmp, "rng", f"rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        meta = {
-            "step": state.step,
-            "scheduler": state.scheduler.state_dict(),
-            "layout": state.layout(),
-            "hf_dir": state.hf_dir,
-            "extra": extra,
-        }
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
-        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
-            f.write("ok\n")
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    dist.barrier()
+    meta = {"step": state.step, "scheduler": state.scheduler.state_dict(), "layout": state.layout(),
+            "hf_dir": state.hf_dir, "extra": extra}
+    with staged_checkpoint_dir(ckpt_dir, ("dist", "rng"), meta) as tmp:
+        dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), os.path.join(tmp, "dist"))
+        torch.save(_rng_state(state.platform.on_gpu), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
 
 
 def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
@@ -126,13 +79,7 @@ def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
     model; any layout, see docs/architecture.md); returns the trainer's ``extra``."""
     from megatron.core import dist_checkpointing
 
-    path = os.path.abspath(ckpt_dir)
-    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-        raise FileNotFoundError(
-            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); use latest_checkpoint(root) to find one"
-        )
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    path, meta = read_complete_meta(ckpt_dir)
     same_layout = meta["layout"] == state.layout()
     sd = _sharded_state_dict(state, is_loading=True)
     loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from openrlhf_shape.megatron.checkpoint import COMPLETE_MARKER, latest_checkpoint
+from openrlhf_shape.checkpoint_dir import COMPLETE_MARKER, latest_checkpoint
 
 
 def _resolve(ckpt_dir: str) -> str:

@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import os
-import random
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
@@ -34,16 +33,14 @@ from openrlhf_shape.megatron.batching import (
     shard_for_dp,
     validate_batch,
 )
-from openrlhf_shape.megatron.checkpoint import (
-    latest_checkpoint,  # noqa: F401  (re-exported: module-level API of the worker)
-    load_distributed_checkpoint,
-    save_distributed_checkpoint,
-)
+from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-exported: module-level API of the worker)
+from openrlhf_shape.megatron.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.export import export_hf_dir, iter_buckets
 from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
 from openrlhf_shape.megatron.state import ActorState
 from openrlhf_shape.platform import Platform, detect_platform
+from openrlhf_shape.rng import seed_all
 
 __all__ = ["MegatronRankWorker", "merge_rank_outputs", "latest_checkpoint"]
 
@@ -142,7 +139,7 @@ class MegatronRankWorker:
                 tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             )
-            self._seed_all(cfg.seed)
+            seed_all(cfg.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         self.mpu = mpu
         from openrlhf_shape.megatron.offload import StateOffloader
@@ -152,17 +149,6 @@ class MegatronRankWorker:
     # ------------------------------------------------------------------ helpers
     def _mode(self):
         return cpu_compat.cpu_device_mode() if self.on_cpu else contextlib.nullcontext()
-
-    @staticmethod
-    def _seed_all(seed: int) -> None:
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-
-            np.random.seed(seed % (2**32))
-        except ImportError:  # pragma: no cover
-            pass
 
     @property
     def device(self) -> torch.device:

@@ -167,7 +167,7 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ around the loop
     def _resume(self) -> int:
-        from openrlhf_shape.megatron.checkpoint import latest_checkpoint
+        from openrlhf_shape.checkpoint_dir import latest_checkpoint
 
         mode = self.cfg.trainer.resume
         path = latest_checkpoint(self.ckpt_root) if mode == "auto" else (None if mode == "none" else mode)

@@ -1,8 +1,9 @@
 """Atomic DeepSpeed checkpoints: model, optimizer (ZeRO partitions), schedule step, RNG, trainer extra.
 
-Layout (all ranks write into ``<dir>.tmp``; rank 0 renames it to ``<dir>`` after a barrier, so a
-crash never leaves a directory that looks complete; the same markers as the Megatron backend, so
-:func:`openrlhf_shape.megatron.checkpoint.latest_checkpoint` finds either kind):
+Layout (written through :func:`openrlhf_shape.checkpoint_dir.staged_checkpoint_dir`, as the Megatron
+backend's: all ranks write into ``<dir>.tmp``; rank 0 renames it to ``<dir>`` after a barrier, so a
+crash never leaves a directory that looks complete; the same markers, so
+:func:`openrlhf_shape.checkpoint_dir.latest_checkpoint` finds either kind):
 
     <dir>/ds/              DeepSpeed's own checkpoint (``engine.save_checkpoint``, tag ``state``):
                            module weights + each rank's ZeRO optimizer partition (fp32 masters, Adam)
@@ -15,15 +16,13 @@ Assumes a filesystem shared by all ranks.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from openrlhf_shape.megatron.checkpoint import COMPLETE_MARKER, TMP_SUFFIX
+from openrlhf_shape.checkpoint_dir import read_complete_meta, staged_checkpoint_dir
 from openrlhf_shape.rng import capture_rng, restore_rng
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,37 +37,15 @@ def _layout(worker: "ZeroRankWorker") -> dict[str, Any]:
 
 
 def save_checkpoint(worker: "ZeroRankWorker", ckpt_dir: str, extra: dict) -> None:
-    final = os.path.abspath(ckpt_dir)
-    tmp = final + TMP_SUFFIX
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "ds"))
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    worker.engine.save_checkpoint(os.path.join(tmp, "ds"), tag=_TAG, client_state={"step": worker.step})
-    torch.save(capture_rng(worker.platform.on_gpu), os.path.join(tmp, "rng", f"rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        meta = {"backend": BACKEND, "step": worker.step, "layout": _layout(worker), "hf_dir": worker.hf_dir,
-                "extra": extra}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
-        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
-            f.write("ok\n")
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    dist.barrier()
+    """Write the engine's state, RNG and the trainer's ``extra`` atomically; every rank calls it (collective)."""
+    meta = {"backend": BACKEND, "step": worker.step, "layout": _layout(worker), "hf_dir": worker.hf_dir, "extra": extra}
+    with staged_checkpoint_dir(ckpt_dir, ("ds", "rng"), meta) as tmp:
+        worker.engine.save_checkpoint(os.path.join(tmp, "ds"), tag=_TAG, client_state={"step": worker.step})
+        torch.save(capture_rng(worker.platform.on_gpu), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
 
 
 def load_checkpoint(worker: "ZeroRankWorker", ckpt_dir: str) -> dict:
-    path = os.path.abspath(ckpt_dir)
-    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-        raise FileNotFoundError(
-            f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); use latest_checkpoint(root) to find one")
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    path, meta = read_complete_meta(ckpt_dir)
     if meta.get("backend") != BACKEND:
         raise ValueError(
             f"{path} was written by the Megatron backend; resume it with --actor.backend megatron, or start the "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from datetime import timedelta
 from typing import Iterator, Optional
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron.batching import MicroBatch, build_micro_batch, plan_micro_batches, shard_for_dp, validate_batch
 from openrlhf_shape.platform import Platform, detect_platform
+from openrlhf_shape.rng import seed_all
 from openrlhf_shape.zero.config import ZeroConfig
 
 __all__ = ["ZeroRankWorker"]
@@ -71,7 +71,7 @@ class ZeroRankWorker:
         deepspeed.init_distributed(dist_backend=self.platform.collective_backend, auto_mpi_discovery=False)
         self.dp_size = world_size
         self.dp_rank = rank
-        _seed_all(cfg.train.seed)
+        seed_all(cfg.train.seed)
         self.engine = None
         self.base_optimizer = None
         self.hf_config = None
@@ -361,17 +361,6 @@ class ZeroRankWorker:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % (2**32))
-    except ImportError:  # pragma: no cover
-        pass
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:

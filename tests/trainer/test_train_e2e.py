@@ -97,7 +97,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
     proc = _train(_flags(tiny_model_dir, parity_reward_file, crash_dir))
     marker_dir = os.path.join(crash_dir, "checkpoints")
     deadline = time.time() + 900
-    from openrlhf_shape.megatron.checkpoint import latest_checkpoint
+    from openrlhf_shape.checkpoint_dir import latest_checkpoint
 
     while time.time() < deadline:
         latest = latest_checkpoint(marker_dir)
