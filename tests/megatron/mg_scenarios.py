@@ -12,23 +12,10 @@ import time
 
 import torch
 
-from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker
-
-
-def _train_batches(batch: dict, steps: int, seed: int) -> list[TrainBatch]:
-    """Deterministic per-step training batches (same on every rank)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        resp = [len(s) - p for s, p in zip(batch["sequences"], batch["prompt_lens"])]
-        old = [(-6.93 + 0.3 * torch.randn(t, generator=g)).float() for t in resp]
-        adv = [torch.randn(t, generator=g).float() for t in resp]
-        mask = [(torch.rand(t, generator=g) > 0.15) for t in resp]
-        out.append(TrainBatch.from_ragged(batch["sequences"], batch["prompt_lens"], old, adv, mask,
-                                          temperature=batch["temperature"]))
-    return out
+from openrlhf_shape.testing.batches import train_batches
+from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
 
 
 def layout_run(
@@ -71,7 +58,7 @@ def layout_run(
             extra = worker.load_checkpoint(resume_from)
             res["extra"] = extra
             start = int(extra["step"])
-        batches = _train_batches(batch, train_steps, seed=1234)
+        batches = train_batches(batch, train_steps, seed=1234)
         metrics = []
         for step in range(start, train_steps):
             metrics.append(worker.train_step(batches[step]))
@@ -96,7 +83,7 @@ def layout_run(
         # fewer sequences than DP ranks: the rank without data runs a fully masked filler
         one = {"sequences": batch["sequences"][:1], "prompt_lens": batch["prompt_lens"][:1], "temperature": batch["temperature"]}
         res["single_logprobs"] = worker.compute_logprobs_and_entropy(one)
-        res["single_metrics"] = worker.train_step(_train_batches(one, 1, seed=5)[0])
+        res["single_metrics"] = worker.train_step(train_batches(one, 1, seed=5)[0])
     for vname, overrides in (variants or {}).items():
         # Sequence parallel and activation recompute are TransformerConfig switches, not process
         # groups: the same ranks rebuild the models with the switch on (saves process launches).
@@ -107,7 +94,7 @@ def layout_run(
             worker.init_model(path)
             var["logprobs"][arch] = worker.compute_logprobs_and_entropy(batch)
         worker.init_model(train_dir)
-        batches = _train_batches(batch, train_steps, seed=1234)
+        batches = train_batches(batch, train_steps, seed=1234)
         var["metrics"] = [worker.train_step(b) for b in batches]
         res.setdefault("variants", {})[vname] = var
         res["timing"][f"{vname}_s"] = time.time() - t3
@@ -117,19 +104,8 @@ def layout_run(
 
 def _wrong_qkv_logprobs(worker: MegatronRankWorker, path: str, batch: dict) -> dict:
     """Negative control: load q/k/v concatenated flat (no per-KV-group interleave) and re-run."""
-    bridge = worker.bridge
-    right = bridge._weight_to_mcore_format
-
-    def wrong(name, hf_weights):
-        if "linear_qkv" in name and "layer_norm" not in name and len(hf_weights) == 3:
-            return torch.cat(hf_weights, dim=0).contiguous()
-        return right(name, hf_weights)
-
-    bridge._weight_to_mcore_format = wrong
-    try:
-        bridge.load_weights([worker._gpt()], path)
-        if worker.cfg.use_distributed_optimizer:
-            raise RuntimeError("negative control expects the plain optimizer")
-        return worker.compute_logprobs_and_entropy(batch)
-    finally:
-        bridge._weight_to_mcore_format = right
+    if worker.cfg.use_distributed_optimizer:
+        raise RuntimeError("negative control expects the plain optimizer")
+    with flat_qkv_conversion(worker.bridge):
+        worker.bridge.load_weights([worker._gpt()], path)
+    return worker.compute_logprobs_and_entropy(batch)

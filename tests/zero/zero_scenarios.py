@@ -13,23 +13,9 @@ import time
 
 import torch
 
-from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.zero.config import ZeroConfig
-
-
-def train_batches(batch: dict, steps: int, seed: int) -> list[TrainBatch]:
-    """Deterministic per-step training batches (the same recipe as the Megatron tests)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        resp = [len(s) - p for s, p in zip(batch["sequences"], batch["prompt_lens"])]
-        old = [(-6.93 + 0.3 * torch.randn(t, generator=g)).float() for t in resp]
-        adv = [torch.randn(t, generator=g).float() for t in resp]
-        mask = [(torch.rand(t, generator=g) > 0.15) for t in resp]
-        out.append(TrainBatch.from_ragged(batch["sequences"], batch["prompt_lens"], old, adv, mask,
-                                          temperature=batch["temperature"]))
-    return out
 
 
 def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_steps: int, save_at: int | None,
@@ -47,7 +33,7 @@ def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_
     res["info"] = worker.init_model(train_dir)
     start = 0
     if resume_from is not None:  # a checkpoint root: the newest complete checkpoint under it
-        from openrlhf_shape.megatron.checkpoint import latest_checkpoint
+        from openrlhf_shape.checkpoint_dir import latest_checkpoint
 
         res["resumed_from"] = latest_checkpoint(resume_from)
         res["extra"] = worker.load_checkpoint(res["resumed_from"])
