@@ -4,10 +4,13 @@
     .venv/bin/python benchmarks/bench_rewards.py --probes [--synthetic]   # probe batches, plain vs fast scoring
 
 ``--probes`` scores one real probe batch of the demo model two ways in one run, interleaved, median of
-``--repeats``: "plain" is what the trainer did before (every completion through the Math-Verify pool,
-the label parsed on every call), "new" is DedupProbeScorer over a pool of the same size. Its last
-line is ``probe scoring: plain_per_s=A new_per_s=B speedup=S``. ``--synthetic`` first does the same
-for a synthetic batch shaped like a capable model's probes (clean answers; labelled as synthetic).
+``--repeats`` (each repeat on fresh pools warmed on other answers, see ``_compare``): "plain" is what
+the trainer did before (every completion through the Math-Verify pool, the label parsed on every
+call), "new" is DedupProbeScorer over a pool of the same size. Its last line is
+``probe scoring: plain_per_s=A new_per_s=B speedup=S``. Before it, ``--malformed-rates`` (default 5%
+and 2%) score the demo batch's keys with most malformed answers replaced by clean wrong integers
+(same duplicate structure, smaller share that only Math-Verify can decide), and ``--synthetic``
+a synthetic batch shaped like a capable model's probes (labelled as such).
 
 Inputs are varied (no two identical, so no parser cache helps): boxed integers, fractions in
 several spellings, decimals, wrong answers, answers in prose, probe-like unclosed boxes; a second

@@ -179,3 +179,31 @@ def test_pool_sized_to_available_cores():
         assert s.num_workers == available_cores()
     with pytest.raises(ValueError, match="num_workers"):
         MathVerifyScorer(num_workers=-1)
+
+
+def test_benchmark_batch_with_fewer_malformed_answers_keeps_the_demo_duplicate_structure():
+    """bench_rewards.py's reduced-malformed batches: the same number of distinct keys and the same
+    multiplicities, only the share that needs Math-Verify changes (at most the requested rate)."""
+    import sys
+    from collections import Counter
+
+    from openrlhf_shape.rewards.probe_scoring import score_key
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from bench_rewards import _demo_keys_with_malformed_rate, _malformed_share
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "demo_probe_batch.json")) as f:
+        data = json.load(f)
+    texts, labels = data["texts"], data["labels"]
+
+    def multiplicities(ts):
+        return sorted(Counter(score_key(t, lab, 1 << 30)[0] for t, lab in zip(ts, labels)).values())
+
+    before = _malformed_share(texts, labels)
+    assert before > 0.2  # the demo model's forced answers: about a quarter need Math-Verify
+    for rate in (0.05, 0.02, 0.0):
+        new_texts, new_labels, got = _demo_keys_with_malformed_rate(texts, labels, rate)
+        assert new_labels == labels and len(new_texts) == len(texts)
+        assert got <= rate and abs(_malformed_share(new_texts, new_labels) - got) < 1e-12
+        assert multiplicities(new_texts) == multiplicities(texts)
+        assert rate == 0.0 or got > rate / 2  # the budget is used, not just respected
