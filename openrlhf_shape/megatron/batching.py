@@ -119,3 +119,12 @@ def validate_batch(batch: "SequenceBatch | dict") -> SequenceBatch:
     seq = SequenceBatch.coerce(batch)
     SequenceBatch.validate(seq)
     return seq
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``t[rows, :width]`` (``[B, T]`` -> ``[len(rows), width]``), zero-padded on the right when ``t``
+    is narrower than ``width`` (a micro-batch's per-token training tensors at its padded width)."""
+    out = t[rows, :width]
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,31 +27,53 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def finish_hf_dir(tmp: str, final: str, files: list[str], weight_map: dict[str, str], total_bytes: int,
-                  hf_config, params_dtype: torch.dtype, hf_dir: str) -> None:
-    """Rank 0's last part of an HF export (both backends): number the shard ``files`` (written in this
-    order under ``tmp``) ``model-i-of-n``, write the index (``weight_map``: tensor name -> file), the config
-    with ``params_dtype``, copy the source dir's non-weight files (tokenizer, generation config, chat
-    template), then move ``tmp`` onto ``final`` in one rename."""
-    n = len(files)
-    renamed: dict[str, str] = {}
-    for i, old in enumerate(files, start=1):
-        new = f"model-{i:05d}-of-{n:05d}.safetensors"
-        os.replace(os.path.join(tmp, old), os.path.join(tmp, new))
-        renamed[old] = new
-    index = {"metadata": {"total_size": total_bytes},
-             "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
-    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=1)
-    hf_config.torch_dtype = str(params_dtype).replace("torch.", "")
-    hf_config.save_pretrained(tmp)
-    for name in os.listdir(hf_dir):
-        path = os.path.join(hf_dir, name)
-        if os.path.isfile(path) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_FILES):
-            shutil.copy2(path, os.path.join(tmp, name))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+def write_hf_dir(buckets: Iterable[list[tuple[str, torch.Tensor]]], out_dir: str, hf_config,
+                 params_dtype: torch.dtype, hf_dir: str) -> None:
+    """Collective HF export (both backends; every rank calls it and iterates ``buckets``, whose
+    production may gather across ranks): rank 0 writes each bucket of (HF name, CPU tensor) as one
+    safetensors shard under ``<out_dir>.tmp`` as it comes (memory stays near one bucket; other ranks
+    get empty buckets), then numbers the shards ``model-i-of-n``, writes the index, the config with
+    ``params_dtype`` and the source dir's non-weight files (tokenizer, generation config, chat
+    template), and moves the directory onto ``out_dir`` in one rename."""
+    from safetensors.torch import save_file
+
+    final = os.path.abspath(out_dir)
+    tmp = final + ".tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for bucket in buckets:
+        if not rank0:
+            continue
+        fname = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(dict(bucket), os.path.join(tmp, fname), metadata={"format": "pt"})
+        files.append(fname)
+        for name, t in bucket:
+            weight_map[name] = fname
+            total += _nbytes(t)
+    if rank0:
+        n = len(files)
+        renamed = {old: f"model-{i:05d}-of-{n:05d}.safetensors" for i, old in enumerate(files, start=1)}
+        for old, new in renamed.items():
+            os.replace(os.path.join(tmp, old), os.path.join(tmp, new))
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: renamed[v] for k, v in sorted(weight_map.items())}}
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=1)
+        hf_config.torch_dtype = str(params_dtype).replace("torch.", "")
+        hf_config.save_pretrained(tmp)
+        for name in os.listdir(hf_dir):
+            path = os.path.join(hf_dir, name)
+            if os.path.isfile(path) and name not in _SKIP_FILES and not name.endswith(_WEIGHT_FILES):
+                shutil.copy2(path, os.path.join(tmp, name))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
 
 
 def iter_hf_tensors(state: ActorState) -> Iterator[tuple[str, torch.Tensor]]:
@@ -89,30 +111,6 @@ def iter_buckets(state: ActorState, bucket_bytes: int) -> Iterator[list[tuple[st
 
 
 def export_hf_dir(state: ActorState, out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
-    """Write safetensors shards + index + config + tokenizer files to ``out_dir`` atomically."""
-    from safetensors.torch import save_file
-
-    final = os.path.abspath(out_dir)
-    tmp = final + ".tmp"
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    weight_map: dict[str, str] = {}
-    shards: list[dict[str, torch.Tensor]] = []
-    total = 0
-    for bucket in iter_buckets(state, shard_bytes):
-        if rank0:
-            shards.append(dict(bucket))
-            # write each shard right away so memory stays near one shard
-            idx = len(shards)
-            fname = f"model-{idx:05d}.safetensors"
-            save_file(shards[-1], os.path.join(tmp, fname), metadata={"format": "pt"})
-            for name, t in bucket:
-                weight_map[name] = fname
-                total += _nbytes(t)
-            shards[-1] = {}
-    if rank0:
-        finish_hf_dir(tmp, final, [f"model-{i:05d}.safetensors" for i in range(1, len(shards) + 1)], weight_map, total,
-                      state.hf_config, state.cfg.params_dtype, state.hf_dir)
-    dist.barrier()
+    """Write safetensors shards (about ``shard_bytes`` each) + index + config + tokenizer files to
+    ``out_dir`` atomically (collective)."""
+    write_hf_dir(iter_buckets(state, shard_bytes), out_dir, state.hf_config, state.cfg.params_dtype, state.hf_dir)

@@ -31,6 +31,7 @@ from openrlhf_shape.megatron.batching import (
     build_micro_batch,
     plan_micro_batches,
     shard_for_dp,
+    take_rows,
     validate_batch,
 )
 from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-exported: module-level API of the worker)
@@ -433,10 +434,10 @@ class MegatronRankWorker:
             ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev).index_put(where, en.float())
             if shard:  # [B, T] -> this micro-batch's rows, cut to its longest response
                 sel = torch.tensor(mb.rows, dtype=torch.long)
-                old = _take(batch.old_log_probs, sel, tmax).float().to(dev)
-                adv = _take(batch.advantages, sel, tmax).float().to(dev)
-                msk = _take(masks, sel, tmax).to(dev)
-                isw = _take(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
+                old = take_rows(batch.old_log_probs, sel, tmax).float().to(dev)
+                adv = take_rows(batch.advantages, sel, tmax).float().to(dev)
+                msk = take_rows(masks, sel, tmax).to(dev)
+                isw = take_rows(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
             else:  # the fully masked filler of a rank without samples
                 old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
                 adv = torch.zeros_like(old)
@@ -547,12 +548,6 @@ class MegatronRankWorker:
                 dist.destroy_process_group()
 
 
-def _take(t: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """``t[rows, :width]``, zero-padded on the right when ``t`` is narrower than ``width``."""
-    out = t[rows, :width]
-    if out.shape[1] < width:
-        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
-    return out
 
 
 def _unwrap(model):

@@ -11,14 +11,12 @@ buckets without talking. ZeRO-0/1/2 keep full parameters on every rank: nothing 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
 
-from openrlhf_shape.megatron.export import finish_hf_dir
+from openrlhf_shape.megatron.export import write_hf_dir
 from openrlhf_shape.zero.model import hf_named_parameters
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,27 +66,5 @@ def iter_buckets(worker: "ZeroRankWorker", bucket_bytes: int) -> Iterator[list[t
 
 
 def export_hf_dir(worker: "ZeroRankWorker", out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
-    """safetensors shards + index + config + the source dir's tokenizer files, written atomically."""
-    from safetensors.torch import save_file
-
-    final = os.path.abspath(out_dir)
-    tmp = final + ".tmp"
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    weight_map: dict[str, str] = {}
-    files: list[str] = []
-    total = 0
-    for bucket in iter_buckets(worker, shard_bytes):
-        if not rank0:
-            continue
-        fname = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(dict(bucket), os.path.join(tmp, fname), metadata={"format": "pt"})
-        files.append(fname)
-        for name, t in bucket:
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    if rank0:
-        finish_hf_dir(tmp, final, files, weight_map, total, worker.hf_config, worker.cfg.params_dtype, worker.hf_dir)
-    dist.barrier()
+    """safetensors shards + index + config + the source dir's tokenizer files, written atomically (collective)."""
+    write_hf_dir(iter_buckets(worker, shard_bytes), out_dir, worker.hf_config, worker.cfg.params_dtype, worker.hf_dir)

@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
-from openrlhf_shape.megatron.batching import MicroBatch, build_micro_batch, plan_micro_batches, shard_for_dp, validate_batch
+from openrlhf_shape.megatron.batching import (
+    MicroBatch,
+    build_micro_batch,
+    plan_micro_batches,
+    shard_for_dp,
+    take_rows,
+    validate_batch,
+)
 from openrlhf_shape.platform import Platform, detect_platform
 from openrlhf_shape.rng import seed_all
 from openrlhf_shape.zero.config import ZeroConfig
@@ -284,10 +291,10 @@ class ZeroRankWorker:
         ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev).index_put(where, en.float())
         if mb.rows:
             sel = torch.tensor(mb.rows, dtype=torch.long)
-            old = _take(batch.old_log_probs, sel, tmax).float().to(dev)
-            adv = _take(batch.advantages, sel, tmax).float().to(dev)
-            msk = _take(masks, sel, tmax).to(dev)
-            isw = _take(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
+            old = take_rows(batch.old_log_probs, sel, tmax).float().to(dev)
+            adv = take_rows(batch.advantages, sel, tmax).float().to(dev)
+            msk = take_rows(masks, sel, tmax).to(dev)
+            isw = take_rows(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
         else:  # a filler: nothing enters the loss
             old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
             adv, msk, isw = torch.zeros_like(old), torch.zeros(rows, tmax, dtype=torch.bool, device=dev), None
@@ -363,9 +370,3 @@ class ZeroRankWorker:
                 dist.destroy_process_group()
 
 
-def _take(t: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """``t[rows, :width]``, zero-padded on the right when ``t`` is narrower than ``width``."""
-    out = t[rows, :width]
-    if out.shape[1] < width:
-        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
-    return out
