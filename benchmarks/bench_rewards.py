@@ -137,6 +137,15 @@ def _capable_probe_batch(prompts: int, n: int, states: int, m: int, seed: int = 
     return texts, labs
 
 
+def _probe_key(text: str, label: str) -> tuple[tuple, bool]:
+    """(the scorer's (answer, label) key, whether only Math-Verify can give its verdict)."""
+    from openrlhf_shape.rewards.fast_path import fast_verdict
+    from openrlhf_shape.rewards.probe_scoring import score_key
+
+    key, answer = score_key(text, label, 10**9)
+    return key, fast_verdict(answer, label) is None
+
+
 def _demo_keys_with_malformed_rate(texts: list[str], labels: list[str], rate: float,
                                    seed: int = 0) -> tuple[list[str], list[str], float]:
     """The demo batch with its duplicate structure kept and only its malformed share changed.
@@ -147,16 +156,13 @@ def _demo_keys_with_malformed_rate(texts: list[str], labels: list[str], rate: fl
     order, while their completions stay within ``rate`` of the batch; every other such key gets a
     clean wrong integer of its own (``\\boxed{N}.``, N distinct per key) in all its completions.
     Returns (texts, labels, achieved malformed share of completions)."""
-    from openrlhf_shape.rewards.fast_path import fast_verdict
-    from openrlhf_shape.rewards.probe_scoring import score_key
-
     members: dict[tuple, list[int]] = {}
     slow: list[tuple] = []
     for i, (text, label) in enumerate(zip(texts, labels)):
-        key, answer = score_key(text, label, 10**9)
+        key, needs_mv = _probe_key(text, label)
         if key not in members:
             members[key] = []
-            if fast_verdict(answer, label) is None:
+            if needs_mv:
                 slow.append(key)
         members[key].append(i)
     random.Random(seed).shuffle(slow)
@@ -172,11 +178,7 @@ def _demo_keys_with_malformed_rate(texts: list[str], labels: list[str], rate: fl
 
 def _malformed_share(texts: list[str], labels: list[str]) -> float:
     """Share of completions whose verdict only Math-Verify can give (no exact shortcut applies)."""
-    from openrlhf_shape.rewards.fast_path import fast_verdict
-    from openrlhf_shape.rewards.probe_scoring import score_key
-
-    slow = sum(fast_verdict(score_key(t, lab, 10**9)[1], lab) is None for t, lab in zip(texts, labels))
-    return slow / max(1, len(texts))
+    return sum(_probe_key(t, lab)[1] for t, lab in zip(texts, labels)) / max(1, len(texts))
 
 
 WARMUP = 200  # verifications that warm each fresh pool before a timed pass

@@ -170,9 +170,11 @@ def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platfor
     # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the ranks and the engines take turns
     # (rollout, then update), so the ranks share the node's cores while they train.
     cores = os.cpu_count() or 1
-    threads = max(1, cores // max(world, 1)) if cfg is not None else None
-    # Likewise the engines while they generate; at engine TP > 1 each worker is bound to one core instead.
-    engines = int(cfg.rollout.num_engines) if cfg is not None else 1
-    engine_threads = max(1, cores // max(engines, 1)) if cfg is not None and engine_tp == 1 else None
+    threads = engine_threads = None
+    if cfg is not None:
+        threads = max(1, cores // max(world, 1))
+        # Likewise the engines while they generate; at engine TP > 1 each worker is bound to one core instead.
+        if engine_tp == 1:
+            engine_threads = max(1, cores // max(int(cfg.rollout.num_engines), 1))
     return cpu_platform(cpus_per_rank=cpus_per_rank, cpus_per_engine=cpus_per_engine, threads_per_rank=threads,
                         threads_per_engine=engine_threads, cluster_gpus=0.0, source=source)

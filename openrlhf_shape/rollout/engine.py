@@ -156,17 +156,18 @@ class VLLMEngine:
             # Must be set before the engine starts: in-process engine core (weights_iterator works,
             # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        for key, value in self.platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size).items():
+        env = self.platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)
+        for key, value in env.items():
             if key == "VLLM_CPU_OMP_THREADS_BIND":
                 os.environ.setdefault(key, value)  # an explicit binding (the actor's env) wins
             else:
                 os.environ[key] = value
-        if self.platform.threads_per_engine and cfg.tensor_parallel_size == 1:
-            # The actor's OMP_NUM_THREADS sets this at torch's import; an in-process engine handed a
-            # profile needs the call (vLLM's CPU worker turns set_num_threads into a no-op later).
+        if "OMP_NUM_THREADS" in env:
+            # An actor got it at torch's import; an in-process engine needs the call (torch is
+            # already loaded, and vLLM's CPU worker turns set_num_threads into a no-op later).
             import torch
 
-            torch.set_num_threads(self.platform.threads_per_engine)
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
