@@ -237,6 +237,24 @@ class VLLMEngine:
             )
         return result
 
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Log-probs (temperature 1, nats) the engine's model assigns to each given token after its
+        prefix: for a sequence of L tokens, L - 1 values, for tokens[1:]. What the engine COMPUTES
+        with the weights it holds, to compare with the trainer's (sync checks, tests)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._asleep or self._kv_asleep:
+            raise RuntimeError("VLLMEngine.score called while asleep; the colocation lifecycle must wake it first")
+        _check_prompts(token_ids, self.cfg.max_model_len, 1)
+        if any(len(ids) < 2 for ids in token_ids):
+            raise ValueError("VLLMEngine.score needs sequences of at least 2 tokens (the first has no log-prob)")
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids],
+                                 params, use_tqdm=False)
+        return [[float(step[int(t)].logprob) for step, t in zip(o.prompt_logprobs[1:], ids[1:])]
+                for o, ids in zip(outs, token_ids)]
+
     # ---- weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors in place (one call: fused q/k/v and gate/up must arrive together),
@@ -250,7 +268,7 @@ class VLLMEngine:
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 use the streamed weight sync "
                 "(init_weight_sync / receive_weights, openrlhf_shape/cluster)"
             )
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.collective_rpc("shape_load_weights", args=(weights,))
         self.reset_prefix_cache()
 
     def load_weights_from_refs(self, bucket_refs: list) -> None:
