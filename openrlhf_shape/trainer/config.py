@@ -58,6 +58,9 @@ class RolloutSection:
     dynamic_filtering: bool = False  # DAPO: drop prompt groups whose mean score is not strictly inside the range
     dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
     weight_sync_bucket_mb: int = 256
+    # Rollout/trainer log-prob gap (mean |dlogp|, nats) past which the run STOPS; 0 = warn only, past the
+    # dtype's expectation (openrlhf_shape/trainer/logprob_guard.py: 5e-5 float32, 5e-2 bf16).
+    max_logprob_gap: float = 0.0
     # rollout/trainer mismatch correction (OpenRLHF's --algo.advantage.is_correction_*; algorithms/rollout_correction.py)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
@@ -196,6 +199,8 @@ class TrainConfig:
             f"(e.g. --train.batch_size {samples})",
         )
         need(a.max_epochs >= 1, "actor.max_epochs", "must be >= 1")
+        need(r.max_logprob_gap >= 0, "rollout.max_logprob_gap",
+             f"{r.max_logprob_gap}: use 0 (warn past the dtype's expected gap) or a gap in nats past which the run stops")
         need(m.world_size >= 1, "megatron.world_size", "must be >= 1")
         mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
         need(

