@@ -146,6 +146,13 @@ class VLLMEngine:
         ``to_dict()``); None for an engine without a driver (tests, benchmarks): this process's."""
         if not cfg.model_path or cfg.max_model_len is None:
             raise ValueError("EngineConfig.model_path and EngineConfig.max_model_len must be set before an engine starts")
+        if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+            # The driver checked the path on ITS node (EngineConfig.__post_init__); an engine actor may run on another.
+            import socket
+
+            raise FileNotFoundError(
+                f"engine on node {socket.gethostname()}: {cfg.model_path}/config.json does not exist here; the model "
+                "directory (--actor.model_name_or_path) must be on a filesystem every node sees, at the same path")
         self.cfg = cfg
         self.platform = (Platform.from_dict(platform) if platform is not None
                          else detect_platform(engine_tp=cfg.tensor_parallel_size))
