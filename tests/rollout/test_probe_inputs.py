@@ -43,4 +43,3 @@ def test_probe_config_validation():
         ProbeConfig(num_probes=0)
     with pytest.raises(ValueError, match="max_tokens"):
         ProbeConfig(max_tokens=0)
-
