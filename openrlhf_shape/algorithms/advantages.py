@@ -123,6 +123,9 @@ def outcome_baseline(rewards, kind: str = "none", eps: float = 1e-6) -> torch.Te
     """The outcome term R used inside SHAPE/MRT advantages.
 
     ``none``: R as is (the paper). ``group_mean``: R - group mean. ``group_norm``: GRPO-normalised R.
+    ``group_norm_scaled``: R - group mean here; the whole advantage (outcome AND shaping) is then divided
+    by the group's reward std (:func:`group_reward_scale`), so the outcome has GRPO's unit spread while
+    the shaping keeps its size relative to the outcome (see ``compute_token_advantages``).
     Args: rewards ``[prompts, n]``. Returns ``[prompts, n]``.
     """
     r = _as_float(rewards, "rewards")
@@ -130,11 +133,24 @@ def outcome_baseline(rewards, kind: str = "none", eps: float = 1e-6) -> torch.Te
         raise ValueError(f"rewards must be [prompts, n], got shape {tuple(r.shape)}")
     if kind == "none":
         return r.clone()
-    if kind == "group_mean":
+    if kind in ("group_mean", "group_norm_scaled"):
         return r - r.mean(-1, keepdim=True)
     if kind == "group_norm":
         return grpo_advantages(r, eps=eps)
     raise ValueError(f"unknown outcome baseline {kind!r}; choose one of {OUTCOME_BASELINES} (--shape.outcome_baseline)")
+
+
+def group_reward_scale(rewards, eps: float = 1e-6) -> torch.Tensor:
+    """``1 / (std_group + eps)`` per sample (GRPO's divisor: unbiased std over the n samples).
+
+    Dividing ``R - mean + alpha * shaping`` by it keeps the paper's task-consistency bound (appendix
+    A.1, alpha < 0.5) as written: within a group every return is shifted by the same mean and divided by
+    the same positive std, so the order of any two trajectories' returns, hence "every correct return
+    exceeds every incorrect one", is that of the unscaled form. (Under ``group_norm`` only the outcome is
+    divided, so the shaping weighs 1/std times more than the bound assumes.)
+    Args: rewards ``[prompts, n]``. Returns ``[prompts, n]``."""
+    r = _as_float(rewards, "rewards")
+    return 1.0 / (r.std(-1, keepdim=True).expand_as(r) + eps)
 
 
 def segment_to_token_advantages(segment_advantages: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 ESTIMATORS = ("shape", "mrt", "grpo")  # registered in algorithms/estimators.py
 SEGMENTATIONS = ("entropy", "uniform", "delimiter")
-OUTCOME_BASELINES = ("none", "group_mean", "group_norm")
+OUTCOME_BASELINES = ("none", "group_mean", "group_norm", "group_norm_scaled")
 
 # Appendix A.1 (task consistency) needs alpha < 0.5. Appendix A.2 (reward-sign consistency): with m
 # probes the potentials lie on the grid {0, 1/m, ..., 1}; the worst improving step is Phi (m-1)/m -> 1,
@@ -47,6 +47,9 @@ class ShapeConfig:
     tcr_delta_max: float = 1.5
     tcr_eps: float = 1e-6
     outcome_baseline: str = "none"
+    # console alarm for length collapse (openrlhf_shape/trainer/length_alarm.py); 0 = off
+    length_alarm_fraction: float = 0.3
+    length_alarm_window: int = 3
     allow_unsafe_hparams: bool = False  # --shape.allow_unsafe_hparams
     extra: dict = field(default_factory=dict)
 

@@ -77,3 +77,33 @@ def describe(values: torch.Tensor, prefix: str) -> dict[str, float]:
         f"{prefix}/min": float(v.min()),
         f"{prefix}/max": float(v.max()),
     }
+
+
+def advantage_by_outcome(token_advantages: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+    """Each response's mean token advantage, described separately for correct (R > 0.5) and wrong
+    responses: ``adv/correct/{mean,std,min,max}``, ``adv/wrong/...`` and the counts. A wrong answer whose
+    advantage sits at ~0 gets no push away (the length-collapse mechanism seen with the paper's raw R).
+
+    Args: token_advantages ``[B, T]``; mask ``[B, T]`` bool; rewards ``[B]``."""
+    m = mask.bool()
+    per = (token_advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
+    correct = torch.as_tensor(rewards, dtype=torch.float32) > 0.5
+    out = {**describe(per[correct], "adv/correct"), **describe(per[~correct], "adv/wrong")}
+    out["adv/correct/count"], out["adv/wrong/count"] = float(correct.sum()), float((~correct).sum())
+    return out
+
+
+def shaping_to_outcome(segment_advantages: torch.Tensor, outcome_term: torch.Tensor,
+                       valid: torch.Tensor) -> dict[str, float]:
+    """``shape/shaping_to_outcome``: mean |shaping part of A_k| over valid segments divided by mean
+    |outcome term| over responses (the shaping part is A_k minus the response's outcome term, i.e.
+    alpha * (gamma_k Phi_{k+1} - Phi_k), scaled as the advantage is). Omitted when every outcome term is 0.
+
+    Args: segment_advantages ``[B, K]``; outcome_term ``[B]``; valid ``[B, K]`` bool."""
+    shaping = (segment_advantages - outcome_term[:, None])[valid.bool()].abs()
+    denom = float(outcome_term.abs().mean()) if outcome_term.numel() else 0.0
+    out = {"shape/shaping_abs/mean": float(shaping.mean()) if shaping.numel() else 0.0,
+           "shape/outcome_abs/mean": denom}
+    if denom > 0:
+        out["shape/shaping_to_outcome"] = out["shape/shaping_abs/mean"] / denom
+    return out

@@ -15,10 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from openrlhf_shape.algorithms.advantages import outcome_baseline, segment_to_token_advantages
+from openrlhf_shape.algorithms.advantages import group_reward_scale, outcome_baseline, segment_to_token_advantages
 from openrlhf_shape.algorithms.config import ShapeConfig
 from openrlhf_shape.algorithms.estimators import SegmentInputs, get_estimator
-from openrlhf_shape.algorithms.metrics import describe, gain_by_start_regime, potential_drop_rate
+from openrlhf_shape.algorithms.metrics import (
+    advantage_by_outcome,
+    describe,
+    gain_by_start_regime,
+    potential_drop_rate,
+    shaping_to_outcome,
+)
 from openrlhf_shape.algorithms.segmentation import (
     PAD_BOUNDARY,
     _check_nonempty,
@@ -103,6 +109,7 @@ def compute_token_advantages(
         adv = estimator.sequence_advantages(grouped).reshape(-1)
         tok = torch.where(mask, adv[:, None].expand_as(mask).to(torch.float32), torch.zeros(mask.shape))
         metrics.update(describe(adv, "adv/sequence"))
+        metrics.update(advantage_by_outcome(tok, mask, rewards))
         return AdvantageResult(tok, None, None, metrics)
 
     if boundaries is None or potentials is None:
@@ -128,7 +135,11 @@ def compute_token_advantages(
                       max_response_len=max_response_len)
     )
     metrics.update(est_metrics)
+    if cfg.outcome_baseline == "group_norm_scaled":  # outcome and shaping divided by the group's std
+        scale = group_reward_scale(grouped).reshape(-1)
+        seg_adv, r_term = seg_adv * scale[:, None], r_term * scale
     seg_adv = torch.where(seg_valid, seg_adv, torch.zeros_like(seg_adv))
+    metrics.update(shaping_to_outcome(seg_adv, r_term, seg_valid))
     seg_ids = boundaries_to_segment_ids(boundaries, mask.shape[1])
     tok = segment_to_token_advantages(seg_adv, seg_ids, mask)
     if cfg.tcr and entropy is not None:
@@ -141,6 +152,7 @@ def compute_token_advantages(
     metrics.update(describe(seg_len[seg_valid].float(), "shape/segment_length"))
     metrics.update(describe(phi[phi_valid], "shape/phi"))
     metrics.update(describe(seg_adv[seg_valid], "adv/segment"))
+    metrics.update(advantage_by_outcome(tok, mask, rewards))
     metrics["shape/potential_drop_rate"] = potential_drop_rate(phi, n_seg)
     for name, (total, count) in gain_by_start_regime(phi, n_seg).items():
         metrics[f"shape/gain_by_start/{name}/sum"] = total

@@ -20,6 +20,7 @@ import torch
 
 from openrlhf_shape.trainer.config import TrainConfig
 from openrlhf_shape.trainer.console import RunConsole
+from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
 from openrlhf_shape.trainer.logging_utils import MetricsLogger, log, setup_console_logging
 from openrlhf_shape.trainer.phases import PHASES, StepLog
 from openrlhf_shape.trainer.report import write_report
@@ -50,6 +51,7 @@ class ShapeTrainer:
         self.ckpt_root = (os.path.abspath(cfg.trainer.ckpt_path) if cfg.trainer.ckpt_path
                           else os.path.join(self.run_dir, "checkpoints"))
         self.run: Run | None = None
+        self.length_alarm = LengthCollapseAlarm(cfg.shape.length_alarm_fraction, cfg.shape.length_alarm_window)
 
     def setup(self) -> None:
         self.run = build_run(self.cfg)
@@ -200,6 +202,7 @@ class ShapeTrainer:
         return list(range(start_step + 1, last + 1))
 
     def _report_step(self, step: int, metrics: dict, samples: list[dict], logger: MetricsLogger, eta_s: float) -> None:
+        self.length_alarm.update(step, metrics)  # one warning line when lengths collapse; never stops the run
         logger.log(step, metrics)
         log.info(step_line(step, self.cfg.trainer.num_steps, metrics, eta_s))
         for s in samples[: self.cfg.trainer.log_samples]:  # the run's log file; the console with --logger.verbose

@@ -1,0 +1,96 @@
+"""Instruments of the advantage (issue 23): shaping vs outcome size, advantage by correctness, the
+group-std-scaled outcome term that keeps the paper's task-consistency bound, the length-collapse alarm."""
+
+import pytest
+import torch
+
+from openrlhf_shape.algorithms import ShapeConfig
+from openrlhf_shape.algorithms.metrics import advantage_by_outcome, shaping_to_outcome
+from openrlhf_shape.algorithms.pipeline import compute_token_advantages
+from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
+
+
+def test_advantage_by_outcome_separates_correct_and_wrong():
+    adv = torch.tensor([[1.0, 3.0, 0.0], [0.5, 0.5, 0.5], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    m = advantage_by_outcome(adv, mask, torch.tensor([1.0, 0.0, 0.0]))
+    assert m["adv/correct/mean"] == pytest.approx(2.0) and m["adv/correct/count"] == 1
+    assert m["adv/wrong/mean"] == pytest.approx(-0.25) and m["adv/wrong/std"] == pytest.approx(0.75)
+    assert m["adv/wrong/count"] == 2
+
+
+def test_shaping_to_outcome_ratio():
+    seg = torch.tensor([[1.2, 0.9], [0.1, -0.3]])
+    m = shaping_to_outcome(seg, torch.tensor([1.0, 0.0]), torch.tensor([[True, True], [True, False]]))
+    assert m["shape/shaping_abs/mean"] == pytest.approx((0.2 + 0.1 + 0.1) / 3)
+    assert m["shape/shaping_to_outcome"] == pytest.approx(((0.2 + 0.1 + 0.1) / 3) / 0.5)
+    assert "shape/shaping_to_outcome" not in shaping_to_outcome(seg, torch.zeros(2), torch.ones(2, 2, dtype=bool))
+
+
+def _worst_case_group(alpha: float, baseline: str):
+    """Two responses of one prompt, two 2-token segments each, gamma ~ 1: the correct one's potential
+    falls 1 -> 0 (its worst shaping, -alpha), the wrong one's rises 0 -> 1 (its best, +alpha): appendix
+    A.1's worst case. Returns (segment advantages [2, 2], metrics)."""
+    cfg = ShapeConfig(alpha=alpha, outcome_baseline=baseline, tcr=False, num_segments=2,
+                      allow_unsafe_hparams=alpha >= 0.5)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    res = compute_token_advantages(cfg, mask, torch.tensor([1.0, 0.0]), group_size=2, max_response_len=100_000,
+                                   boundaries=torch.tensor([[2], [2]]),
+                                   potentials=torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]))
+    return res.segment_advantages, res.metrics
+
+
+@pytest.mark.parametrize("baseline", ["none", "group_mean", "group_norm_scaled"])
+def test_task_consistency_bound_alpha_half_holds_as_written(baseline):
+    """Every correct segment's advantage exceeds every wrong one's for alpha < 0.5 and not beyond: the
+    bound of appendix A.1 keeps its meaning under the scaled outcome term."""
+    seg, m = _worst_case_group(0.49, baseline)
+    assert seg[0].min() > seg[1].max()
+    seg, _ = _worst_case_group(0.6, baseline)
+    assert seg[0].min() < seg[1].max()  # past the bound the worst case breaks, as the paper says
+
+
+def test_group_norm_moves_the_bound_and_scaled_is_group_mean_over_std():
+    seg_norm, _ = _worst_case_group(0.6, "group_norm")
+    assert seg_norm[0].min() > seg_norm[1].max()  # alpha 0.6 still "consistent": the bound moved to 1/(2 std)
+    scaled, m = _worst_case_group(0.3, "group_norm_scaled")
+    centred, _ = _worst_case_group(0.3, "group_mean")
+    std = torch.tensor([1.0, 0.0]).std()
+    assert torch.allclose(scaled, centred / (std + 1e-6), atol=1e-6)
+    # the shaping keeps its size relative to the outcome: alpha * 1 / 0.5 per segment
+    assert m["shape/shaping_to_outcome"] == pytest.approx(0.3 / 0.5, rel=1e-4)
+
+
+# Mean length and training accuracy per step of the CPU demo runs (docs/results/stale_lm_head): the
+# paper-form SHAPE run whose answers collapsed to ~12 tokens, and GRPO's, which did not.
+SHAPE_LEN = [45, 76, 33, 45, 25, 23, 21, 25, 13, 11, 13, 12]
+SHAPE_ACC = [0.09, 0.09, 0.06, 0.31, 0.31, 0.16, 0.38, 0.41, 0.31, 0.16, 0.25, 0.25]
+GRPO_LEN = [45, 88, 59, 58, 39, 32, 19, 42, 26, 19, 38, 47]
+GRPO_ACC = [0.09, 0.06, 0.12, 0.19, 0.41, 0.19, 0.25, 0.31, 0.31, 0.38, 0.22, 0.25]
+
+
+def _fired(lengths, accs, **kw) -> list[int]:
+    alarm = LengthCollapseAlarm(**kw)
+    steps = []
+    for step, (length, acc) in enumerate(zip(lengths, accs), start=1):
+        metrics = {"rollout/response_length/mean": length, "rollout/accuracy": acc}
+        if alarm.update(step, metrics):
+            assert metrics["alarm/length_collapse"] == 1.0
+            steps.append(step)
+    return steps
+
+
+def test_length_alarm_fires_on_a_collapse_and_not_on_grpo():
+    assert _fired(SHAPE_LEN, SHAPE_ACC) == [11, 12]  # e.g. step 12: 19.7 -> 12.0 tokens while accuracy 0.37 -> 0.22
+    assert _fired(GRPO_LEN, GRPO_ACC) == []
+    assert _fired(SHAPE_LEN, SHAPE_ACC, fraction=0.0) == []  # off
+    # shorter answers with RISING accuracy are the paper's goal, not a collapse
+    assert _fired([60, 60, 60, 30, 30, 30], [0.2, 0.2, 0.2, 0.4, 0.4, 0.4]) == []
+    assert _fired([60, 60, 60, 30, 30, 30], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2]) == [6]
+
+
+def test_length_alarm_flags_are_validated():
+    with pytest.raises(ValueError, match="--shape.length_alarm_fraction"):
+        LengthCollapseAlarm(fraction=1.5)
+    with pytest.raises(ValueError, match="--shape.length_alarm_window"):
+        LengthCollapseAlarm(window=0)
