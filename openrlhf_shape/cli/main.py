@@ -1,4 +1,4 @@
-"""The ``openrlhf-shape`` console script: ``train | eval | convert | analyze``.
+"""The ``openrlhf-shape`` console script: ``train | eval | convert | analyze | frontier``.
 
 Each sub-command lives in its own module under ``openrlhf_shape.cli`` and registers itself in
 ``SUBCOMMANDS`` below; heavy imports (torch, Ray, vLLM, Megatron) happen only inside the command
@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("openrlhf_shape.cli.evaluate", "avg@N pass@1 evaluation with Math-Verify"),
     "convert": ("openrlhf_shape.cli.convert", "convert checkpoints (GGUF/Megatron -> Hugging Face)"),
     "analyze": ("openrlhf_shape.cli.analyze", "the paper's analysis figures from metrics files"),
+    "frontier": ("openrlhf_shape.cli.frontier", "keep the training problems the policy solves sometimes (pass-rate band)"),
 }
 
 
