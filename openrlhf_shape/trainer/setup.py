@@ -139,7 +139,7 @@ def build_run(cfg: TrainConfig) -> Run:
                                  dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range))
-    gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype)
+    gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,

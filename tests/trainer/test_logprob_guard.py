@@ -59,3 +59,20 @@ def test_coverage_counts_a_tied_head_with_its_embedding():
     assert missing_tensors(expected, {"model.embed_tokens.weight", "model.norm.weight"}, None) == {"lm_head.weight"}
     assert missing_tensors(expected, {"model.embed_tokens.weight"}, tied) == {"model.norm.weight"}
     assert missing_tensors(frozenset(), {"x"}, None) == set()
+
+
+def test_guard_for_run_reads_each_sides_dtype():
+    from openrlhf_shape.platform import detect_platform
+    from openrlhf_shape.trainer.config import TrainConfig
+    from openrlhf_shape.trainer.logprob_guard import guard_for_run
+
+    class Model:  # an HF config's dtype attribute
+        dtype = "bfloat16"
+
+    cpu = detect_platform()
+    cfg = TrainConfig()
+    assert guard_for_run(cfg, cpu, Model(), "float32", None).dtype == "float32"  # CPU: float32 both sides
+    assert guard_for_run(cfg, cpu, Model(), "auto", None).dtype == "bfloat16"  # engine at the checkpoint's bf16
+    assert guard_for_run(cfg, cpu, Model(), "float32", True).dtype == "bfloat16"  # Megatron in bf16
+    cfg.actor.backend, cfg.ds.param_dtype = "deepspeed", "bf16"
+    assert guard_for_run(cfg, cpu, Model(), "float32", None).dtype == "bfloat16"
