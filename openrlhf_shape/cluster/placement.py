@@ -243,3 +243,53 @@ def plan_placement(
         colocate=colocate, master_rank_node=ranks[0].node, gpus_per_node=gpus_per_node,
         node_bundles=tuple(per_node), tp=tp, pp=pp, dp=dp, engine_tp=engine_tp,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which weight-sync transport a plan can use
+# ---------------------------------------------------------------------------------------------------
+
+FLAG_WEIGHT_SYNC = "--rollout.weight_sync"
+
+
+def sync_group_devices(plan: PlacementPlan) -> list[tuple[int, int]]:
+    """(node, local GPU) of every member of the weight-sync group in its rank order: the sender
+    (Megatron rank 0) first, then engine ``e``'s worker ``w`` at ``1 + e * engine_tp + w``."""
+    rank0 = next(r for r in plan.ranks if r.rank == 0)
+    workers = sorted(plan.engines, key=lambda s: (s.engine, s.worker))
+    return [(rank0.node, rank0.gpu)] + [(s.node, s.gpu) for s in workers]
+
+
+def resolve_weight_sync(requested: str, plan: PlacementPlan, on_gpu: bool) -> tuple[str, str]:
+    """(transport, why) for ``--rollout.weight_sync`` on this plan; ``auto`` decides here, an explicit
+    choice that cannot work on this plan is refused (``ValueError`` naming the flag and the fix).
+
+    * NCCL (the collective on GPU) refuses two ranks of one communicator on one GPU ("Duplicate GPU
+      detected"); colocation always puts the sender (rank 0) on engine 0 worker 0's GPU. gloo (CPU) has
+      no such limit.
+    * CUDA IPC from the one sending rank reaches only the engine workers on the sender's GPU.
+    * The object store reaches every worker (staged through host memory: slower, always possible).
+    """
+    devices = sync_group_devices(plan)
+    shared_gpu = len(set(devices)) < len(devices)
+    receivers_off_sender_gpu = any(d != devices[0] for d in devices[1:])
+    if requested == "auto":
+        if not on_gpu:
+            return "collective", "CPU: gloo group (no one-device limit)"
+        if not shared_gpu:
+            return "collective", "GPU, disjoint engine GPUs: NCCL group"
+        if not receivers_off_sender_gpu:
+            return "cuda_ipc", "GPU, colocated, every engine worker on the sender's GPU: CUDA IPC"
+        return "object_store", ("GPU, colocated with engine workers on other GPUs: NCCL cannot hold two ranks on "
+                                "one GPU and CUDA IPC from rank 0 reaches only its own GPU, so buckets go "
+                                "through the Ray object store (host memory)")
+    if requested == "collective" and on_gpu and shared_gpu:
+        node, gpu = next(d for d in devices if devices.count(d) > 1)
+        raise ValueError(
+            f"{FLAG_WEIGHT_SYNC} collective: the NCCL weight-sync group would hold two ranks on node {node} GPU {gpu} "
+            f"(colocation puts Megatron rank 0 and engine 0's worker 0 there) and NCCL refuses that at the first "
+            f"sync; use {FLAG_WEIGHT_SYNC} auto (it picks a transport that works) or object_store")
+    if requested == "cuda_ipc" and (not on_gpu or receivers_off_sender_gpu):
+        where = "needs CUDA" if not on_gpu else "the sending rank's GPU does not host every engine worker"
+        raise ValueError(f"{FLAG_WEIGHT_SYNC} cuda_ipc: {where}; use {FLAG_WEIGHT_SYNC} auto")
+    return requested, "as requested"

@@ -9,11 +9,14 @@ really go to "host" and back, engines refuse to generate or load while asleep).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from openrlhf_shape.cluster.placement import PlacementPlan, plan_placement
+from openrlhf_shape.cluster.placement import PlacementPlan, plan_placement, resolve_weight_sync
 from openrlhf_shape.platform import Platform
+
+log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console and train.log)
 
 
 @dataclass
@@ -71,7 +74,8 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
         engines = start_engines(engine_cfg, r.num_engines, platform=platform, placement=placement, wait_ready=False)
         actor = make_actor_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
         ray.get([h.ready.remote() for h in engines.engines])
-        transport = "collective" if r.weight_sync == "auto" else r.weight_sync
+        transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
+        log.info("weight sync: %s (%s)", transport, why)
         sync = EngineWeightSync(engines.engines, cfg.engine.tensor_parallel_size, transport=transport,
                                 backend=platform.collective_backend)
     except BaseException:

@@ -66,7 +66,9 @@ class RolloutSection:
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
     is_correction_threshold: tuple[float, float] = (0.5, 5.0)
-    weight_sync: str = "auto"  # auto (= collective) | collective (gloo on CPU, NCCL on GPU) | object_store | cuda_ipc
+    # auto (decided per plan: cluster/placement.py:resolve_weight_sync) | collective (gloo on CPU, NCCL on GPU)
+    # | object_store | cuda_ipc
+    weight_sync: str = "auto"
     num_gpus: int | None = None  # disaggregated engine pool; None: num_engines x engine_tensor_parallel_size
 
 

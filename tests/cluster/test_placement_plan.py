@@ -152,3 +152,56 @@ def test_cluster_flags_are_validated(flags: list[str], flag: str) -> None:
 
     with pytest.raises(ValueError, match=flag):
         load_config(None, flags)
+
+
+PRESET_NAMES = ["qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "deepscaler-1.5b", "deepseek-r1-distill-qwen-1.5b"]
+
+
+def _preset_plan(preset: str, colocate: bool, on_gpu: bool = True):
+    import os
+
+    from openrlhf_shape.cluster.runtime import plan_for
+    from openrlhf_shape.trainer.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "configs", f"{preset}.yaml"), check_paths=False)
+    cfg.rollout.colocate = colocate
+    return plan_for(cfg, on_gpu=on_gpu)
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("colocate", [True, False])
+def test_no_nccl_sync_group_holds_two_ranks_on_one_gpu(preset: str, colocate: bool) -> None:
+    """NCCL refuses a communicator with two ranks on one device ("Duplicate GPU detected"), at the first
+    sync, after minutes of start-up. Every preset is colocated, and the colocated plan puts the sender
+    (Megatron rank 0) on engine 0 worker 0's GPU: whatever ``auto`` picks must not be an NCCL group then.
+    (Before this check, ``auto`` always meant the collective: every colocated preset failed on GPU.)"""
+    from openrlhf_shape.cluster.placement import resolve_weight_sync, sync_group_devices
+
+    plan = _preset_plan(preset, colocate)
+    devices = sync_group_devices(plan)
+    assert len(devices) == 1 + len(plan.engines)
+    transport, why = resolve_weight_sync("auto", plan, on_gpu=True)
+    if transport == "collective":
+        assert len(set(devices)) == len(devices), f"{preset}: NCCL group with two members on one GPU ({why})"
+    if transport == "cuda_ipc":  # one sender: every receiver must be on its GPU
+        assert all(d == devices[0] for d in devices)
+    assert (transport == "collective") == (not colocate)
+    if colocate:
+        with pytest.raises(ValueError, match=r"--rollout.weight_sync collective: .* two ranks on node 0 GPU 0"):
+            resolve_weight_sync("collective", plan, on_gpu=True)
+    assert resolve_weight_sync("auto", _preset_plan(preset, colocate, on_gpu=False), on_gpu=False)[0] == "collective"
+
+
+def test_cuda_ipc_only_where_the_sender_gpu_hosts_every_receiver() -> None:
+    from openrlhf_shape.cluster.placement import resolve_weight_sync
+
+    one_gpu = plan_placement(world_size=1, tp=1, pp=1, num_engines=1, engine_tp=1, colocate=True, gpus_per_node=1)
+    assert resolve_weight_sync("auto", one_gpu, on_gpu=True)[0] == "cuda_ipc"
+    eight = plan_placement(world_size=8, tp=2, pp=1, num_engines=4, engine_tp=2, colocate=True, gpus_per_node=8)
+    assert resolve_weight_sync("auto", eight, on_gpu=True)[0] == "object_store"
+    with pytest.raises(ValueError, match="cuda_ipc: the sending rank's GPU does not host every engine worker"):
+        resolve_weight_sync("cuda_ipc", eight, on_gpu=True)
+    with pytest.raises(ValueError, match="cuda_ipc: needs CUDA"):
+        resolve_weight_sync("cuda_ipc", one_gpu, on_gpu=False)
+    assert resolve_weight_sync("object_store", eight, on_gpu=True)[0] == "object_store"
