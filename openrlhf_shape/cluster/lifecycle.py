@@ -80,13 +80,14 @@ class Lifecycle:
             self._do("megatron.onload(all)", self.actor.onload_states, ALL_STATES)
         self.phase = "update"
 
-    def sync_weights(self) -> dict[str, float]:
-        """After the update: new weights into every engine, back to the rollout phase."""
+    def sync_weights(self, step: int | None = None) -> dict[str, float]:
+        """After the update of ``step`` (named if the sync fails): new weights into every engine,
+        back to the rollout phase."""
         if self.colocate:
             self._do("megatron.offload(grads,optimizer)", self.actor.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
         metrics = self._do("sync", self.engines.sync_weights, self.sync,
-                           lambda payload: self.actor.start_weight_stream(payload, self.bucket_bytes))
+                           lambda payload: self.actor.start_weight_stream(payload, self.bucket_bytes), step)
         if self.colocate:
             self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
             self._do("engines.wake(kv_cache)", self.engines.wake_up, ["kv_cache"])

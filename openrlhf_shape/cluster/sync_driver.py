@@ -10,21 +10,78 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from openrlhf_shape.cluster.weight_sync import QUEUE_DEPTH, TRANSPORTS
+from openrlhf_shape.cluster.weight_sync import DEFAULT_TIMEOUT_S, QUEUE_DEPTH, TRANSPORTS
 
 
-def get_all_fail_fast(refs: list, timeout_s: float | None = None) -> list:
+class WeightSyncError(RuntimeError):
+    """A sync that failed or timed out: names the side that failed (``who``) and the step."""
+
+    def __init__(self, message: str, who: str, step: int | None):
+        super().__init__(message)
+        self.who, self.step = who, step
+
+
+GRACE_S = 5.0  # after a first failure: how long the others may take to fail too (to find the root cause)
+
+
+def get_all_fail_fast(refs: list, timeout_s: float | None = None, labels: list[str] | None = None,
+                      step: int | None = None) -> list:
     """``ray.get`` of all refs, raising the first error as soon as it appears (the other side of
-    a collective would otherwise wait for its group timeout)."""
+    a collective would otherwise wait for its group timeout), and a timeout once ``timeout_s`` has
+    passed since the call (not per wait). Errors are :class:`WeightSyncError` naming the call's
+    label (``labels[i]`` for ``refs[i]``, e.g. ``"engine 1"``) and ``step``.
+
+    When one member of a group dies, its peers fail too (a broken connection) and either may be
+    seen first: after the first failure the others get :data:`GRACE_S` to fail, and a call whose
+    actor DIED is named as the cause before the calls that failed because of it."""
+    import time
+
     import ray
 
+    labels = labels or [f"call {i}" for i in range(len(refs))]
+    where = f"weight sync after step {step}" if step is not None else "weight sync"
+    resume = ("The run stops here; re-run the same command to resume from the newest complete checkpoint "
+              "(--ckpt.output_dir).")
+    label_of = {r.hex(): lab for r, lab in zip(refs, labels)}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not done:
-            raise TimeoutError(f"weight sync: {len(pending)} calls still running after {timeout_s} s")
-        ray.get(done)  # raises the remote error
+            late = ", ".join(label_of[r.hex()] for r in pending)
+            raise WeightSyncError(f"{where}: {late} still running after {timeout_s:.0f} s "
+                                  f"(--rollout.weight_sync_timeout). {resume}", late, step)
+        first = _error_of(done[0])
+        if first is None:
+            continue
+        failed = [(label_of[done[0].hex()], first)]
+        more, _ = ray.wait(pending, num_returns=len(pending), timeout=GRACE_S) if pending else ([], [])
+        failed += [(label_of[r.hex()], e) for r in more if (e := _error_of(r)) is not None]
+        failed.sort(key=lambda le: not isinstance(le[1], ray.exceptions.ActorDiedError))
+        who, cause = failed[0]
+        also = "".join(f"; then {lab}: {type(e).__name__}" for lab, e in failed[1:])
+        verb = "died" if isinstance(cause, ray.exceptions.ActorDiedError) else "failed"
+        raise WeightSyncError(f"{where}: {who} {verb} ({type(cause).__name__}: {_first_line(cause)}){also}. "
+                              f"{resume}", who, step) from cause
     return ray.get(list(refs))
+
+
+def _error_of(ref) -> BaseException | None:
+    """The exception a finished ref raises, or None."""
+    import ray
+
+    try:
+        ray.get(ref)
+    except Exception as e:  # ActorDiedError, a receiver's TimeoutError, a coverage error...
+        return e
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return (lines[-1] if "Traceback" in text else lines[0]) if lines else repr(e)
 
 
 class EngineWeightSync:
@@ -35,10 +92,13 @@ class EngineWeightSync:
         engine_tp: TP workers per engine (every one receives the whole stream).
         transport: ``collective`` | ``object_store`` | ``cuda_ipc``.
         backend: collective only: ``gloo`` (CPU) or ``nccl`` (GPU).
+        timeout_s: ``--rollout.weight_sync_timeout``: the longest any one sync (or the group's forming)
+            may take, and every wait inside it on either side; past it the trainer raises naming the
+            engine, instead of hanging.
     """
 
     def __init__(self, engines: list, engine_tp: int, transport: str = "collective", backend: str = "gloo",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         if transport not in TRANSPORTS:
             raise ValueError(f"--rollout.weight_sync {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         self.engines = list(engines)
@@ -64,7 +124,8 @@ class EngineWeightSync:
                                                self.timeout_s) for i, e in enumerate(self.engines)]
             info = {"host": ep["ip"], "port": ep["port"], "world": world, "backend": self.backend,
                     "timeout_s": self.timeout_s}
-            get_all_fail_fast([sender.init_weight_sender.remote("collective", info)] + joins, self.timeout_s)
+            get_all_fail_fast([sender.init_weight_sender.remote("collective", info)] + joins, self.timeout_s,
+                              ["the sender (rank 0)"] + [f"engine {i}" for i in range(len(joins))])
         self._payload = self._payloads()
         self.connected = True
 
@@ -96,10 +157,12 @@ class EngineWeightSync:
                 pass
         self._queues = []
 
-    def sync(self, start_senders: Callable[[Any], list]) -> dict[str, float]:
-        """One sync. ``start_senders(payload)`` starts the sending side (every Megatron rank's
-        ``push_weights``; only rank 0 sends) and returns its refs; the first ref's result is the
-        sender's stats dict. Returns the sender's metrics plus receiver totals."""
+    def sync(self, start_senders: Callable[[Any], list], step: int | None = None) -> dict[str, float]:
+        """One sync (after training step ``step``, named in errors). ``start_senders(payload)`` starts
+        the sending side (every Megatron rank's ``push_weights``; only rank 0 sends) and returns its
+        refs; the first ref's result is the sender's stats dict. Returns the sender's metrics plus
+        receiver totals. Raises :class:`WeightSyncError` naming the engine (or rank) that failed or
+        outlived ``timeout_s``."""
         if not self.connected:
             raise RuntimeError("EngineWeightSync.sync before connect()")
         import ray
@@ -109,9 +172,12 @@ class EngineWeightSync:
             raise RuntimeError(f"weight sync targets engines {asleep} whose weights are asleep; the colocation "
                                "lifecycle wakes the weights first")
         sender_payload, engine_payloads = self._payload
-        recv = [e.receive_weights.remote(self.transport, p) for e, p in zip(self.engines, engine_payloads)]
-        send = start_senders(sender_payload)
-        out = get_all_fail_fast(list(send) + recv, self.timeout_s)
+        recv = [e.receive_weights.remote(self.transport, p, self.timeout_s)
+                for e, p in zip(self.engines, engine_payloads)]
+        send = list(start_senders(sender_payload))
+        labels = [f"actor rank {i}" + (" (the sender)" if i == 0 else "") for i in range(len(send))]
+        labels += [f"engine {i}" for i in range(len(recv))]
+        out = get_all_fail_fast(send + recv, self.timeout_s, labels, step)
         metrics = dict(out[0] or {})
         per_worker = [w for r in out[len(send):] for w in r]
         metrics["sync/receivers"] = float(len(per_worker))

@@ -37,6 +37,30 @@ import torch
 
 TRANSPORTS = ("collective", "object_store", "cuda_ipc")
 QUEUE_DEPTH = 2  # buckets a sender may be ahead of the slowest receiver
+DEFAULT_TIMEOUT_S = 600.0  # --rollout.weight_sync_timeout: any one wait of a sync, either side
+
+
+def put_or_raise(queue, item: Any, timeout_s: float, what: str) -> None:
+    """``queue.put`` that raises :class:`TimeoutError` naming ``what`` after ``timeout_s`` instead of
+    blocking forever on a full queue whose reader died (a bounded queue is how a sender waits)."""
+    from ray.util.queue import Full
+
+    try:
+        queue.put(item, block=True, timeout=timeout_s)
+    except Full:
+        raise TimeoutError(f"weight sync: {what} took nothing for {timeout_s:.0f} s (its reader died or hangs; "
+                           "--rollout.weight_sync_timeout sets the wait)") from None
+
+
+def get_or_raise(queue, timeout_s: float, what: str) -> Any:
+    """``queue.get`` that raises :class:`TimeoutError` naming ``what`` after ``timeout_s``."""
+    from ray.util.queue import Empty
+
+    try:
+        return queue.get(block=True, timeout=timeout_s)
+    except Empty:
+        raise TimeoutError(f"weight sync: nothing arrived on {what} for {timeout_s:.0f} s (the sender died or "
+                           "hangs; --rollout.weight_sync_timeout sets the wait)") from None
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
@@ -80,10 +104,11 @@ def unpack_bucket(index_json: bytes, flat: torch.Tensor) -> list[tuple[str, torc
 # ---------------------------------------------------------------------------------------------------
 
 
-def make_group(host: str, port: int, rank: int, world: int, backend: str, timeout_s: float = 600.0):
+def make_group(host: str, port: int, rank: int, world: int, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S):
     """A standalone process group (it does not touch the process's default group, which Megatron or
     vLLM already own). Rank 0 hosts the TCPStore; its constructor must not wait for the others
-    (``wait_for_workers=False``) since every member constructs the group concurrently."""
+    (``wait_for_workers=False``) since every member constructs the group concurrently. ``timeout_s``
+    bounds every collective of the group: a member that dies mid-sync makes the others raise."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
@@ -189,7 +214,8 @@ class WeightSender:
 class CollectiveSender(WeightSender):
     """Rank 0 of the sync group; ``connect`` blocks until every engine worker joined."""
 
-    def __init__(self, host: str, port: int, world: int, backend: str, device: str, timeout_s: float = 600.0):
+    def __init__(self, host: str, port: int, world: int, backend: str, device: str,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.store, self.pg = make_group(host, port, 0, world, backend, timeout_s)
         self.device = torch.device(device)
         self.world = world
@@ -211,10 +237,12 @@ class CollectiveSender(WeightSender):
 
 
 class ObjectStoreSender(WeightSender):
-    """``ray.put`` per bucket; refs go into one bounded queue per engine worker."""
+    """``ray.put`` per bucket; refs go into one bounded queue per engine worker. A put waits at
+    most ``timeout_s`` for room (a dead receiver's queue never drains)."""
 
-    def __init__(self, queues: list):
+    def __init__(self, queues: list, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.queues = queues
+        self.timeout_s = float(timeout_s)
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         import ray
@@ -223,15 +251,15 @@ class ObjectStoreSender(WeightSender):
             return
         nb = sum(_nbytes(t) for _, t in bucket)
         ref = ray.put([(n, t.detach().cpu().contiguous()) for n, t in bucket])
-        for q in self.queues:  # blocks while a receiver is QUEUE_DEPTH buckets behind
-            q.put([ref])  # wrapped: a bare ref in a queue would be resolved by value
+        for i, q in enumerate(self.queues):  # blocks while a receiver is QUEUE_DEPTH buckets behind
+            put_or_raise(q, [ref], self.timeout_s, f"engine worker {i}'s queue")  # wrapped: a bare ref resolves by value
         del ref
         # the sender's copies + at most QUEUE_DEPTH queued objects per receiver
         self._account(nb, nb * (1 + QUEUE_DEPTH))
 
     def finish(self) -> SyncStats:
-        for q in self.queues:
-            q.put(None)
+        for i, q in enumerate(self.queues):
+            put_or_raise(q, None, self.timeout_s, f"engine worker {i}'s queue")
         return super().finish()
 
 
@@ -239,13 +267,14 @@ class CudaIpcSender(WeightSender):
     """GPU only, colocated engines (NOT verified on CPU: needs CUDA). Per bucket the packed flat
     buffer stays on this GPU; its IPC handle goes to every engine worker on the same GPU (one queue
     each), which rebuilds the tensor, copies what it needs and acknowledges on ``acks``. At most
-    QUEUE_DEPTH buffers are alive."""
+    QUEUE_DEPTH buffers are alive. Every put and acknowledgement waits at most ``timeout_s``."""
 
-    def __init__(self, queues: list, acks: list):
+    def __init__(self, queues: list, acks: list, timeout_s: float = DEFAULT_TIMEOUT_S):
         if not torch.cuda.is_available():
             raise RuntimeError("transport 'cuda_ipc' needs CUDA (colocated GPU engines); use 'collective' "
                                "or 'object_store' on CPU")
         self.queues, self.acks = queues, acks
+        self.timeout_s = float(timeout_s)
         self._alive: list[torch.Tensor] = []
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -253,26 +282,62 @@ class CudaIpcSender(WeightSender):
 
         if not bucket:
             return
-        index, flat = pack_bucket(bucket, torch.device("cuda", torch.cuda.current_device()))
+        device = torch.cuda.current_device()
+        index, flat = pack_bucket(bucket, torch.device("cuda", device))
         torch.cuda.synchronize()
         handle = reduce_tensor(flat)
-        for q in self.queues:
-            q.put((index, handle))
+        uuid = gpu_uuid(device)  # receivers number GPUs their own way (their CUDA_VISIBLE_DEVICES)
+        for i, q in enumerate(self.queues):
+            put_or_raise(q, (index, handle, uuid), self.timeout_s, f"engine worker {i}'s queue")
         self._alive.append(flat)
         if len(self._alive) > QUEUE_DEPTH:
-            for a in self.acks:
-                a.get()  # the oldest buffer was consumed by every receiver
+            self._await_acks()  # the oldest buffer was consumed by every receiver
             self._alive.pop(0)
         self._account(int(flat.numel()), int(flat.numel()) * len(self._alive))
 
+    def _await_acks(self) -> None:
+        for i, a in enumerate(self.acks):
+            get_or_raise(a, self.timeout_s, f"engine worker {i}'s acknowledgements")
+
     def finish(self) -> SyncStats:
-        for q in self.queues:
-            q.put(None)
+        for i, q in enumerate(self.queues):
+            put_or_raise(q, None, self.timeout_s, f"engine worker {i}'s queue")
         for _ in self._alive:
-            for a in self.acks:
-                a.get()
+            self._await_acks()
         self._alive.clear()
         return super().finish()
+
+
+def gpu_uuid(index: int) -> str:
+    """The GPU's UUID (the same in every process, whatever its CUDA_VISIBLE_DEVICES)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+# torch.multiprocessing.reductions.rebuild_cuda_tensor's positional arguments: the storage's device
+# index is the 7th (tests/contracts hold torch to it).
+IPC_STORAGE_DEVICE_ARG = 6
+
+
+def ipc_args_on_device(args: tuple, device_index: int) -> tuple:
+    """``reduce_tensor``'s rebuild arguments with the storage device replaced by ``device_index``.
+
+    The sender writes ITS index of the GPU; a colocated engine worker whose process sees the GPUs in
+    another order (Ray and vLLM set CUDA_VISIBLE_DEVICES per process) would open the handle on the
+    wrong device. The receiver finds its own index of the sender's GPU by UUID and rebuilds there."""
+    out = list(args)
+    out[IPC_STORAGE_DEVICE_ARG] = int(device_index)
+    return tuple(out)
+
+
+def local_index_of_gpu(uuid: str, visible: list[str]) -> int:
+    """This process's index of the GPU named ``uuid`` among its ``visible`` GPUs' UUIDs; a clear error
+    when the sender's GPU is not visible here (the engine is not colocated with the sender)."""
+    if uuid not in visible:
+        raise RuntimeError(
+            f"cuda_ipc weight sync: the sender's GPU {uuid} is not visible to this engine worker (it sees "
+            f"{visible}); CUDA IPC needs the engine on the sender's GPU. Use --rollout.weight_sync collective or "
+            "object_store for this layout (auto picks the right one).")
+    return visible.index(uuid)
 
 
 # ---------------------------------------------------------------------------------------------------

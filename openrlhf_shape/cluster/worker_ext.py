@@ -118,15 +118,19 @@ class WeightSyncExtension:
         return self._shape_load(((n, t) for b in receive_buckets(pg, device) for n, t in b))
 
     # ---- object store ------------------------------------------------------------------------------
-    def shape_receive_object_store(self, queues: list) -> dict[str, float]:
-        """``queues[rank]`` yields ``[ref]`` per bucket, then None (needs a Ray-connected worker)."""
+    def shape_receive_object_store(self, queues: list, timeout_s: float = 600.0) -> dict[str, float]:
+        """``queues[rank]`` yields ``[ref]`` per bucket, then None (needs a Ray-connected worker); a
+        wait past ``timeout_s`` raises (the sender died)."""
         import ray
 
-        q = queues[self._shape_rank()]
+        from openrlhf_shape.cluster.weight_sync import get_or_raise
+
+        rank = self._shape_rank()
+        q = queues[rank]
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             while True:
-                item = q.get()
+                item = get_or_raise(q, timeout_s, f"engine worker {rank}'s queue")
                 if item is None:
                     return
                 bucket = ray.get(item[0])
@@ -136,23 +140,34 @@ class WeightSyncExtension:
         return self._shape_load(stream())
 
     # ---- CUDA IPC (GPU, colocated; unverified on CPU) -------------------------------------------------
-    def shape_receive_cuda_ipc(self, queues: list, acks: list) -> dict[str, float]:
-        """``queues[rank]`` yields ``(index_json, ipc handle)`` per bucket, then None. Each bucket is
-        copied out of the sender's buffer (same GPU) before acknowledging on ``acks[rank]``."""
-        from openrlhf_shape.cluster.weight_sync import unpack_bucket
+    def shape_receive_cuda_ipc(self, queues: list, acks: list, timeout_s: float = 600.0) -> dict[str, float]:
+        """``queues[rank]`` yields ``(index_json, ipc handle, sender GPU uuid)`` per bucket, then None.
+        The handle is opened on this process's index of the sender's GPU (matched by UUID), copied
+        out of the sender's buffer, and acknowledged on ``acks[rank]``."""
+        from openrlhf_shape.cluster.weight_sync import (
+            get_or_raise,
+            gpu_uuid,
+            ipc_args_on_device,
+            local_index_of_gpu,
+            put_or_raise,
+            unpack_bucket,
+        )
 
-        q, ack = queues[self._shape_rank()], acks[self._shape_rank()]
+        rank = self._shape_rank()
+        q, ack = queues[rank], acks[rank]
+        visible = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             while True:
-                item = q.get()
+                item = get_or_raise(q, timeout_s, f"engine worker {rank}'s queue")
                 if item is None:
                     return
-                index, (rebuild, args) = item
-                flat = rebuild(*args).clone()  # own copy: the sender may free its buffer after the ack
-                torch.cuda.synchronize()
-                ack.put(True)
-                yield from unpack_bucket(index, flat)
+                index, (rebuild, args), uuid = item
+                device = local_index_of_gpu(uuid, visible)
+                flat = rebuild(*ipc_args_on_device(args, device)).clone()  # own copy: the sender frees after the ack
+                torch.cuda.synchronize(device)
+                put_or_raise(ack, True, timeout_s, f"engine worker {rank}'s acknowledgements")
+                yield from unpack_bucket(index, flat.to(self._shape_device()))
 
         return self._shape_load(stream())
 

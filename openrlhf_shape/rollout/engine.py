@@ -298,17 +298,18 @@ class VLLMEngine:
         return list(self.llm.collective_rpc("shape_join_sync_group",
                                             args=(host, port, world, rank_offset, backend, timeout_s)))
 
-    def receive_weights(self, transport: str, payload: Any = None) -> list[dict]:
+    def receive_weights(self, transport: str, payload: Any = None, timeout_s: float = 600.0) -> list[dict]:
         """Receive one sync (``collective`` | ``object_store`` | ``cuda_ipc``; ``payload``: the
-        per-worker queues for the latter two), then reset the prefix cache (stale KV otherwise)."""
+        per-worker queues for the latter two; any one wait past ``timeout_s`` raises, the collective's
+        own group timeout was set when it joined), then reset the prefix cache (stale KV otherwise)."""
         if self._asleep:
             raise RuntimeError("VLLMEngine.receive_weights while the weights sleep; wake_up(tags=['weights']) first")
         if transport == "collective":
             stats = self.llm.collective_rpc("shape_receive_collective")
         elif transport == "object_store":
-            stats = self.llm.collective_rpc("shape_receive_object_store", args=(payload,))
+            stats = self.llm.collective_rpc("shape_receive_object_store", args=(payload, timeout_s))
         elif transport == "cuda_ipc":
-            stats = self.llm.collective_rpc("shape_receive_cuda_ipc", args=tuple(payload))
+            stats = self.llm.collective_rpc("shape_receive_cuda_ipc", args=(*payload, timeout_s))
         else:
             raise ValueError(f"unknown weight-sync transport {transport!r}")
         self.reset_prefix_cache()
@@ -603,13 +604,14 @@ class EngineGroup:
         for e in self.engines:
             e.load_weights((n, t) for bucket in buckets for n, t in bucket)
 
-    def sync_weights(self, sync, start_senders) -> dict[str, float]:
+    def sync_weights(self, sync, start_senders, step: int | None = None) -> dict[str, float]:
         """Stream new weights into every engine with ``sync`` (an
         :class:`openrlhf_shape.cluster.sync_driver.EngineWeightSync` over these engines);
         ``start_senders(payload)`` starts the sending ranks. Each engine resets its prefix cache
-        after loading; the group forgets its prefix affinity (stale with new weights)."""
+        after loading; the group forgets its prefix affinity (stale with new weights). ``step``
+        names the training step in a failed sync's error."""
         self._affinity.clear()
-        return sync.sync(start_senders)
+        return sync.sync(start_senders, step)
 
     # ---- fan-out helpers ----------------------------------------------------------------------------
     def _call_all(self, method: str, *args) -> list:

@@ -33,18 +33,22 @@ class TensorHolder(WeightSenderMixin):
     def model_bytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.weights.values())
 
-    def _buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Copies made bucket by bucket, as the Megatron export makes them."""
+    def _buckets(self, bucket_bytes: int, pause_s: float = 0.0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Copies made bucket by bucket, as the Megatron export makes them (``pause_s`` between
+        buckets: a slow stream, for killing a receiver mid-sync)."""
+        import time
+
         bucket, size = [], 0
         for name, t in self.weights.items():
             nb = t.numel() * t.element_size()
             if bucket and size + nb > bucket_bytes:
                 yield bucket
+                time.sleep(pause_s)
                 bucket, size = [], 0
             bucket.append((name, t.detach().clone()))
             size += nb
         if bucket:
             yield bucket
 
-    def push(self, payload, bucket_bytes: int) -> dict[str, float]:
-        return self.stream_weights(self._buckets(bucket_bytes), payload, model_bytes=self.model_bytes())
+    def push(self, payload, bucket_bytes: int, pause_s: float = 0.0) -> dict[str, float]:
+        return self.stream_weights(self._buckets(bucket_bytes, pause_s), payload, model_bytes=self.model_bytes())

@@ -69,6 +69,9 @@ class RolloutSection:
     # auto (decided per plan: cluster/placement.py:resolve_weight_sync) | collective (gloo on CPU, NCCL on GPU)
     # | object_store | cuda_ipc
     weight_sync: str = "auto"
+    # Seconds any one weight sync (and the sync group's forming) may take, and every wait inside it: past
+    # it, or as soon as an engine dies mid-sync, the run stops naming the engine (a hang otherwise).
+    weight_sync_timeout: float = 600.0
     num_gpus: int | None = None  # disaggregated engine pool; None: num_engines x engine_tensor_parallel_size
 
 
@@ -201,6 +204,8 @@ class TrainConfig:
             f"(e.g. --train.batch_size {samples})",
         )
         need(a.max_epochs >= 1, "actor.max_epochs", "must be >= 1")
+        need(r.weight_sync_timeout > 0, "rollout.weight_sync_timeout",
+             f"{r.weight_sync_timeout}: use a positive number of seconds (the longest one weight sync may take)")
         need(r.max_logprob_gap >= 0, "rollout.max_logprob_gap",
              f"{r.max_logprob_gap}: use 0 (warn past the dtype's expected gap) or a gap in nats past which the run stops")
         need(m.world_size >= 1, "megatron.world_size", "must be >= 1")

@@ -81,7 +81,7 @@ class ShapeTrainer:
                     exp = rec.phase("advantages", maker.advantages, exp, boundaries, potentials)
                     run.lifecycle.before_update()  # colocated: engines sleep, Megatron onloads
                     rec.phase("train", self.train, exp, step)
-                    rec.phase("sync", self.sync)
+                    rec.phase("sync", self.sync, step)
                 else:
                     log.warning("step %d: every group was filtered (no reward variance); no update", step)
                     rec.metrics["actor/updates"] = 0.0
@@ -117,10 +117,11 @@ class ShapeTrainer:
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
         return out
 
-    def sync(self) -> dict[str, float]:
-        """Stream the new weights to the engines; the lifecycle (openrlhf_shape/cluster/lifecycle.py)
-        wakes colocated engines around it and resets prefix caches and affinity after it."""
-        return self.run.lifecycle.sync_weights()
+    def sync(self, step: int) -> dict[str, float]:
+        """Stream the new weights of ``step`` to the engines; the lifecycle (openrlhf_shape/cluster/lifecycle.py)
+        wakes colocated engines around it and resets prefix caches and affinity after it. A receiver that
+        dies or hangs stops the run within ``--rollout.weight_sync_timeout`` with an error naming it."""
+        return self.run.lifecycle.sync_weights(step)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out avg@N pass@1 and mean response length with 95% CIs (openrlhf_shape/trainer/heldout.py),
@@ -184,7 +185,7 @@ class ShapeTrainer:
         step = int(extra["step"])
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.run.batcher.epoch, self.run.batcher.position)
-        self.run.lifecycle.sync_weights()  # engines get the resumed weights (ends in the rollout phase)
+        self.run.lifecycle.sync_weights(step)  # engines get the resumed weights (ends in the rollout phase)
         return step
 
     def _open_log(self, start_step: int) -> MetricsLogger:

@@ -190,3 +190,59 @@ def test_trainer_cluster_path_deepspeed_zero3(tmp_path, tiny_model_dir, parity_r
     # the same old log-probs, advantages and update from the same weights (different kernels: ~1e-6)
     assert abs(ds["metrics"]["actor/loss"] - dp_coll["metrics"]["actor/loss"]) < 1e-4
     assert ds["metrics"]["actor/grad_norm"] == pytest.approx(dp_coll["metrics"]["actor/grad_norm"], rel=1e-3)
+
+
+def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny_model_dir, parity_reward_file,
+                                                                  ray_once) -> None:
+    """Engine 1 is killed inside step 2's weight sync (its receiver already waiting, the sender about to
+    stream): the run stops at once with an error naming engine 1 and step 2 (not after the sync's
+    timeout, not a hang); the same command again resumes from the step-1 checkpoint and finishes step 2
+    with engines that run the trained policy."""
+    import json
+    import time
+
+    from openrlhf_shape.cluster.sync_driver import WeightSyncError
+    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
+
+    out = str(tmp_path / "killed")
+    cfg = load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
+        "megatron.world_size": "1", "trainer.num_steps": "2", "trainer.save_steps": "1",
+        "rollout.weight_sync_timeout": "300"}))
+    trainer = ShapeTrainer(cfg)
+    try:
+        trainer.setup()
+        actor, engine_1 = trainer.run.lifecycle.actor, trainer.run.engine_handles[1]
+        real_stream, calls = actor.start_weight_stream, []
+
+        def stream_but_kill_engine_1_at_step_2(payload, bucket_bytes):  # fault injection around the real sync
+            calls.append(1)
+            if len(calls) == 2:
+                ray.kill(engine_1)
+            return real_stream(payload, bucket_bytes)
+
+        actor.start_weight_stream = stream_but_kill_engine_1_at_step_2
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError) as info:
+            trainer.fit()
+        assert time.monotonic() - t0 < 300, "the run waited for the sync's timeout"
+    finally:
+        trainer.shutdown()
+    assert (info.value.who, info.value.step) == ("engine 1", 2), str(info.value)
+    assert "weight sync after step 2: engine 1 died" in str(info.value)
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step_000001"))
+    assert not os.path.exists(os.path.join(out, "checkpoints", "step_000002"))
+
+    again = ShapeTrainer(load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
+        "megatron.world_size": "1", "trainer.num_steps": "2", "trainer.save_steps": "1"})))
+    try:
+        again.setup()
+        again.fit()
+    finally:
+        again.shutdown()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows if "rollout/accuracy" in r] == [1, 2]  # step 2 once, from the resumed run
+    last = rows[-1]
+    assert last["step"] == 2 and last["rollout/mismatch/abs_log_ratio/mean"] <= 3e-5
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))

@@ -1,0 +1,92 @@
+"""A weight sync fails loudly instead of hanging: an engine killed in the middle of a sync makes the
+driver raise, naming the engine and the step, long before the transport's own timeout; a receiver
+that takes nothing, or a sender that sends nothing, times out on every queue. (The trainer-level
+case, with a re-run resuming from the last checkpoint, is in test_trainer_cluster_e2e.py.)"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from openrlhf_shape.cluster.sync_driver import EngineWeightSync, WeightSyncError  # noqa: E402
+from openrlhf_shape.cluster.weight_sync import ObjectStoreSender, get_or_raise  # noqa: E402
+from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, create_ray_engines  # noqa: E402
+from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TIMEOUT_S = 120.0  # the sync's own limit: a kill must be reported long before it
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from openrlhf_shape.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("fail_qwen3"), arch="qwen3", seed=0, num_layers=2))
+
+
+@pytest.mark.parametrize("transport", ["collective", "object_store"])
+def test_engine_killed_mid_sync_raises_naming_engine_and_step(ray_local, model_dir, transport) -> None:
+    cfg = EngineConfig(model_path=model_dir, max_model_len=256, kv_cache_gib=0.25, dtype="float32")
+    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5)
+    group = EngineGroup(handles)
+    holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(model_dir)
+    sync = EngineWeightSync(handles, engine_tp=1, transport=transport, backend="gloo", timeout_s=TIMEOUT_S)
+    try:
+        sync.connect(holder)
+        ray.get(holder.perturb.remote(1, 0.05))
+        group.sync_weights(sync, lambda p: [holder.push.remote(p, 16 << 10)], step=1)  # a healthy sync first
+
+        def start_slow_and_kill(payload):  # a stream of many small buckets, engine 1 killed inside it
+            refs = [holder.push.remote(payload, 16 << 10, 0.2)]
+            threading.Timer(1.0, ray.kill, args=(handles[1],)).start()
+            return refs
+
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError) as info:
+            group.sync_weights(sync, start_slow_and_kill, step=7)
+        waited = time.monotonic() - t0
+        msg = str(info.value)
+        assert info.value.who == "engine 1" and info.value.step == 7, msg
+        assert "after step 7: engine 1 died" in msg and "re-run the same command to resume" in msg, msg
+        assert waited < TIMEOUT_S, f"the driver waited for the transport's timeout ({waited:.0f} s)"
+    finally:
+        sync.close()
+        for h in handles:
+            ray.kill(h)
+        ray.kill(holder)
+
+
+def test_queues_time_out_instead_of_blocking(ray_local) -> None:
+    """A receiver that takes nothing fills its bounded queue: the sender's next put raises, naming
+    the receiver; a receiver whose sender sends nothing raises on its get."""
+    import torch
+    from ray.util.queue import Queue
+
+    q = Queue(maxsize=1, actor_options={"num_cpus": 0})
+    try:
+        sender = ObjectStoreSender([q], timeout_s=1.0)
+        sender.begin()
+        sender.send([("w", torch.zeros(4))])  # fills the queue
+        with pytest.raises(TimeoutError, match="engine worker 0's queue took nothing for 1 s"):
+            sender.send([("w", torch.zeros(4))])
+        q.get()
+        with pytest.raises(TimeoutError, match="nothing arrived on engine worker 0's queue for 1 s"):
+            get_or_raise(q, 1.0, "engine worker 0's queue")
+    finally:
+        ray.kill(q.actor)
