@@ -1,4 +1,4 @@
-"""The ``openrlhf-shape`` console script: ``train | eval | convert | analyze | frontier``.
+"""The ``openrlhf-shape`` console script: ``train | eval | convert | analyze | frontier | doctor``.
 
 Each sub-command lives in its own module under ``openrlhf_shape.cli`` and registers itself in
 ``SUBCOMMANDS`` below; heavy imports (torch, Ray, vLLM, Megatron) happen only inside the command
@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("openrlhf_shape.cli.convert", "convert checkpoints (GGUF/Megatron -> Hugging Face)"),
     "analyze": ("openrlhf_shape.cli.analyze", "the paper's analysis figures from metrics files"),
     "frontier": ("openrlhf_shape.cli.frontier", "keep the training problems the policy solves sometimes (pass-rate band)"),
+    "doctor": ("openrlhf_shape.cli.doctor", "check the Ray cluster a job will use: nodes, placement, rendezvous, shared paths"),
 }
 
 

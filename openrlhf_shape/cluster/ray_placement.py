@@ -13,7 +13,9 @@ straddle two nodes.
   the node's group with ``placement_group_capture_child_tasks=True``; vLLM's Ray executor then
   finds that group with ``ray.util.get_current_placement_group()`` and places worker ``i`` on bundle
   ``VLLM_RAY_BUNDLE_INDICES[i]`` (local indices in that node's group), each taking
-  ``VLLM_RAY_PER_WORKER_GPUS`` of a GPU (vllm/v1/executor/ray_executor.py, ``_init_workers_ray``).
+  ``VLLM_RAY_PER_WORKER_GPUS`` of a GPU (vLLM 0.32's default executor, ``RayExecutorV2``:
+  vllm/v1/executor/ray_executor_v2.py, ``_init_executor``; the older ``ray_executor.py`` reads the same
+  variables; tests/contracts holds both to it).
 * The rendezvous (``MASTER_ADDR``/port of torch.distributed) comes from rank 0's actor on rank 0's
   node: :func:`rendezvous_from` asks it for its node IP and a free port there.
 """
@@ -132,6 +134,13 @@ class RayPlacement:
             env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(self.plan.bundle_node(w.bundle)[1]) for w in workers)
             env["VLLM_RAY_PER_WORKER_GPUS"] = str(self.engine_gpu_share())
         return {"options": opts, "env": env}
+
+    def rank_node_ids(self) -> list[str]:
+        """The Ray node id of every Megatron rank's bundle (the nodes that write checkpoint shards)."""
+        from ray.util.placement_group import placement_group_table
+
+        tables = [placement_group_table(g)["bundles_to_node_id"] for g in self.groups]
+        return [tables[node][local] for node, local in (self.plan.bundle_node(s.bundle) for s in self.plan.ranks)]
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

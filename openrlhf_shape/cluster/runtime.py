@@ -59,6 +59,7 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     is handed to every rank actor and engine actor (they do not decide CPU vs GPU themselves)."""
     import ray
 
+    from openrlhf_shape.cluster.doctor import check_shared_output
     from openrlhf_shape.cluster.lifecycle import Lifecycle
     from openrlhf_shape.cluster.ray_placement import RayPlacement
     from openrlhf_shape.cluster.sync_driver import EngineWeightSync
@@ -71,6 +72,7 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     cpus = (c_rank + c_engine) if plan.colocate else max(c_rank, c_engine)
     placement = RayPlacement(plan, cpus_per_bundle=cpus, gpus=platform.gpus_per_bundle > 0)
     try:
+        check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
         engines = start_engines(engine_cfg, r.num_engines, platform=platform, placement=placement, wait_ready=False)
         actor = make_actor_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
         ray.get([h.ready.remote() for h in engines.engines])

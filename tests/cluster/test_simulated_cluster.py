@@ -11,6 +11,7 @@ real actors for the rendezvous.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -136,5 +137,63 @@ def test_rendezvous_on_rank0_node(cluster) -> None:
         assert max(Counter((r["node_id"], r["gpu_ids"][0]) for r in reps).values()) == 1
         for a in actors:
             ray.kill(a)
+    finally:
+        placement.remove()
+
+
+def _doctor_cfg(name: str, out_dir: str, model_dir: str, *extra: str):
+    from openrlhf_shape.trainer.config import load_config
+
+    return load_config(str(CONFIGS / f"{name}.yaml"), ["--ckpt.output_dir", out_dir, "--actor.model_name_or_path",
+                                                       model_dir, *extra], check_paths=False)
+
+
+def test_doctor_on_the_simulated_cluster(cluster, tmp_path) -> None:
+    """Every check passes for a preset that fits (nodes, its placement groups made and released, the
+    rendezvous on rank 0's node reached from all 5 nodes, the output directory shared, the model read
+    everywhere); a path no node can write and a layout the cluster cannot host fail, naming the flag."""
+    from openrlhf_shape.cluster.doctor import run_doctor
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    checks = {c.name: c for c in run_doctor(_doctor_cfg("qwen3-4b", str(tmp_path / "out"), str(model)), on_gpu=True)}
+    for name in ("nodes", "placement", "rendezvous", "shared path --ckpt.output_dir", "model directory",
+                 "placement released"):
+        assert checks[name].ok, checks[name].line()
+    assert "reached from every node" in checks["rendezvous"].detail
+    assert len([n for n in checks if n.startswith("env ")]) == NODES + 1  # the head too
+    assert not [f for f in os.listdir(tmp_path / "out") if f.startswith(".doctor")]  # it cleans up
+    assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a directory")
+    bad = {c.name: c for c in run_doctor(_doctor_cfg("qwen3-4b", str(blocked / "out"), str(model)), on_gpu=True)}
+    assert not bad["shared path --ckpt.output_dir"].ok and "cannot write" in bad["shared path --ckpt.output_dir"].detail
+
+    huge = {c.name: c for c in run_doctor(_doctor_cfg(
+        "qwen3-4b", str(tmp_path / "out"), str(model), "--actor.num_nodes", "8", "--actor.num_gpus_per_node", "8"),
+        on_gpu=True, timeout_s=10)}
+    assert not huge["placement"].ok and "cannot host this layout" in huge["placement"].detail, huge["placement"].line()
+
+
+def test_startup_checks_the_output_is_shared_with_the_rank_nodes(cluster, tmp_path) -> None:
+    """The trainer's start-up guard (cluster/runtime.py): the nodes hosting the preset's ranks (not the
+    driver's: the head has no GPU) see what the driver writes in --ckpt.output_dir and the other way
+    round; an output directory the run cannot create stops the start naming the flag."""
+    from openrlhf_shape.cluster.doctor import check_shared_output
+
+    cfg = _doctor_cfg("qwen3-4b", str(tmp_path / "out"), str(tmp_path))
+    plan = plan_placement(**preset_shape("qwen3-4b"), gpus_per_node=GPUS)
+    placement = RayPlacement(plan, cpus_per_bundle=0.01, gpus=True)
+    try:
+        nodes = placement.rank_node_ids()
+        assert len(nodes) == len(plan.ranks) and ray.get_runtime_context().get_node_id() not in nodes
+        check_shared_output(cfg, nodes)  # one machine: shared
+        assert not os.listdir(tmp_path / "out")
+        (tmp_path / "f").write_text("x")
+        with pytest.raises(RuntimeError, match="--ckpt.output_dir must be on a filesystem every node shares|"
+                                               "the driver cannot write it"):
+            check_shared_output(_doctor_cfg("qwen3-4b", str(tmp_path / "f" / "out"), str(tmp_path)), nodes)
     finally:
         placement.remove()

@@ -1,0 +1,46 @@
+"""``openrlhf-shape doctor --config configs/X.yaml [--section.key VALUE ...]``: check the Ray cluster a
+job will run on (nodes, placement groups, rendezvous, shared paths, NCCL environment) before starting it.
+
+Takes the same config and flags as ``train``; joins ``--train.ray_address`` (or starts a local Ray).
+Exit 0 when every check passed, 1 otherwise (openrlhf_shape/cluster/doctor.py says what each check does).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+ACCEPTS_OVERRIDES = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="the job's YAML preset (see configs/); dotted flags override it")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds any one check may wait (default 60)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from openrlhf_shape.trainer.config import load_config
+
+    try:
+        cfg = load_config(args.config, list(getattr(args, "overrides", []) or []), check_paths=False)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"openrlhf-shape doctor: error: {exc}")
+    import ray
+
+    from openrlhf_shape.cluster.doctor import run_doctor
+    from openrlhf_shape.platform import detect_platform
+    from openrlhf_shape.trainer.setup import start_ray
+
+    owned = start_ray(cfg)
+    try:
+        platform = detect_platform(cfg)
+        print(f"doctor: {cfg.trainer.ray_address or 'local Ray'}, {platform.device} run "
+              f"({platform.cluster_gpus:g} GPUs seen)")
+        checks = run_doctor(cfg, platform.on_gpu, args.timeout)
+    finally:
+        if owned:
+            ray.shutdown()
+    for c in checks:
+        print(c.line())
+    failed = [c.name for c in checks if not c.ok]
+    print(f"doctor: {len(checks) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
