@@ -9,6 +9,12 @@ host copies are pinned and the freed blocks go back to the driver (``torch.cuda.
 vLLM can take them; on CPU the same code runs (host and "device" are one memory, so nothing is
 saved, but the storages really are emptied: any use while offloaded fails loudly).
 
+Host buffers are allocated once and reused by every later offload of the same storage (matched by
+group, position and size): pinned memory is slow to allocate, and torch's pinned-host cache rounds
+each request up and keeps the blocks, so fresh buffers every step held up to ~2x the states in pinned
+RAM per rank. ``host_bytes_allocated`` counts what was ever allocated (it stops growing after the
+first round trip).
+
 Groups (offloaded/onloaded independently):
 * ``params``: the model's parameters (and anything sharing their storage, e.g. fp32 optimizer
   shards that are views of them);
@@ -73,6 +79,17 @@ class StateOffloader:
 
     on_gpu: bool = False  # the rank's Platform.on_gpu: pinned host copies, freed blocks back to the driver
     saved: dict[str, list[_Saved]] = field(default_factory=dict)
+    host_bytes_allocated: int = 0  # host buffer bytes ever allocated (reuse keeps it at one copy of the states)
+    _host: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # (group, position) -> buffer
+
+    def _host_buffer(self, group: str, position: int, nbytes: int) -> torch.Tensor:
+        """The host buffer of the ``position``-th storage of ``group``, allocated on first use."""
+        buf = self._host.get((group, position))
+        if buf is None or buf.numel() != nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+            self._host[(group, position)] = buf
+            self.host_bytes_allocated += nbytes
+        return buf
 
     @property
     def pin_memory(self) -> bool:
@@ -111,7 +128,7 @@ class StateOffloader:
                 if owner[key] != g:
                     continue
                 n = st.nbytes()
-                host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+                host = self._host_buffer(g, len(saved), n)
                 host.copy_(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st), non_blocking=self.pin_memory)
                 saved.append(_Saved(st, n, host))
             if self.pin_memory:

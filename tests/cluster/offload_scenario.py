@@ -50,6 +50,13 @@ def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: 
         out["restored_bitwise"] = all(
             len(before[g]) == len(after[g]) and all(torch.equal(a, b) for a, b in zip(before[g], after[g]))
             for g in GROUPS)
+        # a second round trip reuses the host buffers of the first (pinned on GPU): nothing new allocated
+        allocated = w.offloader.host_bytes_allocated
+        w.offload_states()
+        w.onload_states()
+        out["host_bytes_first_and_second_round"] = (allocated, w.offloader.host_bytes_allocated)
+        out["restored_bitwise_again"] = all(
+            all(torch.equal(a, b) for a, b in zip(before[g], _snapshot(w)[g])) for g in GROUPS)
     out["metrics"].append(w.train_step(batches[1]))
     w.shutdown()
     return out

@@ -42,6 +42,8 @@ def test_offload_onload_round_trip(tmp_path) -> None:
         assert all(e and "offloaded" in e for e in r["errors_while_offloaded"]), r["errors_while_offloaded"]
         assert r["forward_with_params_only"]
         assert "grads" in r["train_with_params_only"] and "offloaded" in r["train_with_params_only"]
-        assert r["restored_bitwise"]
+        assert r["restored_bitwise"] and r["restored_bitwise_again"]
+        first, second = r["host_bytes_first_and_second_round"]
+        assert first == second and 0 < first <= 1.01 * r["offloaded_bytes"]  # one host copy of the states, reused
     for a, b in zip(with_rt, plain):
         assert a["metrics"] == b["metrics"]  # exactly the same losses, grad norms, lrs
