@@ -159,6 +159,13 @@ def _finite(x: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------ sections
+class SkipSection(Exception):
+    """A section that cannot run here (no GPU, a wheel not carried): recorded with the reason."""
+
+
+ALL_SECTIONS = ("parity", "train", "throughput", "offload", "cuda_ipc", "zero2", "te_spec")
+
+
 class Kit:
     def __init__(self, out_dir: str, smoke: bool, workdir: str, timeout: float) -> None:
         self.out_dir, self.smoke, self.workdir, self.timeout = out_dir, smoke, workdir, timeout
@@ -177,12 +184,12 @@ class Kit:
             raise SystemExit("gpu_kit: no CUDA device visible; run with --smoke for the CPU check")
         self.base_cfg: dict[str, Any] = {"layer_spec": "local", "seed": 1234}
 
-    def _run(self, target: str, kwargs: dict) -> Any:
+    def _run(self, target: str, kwargs: dict, module: str = "kit_sections") -> Any:
         from openrlhf_shape.megatron.launch import RankFailure, run_ranks
 
         for attempt in range(3):
             try:
-                return run_ranks(f"kit_sections:{target}", 1, kwargs=kwargs, timeout=self.timeout,
+                return run_ranks(f"{module}:{target}", 1, kwargs=kwargs, timeout=self.timeout,
                                  extra_pythonpath=[HERE], threads_per_rank=1 if self.smoke else 8)[0]
             except RankFailure as exc:
                 # free_port() can race with other processes on a shared machine: retry on a new port
@@ -196,12 +203,15 @@ class Kit:
         print(f"[gpu_kit] section {name} ...", flush=True)
         try:
             rec = fn()
+        except SkipSection as skip:
+            rec = {"passed": None, "skip_reason": str(skip)}
         except Exception as exc:  # noqa: BLE001  (recorded; the next section still runs)
             rec = {"passed": False, "error": f"{type(exc).__name__}: {str(exc)[-6000:]}",
                    "traceback": traceback.format_exc()[-3000:]}
         rec["wall_seconds"] = time.time() - t0
         self.result["sections"][name] = rec
-        print(f"[gpu_kit] section {name}: {'PASSED' if rec.get('passed') else 'FAILED'} "
+        verdict = "SKIPPED: " + rec["skip_reason"] if "skip_reason" in rec else ("PASSED" if rec.get("passed") else "FAILED")
+        print(f"[gpu_kit] section {name}: {verdict} "
               f"({rec['wall_seconds']:.0f}s){' ' + rec['error'][:2000] if 'error' in rec else ''}", flush=True)
         self.write()
 
@@ -239,6 +249,60 @@ class Kit:
         }
         rec["passed"] = passed and not neg["passed"]
         return rec
+
+    # ---------------------------------------------------------------- colocation (kit_colocation.py)
+    def _small_model_and_batch(self, seed: int) -> tuple[dict, dict]:
+        if self.smoke:
+            return ({"config": "Qwen3-0.6B", "overrides": SMOKE_SHAPE, "seed": seed},
+                    self._batch(6, 8, 40, SMOKE_SHAPE["vocab_size"], seed=seed))
+        return ({"config": "Qwen3-0.6B", "overrides": {"num_hidden_layers": 4}, "seed": seed},
+                self._batch(8, 128, 1024, 151936, seed=seed))
+
+    def offload(self) -> dict:
+        """Pinned offload/onload of a Megatron rank: memory really returned, buffers reused, bit-exact."""
+        import kit_colocation
+
+        model, batch = self._small_model_and_batch(7)
+        cfg = {**self.base_cfg, "use_distributed_optimizer": True, "lr": 1e-4,
+               "micro_batch_max_tokens": 96 if self.smoke else 2048}
+        res = self._run("offload", dict(cfg=cfg, model=model, batch=batch,
+                                        workdir=os.path.join(self.workdir, "offload")), module="kit_colocation")
+        return kit_colocation.offload_verdict(res, self.gpu)
+
+    def cuda_ipc(self) -> dict:
+        """The colocated transport between two processes on one GPU (the receiver is the worker extension)."""
+        if not self.gpu:
+            raise SkipSection("CUDA IPC needs a GPU (the smoke run has none)")
+        import kit_colocation
+
+        return kit_colocation.cuda_ipc(timeout_s=min(self.timeout, 300.0))
+
+    def zero2(self) -> dict:
+        """One DeepSpeed ZeRO-2 step against one Megatron step (bf16 on GPU, fp32 in the smoke run)."""
+        import kit_colocation
+
+        why = kit_colocation.deepspeed_available()
+        if why:
+            raise SkipSection(why)
+        model, batch = self._small_model_and_batch(9)
+        cfg = {**self.base_cfg, "lr": 1e-4, "local_attention": "sdpa", "micro_batch_max_tokens": 96 if self.smoke else 2048}
+        res = self._run("zero2_vs_megatron", dict(cfg=cfg, model=model, batch=batch,
+                                                   workdir=os.path.join(self.workdir, "zero2")), module="kit_colocation")
+        return kit_colocation.zero2_verdict(res, self.gpu)
+
+    def te_spec(self) -> dict:
+        """Parity of the transformer-engine layer spec against HF (as the parity section, layer_spec te)."""
+        import kit_colocation
+
+        why = kit_colocation.te_available()
+        if why:
+            raise SkipSection(why)
+        model, batch = self._small_model_and_batch(3)
+        cfg = {**self.base_cfg, "layer_spec": "te", "micro_batch_max_tokens": 96 if self.smoke else 4096}
+        res = self._run("parity", dict(cfg=cfg, model=model, batch=batch, workdir=os.path.join(self.workdir, "te"),
+                                       attentions=["megatron"]))
+        cmp = _compare(res["megatron"]["megatron"], res["hf"], gpu=self.gpu)
+        return {"te": cmp, "passed": cmp["passed"]}
 
     # ---------------------------------------------------------------- train + resume + export
     def train(self) -> None:
@@ -474,7 +538,26 @@ def markdown(res: dict) -> str:
                    f"{_fmt(c['log_probs']['megatron_vs_hf_fp32']['max'])}/{_fmt(c['log_probs']['megatron_vs_hf_fp32']['mean'])}")
         elif name == "throughput":
             key = f"{len(rec['cases'])} cases (table below)"
-        lines.append(f"| {name} | {'yes' if rec.get('passed') else 'NO'} | {key} |")
+        elif "skip_reason" in rec:
+            key = "skipped: " + rec["skip_reason"]
+        elif name == "offload":
+            key = (f"{rec['offloaded_bytes'] / 2**20:.1f} MiB offloaded in {rec['offload_seconds']:.3f} s, back in "
+                   f"{rec['onload_seconds']:.3f} s (pinned: {rec['pinned']}); reserved {rec['reserved_before'] / 2**20:.0f} -> "
+                   f"{rec['reserved_offloaded'] / 2**20:.0f} -> {rec['reserved_after'] / 2**20:.0f} MiB; host bytes "
+                   f"{rec['host_bytes_first_round']} then {rec['host_bytes_second_round']} (reused); log-probs change "
+                   f"{_fmt(rec['logprobs_max_abs_change'])}")
+        elif name == "cuda_ipc":
+            key = (f"{rec['tensors']} tensors, {rec['sender']['sync/bytes'] / 2**20:.0f} MiB in "
+                   f"{rec['sender']['sync/buckets']:.0f} buckets, {rec['GBps']:.1f} GiB/s, mismatched {rec['mismatched']}")
+        elif name == "zero2":
+            key = (f"{rec['dtype']}: loss {_fmt(rec['loss']['megatron'], '.5f')} vs {_fmt(rec['loss']['deepspeed'], '.5f')}, "
+                   f"grad norm {_fmt(rec['grad_norm']['megatron'])} vs {_fmt(rec['grad_norm']['deepspeed'])}, log-probs after "
+                   f"the step mean/max {_fmt(rec['logprobs_after_step']['mean_abs'])}/{_fmt(rec['logprobs_after_step']['max_abs'])}")
+        elif name == "te_spec":
+            lp = rec["te"]["log_probs"]["megatron_vs_hf_fp32"]
+            key = f"TE spec logp max/mean err vs HF-fp32 {_fmt(lp['max'])}/{_fmt(lp['mean'])}"
+        passed = "skipped" if "skip_reason" in rec else ("yes" if rec.get("passed") else "NO")
+        lines.append(f"| {name} | {passed} | {key} |")
     tp = res["sections"].get("throughput")
     if tp and "cases" in tp:
         lines += ["", "| model | mode | tokens/micro-batch | micro-batches | params | s/step | tokens/s | MFU | HFU | peak GiB |",
@@ -513,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, two steps, tiny throughput case")
-    ap.add_argument("--sections", default="parity,train,throughput",
-                    help="comma list of parity, train (train_resume + export), throughput")
+    ap.add_argument("--sections", default=",".join(ALL_SECTIONS),
+                    help="comma list of parity, train (train_resume + export), throughput, offload, cuda_ipc, "
+                         "zero2 (DeepSpeed ZeRO-2 vs Megatron), te_spec")
     ap.add_argument("--cases", default="",
                     help="throughput cases to keep, MODEL:MODE:TOKENS[:ATTENTION], e.g. Qwen3-8B:logprob:16384 (comma list)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per section process")
@@ -537,9 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="gpu_kit_")
     kit = Kit(os.path.abspath(args.out_dir), args.smoke, workdir, args.timeout)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections) - {"parity", "train", "throughput"}
+    unknown = set(sections) - set(ALL_SECTIONS)
     if unknown:
-        ap.error(f"unknown --sections {sorted(unknown)}; choose from parity, train, throughput")
+        ap.error(f"unknown --sections {sorted(unknown)}; choose from {', '.join(ALL_SECTIONS)}")
     kit.write()
     try:
         if "parity" in sections:
@@ -549,11 +633,14 @@ def main(argv: list[str] | None = None) -> int:
         if "throughput" in sections:
             only = [c.strip() for c in args.cases.split(",") if c.strip()] or None
             kit._record("throughput", lambda: kit.throughput(only))
+        for name in ("offload", "cuda_ipc", "zero2", "te_spec"):
+            if name in sections:
+                kit._record(name, getattr(kit, name))
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
         kit.write()
-    failed = [n for n, r in kit.result["sections"].items() if not r.get("passed")]
+    failed = [n for n, r in kit.result["sections"].items() if not r.get("passed") and "skip_reason" not in r]
     print(f"[gpu_kit] wrote {kit.out_dir}/gpu_kit.json and gpu_kit.md; failed sections: {failed or 'none'}", flush=True)
     return 1 if failed else 0
 

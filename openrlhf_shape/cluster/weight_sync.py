@@ -27,6 +27,7 @@ two queued object-store objects; never the model.
 from __future__ import annotations
 
 import json
+import queue as stdlib_queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,24 +43,21 @@ DEFAULT_TIMEOUT_S = 600.0  # --rollout.weight_sync_timeout: any one wait of a sy
 
 def put_or_raise(queue, item: Any, timeout_s: float, what: str) -> None:
     """``queue.put`` that raises :class:`TimeoutError` naming ``what`` after ``timeout_s`` instead of
-    blocking forever on a full queue whose reader died (a bounded queue is how a sender waits)."""
-    from ray.util.queue import Full
-
+    blocking forever on a full queue whose reader died (a bounded queue is how a sender waits). Any
+    queue with ``put(item, block, timeout)``: Ray's (whose Full is the stdlib's) or multiprocessing's."""
     try:
         queue.put(item, block=True, timeout=timeout_s)
-    except Full:
-        raise TimeoutError(f"weight sync: {what} took nothing for {timeout_s:.0f} s (its reader died or hangs; "
+    except stdlib_queue.Full:
+        raise TimeoutError(f"weight sync: {what} took nothing for {timeout_s:g} s (its reader died or hangs; "
                            "--rollout.weight_sync_timeout sets the wait)") from None
 
 
 def get_or_raise(queue, timeout_s: float, what: str) -> Any:
     """``queue.get`` that raises :class:`TimeoutError` naming ``what`` after ``timeout_s``."""
-    from ray.util.queue import Empty
-
     try:
         return queue.get(block=True, timeout=timeout_s)
-    except Empty:
-        raise TimeoutError(f"weight sync: nothing arrived on {what} for {timeout_s:.0f} s (the sender died or "
+    except stdlib_queue.Empty:
+        raise TimeoutError(f"weight sync: nothing arrived on {what} for {timeout_s:g} s (the sender died or "
                            "hangs; --rollout.weight_sync_timeout sets the wait)") from None
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (

@@ -44,9 +44,13 @@ def smoke(tmp_path_factory):
 def test_every_section_passes(smoke):
     res = smoke["res"]
     assert res["mode"] == "smoke"
-    assert set(res["sections"]) == {"parity", "train_resume", "export", "throughput"}
-    failed = {k: v.get("error", "") for k, v in res["sections"].items() if not v.get("passed")}
+    assert set(res["sections"]) == {"parity", "train_resume", "export", "throughput", "offload", "cuda_ipc", "zero2",
+                                    "te_spec"}
+    failed = {k: v.get("error", "") for k, v in res["sections"].items() if not v.get("passed") and "skip_reason" not in v}
     assert not failed, failed
+    # what cannot run on CPU says so (and only that): CUDA IPC needs CUDA, TE its wheel
+    assert "needs a GPU" in res["sections"]["cuda_ipc"]["skip_reason"]
+    assert set(k for k, v in res["sections"].items() if "skip_reason" in v) <= {"cuda_ipc", "te_spec"}
     assert smoke["proc"].returncode == 0, smoke["proc"].stdout[-2000:]
 
 
@@ -58,6 +62,12 @@ def test_numbers_are_finite_and_meaningful(smoke):
         assert sec["parity"]["attention"][att]["log_probs"]["megatron_vs_hf_fp32"]["max"] <= 1e-4
     # the negative control lands far outside the tolerance, so the parity check can fail
     assert sec["parity"]["negative_control_wrong_qkv"]["caught"]
+    # colocation: states really offloaded, host buffers reused, nothing changed by the round trips
+    off = sec["offload"]
+    assert off["offloaded_bytes"] > 0 and off["host_bytes_first_round"] == off["host_bytes_second_round"] > 0
+    assert off["logprobs_max_abs_change"] == 0.0
+    z = sec["zero2"]  # one ZeRO-2 step against one Megatron step from the same weights (fp32 on CPU)
+    assert abs(z["loss"]["megatron"] - z["loss"]["deepspeed"]) <= 1e-4 and z["logprobs_after_step"]["mean_abs"] <= 1e-4
     assert sec["parity"]["negative_control_wrong_qkv"]["log_probs_vs_hf_fp32"]["max"] > 1e-2
     tr = sec["train_resume"]
     assert len(tr["losses"]) == 2 and tr["losses"][1] < tr["losses"][0]
