@@ -165,9 +165,9 @@ class EngineWeightSync:
         outlived ``timeout_s``."""
         if not self.connected:
             raise RuntimeError("EngineWeightSync.sync before connect()")
-        import ray
-
-        asleep = [i for i, st in enumerate(ray.get([e.state.remote() for e in self.engines])) if not st["weights_awake"]]
+        states = get_all_fail_fast([e.state.remote() for e in self.engines], self.timeout_s,
+                                   [f"engine {i}" for i in range(len(self.engines))], step)
+        asleep = [i for i, st in enumerate(states) if not st["weights_awake"]]
         if asleep:  # refuse before any sender starts (it would otherwise wait for the group timeout)
             raise RuntimeError(f"weight sync targets engines {asleep} whose weights are asleep; the colocation "
                                "lifecycle wakes the weights first")
