@@ -1,7 +1,7 @@
 """Build docs/results/learning_curve.{json,md} (+ figures) from learning-curve run directories.
 
     python scripts/summarize_learning_curve.py runs/learn-grpo runs/learn-shape --out docs/results \
-        [--notes notes.md] [--command "..."]
+        [--notes notes.md] [--command "..."] [--pool GRPO=runs/g1,runs/g2,runs/g3 SHAPE=...]
 
 Reads each run's ``run.json`` and ``metrics.jsonl`` (written by the trainer with configs/cpu-learn.yaml):
 the held-out evals (``eval/accuracy`` with ``eval/accuracy_ci_low/high``, ``eval/response_length/mean``
@@ -238,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no_analyze", action="store_true")
     ap.add_argument("--base_from", nargs="*", default=[], metavar="EST=DIR",
                     help="step-0 eval of EST taken from run DIR (same held-out protocol), e.g. grpo=runs/attempt1/learn-grpo")
+    ap.add_argument("--pool", nargs="*", default=[], metavar="ARM=DIR,DIR,...",
+                    help="seeds of one arm pooled per problem (openrlhf_shape/eval/pooling.py), a table per arm and "
+                         "eval step appended to learning_curve.md, e.g. GRPO=runs/grpo-s1,runs/grpo-s2,runs/grpo-s3")
     args = ap.parse_args(argv)
     base_from = dict(x.split("=", 1) for x in args.base_from)
+    pools = {name: dirs.split(",") for name, dirs in (x.split("=", 1) for x in args.pool)}
     entries = {}
     for d in args.run_dirs:
         with open(os.path.join(d, "run.json")) as f:
@@ -265,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "learning_curve.json"), "w") as f:
         json.dump(data, f, indent=1)
     notes = open(args.notes).read() if args.notes else None
+    if pools:
+        from openrlhf_shape.eval.pooling import pooled_table
+
+        table = ("## Seeds pooled per problem\n\nMean over seeds and problems; 95% two-level bootstrap "
+                 "(seeds, then problems) from each eval's per-problem results.\n\n" + pooled_table(pools))
+        notes = table + ("\n" + notes if notes else "")
     with open(os.path.join(args.out, "learning_curve.md"), "w") as f:
         f.write(render_markdown(data, notes))
     for name, e in entries.items():

@@ -54,3 +54,4 @@ def heldout_metrics(problems: Sequence[ProblemResult], *, n_boot: int = 1000, se
         "eval/num_problems": float(len(problems)),
         "eval/samples_per_problem": float(responses / len(problems)),
     }
+

@@ -86,7 +86,7 @@ class ShapeTrainer:
                     log.warning("step %d: every group was filtered (no reward variance); no update", step)
                     rec.metrics["actor/updates"] = 0.0
                 if _due(step, cfg.trainer.eval_steps):
-                    rec.phase("eval", self.evaluate)
+                    rec.phase("eval", self.evaluate, step)
                 if _due(step, cfg.trainer.save_steps) or step == cfg.trainer.num_steps:
                     rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
@@ -123,11 +123,13 @@ class ShapeTrainer:
         dies or hangs stops the run within ``--rollout.weight_sync_timeout`` with an error naming it."""
         return self.run.lifecycle.sync_weights(step)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         """Held-out avg@N pass@1 and mean response length with 95% CIs (openrlhf_shape/trainer/heldout.py),
-        at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples.
+        at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples;
+        per-problem results go to ``<run_dir>/evals/step_XXXXXX.jsonl`` (for pooling seeds).
         The engines are reseeded first, so the same weights always give the same numbers."""
         from openrlhf_shape.rollout.engine import SamplingConfig
+        from openrlhf_shape.eval.pooling import write_problem_results
         from openrlhf_shape.trainer.heldout import group_results, heldout_metrics
 
         items = self.run.eval_items or []
@@ -145,6 +147,7 @@ class ShapeTrainer:
         problems = group_results([g.prompt_index for g in gens], scores, [len(g.token_ids) for g in gens],
                                  [g.finish_reason for g in gens])
         metrics = heldout_metrics(problems, seed=t.seed)
+        write_problem_results(self.run_dir, step, problems)
         log.info("held-out accuracy %.3f [%.3f, %.3f], length %.1f (%d problems x %d)", metrics["eval/accuracy"],
                  metrics["eval/accuracy_ci_low"], metrics["eval/accuracy_ci_high"],
                  metrics["eval/response_length/mean"], len(items), n)
@@ -155,7 +158,7 @@ class ShapeTrainer:
         if not (self.cfg.trainer.val_before_train and self.run.eval_items):
             return
         t0 = time.perf_counter()
-        metrics = self.evaluate()
+        metrics = self.evaluate(0)
         metrics["time/eval"] = time.perf_counter() - t0
         logger.log(0, metrics)
 

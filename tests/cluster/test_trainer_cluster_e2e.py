@@ -206,9 +206,10 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
 
     out = str(tmp_path / "killed")
+    evals = {"data.eval_data": "bundled:test", "data.eval_max_samples": "4", "trainer.eval_steps": "1"}
     cfg = load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
         "megatron.world_size": "1", "trainer.num_steps": "2", "trainer.save_steps": "1",
-        "rollout.weight_sync_timeout": "300"}))
+        "rollout.weight_sync_timeout": "300", **evals}))
     trainer = ShapeTrainer(cfg)
     try:
         trainer.setup()
@@ -234,7 +235,7 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     assert not os.path.exists(os.path.join(out, "checkpoints", "step_000002"))
 
     again = ShapeTrainer(load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
-        "megatron.world_size": "1", "trainer.num_steps": "2", "trainer.save_steps": "1"})))
+        "megatron.world_size": "1", "trainer.num_steps": "2", "trainer.save_steps": "1", **evals})))
     try:
         again.setup()
         again.fit()
@@ -246,3 +247,7 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     last = rows[-1]
     assert last["step"] == 2 and last["rollout/mismatch/abs_log_ratio/mean"] <= 3e-5
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))
+    # every held-out eval kept its per-problem results (what pools seeds: openrlhf_shape/eval/pooling.py)
+    from openrlhf_shape.eval.pooling import eval_steps, read_problem_results
+
+    assert eval_steps(out) == [1, 2] and len(read_problem_results(out, 2)) == 4
