@@ -7,7 +7,7 @@
   allocate nothing), and the log-probs after the round trips equal those before bit for bit.
 * ``cuda_ipc`` (two processes on ONE GPU, spawned here): the colocated weight-sync transport. The
   sender is our ``CudaIpcSender``; the receiver is the worker extension's own
-  ``shape_receive_cuda_ipc`` (the code an engine worker runs), mixed into a stand-in that has no vLLM:
+  ``shape_init_receiver`` / ``shape_receive`` with the ``cuda_ipc`` transport (the code an engine worker runs), mixed into a stand-in that has no vLLM:
   its ``reload_weights`` compares every tensor that arrives with what the sender sent. CUDA only.
 * ``zero2_vs_megatron`` (rank side): one PPO step of DeepSpeed ZeRO-2 and one of Megatron from the
   same weights and batch, in the platform's dtype (bf16 on GPU): loss, grad norm and the log-probs
@@ -85,7 +85,7 @@ def _ipc_tensor(i: int) -> tuple[str, torch.Tensor]:
 
 
 def _ipc_sender(queue, ack, result, bucket_bytes: int, timeout_s: float) -> None:
-    from openrlhf_shape.cluster.weight_sync import CudaIpcSender
+    from openrlhf_shape.cluster.weight_sync.cuda_ipc import CudaIpcSender
 
     torch.cuda.set_device(0)
     sender = CudaIpcSender([queue], [ack], timeout_s=timeout_s)
@@ -125,7 +125,8 @@ def _ipc_receiver(queue, ack, result, timeout_s: float) -> None:
 
     torch.cuda.set_device(0)
     r = Receiver()
-    stats = r.shape_receive_cuda_ipc([queue], [ack], timeout_s)
+    r.shape_init_receiver("cuda_ipc", "kit", {"queues": [queue], "acks": [ack]}, timeout_s)
+    stats = r.shape_receive("kit")
     result.put({"receiver": stats, "mismatched": r.mismatched})
 
 

@@ -86,12 +86,12 @@ class Lifecycle:
         if self.colocate:
             self._do("megatron.offload(grads,optimizer)", self.actor.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
-        metrics = self._do("sync", self.engines.sync_weights, self.sync,
-                           lambda payload: self.actor.start_weight_stream(payload, self.bucket_bytes), step)
+        metrics = self._do("sync", self.sync.sync,
+                           lambda sync_id: self.actor.start_weight_stream(sync_id, self.bucket_bytes), step)
         if self.colocate:
             self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
             self._do("engines.wake(kv_cache)", self.engines.wake_up, ["kv_cache"])
-        self._do("engines.reset_prefix_cache", self.engines.reset_prefix_cache)
+        self.engines.forget_affinity()  # every engine reset its prefix cache when it loaded the weights
         self.phase = "rollout"
         return metrics
 

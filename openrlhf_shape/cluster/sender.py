@@ -1,6 +1,7 @@
-"""The sending side as a mixin for the actor that produces full HF-named tensors (Megatron rank 0;
-in the transport tests a plain tensor holder): rendezvous endpoint, transport set-up, and one
-streamed sync with the sender's memory high-water mark."""
+"""The sending side as a mixin for the actor that produces full HF-named tensors (Megatron or DeepSpeed
+rank 0; in the transport tests a plain tensor holder): the rendezvous endpoint, one sender per connected
+sync (made by its transport, ``weight_sync/``), and one streamed sync with the sender's memory high-water
+mark."""
 
 from __future__ import annotations
 
@@ -8,13 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
-from openrlhf_shape.cluster.weight_sync import (
-    CollectiveSender,
-    CudaIpcSender,
-    ObjectStoreSender,
-    RssSampler,
-    WeightSender,
-)
+from openrlhf_shape.cluster.weight_sync import TRANSPORTS, RssSampler, WeightSender
 
 
 class WeightSenderMixin:
@@ -26,30 +21,24 @@ class WeightSenderMixin:
 
         return local_endpoint()
 
-    def init_weight_sender(self, kind: str, info: dict) -> bool:
-        """Collective: become rank 0 of the sync group (returns when every engine worker joined)."""
-        if kind != "collective":
-            raise ValueError(f"init_weight_sender is for the collective transport, got {kind!r}")
-        device = "cuda" if info["backend"] == "nccl" else "cpu"  # the driver's Platform.collective_backend
-        self._collective_sender = CollectiveSender(info["host"], int(info["port"]), int(info["world"]),
-                                                   info["backend"], device, float(info.get("timeout_s", 600.0)))
+    def init_weight_sender(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> bool:
+        """Make and keep the sender of sync ``sync_id`` from its transport's part (for the collective
+        transport this joins the group: it returns when every engine worker joined)."""
+        senders = self.__dict__.setdefault("_weight_senders", {})
+        senders[sync_id] = TRANSPORTS[transport].make_sender(part, timeout_s)
         return True
 
-    def _weight_sender(self, payload: Any) -> WeightSender:
-        if payload is None:
-            sender = getattr(self, "_collective_sender", None)
-            if sender is None:
-                raise RuntimeError("collective weight sync before init_weight_sender")
-            return sender
-        if "acks" in payload:
-            return CudaIpcSender(payload["queues"], payload["acks"])
-        return ObjectStoreSender(payload["queues"])
+    def _weight_sender(self, sync_id: str) -> WeightSender:
+        sender = self.__dict__.get("_weight_senders", {}).get(sync_id)
+        if sender is None:
+            raise RuntimeError(f"weight sync {sync_id!r} before init_weight_sender (connect the sync first)")
+        return sender
 
-    def stream_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], payload: Any,
+    def stream_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], sync_id: str,
                        model_bytes: int | None = None) -> dict[str, float]:
         """Send every bucket as it comes out of ``buckets``; metrics of this sync (bytes, MB/s,
         peak in-flight bucket bytes, peak RSS growth of this process, both relative to the model)."""
-        sender = self._weight_sender(payload)
+        sender = self._weight_sender(sync_id)
         with RssSampler() as rss:
             sender.begin()
             for bucket in buckets:

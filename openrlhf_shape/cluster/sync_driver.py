@@ -1,16 +1,17 @@
-"""Driver side of the streamed weight sync: who joins which group, and one sync = receivers
-started on every engine, then the sender ranks streaming, all awaited together (fail fast).
+"""Driver side of the streamed weight sync: the transport's parts handed out once (``connect``), and one
+sync = receivers started on every engine, then the sender ranks streaming, all awaited together under one
+deadline, failing fast with a :class:`WeightSyncError` that names the engine and the step.
 
-The trainer's engine group owns one :class:`EngineWeightSync` (see ``EngineGroup.sync_weights``),
-so the group that dispatches rollouts is the one that learns about new weights (its
-prefix-affinity map is cleared; every engine resets its prefix cache after loading).
+The colocation lifecycle (``lifecycle.py``) calls :meth:`EngineWeightSync.sync` directly; every engine
+resets its prefix cache after loading, and the lifecycle has the engine group forget its prefix affinity.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import uuid
+from typing import Callable
 
-from openrlhf_shape.cluster.weight_sync import DEFAULT_TIMEOUT_S, QUEUE_DEPTH, TRANSPORTS
+from openrlhf_shape.cluster.weight_sync import DEFAULT_TIMEOUT_S, TRANSPORTS
 
 
 class WeightSyncError(RuntimeError):
@@ -85,16 +86,17 @@ def _first_line(e: BaseException) -> str:
 
 
 class EngineWeightSync:
-    """One transport between a sender actor (Megatron rank 0) and every engine worker.
+    """One transport between a sender actor (rank 0 of the actor) and every engine worker.
 
     Args:
         engines: engine actor handles (``VLLMEngine`` in Ray).
         engine_tp: TP workers per engine (every one receives the whole stream).
-        transport: ``collective`` | ``object_store`` | ``cuda_ipc``.
-        backend: collective only: ``gloo`` (CPU) or ``nccl`` (GPU).
-        timeout_s: ``--rollout.weight_sync_timeout``: the longest any one sync (or the group's forming)
-            may take, and every wait inside it on either side; past it the trainer raises naming the
-            engine, instead of hanging.
+        transport: a registered transport name (``weight_sync.TRANSPORTS``: collective, object_store,
+            cuda_ipc); ``auto`` is decided before, per placement plan (``placement.resolve_weight_sync``).
+        backend: the collective backend of the platform: ``gloo`` (CPU) or ``nccl`` (GPU).
+        timeout_s: ``--rollout.weight_sync_timeout``: the longest any one sync (or the connection) may
+            take, and every wait inside it on either side; past it the trainer raises naming the engine,
+            instead of hanging.
     """
 
     def __init__(self, engines: list, engine_tp: int, transport: str = "collective", backend: str = "gloo",
@@ -102,63 +104,24 @@ class EngineWeightSync:
         if transport not in TRANSPORTS:
             raise ValueError(f"--rollout.weight_sync {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         self.engines = list(engines)
-        self.engine_tp = int(engine_tp)
         self.transport = transport
-        self.backend = backend
         self.timeout_s = timeout_s
+        self._impl = TRANSPORTS[transport](engines, engine_tp, backend, timeout_s)
+        self.sync_id = f"{transport}-{uuid.uuid4().hex[:8]}"  # the sender and workers keep their part under it
         self.connected = False
 
-    @property
-    def num_receivers(self) -> int:
-        return len(self.engines) * self.engine_tp
-
     def connect(self, sender) -> None:
-        """Collective: form the group (sender = rank 0 on its own node, engine e worker w = rank
-        1 + e * engine_tp + w). Needs ``sender.endpoint()`` and ``sender.init_weight_sender(kind, info)``."""
-        import ray
-
-        if self.transport == "collective":
-            ep = ray.get(sender.endpoint.remote())
-            world = 1 + self.num_receivers
-            joins = [e.init_weight_sync.remote(ep["ip"], ep["port"], world, 1 + i * self.engine_tp, self.backend,
-                                               self.timeout_s) for i, e in enumerate(self.engines)]
-            info = {"host": ep["ip"], "port": ep["port"], "world": world, "backend": self.backend,
-                    "timeout_s": self.timeout_s}
-            get_all_fail_fast([sender.init_weight_sender.remote("collective", info)] + joins, self.timeout_s,
-                              ["the sender (rank 0)"] + [f"engine {i}" for i in range(len(joins))])
-        self._payload = self._payloads()
+        """Hand the sender (``init_weight_sender``) and every engine (``init_weight_receiver``) their part of
+        the transport, awaited together (a collective group forms only when every member joined)."""
+        refs = self._impl.connect(sender, self.sync_id)
+        get_all_fail_fast(refs, self.timeout_s, ["the sender (rank 0)"] + [f"engine {i}" for i in range(len(refs) - 1)])
         self.connected = True
 
-    def _payloads(self) -> tuple[Any, list]:
-        """(what the sender gets, what each engine gets); the queues live as long as this object."""
-        if self.transport == "collective":
-            return None, [None] * len(self.engines)
-        from ray.util.queue import Queue
-
-        def q(maxsize: int = 0) -> Queue:
-            return Queue(maxsize=maxsize, actor_options={"num_cpus": 0})
-
-        queues = [[q(QUEUE_DEPTH) for _ in range(self.engine_tp)] for _ in self.engines]
-        flat = [x for qs in queues for x in qs]
-        self._queues = flat
-        if self.transport == "object_store":
-            return {"queues": flat}, queues
-        acks = [[q() for _ in range(self.engine_tp)] for _ in self.engines]
-        self._queues += [a for aa in acks for a in aa]
-        return {"queues": flat, "acks": [a for aa in acks for a in aa]}, [list(p) for p in zip(queues, acks)]
-
     def close(self) -> None:
-        import ray
+        self._impl.close()
 
-        for q in getattr(self, "_queues", []):
-            try:
-                ray.kill(q.actor)
-            except Exception:  # pragma: no cover - best effort on teardown
-                pass
-        self._queues = []
-
-    def sync(self, start_senders: Callable[[Any], list], step: int | None = None) -> dict[str, float]:
-        """One sync (after training step ``step``, named in errors). ``start_senders(payload)`` starts
+    def sync(self, start_senders: Callable[[str], list], step: int | None = None) -> dict[str, float]:
+        """One sync (after training step ``step``, named in errors). ``start_senders(sync_id)`` starts
         the sending side (every Megatron rank's ``push_weights``; only rank 0 sends) and returns its
         refs; the first ref's result is the sender's stats dict. Returns the sender's metrics plus
         receiver totals. Raises :class:`WeightSyncError` naming the engine (or rank) that failed or
@@ -171,10 +134,8 @@ class EngineWeightSync:
         if asleep:  # refuse before any sender starts (it would otherwise wait for the group timeout)
             raise RuntimeError(f"weight sync targets engines {asleep} whose weights are asleep; the colocation "
                                "lifecycle wakes the weights first")
-        sender_payload, engine_payloads = self._payload
-        recv = [e.receive_weights.remote(self.transport, p, self.timeout_s)
-                for e, p in zip(self.engines, engine_payloads)]
-        send = list(start_senders(sender_payload))
+        recv = [e.receive_weights.remote(self.sync_id) for e in self.engines]
+        send = list(start_senders(self.sync_id))
         labels = [f"actor rank {i}" + (" (the sender)" if i == 0 else "") for i in range(len(send))]
         labels += [f"engine {i}" for i in range(len(recv))]
         out = get_all_fail_fast(send + recv, self.timeout_s, labels, step)

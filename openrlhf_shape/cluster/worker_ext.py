@@ -34,19 +34,14 @@ from typing import Any, Iterator
 
 import torch
 
+from openrlhf_shape.cluster.weight_sync.base import worker_device, worker_rank
+
 
 class WeightSyncExtension:
     """Methods added to vLLM's worker (``self`` is the worker: ``self.rank``, ``self.device``,
     ``self.reload_weights``, ``self.model_runner``)."""
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _shape_rank(self) -> int:
-        return int(getattr(self, "rank", 0))
-
-    def _shape_device(self) -> torch.device:
-        dev = getattr(self, "device", None)
-        return torch.device(dev) if dev is not None else torch.device("cpu")
-
     def _shape_model(self) -> torch.nn.Module:
         runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
@@ -85,91 +80,37 @@ class WeightSyncExtension:
         missing = missing_tensors(expected, names, tied)
         if missing:
             raise RuntimeError(
-                f"weight sync into engine worker {self._shape_rank()}: the stream carried {len(names)} tensors "
+                f"weight sync into engine worker {worker_rank(self)}: the stream carried {len(names)} tensors "
                 f"but {len(missing)} of the engine checkpoint's {len(expected)} never arrived "
                 f"(first: {sorted(missing)[:5]}); those layers keep stale weights (garbage after sleep level 2). "
                 "The trainer's HF export must name every tensor of the model's checkpoint.")
         return {"bytes": float(stats["bytes"]), "tensors": float(stats["tensors"]),
-                "seconds": time.perf_counter() - t0, "rank": float(self._shape_rank())}
+                "seconds": time.perf_counter() - t0, "rank": float(worker_rank(self))}
 
     def shape_load_weights(self, weights) -> dict[str, float]:
         """Load HF-named tensors handed in directly (in-process engine core: the iterable is passed
         by reference), through the same path as every transport."""
         return self._shape_load(iter(weights))
 
-    # ---- collective ----------------------------------------------------------------------------
-    def shape_join_sync_group(self, host: str, port: int, world: int, rank_offset: int, backend: str,
-                              timeout_s: float = 600.0) -> int:
-        """Join the sender's group as rank ``rank_offset + worker rank``; returns that rank."""
-        from openrlhf_shape.cluster.weight_sync import make_group
+    # ---- streamed sync (every transport: openrlhf_shape/cluster/weight_sync/) ----------------------
+    def shape_init_receiver(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> int:
+        """Keep this worker's part of sync ``sync_id`` (a collective transport joins its group here,
+        returning when every member joined); returns this worker's rank."""
+        from openrlhf_shape.cluster.weight_sync import TRANSPORTS
 
-        rank = rank_offset + self._shape_rank()
-        self._shape_store, self._shape_pg = make_group(host, port, rank, world, backend, timeout_s)
-        return rank
+        receivers = self.__dict__.setdefault("_shape_receivers", {})
+        receivers[sync_id] = (transport, TRANSPORTS[transport].open_receiver(self, part, timeout_s), timeout_s)
+        return worker_rank(self)
 
-    def shape_receive_collective(self) -> dict[str, float]:
-        """Receive buckets from the group until the end marker, loading them in one reload call."""
-        from openrlhf_shape.cluster.weight_sync import receive_buckets
+    def shape_receive(self, sync_id: str) -> dict[str, float]:
+        """Receive one sync of ``sync_id``, loading it in one reload call."""
+        from openrlhf_shape.cluster.weight_sync import TRANSPORTS
 
-        pg = getattr(self, "_shape_pg", None)
-        if pg is None:
-            raise RuntimeError("shape_receive_collective before shape_join_sync_group (init the weight sync first)")
-        device = self._shape_device()
-        return self._shape_load(((n, t) for b in receive_buckets(pg, device) for n, t in b))
-
-    # ---- object store ------------------------------------------------------------------------------
-    def shape_receive_object_store(self, queues: list, timeout_s: float = 600.0) -> dict[str, float]:
-        """``queues[rank]`` yields ``[ref]`` per bucket, then None (needs a Ray-connected worker); a
-        wait past ``timeout_s`` raises (the sender died)."""
-        import ray
-
-        from openrlhf_shape.cluster.weight_sync import get_or_raise
-
-        rank = self._shape_rank()
-        q = queues[rank]
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            while True:
-                item = get_or_raise(q, timeout_s, f"engine worker {rank}'s queue")
-                if item is None:
-                    return
-                bucket = ray.get(item[0])
-                yield from bucket
-                del bucket
-
-        return self._shape_load(stream())
-
-    # ---- CUDA IPC (GPU, colocated; unverified on CPU) -------------------------------------------------
-    def shape_receive_cuda_ipc(self, queues: list, acks: list, timeout_s: float = 600.0) -> dict[str, float]:
-        """``queues[rank]`` yields ``(index_json, ipc handle, sender GPU uuid)`` per bucket, then None.
-        The handle is opened on this process's index of the sender's GPU (matched by UUID), copied
-        out of the sender's buffer, and acknowledged on ``acks[rank]``."""
-        from openrlhf_shape.cluster.weight_sync import (
-            get_or_raise,
-            gpu_uuid,
-            ipc_args_on_device,
-            local_index_of_gpu,
-            put_or_raise,
-            unpack_bucket,
-        )
-
-        rank = self._shape_rank()
-        q, ack = queues[rank], acks[rank]
-        visible = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            while True:
-                item = get_or_raise(q, timeout_s, f"engine worker {rank}'s queue")
-                if item is None:
-                    return
-                index, (rebuild, args), uuid = item
-                device = local_index_of_gpu(uuid, visible)
-                flat = rebuild(*ipc_args_on_device(args, device)).clone()  # own copy: the sender frees after the ack
-                torch.cuda.synchronize(device)
-                put_or_raise(ack, True, timeout_s, f"engine worker {rank}'s acknowledgements")
-                yield from unpack_bucket(index, flat.to(self._shape_device()))
-
-        return self._shape_load(stream())
+        entry = self.__dict__.get("_shape_receivers", {}).get(sync_id)
+        if entry is None:
+            raise RuntimeError(f"weight sync {sync_id!r} received before shape_init_receiver (connect the sync first)")
+        transport, state, timeout_s = entry
+        return self._shape_load(TRANSPORTS[transport].stream(self, state, timeout_s))
 
     # ---- inspection (tests) -------------------------------------------------------------------------
     def shape_capture_loaded_weights(self, enable: bool = True) -> bool:
@@ -178,7 +119,7 @@ class WeightSyncExtension:
         step first keeps a copy of the weight exactly as the worker's weight loaders left it
         (sharded, fused); :meth:`shape_read_weights` reports those copies. GPU: not needed (the
         parameters stay readable), returns False."""
-        if self._shape_device().type != "cpu":  # this vLLM worker's own device (no platform decision)
+        if worker_device(self).type != "cpu":  # this vLLM worker's own device (no platform decision)
             return False
         import vllm.model_executor.layers.utils as vllm_layer_utils
 
@@ -212,7 +153,7 @@ class WeightSyncExtension:
     def shape_worker_info(self) -> dict[str, Any]:
         import os
 
-        return {"rank": self._shape_rank(), "pid": os.getpid(), "device": str(self._shape_device())}
+        return {"rank": worker_rank(self), "pid": os.getpid(), "device": str(worker_device(self))}
 
 
 # ---------------------------------------------------------------------------------------------------

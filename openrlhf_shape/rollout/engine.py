@@ -186,7 +186,7 @@ class VLLMEngine:
             dtype=cfg.dtype,
             enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.platform.engine_enforce_eager,
             logprobs_mode=cfg.logprobs_mode,
-            # receiving side of the streamed weight sync (openrlhf_shape/cluster/weight_sync.py)
+            # receiving side of the streamed weight sync (openrlhf_shape/cluster/weight_sync/)
             worker_extension_cls="openrlhf_shape.cluster.worker_ext.WeightSyncExtension",
         )
         if cfg.tensor_parallel_size > 1:
@@ -273,7 +273,7 @@ class VLLMEngine:
             raise RuntimeError(
                 "VLLMEngine.load_weights needs the in-process engine core (TP 1 and "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 use the streamed weight sync "
-                "(init_weight_sync / receive_weights, openrlhf_shape/cluster)"
+                "(init_weight_receiver / receive_weights, openrlhf_shape/cluster)"
             )
         self.llm.collective_rpc("shape_load_weights", args=(weights,))
         self.reset_prefix_cache()
@@ -290,28 +290,17 @@ class VLLMEngine:
 
         self.load_weights(_stream())
 
-    # Streamed sync (openrlhf_shape/cluster/weight_sync.py): every TP worker receives the whole
-    # stream in one reload call; the trainer side sends while these calls run.
-    def init_weight_sync(self, host: str, port: int, world: int, rank_offset: int, backend: str,
-                         timeout_s: float = 600.0) -> list[int]:
-        """Join the sender's group: worker w of this engine becomes rank ``rank_offset + w``."""
-        return list(self.llm.collective_rpc("shape_join_sync_group",
-                                            args=(host, port, world, rank_offset, backend, timeout_s)))
+    # Streamed sync (openrlhf_shape/cluster/weight_sync/): every TP worker receives the whole stream in
+    # one reload call; the trainer side sends while these calls run.
+    def init_weight_receiver(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> list[int]:
+        """Every worker keeps its part of sync ``sync_id`` (the collective transport joins its group)."""
+        return list(self.llm.collective_rpc("shape_init_receiver", args=(transport, sync_id, part, timeout_s)))
 
-    def receive_weights(self, transport: str, payload: Any = None, timeout_s: float = 600.0) -> list[dict]:
-        """Receive one sync (``collective`` | ``object_store`` | ``cuda_ipc``; ``payload``: the
-        per-worker queues for the latter two; any one wait past ``timeout_s`` raises, the collective's
-        own group timeout was set when it joined), then reset the prefix cache (stale KV otherwise)."""
+    def receive_weights(self, sync_id: str) -> list[dict]:
+        """Receive one sync on every worker, then reset the prefix cache (stale KV otherwise)."""
         if self._asleep:
             raise RuntimeError("VLLMEngine.receive_weights while the weights sleep; wake_up(tags=['weights']) first")
-        if transport == "collective":
-            stats = self.llm.collective_rpc("shape_receive_collective")
-        elif transport == "object_store":
-            stats = self.llm.collective_rpc("shape_receive_object_store", args=(payload, timeout_s))
-        elif transport == "cuda_ipc":
-            stats = self.llm.collective_rpc("shape_receive_cuda_ipc", args=(*payload, timeout_s))
-        else:
-            raise ValueError(f"unknown weight-sync transport {transport!r}")
+        stats = self.llm.collective_rpc("shape_receive", args=(sync_id,))
         self.reset_prefix_cache()
         return list(stats)
 
@@ -604,14 +593,10 @@ class EngineGroup:
         for e in self.engines:
             e.load_weights((n, t) for bucket in buckets for n, t in bucket)
 
-    def sync_weights(self, sync, start_senders, step: int | None = None) -> dict[str, float]:
-        """Stream new weights into every engine with ``sync`` (an
-        :class:`openrlhf_shape.cluster.sync_driver.EngineWeightSync` over these engines);
-        ``start_senders(payload)`` starts the sending ranks. Each engine resets its prefix cache
-        after loading; the group forgets its prefix affinity (stale with new weights). ``step``
-        names the training step in a failed sync's error."""
+    def forget_affinity(self) -> None:
+        """New weights: which engine caches which prompt prefix no longer matters (each engine reset
+        its prefix cache when it loaded them)."""
         self._affinity.clear()
-        return sync.sync(start_senders, step)
 
     # ---- fan-out helpers ----------------------------------------------------------------------------
     def _call_all(self, method: str, *args) -> list:

@@ -89,7 +89,7 @@ def test_in_process_loads(models, kind) -> None:
 
 
 def _sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
-    return group.sync_weights(sync, lambda payload: [holder.push.remote(payload, BUCKET)])
+    return sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
 
 
 def _scores(handle) -> list[list[float]]:

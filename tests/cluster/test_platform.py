@@ -146,8 +146,8 @@ def test_cpu_rank_actor_sets_the_handed_threads(gpu_cluster) -> None:
 # Modules that may ask torch/vLLM/Ray about devices for something other than the CPU/GPU decision.
 ALLOWED = {
     "openrlhf_shape/platform.py": "the decision itself",
-    "openrlhf_shape/cluster/weight_sync.py": "CudaIpcSender refuses the cuda_ipc transport where CUDA is absent "
-                                              "(a capability check of the transport, not the run's platform)",
+    "openrlhf_shape/cluster/weight_sync/cuda_ipc.py": "CudaIpcSender refuses the cuda_ipc transport where CUDA is absent "
+                                                       "(a capability check of the transport, not the run's platform)",
 }
 DECISION_CALLS = re.compile(r"torch\.cuda\.is_available\(|current_platform\.is_cpu\(|current_platform\.is_cuda\("
                             r"|cluster_resources\(|\bon_cpu\(\)")

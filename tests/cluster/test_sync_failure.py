@@ -14,7 +14,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from openrlhf_shape.cluster.sync_driver import EngineWeightSync, WeightSyncError  # noqa: E402
-from openrlhf_shape.cluster.weight_sync import ObjectStoreSender, get_or_raise  # noqa: E402
+from openrlhf_shape.cluster.weight_sync import get_or_raise  # noqa: E402
+from openrlhf_shape.cluster.weight_sync.object_store import ObjectStoreSender  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
 
@@ -50,7 +51,7 @@ def test_engine_killed_mid_sync_raises_naming_engine_and_step(ray_local, model_d
     try:
         sync.connect(holder)
         ray.get(holder.perturb.remote(1, 0.05))
-        group.sync_weights(sync, lambda p: [holder.push.remote(p, 16 << 10)], step=1)  # a healthy sync first
+        sync.sync(lambda p: [holder.push.remote(p, 16 << 10)], step=1)  # a healthy sync first
 
         def start_slow_and_kill(payload):  # a stream of many small buckets, engine 1 killed inside it
             refs = [holder.push.remote(payload, 16 << 10, 0.2)]
@@ -59,7 +60,7 @@ def test_engine_killed_mid_sync_raises_naming_engine_and_step(ray_local, model_d
 
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as info:
-            group.sync_weights(sync, start_slow_and_kill, step=7)
+            sync.sync(start_slow_and_kill, step=7)
         waited = time.monotonic() - t0
         msg = str(info.value)
         assert info.value.who == "engine 1" and info.value.step == 7, msg

@@ -144,7 +144,8 @@ def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_
     _assert_weights_exact(dp_coll)
     _assert_profile_handed(dp_coll)
     assert dp_coll["metrics"]["sync/receivers"] == 2 and dp_coll["metrics"]["sync/buckets"] >= 2
-    assert dp_coll["events"][:3] == ["megatron.forward", "sync", "engines.reset_prefix_cache"]  # no sleep/offload
+    assert dp_coll["events"][:2] == ["megatron.forward", "sync"]
+    assert not [e for e in dp_coll["events"] if "sleep" in e or "offload" in e or "wake" in e]  # not colocated
 
     dp_store = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "dp_store"),
                                **{"rollout.weight_sync": "object_store"}))
@@ -164,7 +165,7 @@ def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_
             "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",  # old log-probs
             "engines.sleep(2)", "megatron.onload(all)",  # update
             "megatron.offload(grads,optimizer)", "engines.wake(weights)", "sync",
-            "megatron.offload(params)", "engines.wake(kv_cache)", "engines.reset_prefix_cache"]
+            "megatron.offload(params)", "engines.wake(kv_cache)"]
     assert ev[: len(step)] == step, ev
     assert all(s == {"weights_awake": True, "kv_awake": True} for s in tp_coloc["states"])
     for k in ROLLOUT_KEYS:  # step 1 rolls out the initial weights: layout and placement do not matter
@@ -182,7 +183,7 @@ def test_trainer_cluster_path_deepspeed_zero3(tmp_path, tiny_model_dir, parity_r
     ev = ds["events"]
     step = ["megatron.offload(all)", "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",
             "engines.sleep(2)", "megatron.onload(all)", "megatron.offload(grads,optimizer)", "engines.wake(weights)",
-            "sync", "megatron.offload(params)", "engines.wake(kv_cache)", "engines.reset_prefix_cache"]
+            "sync", "megatron.offload(params)", "engines.wake(kv_cache)"]
     assert ev[: len(step)] == step, ev
     for k in ROLLOUT_KEYS:  # step 1 rolls out the initial weights: the backend does not matter
         if k in dp_coll["metrics"]:

@@ -100,7 +100,7 @@ def record(name: str, m: dict) -> None:
 
 def run_sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
     ray.get([e.capture_loaded_weights.remote() for e in group.engines])  # fresh capture per sync
-    m = group.sync_weights(sync, lambda payload: [holder.push.remote(payload, BUCKET)])
+    m = sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
     assert m["sync/bytes"] == ray.get(holder.model_bytes.remote())
     assert m["sync/buckets"] > 3
     # a few buckets in flight, never the model
@@ -141,7 +141,7 @@ def test_tp1_collective_and_object_store(ray_local, model_dir) -> None:
         # A sync never targets sleeping weights, and an asleep engine never generates.
         group.sleep(2)
         with pytest.raises(RuntimeError, match="asleep"):
-            group.sync_weights(sync, lambda payload: [holder.push.remote(payload, BUCKET)])
+            sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
         with pytest.raises(ray.exceptions.RayTaskError, match="asleep"):
             group.generate(prompt, greedy)
         group.wake_up(["weights"])

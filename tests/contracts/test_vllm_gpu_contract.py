@@ -174,11 +174,11 @@ def test_level2_sleep_keeps_buffers_and_wake_weights_restores_them():
 
 
 def test_cuda_ipc_rebuild_takes_the_storage_device_where_we_replace_it():
-    """cluster/weight_sync.py:ipc_args_on_device replaces the 7th rebuild argument (the sender's index
+    """cluster/weight_sync/cuda_ipc.py:ipc_args_on_device replaces the 7th rebuild argument (the sender's index
     of the GPU) with the receiver's own index of that GPU (found by UUID); torch must keep it there."""
     from torch.multiprocessing import reductions
 
-    from openrlhf_shape.cluster.weight_sync import IPC_STORAGE_DEVICE_ARG
+    from openrlhf_shape.cluster.weight_sync.cuda_ipc import IPC_STORAGE_DEVICE_ARG
 
     params = _params(reductions.rebuild_cuda_tensor)
     assert params[IPC_STORAGE_DEVICE_ARG] == "storage_device", params

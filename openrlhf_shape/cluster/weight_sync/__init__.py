@@ -1,0 +1,21 @@
+"""Streamed weight sync from the sending rank into every vLLM engine worker: one :class:`Transport`
+interface (``base.py``), one module per transport (``collective``, ``object_store``, ``cuda_ipc``), found
+by name in :data:`TRANSPORTS`. The design: ``openrlhf_shape/cluster/README.md``."""
+
+from openrlhf_shape.cluster.weight_sync import collective, cuda_ipc, object_store  # noqa: F401  (register)
+from openrlhf_shape.cluster.weight_sync.base import (
+    DEFAULT_TIMEOUT_S,
+    QUEUE_DEPTH,
+    TRANSPORTS,
+    RssSampler,
+    SyncStats,
+    Transport,
+    WeightSender,
+    get_or_raise,
+    pack_bucket,
+    put_or_raise,
+    unpack_bucket,
+)
+
+__all__ = ["DEFAULT_TIMEOUT_S", "QUEUE_DEPTH", "TRANSPORTS", "RssSampler", "SyncStats", "Transport", "WeightSender",
+           "get_or_raise", "pack_bucket", "put_or_raise", "unpack_bucket"]

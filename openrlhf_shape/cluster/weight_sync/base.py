@@ -1,0 +1,225 @@
+"""The weight sync's shared parts: the bucket wire format, the sender interface, bounded queue waits,
+and :class:`Transport`, the one interface every transport implements in its own module.
+
+A transport has three sides, each running in a different process:
+
+* the **driver** (``sync_driver.EngineWeightSync`` owns one instance): :meth:`Transport.connect` makes
+  what the sync needs (a process group, queues) and hands each side its part;
+* the **sender** (Megatron rank 0's actor, ``sender.WeightSenderMixin``): :meth:`Transport.make_sender`
+  turns its part into a :class:`WeightSender` (``begin() / send(bucket) / finish()``), kept for every sync;
+* each **engine worker** (inside vLLM, ``worker_ext.WeightSyncExtension``): :meth:`Transport.open_receiver`
+  keeps its part, :meth:`Transport.stream` yields one sync's ``(hf_name, tensor)`` pairs, which the worker
+  loads in ONE ``reload_weights`` call (fused q/k/v and gate/up load layer-wise: they arrive together).
+
+Transports register by name (:data:`TRANSPORTS`); nothing switches on the name elsewhere. Buckets are
+``list[(hf_name, tensor)]`` as the bridge export produces them; each leaves the sender as soon as it is
+produced (no full-model gather). Every wait is bounded by the sync's timeout (``--rollout.weight_sync_timeout``).
+"""
+
+from __future__ import annotations
+
+import json
+import queue as stdlib_queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import torch
+
+QUEUE_DEPTH = 2  # buckets a sender may be ahead of the slowest receiver
+DEFAULT_TIMEOUT_S = 600.0  # --rollout.weight_sync_timeout: any one wait of a sync, either side
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def put_or_raise(queue, item: Any, timeout_s: float, what: str) -> None:
+    """``queue.put`` that raises :class:`TimeoutError` naming ``what`` after ``timeout_s`` instead of
+    blocking forever on a full queue whose reader died (a bounded queue is how a sender waits). Any
+    queue with ``put(item, block, timeout)``: Ray's (whose Full is the stdlib's) or multiprocessing's."""
+    try:
+        queue.put(item, block=True, timeout=timeout_s)
+    except stdlib_queue.Full:
+        raise TimeoutError(f"weight sync: {what} took nothing for {timeout_s:g} s (its reader died or hangs; "
+                           "--rollout.weight_sync_timeout sets the wait)") from None
+
+
+def get_or_raise(queue, timeout_s: float, what: str) -> Any:
+    """``queue.get`` that raises :class:`TimeoutError` naming ``what`` after ``timeout_s``."""
+    try:
+        return queue.get(block=True, timeout=timeout_s)
+    except stdlib_queue.Empty:
+        raise TimeoutError(f"weight sync: nothing arrived on {what} for {timeout_s:g} s (the sender died or "
+                           "hangs; --rollout.weight_sync_timeout sets the wait)") from None
+
+# Wire format: a JSON index (name, dtype, shape, offset, bytes) + one flat byte buffer per bucket
+_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+    torch.uint8, torch.bool)}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device | str) -> tuple[bytes, torch.Tensor]:
+    """(JSON index, flat uint8 buffer [total bytes]) of a bucket; tensors keep their dtype bits."""
+    index = []
+    off = 0
+    for name, t in bucket:
+        nb = tensor_bytes(t)
+        index.append([name, str(t.dtype).replace("torch.", ""), list(t.shape), off, nb])
+        off += nb
+    flat = torch.empty(off, dtype=torch.uint8, device=device)
+    for (_name, t), (_, _, _, o, nb) in zip(bucket, index):
+        if nb:
+            flat[o : o + nb].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return json.dumps(index).encode(), flat
+
+
+def unpack_bucket(index_json: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``flat`` (one per tensor), the inverse of :func:`pack_bucket`."""
+    out = []
+    for name, dtype, shape, off, nb in json.loads(index_json.decode()):
+        out.append((name, flat[off : off + nb].view(_DTYPES[dtype]).reshape(shape)))
+    return out
+
+@dataclass
+class SyncStats:
+    """What one sync cost the sender. ``peak_inflight_bytes``: most bucket bytes the sender held at
+    once (its copies + packed buffers + queued objects it still owns)."""
+
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    peak_inflight_bytes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        mb = self.bytes / 2**20
+        return {"sync/bytes": float(self.bytes), "sync/buckets": float(self.buckets),
+                "sync/seconds": self.seconds, "sync/MBps": mb / self.seconds if self.seconds > 0 else 0.0,
+                "sync/peak_inflight_bytes": float(self.peak_inflight_bytes), **self.extra}
+
+
+class WeightSender:
+    """Sender side of one transport: ``begin()``, ``send(bucket)`` per bucket as it is produced,
+    ``finish()`` -> :class:`SyncStats`."""
+
+    def begin(self) -> None:
+        self.stats = SyncStats()
+        self._t0 = time.perf_counter()
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def finish(self) -> SyncStats:
+        self.stats.seconds = time.perf_counter() - self._t0
+        return self.stats
+
+    def close(self) -> None:
+        pass
+
+    def _account(self, bucket_bytes: int, held: int) -> None:
+        self.stats.bytes += bucket_bytes
+        self.stats.buckets += 1
+        self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, held)
+
+class RssSampler:
+    """High-water mark of this process's resident memory over a block (sampled every 2 ms), in
+    bytes above the RSS at entry. Coarse (allocator caching counts), but it sees every copy."""
+
+    def __init__(self, period_s: float = 0.002):
+        self.period_s = period_s
+        self.peak_delta = 0
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def __enter__(self) -> "RssSampler":
+        self.base = self.rss()
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                self.peak_delta = max(self.peak_delta, self.rss() - self.base)
+                time.sleep(self.period_s)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_delta = max(self.peak_delta, self.rss() - self.base)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The transport interface
+# ---------------------------------------------------------------------------------------------------
+
+TRANSPORTS: dict[str, type["Transport"]] = {}  # name -> class, filled by each transport module
+
+
+class Transport:
+    """One way of moving buckets from the sender to every engine worker (see the module docstring).
+
+    Driver side (an instance per ``EngineWeightSync``): ``engines`` are the engine actors, each with
+    ``engine_tp`` workers that all receive the whole stream; ``backend`` is the collective backend the
+    platform chose (gloo on CPU, NCCL on GPU). Sender and worker sides are classmethods: they run in
+    other processes, with only the plain parts :meth:`connect` handed them."""
+
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        TRANSPORTS[cls.name] = cls
+
+    def __init__(self, engines: list, engine_tp: int, backend: str, timeout_s: float):
+        self.engines, self.engine_tp, self.backend, self.timeout_s = list(engines), int(engine_tp), backend, timeout_s
+
+    # ---- driver ---------------------------------------------------------------------------------
+    def connect(self, sender, sync_id: str) -> list:
+        """Start handing out the parts: returns the refs of the sender's ``init_weight_sender`` and every
+        engine's ``init_weight_receiver`` (awaited together by the driver: a group forms only when all
+        members join)."""
+        sender_part, engine_parts = self.parts(sender)
+        return ([sender.init_weight_sender.remote(self.name, sync_id, sender_part, self.timeout_s)]
+                + [e.init_weight_receiver.remote(self.name, sync_id, part, self.timeout_s)
+                   for e, part in zip(self.engines, engine_parts)])
+
+    def parts(self, sender) -> tuple[Any, list]:  # pragma: no cover - interface
+        """(the sender's part, one part per engine)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what :meth:`connect` made (queues)."""
+
+    # ---- sender -----------------------------------------------------------------------------------
+    @classmethod
+    def make_sender(cls, part: Any, timeout_s: float) -> "WeightSender":  # pragma: no cover - interface
+        raise NotImplementedError
+
+    # ---- engine worker ------------------------------------------------------------------------------
+    @classmethod
+    def open_receiver(cls, worker, part: Any, timeout_s: float) -> Any:  # pragma: no cover - interface
+        """What this worker keeps between syncs (``worker``: the vLLM worker, rank and device)."""
+        raise NotImplementedError
+
+    @classmethod
+    def stream(cls, worker, state: Any, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:  # pragma: no cover
+        """One sync's tensors, as they arrive."""
+        raise NotImplementedError
+
+
+def worker_rank(worker) -> int:
+    return int(getattr(worker, "rank", 0))
+
+
+def worker_device(worker) -> torch.device:
+    dev = getattr(worker, "device", None)
+    return torch.device(dev) if dev is not None else torch.device("cpu")
