@@ -40,17 +40,6 @@ def models(tmp_path_factory) -> dict[str, str]:
             "untied": str(make_tiny_model(root / "qwen3", "qwen3", seed=2))}
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    yield
-    if started:
-        ray.shutdown()
-
-
 def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}

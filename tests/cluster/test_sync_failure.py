@@ -5,7 +5,6 @@ case, with a re-run resuming from the last checkpoint, is in test_trainer_cluste
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -21,17 +20,6 @@ from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TIMEOUT_S = 120.0  # the sync's own limit: a kill must be reported long before it
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

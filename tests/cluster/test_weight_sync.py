@@ -34,17 +34,6 @@ def model_dir(tmp_path_factory) -> str:
                                num_key_value_heads=4, head_dim=64))
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    yield
-    if started:
-        ray.shutdown()
-
-
 def expected_shard(hf: dict[str, torch.Tensor], vname: str, rank: int, tp: int, used: set) -> torch.Tensor:
     """What vLLM's TP worker ``rank`` must hold for parameter ``vname``, built from HF tensors
     (the HF names it reads are added to ``used``)."""
