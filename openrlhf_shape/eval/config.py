@@ -139,10 +139,12 @@ class EvalConfig:
         names = [b.name for b in self.benchmarks]
         if len(set(names)) != len(names):
             raise ValueError(f"--benchmark names must be unique, got {names}")
-        for flag in ("n_samples", "max_new_tokens", "limit", "top_k"):
+        for flag in ("n_samples", "max_new_tokens", "limit"):
             v = getattr(self, flag)
             if v is not None and v < 1:
                 raise ValueError(f"--{flag} must be >= 1, got {v}")
+        if self.top_k is not None and not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"--top_k must be -1 (off, as the rollouts sample) or >= 1, got {self.top_k}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

@@ -147,6 +147,12 @@ def test_paper_preset_n_by_benchmark_name(tmp_path):
     assert cpu.n_for(cpu.benchmarks[0]) == 2 and cpu.sampling_values()["max_new_tokens"] == 256
     assert cpu.chunk_for(cpu.benchmarks[0]) == 8  # 16 sequences per call / N = 2
     assert [cfg.chunk_for(cfg.benchmarks[i]) for i in (0, 3)] == [16, 256]  # 512 sequences / N (32, 2)
+    # top-k off (-1) samples as the rollouts do (the frontier filter needs it); 0 and -2 are refused
+    off = EvalConfig("m", [BenchmarkSpec("anything", "x")], str(tmp_path), preset="cpu", top_k=-1)
+    assert off.sampling_values()["top_k"] == -1
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="--top_k must be -1"):
+            EvalConfig("m", [BenchmarkSpec("anything", "x")], str(tmp_path), preset="cpu", top_k=bad)
 
 
 def test_bad_inputs_name_the_flag(tmp_path, tiny_model_dir, tiny_tokenizer, scorer):
