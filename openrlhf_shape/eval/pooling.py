@@ -96,6 +96,52 @@ def pool_runs(run_dirs: list[str], step: int, *, n_boot: int = 2000, seed: int =
                   per_run_length=[float(x) for x in length.mean(axis=1)])
 
 
+@dataclass
+class Difference:
+    """Arm B minus arm A at one step, paired by seed (the i-th run of each) and by problem."""
+
+    step: int
+    runs: int
+    problems: int
+    accuracy: float  # points of pass rate (fraction), B - A
+    accuracy_ci: tuple[float, float]
+    length_ratio: float  # mean tokens of B over A
+    length_ratio_ci: tuple[float, float]
+
+
+def paired_difference(a_dirs: list[str], b_dirs: list[str], step: int, *, n_boot: int = 2000,
+                      seed: int = 0) -> Difference:
+    """B - A held-out accuracy and B / A mean length at ``step``, runs paired in order (seed i of A with
+    seed i of B: same data order and same held-out problems). The interval resamples the pairs, then the
+    problems, as :func:`pool_runs` does; pairing removes the problems' own difficulty from the spread,
+    which is what makes a difference narrower than the two arms' intervals side by side."""
+    if len(a_dirs) != len(b_dirs) or not a_dirs:
+        raise ValueError(f"paired_difference needs the same number of runs per arm, got {len(a_dirs)} and {len(b_dirs)}")
+    a = [read_problem_results(d, step) for d in a_dirs]
+    b = [read_problem_results(d, step) for d in b_dirs]
+    ids = sorted(a[0])
+    for d, res in zip(a_dirs + b_dirs, a + b):
+        if sorted(res) != ids:
+            raise ValueError(f"{d} evaluated other problems at step {step} than {a_dirs[0]}: pairing needs the same held-out set")
+
+    def mat(results: list[dict], key: str) -> np.ndarray:
+        return np.array([[res[i][key] for i in ids] for res in results], dtype=np.float64)
+
+    diff = mat(b, "pass_rate") - mat(a, "pass_rate")
+    la, lb = mat(a, "mean_tokens"), mat(b, "mean_tokens")
+    rng = np.random.default_rng(seed)
+    r, p = diff.shape
+    ratios, diffs = [], []
+    for _ in range(n_boot):
+        ix = np.ix_(rng.integers(0, r, r), rng.integers(0, p, p))
+        diffs.append(diff[ix].mean())
+        ratios.append(lb[ix].mean() / max(la[ix].mean(), 1e-9))
+    return Difference(step=step, runs=r, problems=p, accuracy=float(diff.mean()),
+                      accuracy_ci=tuple(float(x) for x in np.percentile(diffs, [2.5, 97.5])),
+                      length_ratio=float(lb.mean() / max(la.mean(), 1e-9)),
+                      length_ratio_ci=tuple(float(x) for x in np.percentile(ratios, [2.5, 97.5])))
+
+
 def pooled_table(arms: dict[str, list[str]], steps: list[int] | None = None) -> str:
     """Markdown: per arm and step, pooled accuracy and length with intervals and the per-seed values.
     ``steps``: None = the steps every run of every arm evaluated."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from openrlhf_shape.eval.metrics import ProblemResult
-from openrlhf_shape.eval.pooling import eval_steps, pool_runs, pooled_table, read_problem_results, write_problem_results
+from openrlhf_shape.eval.pooling import eval_steps, paired_difference, pool_runs, pooled_table, read_problem_results, write_problem_results
 
 
 def _run(tmp_path, name: str, rates: np.ndarray, tokens: np.ndarray, step: int = 12, n: int = 8) -> str:
@@ -54,3 +54,23 @@ def test_pooling_refuses_what_does_not_pool(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no held-out eval at step 6 .*evals ran at \[12\]"):
         read_problem_results(a, 6)
     assert eval_steps(a) == [12] and eval_steps(str(tmp_path / "none")) == []
+
+
+def test_paired_difference_sees_a_small_shift_that_side_by_side_intervals_hide(tmp_path) -> None:
+    """B = A + 1/8 on a quarter of the problems (+3.1 points) with 0.8x the tokens: per-problem pairing
+    puts the difference's interval above 0 although the two arms' own intervals overlap widely."""
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 7, 100) / 8
+    tokens = rng.integers(20, 60, 100).astype(float)
+    lift = np.where(np.arange(100) % 4 == 0, 0.125, 0.0)
+    a = [_run(tmp_path, f"a{i}", base, tokens) for i in range(3)]
+    b = [_run(tmp_path, f"b{i}", base + lift, tokens * 0.8) for i in range(3)]
+    d = paired_difference(a, b, 12)
+    assert d.runs == 3 and d.problems == 100
+    assert d.accuracy == pytest.approx(lift.mean())
+    assert 0.0 < d.accuracy_ci[0] < d.accuracy < d.accuracy_ci[1]
+    pa, pb = pool_runs(a, 12), pool_runs(b, 12)
+    assert pb.accuracy_ci[0] < pa.accuracy_ci[1]  # the arms' intervals overlap
+    assert d.length_ratio == pytest.approx(0.8, abs=0.02) and d.length_ratio_ci[1] < 1.0
+    with pytest.raises(ValueError, match="same number of runs"):
+        paired_difference(a, b[:2], 12)
