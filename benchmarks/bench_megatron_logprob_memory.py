@@ -40,7 +40,7 @@ def _child(method: str, tokens: int, hidden: int, chunk: int, temperature: float
         logp = logp_all.gather(-1, targets[:, None])[:, 0]
         ent = -(logp_all.exp() * logp_all).sum(-1)
     else:
-        from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
+        from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
 
         logp, ent = vocab_parallel_logprobs_entropy(h, w, targets, vocab_start=0, temperature=temperature, chunk_size=chunk)
     elapsed = time.perf_counter() - t0

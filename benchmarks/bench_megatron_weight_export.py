@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--sink", choices=["ray", "pickle"], default="ray")
     args = ap.parse_args()
-    from openrlhf_shape.megatron.launch import run_ranks
+    from openrlhf_shape.actor.launch import run_ranks
     from openrlhf_shape.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

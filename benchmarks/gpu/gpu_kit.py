@@ -185,7 +185,7 @@ class Kit:
         self.base_cfg: dict[str, Any] = {"layer_spec": "local", "seed": 1234}
 
     def _run(self, target: str, kwargs: dict, module: str = "kit_sections") -> Any:
-        from openrlhf_shape.megatron.launch import RankFailure, run_ranks
+        from openrlhf_shape.actor.launch import RankFailure, run_ranks
 
         for attempt in range(3):
             try:

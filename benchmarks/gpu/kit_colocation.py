@@ -163,7 +163,7 @@ def zero2_vs_megatron(*, rank: int, world_size: int, master_addr: str, master_po
     from kit_sections import _make_model, _megatron_logprobs, _train_batch, _worker
 
     from openrlhf_shape.megatron.config import MegatronConfig
-    from openrlhf_shape.megatron.worker import merge_rank_outputs
+    from openrlhf_shape.cluster.rank_group import merge_rank_outputs
     from openrlhf_shape.zero.config import ZeroConfig
     from openrlhf_shape.zero.worker import ZeroRankWorker
 

@@ -195,7 +195,7 @@ def run_doctor(cfg, on_gpu: bool, timeout_s: float = 60.0) -> list[Check]:
     import ray
 
     from openrlhf_shape.cluster.ray_placement import RayPlacement
-    from openrlhf_shape.cluster.runtime import plan_for
+    from openrlhf_shape.cluster.placement import plan_for
 
     checks: list[Check] = []
     nodes = [n for n in ray.nodes() if n.get("Alive")]

@@ -97,12 +97,6 @@ class PlacementPlan:
     def num_engines(self) -> int:
         return len({s.engine for s in self.engines})
 
-    def rank_bundles(self) -> tuple[int, ...]:
-        return tuple(s.bundle for s in self.ranks)
-
-    def engine_bundles(self) -> tuple[int, ...]:
-        return tuple(s.bundle for s in self.engines)
-
 
 def megatron_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int]:
     """(tp_rank, pp_rank, dp_rank) of ``rank`` in Megatron's default order (TP fastest, PP slowest):
@@ -293,3 +287,17 @@ def resolve_weight_sync(requested: str, plan: PlacementPlan, on_gpu: bool) -> tu
         where = "needs CUDA" if not on_gpu else "the sending rank's GPU does not host every engine worker"
         raise ValueError(f"{FLAG_WEIGHT_SYNC} cuda_ipc: {where}; use {FLAG_WEIGHT_SYNC} auto")
     return requested, "as requested"
+
+
+def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
+    """The plan for a TrainConfig (``on_gpu``: ``Platform.on_gpu``). CPU: every slot on the local
+    node (gpus_per_node = all slots)."""
+    r, m, t = cfg.rollout, cfg.megatron, cfg.trainer
+    etp = cfg.engine.tensor_parallel_size
+    if on_gpu:
+        gpn, nodes = t.gpus_per_node, t.num_nodes
+    else:
+        gpn, nodes = max(m.world_size + r.num_engines * etp, etp, m.tensor_model_parallel_size), None
+    return plan_placement(world_size=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          num_engines=r.num_engines, engine_tp=etp, colocate=r.colocate, gpus_per_node=gpn,
+                          num_nodes=nodes, rollout_gpus=r.num_gpus)

@@ -157,7 +157,7 @@ def local_endpoint() -> dict[str, Any]:
     """This process's node id, node IP and a free port: the rendezvous rank 0 offers the others."""
     import ray
 
-    from openrlhf_shape.megatron.launch import free_port
+    from openrlhf_shape.actor.launch import free_port
 
     # Bound on every interface: the other ranks connect from other nodes.
     return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),

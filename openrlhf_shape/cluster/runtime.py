@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from openrlhf_shape.cluster.placement import PlacementPlan, plan_placement, resolve_weight_sync
+from openrlhf_shape.cluster.placement import PlacementPlan, plan_for, resolve_weight_sync
 from openrlhf_shape.platform import Platform
+
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.cluster.lifecycle import Lifecycle
+    from openrlhf_shape.cluster.rank_group import RankGroup
+    from openrlhf_shape.cluster.ray_placement import RayPlacement
+    from openrlhf_shape.cluster.sync_driver import EngineWeightSync
+    from openrlhf_shape.rollout.group import EngineGroup
 
 log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console and train.log)
 
@@ -22,13 +29,13 @@ log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console a
 @dataclass
 class ClusterRuntime:
     plan: PlacementPlan
-    placement: Any  # RayPlacement
+    placement: RayPlacement
     platform: Platform  # the run's CPU/GPU profile, as handed to every rank and engine
-    actor: Any  # MegatronActorGroup
-    engine_handles: list
-    engines: Any  # EngineGroup
-    sync: Any  # EngineWeightSync
-    lifecycle: Any  # Lifecycle
+    actor: RankGroup
+    engine_handles: list  # the engines' Ray actor handles
+    engines: EngineGroup
+    sync: EngineWeightSync
+    lifecycle: Lifecycle
 
     def shutdown(self) -> None:
         try:
@@ -37,18 +44,19 @@ class ClusterRuntime:
             self.placement.remove()
 
 
-def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
-    """The plan for a TrainConfig (``on_gpu``: ``Platform.on_gpu``). CPU: every slot on the local
-    node (gpus_per_node = all slots)."""
-    r, m, t = cfg.rollout, cfg.megatron, cfg.trainer
-    etp = cfg.engine.tensor_parallel_size
-    if on_gpu:
-        gpn, nodes = t.gpus_per_node, t.num_nodes
-    else:
-        gpn, nodes = max(m.world_size + r.num_engines * etp, etp, m.tensor_model_parallel_size), None
-    return plan_placement(world_size=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                          num_engines=r.num_engines, engine_tp=etp, colocate=r.colocate, gpus_per_node=gpn,
-                          num_nodes=nodes, rollout_gpus=r.num_gpus)
+def make_rank_group(cfg, mcfg, placement, platform: Platform) -> RankGroup:
+    """The ranks of ``--actor.backend`` (``cfg``: the TrainConfig; ``mcfg``: its rank-side training
+    settings) on ``placement``'s bundles under ``platform``: the one place that picks the worker class."""
+    from openrlhf_shape.cluster.rank_group import RankGroup
+
+    if cfg.actor.backend == "deepspeed":
+        from openrlhf_shape.zero.config import zero_config_from
+        from openrlhf_shape.zero.worker import ZeroRankWorker
+
+        return RankGroup(ZeroRankWorker, zero_config_from(mcfg, cfg.ds), cfg.megatron.world_size, placement, platform)
+    from openrlhf_shape.megatron.worker import MegatronRankWorker
+
+    return RankGroup(MegatronRankWorker, mcfg, cfg.megatron.world_size, placement, platform)
 
 
 def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
@@ -63,8 +71,7 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     from openrlhf_shape.cluster.lifecycle import Lifecycle
     from openrlhf_shape.cluster.ray_placement import RayPlacement
     from openrlhf_shape.cluster.sync_driver import EngineWeightSync
-    from openrlhf_shape.rollout.engine import start_engines
-    from openrlhf_shape.trainer.actor_group import make_actor_group
+    from openrlhf_shape.rollout.group import start_engines
 
     r = cfg.rollout
     plan = plan_for(cfg, platform.on_gpu)
@@ -74,7 +81,7 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
         engines = start_engines(engine_cfg, r.num_engines, platform=platform, placement=placement, wait_ready=False)
-        actor = make_actor_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
+        actor = make_rank_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
         ray.get([h.ready.remote() for h in engines.engines])
         transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
         log.info("weight sync: %s (%s)", transport, why)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.platform import Platform
@@ -168,6 +167,3 @@ def make_bridge(hf_config: Any, cfg: MegatronConfig, *, platform: Platform):
     return cls(hf_config, dtype=cfg.params_dtype)
 
 
-def hf_dtype_of(cfg: MegatronConfig) -> torch.dtype:
-    """dtype of exported HF weights: bf16 on GPU runs, float32 on CPU."""
-    return torch.bfloat16 if cfg.use_bf16 else torch.float32

@@ -51,7 +51,7 @@ def export_checkpoint_to_hf(ckpt_dir: str, out_dir: str, hf_dir: str | None = No
     ``hf_dir`` overrides the base model directory recorded in the checkpoint (config/tokenizer source),
     e.g. when the run's files moved. Returns ``out_dir``.
     """
-    from openrlhf_shape.megatron.launch import run_ranks
+    from openrlhf_shape.actor.launch import run_ranks
 
     path = _resolve(ckpt_dir)
     with open(os.path.join(path, "meta.json")) as f:

@@ -15,56 +15,34 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron import cpu as cpu_compat
-from openrlhf_shape.megatron.batching import (
+from openrlhf_shape.actor.batching import (
     MicroBatch,
     build_micro_batch,
     plan_micro_batches,
     shard_for_dp,
-    take_rows,
     validate_batch,
 )
+from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-exported: module-level API of the worker)
 from openrlhf_shape.megatron.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.export import export_hf_dir, iter_buckets
-from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
+from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
 from openrlhf_shape.megatron.state import ActorState
 from openrlhf_shape.platform import Platform, detect_platform
 from openrlhf_shape.rng import seed_all
 
-__all__ = ["MegatronRankWorker", "merge_rank_outputs", "latest_checkpoint"]
-
-
-def merge_rank_outputs(outputs: list[dict], n: int) -> dict:
-    """Merge per-rank ``compute_logprobs_and_entropy`` outputs into batch order.
-
-    ``outputs``: one dict per rank (``{}`` for ranks without results). Returns
-    ``{"log_probs": [Tensor[T_i]] * n, "entropy": [...]}``; raises if a sample is missing.
-    """
-    log_probs: list[Optional[torch.Tensor]] = [None] * n
-    entropy: list[Optional[torch.Tensor]] = [None] * n
-    for out in outputs:
-        if not out:
-            continue
-        for idx, lp, en in zip(out["indices"], out["log_probs"], out["entropy"]):
-            if not 0 <= idx < n:
-                raise ValueError(f"rank output holds index {idx} outside the batch of {n}")
-            log_probs[idx], entropy[idx] = lp, en
-    missing = [i for i in range(n) if log_probs[i] is None]
-    if missing:
-        raise ValueError(f"no rank returned results for batch indices {missing[:10]} (of {len(missing)})")
-    return {"log_probs": log_probs, "entropy": entropy}
+__all__ = ["MegatronRankWorker", "latest_checkpoint"]
 
 
 @contextlib.contextmanager
@@ -92,7 +70,7 @@ class _State:
 
 
 class MegatronRankWorker:
-    """Owns one Megatron rank (plain class; the trainer wraps it in a Ray actor).
+    """Owns one Megatron rank (plain class; :class:`openrlhf_shape.cluster.rank_group.RankActor` hosts it).
 
     ``platform``: the run's profile as handed by the driver (a :class:`Platform` or its dict); None
     for a rank without a driver (the subprocess ranks of the tests, ``convert``): this process's.
@@ -143,7 +121,7 @@ class MegatronRankWorker:
             seed_all(cfg.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         self.mpu = mpu
-        from openrlhf_shape.megatron.offload import StateOffloader
+        from openrlhf_shape.actor.offload import StateOffloader
 
         self.offloader = StateOffloader(on_gpu=self.platform.on_gpu)
 
@@ -168,7 +146,9 @@ class MegatronRankWorker:
     def offload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
         """Move parameter / gradient / optimizer storages to host memory (colocation)."""
         self._require_model()
-        freed = self.offloader.offload([self.model], self.optimizer, groups)
+        from openrlhf_shape.megatron.offload import state_tensors
+
+        freed = self.offloader.offload(state_tensors([self.model], self.optimizer), groups)
         return {"offloaded_bytes": float(freed), "offloaded": sorted(self.offloader.offloaded)}
 
     def onload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
@@ -305,8 +285,9 @@ class MegatronRankWorker:
         pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
         if not shard:
             # More DP ranks than samples: a fully masked dummy keeps the collectives in step.
-            dummy = [[pad_id, pad_id]]
-            return [], [build_micro_batch(dummy, [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)]
+            filler = build_micro_batch([[pad_id, pad_id]], [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)
+            filler.rows = []  # carries no sample: the shared loss masks it out entirely
+            return [], [filler]
         groups = plan_micro_batches([lengths[i] for i in shard], self.cfg.micro_batch_max_tokens, pad_multiple=pad_multiple)
         mbs = [
             build_micro_batch(seqs, plens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
@@ -369,7 +350,7 @@ class MegatronRankWorker:
         """Forward only. Returns results on the last PP stage / TP rank 0, ``{}`` elsewhere.
 
         ``batch``: a :class:`~openrlhf_shape.batch.SequenceBatch` (or the same fields as a mapping).
-        Output (gathered by :func:`merge_rank_outputs`): ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
+        Output (gathered by :func:`openrlhf_shape.cluster.rank_group.merge_rank_outputs`): ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
         position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
         """
         self._require_onloaded(("params",), "compute_logprobs_and_entropy")
@@ -409,8 +390,6 @@ class MegatronRankWorker:
         float metrics, identical on all ranks.
         """
         self._require_onloaded(("params", "grads", "optimizer"), "train_step")
-        from openrlhf_shape.algorithms import policy_loss
-
         self._require_model()
         self._require_optimizer("train_step")
         cfg = self.cfg
@@ -420,38 +399,12 @@ class MegatronRankWorker:
         masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
         num_global_tokens = int(masks.sum())
         temperature = float(batch.temperature)
-        metric_keys = ("pg_loss_sum", "clipfrac_low_sum", "clipfrac_high_sum", "approx_kl_sum", "num_tokens", "entropy_sum", "nonfinite")
 
         def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
             lp, en = self._response_logprobs(hidden, mb, temperature, with_entropy=True)
-            rows = len(mb.rows)
-            tmax = max(1, max(b - a for a, b in mb.resp_offsets))
-            dev = lp.device
-            row_idx = torch.cat([torch.full((b - a,), k, dtype=torch.long) for k, (a, b) in enumerate(mb.resp_offsets)]) if lp.numel() else torch.zeros(0, dtype=torch.long)
-            col_idx = torch.cat([torch.arange(b - a) for a, b in mb.resp_offsets]) if lp.numel() else torch.zeros(0, dtype=torch.long)
-            where = (row_idx.to(dev), col_idx.to(dev))
-            lp2 = lp.new_zeros(rows, tmax).index_put(where, lp)
-            ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev).index_put(where, en.float())
-            if shard:  # [B, T] -> this micro-batch's rows, cut to its longest response
-                sel = torch.tensor(mb.rows, dtype=torch.long)
-                old = take_rows(batch.old_log_probs, sel, tmax).float().to(dev)
-                adv = take_rows(batch.advantages, sel, tmax).float().to(dev)
-                msk = take_rows(masks, sel, tmax).to(dev)
-                isw = take_rows(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
-            else:  # the fully masked filler of a rank without samples
-                old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
-                adv = torch.zeros_like(old)
-                msk = torch.zeros(rows, tmax, dtype=torch.bool, device=dev)
-                isw = None
-            loss, m = policy_loss(
-                lp2, old, adv, msk,
-                eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
-                num_global_tokens=max(num_global_tokens, 1), is_weights=isw,
-            )
-            stats = {k: m[k].detach().float().cpu() for k in metric_keys if k in m}
-            stats["entropy_sum"] = (ent * msk).sum().detach().float().cpu()
-            stats["nonfinite"] = torch.tensor(0.0 if bool(torch.isfinite(loss.detach())) else 1.0)
-            return loss, torch.tensor(int(msk.sum()), dtype=torch.int), stats
+            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=cfg.eps_clip_low,
+                                           eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip)
+            return loss, torch.tensor(int(stats["num_tokens"]), dtype=torch.int), stats
 
         with self._mode():
             shard, mbs = self._plan(batch)
@@ -459,15 +412,15 @@ class MegatronRankWorker:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             store = self._run_schedule(mbs, loss_fn, forward_only=False)
-            sums = torch.zeros(len(metric_keys), dtype=torch.float64)
+            sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
             if self.holds_results and shard:
                 for rec in store:
-                    for j, k in enumerate(metric_keys):
+                    for j, k in enumerate(METRIC_KEYS):
                         sums[j] += float(rec[k])
             sums = sums.to(self.device)
             dist.all_reduce(sums)  # results live on one rank per DP replica; others add zeros
             sums = sums.cpu()
-            loss_finite = sums[metric_keys.index("nonfinite")].item() == 0
+            loss_finite = sums[METRIC_KEYS.index("nonfinite")].item() == 0
             lr_used = float(self.optimizer.param_groups[0]["lr"])
             found_inf = self.optimizer.prepare_grads()
             grad_norm = float(self.optimizer.get_grad_norm()) if not found_inf else float("nan")
@@ -481,20 +434,7 @@ class MegatronRankWorker:
                 self.step += 1
             else:
                 self.optimizer.zero_grad()
-        n_tok = max(sums[metric_keys.index("num_tokens")].item(), 1.0)
-        return {
-            "loss": sums[0].item() / n_tok,
-            "pg_clipfrac_low": sums[1].item() / n_tok,
-            "pg_clipfrac_high": sums[2].item() / n_tok,
-            "pg_clipfrac": (sums[1].item() + sums[2].item()) / n_tok,
-            "approx_kl": sums[3].item() / n_tok,
-            "num_tokens": float(sums[4].item()),
-            "entropy": sums[5].item() / n_tok,
-            "grad_norm": grad_norm,
-            "lr": lr_used,
-            "skipped": 0.0 if ok else 1.0,
-            "step": float(self.step),
-        }
+        return step_metrics(sums, grad_norm=grad_norm, lr=lr_used, ok=ok, step=self.step)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:

@@ -16,7 +16,7 @@ What the Megatron rank holds (our worker, megatron-core 0.16.1):
   The distributed optimizer shards all of it over DP;
 * activations at ``micro_batch_max_tokens`` (see :func:`layer_activation_elems`), in flight for
   ``min(pp - stage, micro-batches)`` micro-batches under 1F1B;
-* the chunked log-prob/entropy scratch (:mod:`openrlhf_shape.megatron.logprobs`) on the last stage.
+* the chunked log-prob/entropy scratch (:mod:`openrlhf_shape.actor.logprobs`) on the last stage.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.rewards.computer import RewardConfig
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
-from openrlhf_shape.trainer.flag_translation import PUBLIC, public_name, translate
+from openrlhf_shape.trainer.flag_translation import DEFAULT_MAX_PROMPT_LEN, PUBLIC, public_name, translate
 
 
 @dataclass
@@ -147,7 +147,7 @@ class TrainerSection:
 
 def _train_data() -> DataSection:
     return DataSection(prompt_dataset="bundled:train", input_key="question", label_key="answer",
-                       apply_chat_template=True, max_prompt_len=1024)
+                       apply_chat_template=True, max_prompt_len=DEFAULT_MAX_PROMPT_LEN)
 
 
 def _train_engine() -> EngineConfig:

@@ -11,7 +11,7 @@ on our config fields:
   named on its own line, with the reason and what to use (trainer/openrlhf_flags.py);
 * an old name of this project still works for one release and prints one deprecation line.
 
-The table of OpenRLHF flags is trainer/openrlhf_flags.py; the README's table is generated from it.
+The table of OpenRLHF flags is trainer/openrlhf_flags.py; the table in docs/openrlhf_compat.md is generated from it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from openrlhf_shape.trainer.openrlhf_flags import ALWAYS, BY_NAME, REFUSED, SAME, VALUES, refusal, translated_value
+from openrlhf_shape.trainer.openrlhf_flags import ALWAYS, BY_NAME, VALUES, refusal, translated_value
+
+DEFAULT_MAX_PROMPT_LEN = 1024  # --data.max_prompt_len's default (TrainConfig's data section reads it from here)
 
 # OpenRLHF name -> our config field (a canonical path of TrainConfig, or a tuple of paths for one
 # flag that sets several fields). These rows join the config's alias table (trainer/config.py).
@@ -235,10 +237,7 @@ def _combined(given: dict[str, Any]) -> list[tuple[str, Any]]:
         new = given.get("rollout.max_new_tokens", given.get("rollout.generate_max_len"))
         prompt = given.get("data.max_prompt_len")
         if new is None:
-            from openrlhf_shape.trainer.config import TrainConfig
-
-            default_prompt = TrainConfig().data.max_prompt_len
-            out.append(("rollout.max_new_tokens", total - int(prompt if prompt is not None else default_prompt)))
+            out.append(("rollout.max_new_tokens", total - int(prompt if prompt is not None else DEFAULT_MAX_PROMPT_LEN)))
         elif prompt is None:
             out.append(("data.max_prompt_len", total - int(new)))
     return out

@@ -86,9 +86,6 @@ class ZeroConfig:
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.use_bf16 else torch.float32
 
-    def with_train(self, **overrides: Any) -> "ZeroConfig":
-        """A copy with some training settings replaced (tests: variants in one process)."""
-        return dataclasses.replace(self, train=dataclasses.replace(self.train, **overrides))
 
     def ds_config(self, *, on_gpu: bool) -> dict[str, Any]:
         """The DeepSpeed JSON. One optimizer step = one ``engine.step()`` after the last micro-batch's

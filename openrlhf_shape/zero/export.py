@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 
-from openrlhf_shape.megatron.export import write_hf_dir
+from openrlhf_shape.actor.hf_dir import write_hf_dir
 from openrlhf_shape.zero.model import hf_named_parameters
 
 if TYPE_CHECKING:  # pragma: no cover
-    from openrlhf_shape.zero.worker import ZeroRankWorker
+    from openrlhf_shape.zero.state import ZeroState
 
 
 
@@ -55,16 +55,16 @@ def _gathered(params: list[torch.nn.Parameter], zero3: bool):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def iter_buckets(worker: "ZeroRankWorker", bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(state: "ZeroState", bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Rank 0: lists of (HF name, detached CPU copy); other ranks: ``[]`` at the same iterations."""
     keep = dist.get_rank() == 0
-    zero3 = worker.cfg.zero_stage == 3
-    for bucket in plan_buckets(hf_named_parameters(worker.policy), bucket_bytes):
+    zero3 = state.cfg.zero_stage == 3
+    for bucket in plan_buckets(hf_named_parameters(state.policy), bucket_bytes):
         with _gathered([p for _, p in bucket], zero3):
             out = [(name, p.detach().to("cpu", copy=True).contiguous()) for name, p in bucket] if keep else []
         yield out
 
 
-def export_hf_dir(worker: "ZeroRankWorker", out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
+def export_hf_dir(state: "ZeroState", out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
     """safetensors shards + index + config + the source dir's tokenizer files, written atomically (collective)."""
-    write_hf_dir(iter_buckets(worker, shard_bytes), out_dir, worker.hf_config, worker.cfg.params_dtype, worker.hf_dir)
+    write_hf_dir(iter_buckets(state, shard_bytes), out_dir, state.hf_config, state.cfg.params_dtype, state.hf_dir)

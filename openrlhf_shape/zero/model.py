@@ -4,7 +4,7 @@ by the chunked log-prob / entropy code, never as full logits.
 ``PolicyModule.forward(input_ids, position_ids, resp_rows, resp_pos, targets)`` runs the HF decoder
 (``model.model``: embeddings, layers, final norm) on a padded ``[rows, seq]`` micro-batch, picks the
 hidden states that predict response tokens (``[N, h]``) and hands them with the output weight
-``[V, h]`` to :func:`~openrlhf_shape.megatron.logprobs.vocab_parallel_logprobs_entropy` (one vocab
+``[V, h]`` to :func:`~openrlhf_shape.actor.logprobs.vocab_parallel_logprobs_entropy` (one vocab
 shard: no TP group), which works in chunks of ``chunk_size`` positions so the largest float32
 temporary is ``[chunk, V]`` and recomputes each chunk in backward.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
+from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
 
 
 class ChunkedLogprobHead(nn.Module):

@@ -1,6 +1,6 @@
 """Which tensors of a DeepSpeed engine belong to the offload groups ``params``, ``grads`` and
-``optimizer`` (colocation). The moving is done by the Megatron backend's storage-level
-:class:`~openrlhf_shape.megatron.offload.StateOffloader` (copy each distinct storage to host, resize
+``optimizer`` (colocation). The moving is done by the backend-neutral storage-level
+:class:`~openrlhf_shape.actor.offload.StateOffloader` (copy each distinct storage to host, resize
 it to zero; onload restores it bit for bit), which works on DeepSpeed's flat buffers as well: a
 parameter that is a view of a ZeRO flat group shares its storage and is moved once.
 

@@ -2,7 +2,7 @@
 :class:`~openrlhf_shape.megatron.worker.MegatronRankWorker`, on a Hugging Face model.
 
 SPMD like the Megatron ranks: every rank receives the whole batch and the same calls in the same
-order; each takes its data-parallel shard (:func:`~openrlhf_shape.megatron.batching.shard_for_dp`,
+order; each takes its data-parallel shard (:func:`~openrlhf_shape.actor.batching.shard_for_dp`,
 the same sharding and token-budget micro-batching as Megatron). ZeRO-3 gathers parameters inside
 every forward, a collective, so every rank runs the same number of micro-batches (the shorter
 plans are topped up with fully masked two-token fillers; every rank can compute every rank's plan).
@@ -25,21 +25,20 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
-from openrlhf_shape.megatron.batching import (
+from openrlhf_shape.actor.batching import (
     MicroBatch,
     build_micro_batch,
     plan_micro_batches,
     shard_for_dp,
-    take_rows,
     validate_batch,
 )
+from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.platform import Platform, detect_platform
 from openrlhf_shape.rng import seed_all
 from openrlhf_shape.zero.config import ZeroConfig
+from openrlhf_shape.zero.state import ZeroState
 
 __all__ = ["ZeroRankWorker"]
-
-METRIC_KEYS = ("pg_loss_sum", "clipfrac_low_sum", "clipfrac_high_sum", "approx_kl_sum", "num_tokens", "entropy_sum", "nonfinite")
 
 
 def set_cpu_accelerator(platform: Platform) -> None:
@@ -49,7 +48,9 @@ def set_cpu_accelerator(platform: Platform) -> None:
 
 
 class ZeroRankWorker:
-    """Owns one DeepSpeed rank (plain class; :mod:`openrlhf_shape.zero.actor` wraps it in a Ray actor)."""
+    """Owns one DeepSpeed rank (plain class; :class:`openrlhf_shape.cluster.rank_group.RankActor` hosts it in
+    a Ray actor). Its engine, optimizer and counters live in one :class:`~openrlhf_shape.zero.state.ZeroState`,
+    handed to the checkpoint and export functions (they never see the worker)."""
 
     def __init__(self, cfg: ZeroConfig, *, rank: int, world_size: int, master_addr: str, master_port: int,
                  platform: Platform | dict | None = None):
@@ -79,12 +80,8 @@ class ZeroRankWorker:
         self.dp_size = world_size
         self.dp_rank = rank
         seed_all(cfg.train.seed)
-        self.engine = None
-        self.base_optimizer = None
-        self.hf_config = None
-        self.hf_dir: Optional[str] = None
-        self.step = 0
-        from openrlhf_shape.megatron.offload import StateOffloader
+        self.state = ZeroState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size, dp_size=world_size)
+        from openrlhf_shape.actor.offload import StateOffloader
 
         self.offloader = StateOffloader(on_gpu=self.platform.on_gpu)
 
@@ -95,11 +92,10 @@ class ZeroRankWorker:
 
     @property
     def policy(self):
-        return self.engine.module
+        return self.state.policy
 
     def _require_model(self) -> None:
-        if self.engine is None:
-            raise RuntimeError("call init_model(hf_dir) before using the worker")
+        self.state.require_model()
 
     def _require_onloaded(self, groups: tuple[str, ...], what: str) -> None:
         missing = [g for g in groups if g in self.offloader.offloaded]
@@ -130,10 +126,10 @@ class ZeroRankWorker:
                                                dist_init_required=False)
         if cfg.zero_stage == 3:
             register_head_weight(engine.module)
-        self.engine, self.base_optimizer = engine, optimizer
-        self.hf_config, self.hf_dir = hf_config, hf_dir
-        self.step = 0
-        self._set_lr()
+        self.state.engine, self.state.base_optimizer = engine, optimizer
+        self.state.hf_config, self.state.hf_dir = hf_config, hf_dir
+        self.state.step = 0
+        self.state.apply_lr()
         return {
             "num_parameters": int(n_params),
             "model_type": hf_config.model_type,
@@ -160,25 +156,17 @@ class ZeroRankWorker:
             return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         return torch.optim.AdamW(groups, **kw)
 
-    def _set_lr(self) -> float:
-        from openrlhf_shape.zero.schedule import lr_at
-
-        lr = lr_at(self.cfg.train, self.step)
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
-
     def _release_engine(self) -> None:
-        if self.engine is not None:
+        if self.state.engine is not None:
             self.offloader.saved.clear()
-            self.engine.destroy()
-            self.engine = self.base_optimizer = None
+            self.state.engine.destroy()
+            self.state.engine = self.state.base_optimizer = None
 
     # ------------------------------------------------------------------ micro-batching
     def _plans(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
         """This rank's sample indices and micro-batches, topped up with fillers to the longest plan."""
         lengths = [len(s) for s in batch.sequences]
-        pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        pad_id = int(getattr(self.state.hf_config, "pad_token_id", None) or 0)
         shards = shard_for_dp(lengths, self.dp_size)
         budget = self.cfg.train.micro_batch_max_tokens
         counts = [len(plan_micro_batches([lengths[i] for i in s], budget)) if s else 0 for s in shards]
@@ -196,7 +184,7 @@ class ZeroRankWorker:
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        return self.engine(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.resp_rows.to(dev),
+        return self.state.engine(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.resp_rows.to(dev),
                            mb.resp_pos.to(dev), mb.resp_targets.to(dev))
 
     # ------------------------------------------------------------------ log-probs / entropy
@@ -211,7 +199,7 @@ class ZeroRankWorker:
         self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
         shard, mbs = self._plans(batch)
         out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
-        self.engine.eval()
+        self.state.engine.eval()
         with torch.no_grad():
             for mb in mbs:
                 lp, en = self._forward(mb)
@@ -220,7 +208,7 @@ class ZeroRankWorker:
                     out["indices"].append(row)
                     out["log_probs"].append(lp[a:b].clone())
                     out["entropy"].append(en[a:b].clone())
-        self.engine.train()
+        self.state.engine.train()
         return out if shard else {}
 
     # ------------------------------------------------------------------ training
@@ -236,74 +224,30 @@ class ZeroRankWorker:
         num_global_tokens = max(int(masks.sum()), 1)
         self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
         shard, mbs = self._plans(batch)
-        lr_used = self._set_lr()
+        lr_used = self.state.apply_lr()
+        t = self.cfg.train
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
-        self.engine.train()
+        self.state.engine.train()
         for k, mb in enumerate(mbs):
-            self.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+            self.state.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
             lp, en = self._forward(mb)
-            loss, stats = self._micro_loss(lp, en, mb, batch, masks, num_global_tokens)
+            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=t.eps_clip_low,
+                                           eps_high=t.eps_clip_high, dual_clip=t.dual_clip)
             for j, key in enumerate(METRIC_KEYS):
                 sums[j] += float(stats[key])
             # DeepSpeed averages gradients over the DP ranks; the loss is already a global token mean.
-            self.engine.backward(loss * self.dp_size)
-        self.engine.step()
+            self.state.engine.backward(loss * self.dp_size)
+        self.state.engine.step()
         dist.all_reduce(sums)
         # DeepSpeed skips the update itself when the global gradient norm is not finite (a non-finite
         # loss gives non-finite gradients): the step counter and the LR schedule then stay put.
-        overflow = bool(getattr(self.engine.optimizer, "overflow", False))
-        norm = self.engine.get_global_grad_norm()
+        overflow = bool(getattr(self.state.engine.optimizer, "overflow", False))
+        norm = self.state.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
         ok = not overflow and math.isfinite(grad_norm)
         if ok:
-            self.step += 1
-        n_tok = max(sums[METRIC_KEYS.index("num_tokens")].item(), 1.0)
-        return {
-            "loss": sums[0].item() / n_tok,
-            "pg_clipfrac_low": sums[1].item() / n_tok,
-            "pg_clipfrac_high": sums[2].item() / n_tok,
-            "pg_clipfrac": (sums[1].item() + sums[2].item()) / n_tok,
-            "approx_kl": sums[3].item() / n_tok,
-            "num_tokens": float(sums[4].item()),
-            "entropy": sums[5].item() / n_tok,
-            "grad_norm": grad_norm if ok else float("nan"),
-            "lr": lr_used,
-            "skipped": 0.0 if ok else 1.0,
-            "step": float(self.step),
-        }
-
-    def _micro_loss(self, lp: torch.Tensor, en: torch.Tensor, mb: MicroBatch, batch: TrainBatch,
-                    masks: torch.Tensor, num_global_tokens: int) -> tuple[torch.Tensor, dict]:
-        """Flat per-token log-probs of a micro-batch -> ``[rows, T_mb]`` and the PPO/DAPO loss."""
-        from openrlhf_shape.algorithms import policy_loss
-
-        t = self.cfg.train
-        rows = max(len(mb.resp_offsets), 1)
-        tmax = max([1] + [b - a for a, b in mb.resp_offsets])
-        dev = lp.device
-        if lp.numel():
-            row_idx = torch.cat([torch.full((b - a,), k, dtype=torch.long) for k, (a, b) in enumerate(mb.resp_offsets)])
-            col_idx = torch.cat([torch.arange(b - a) for a, b in mb.resp_offsets])
-        else:
-            row_idx = col_idx = torch.zeros(0, dtype=torch.long)
-        where = (row_idx.to(dev), col_idx.to(dev))
-        lp2 = lp.new_zeros(rows, tmax).index_put(where, lp)
-        ent = torch.zeros(rows, tmax, dtype=torch.float32, device=dev).index_put(where, en.float())
-        if mb.rows:
-            sel = torch.tensor(mb.rows, dtype=torch.long)
-            old = take_rows(batch.old_log_probs, sel, tmax).float().to(dev)
-            adv = take_rows(batch.advantages, sel, tmax).float().to(dev)
-            msk = take_rows(masks, sel, tmax).to(dev)
-            isw = take_rows(batch.is_weights, sel, tmax).float().to(dev) if batch.is_weights is not None else None
-        else:  # a filler: nothing enters the loss
-            old = torch.zeros(rows, tmax, dtype=torch.float32, device=dev)
-            adv, msk, isw = torch.zeros_like(old), torch.zeros(rows, tmax, dtype=torch.bool, device=dev), None
-        loss, m = policy_loss(lp2.float(), old, adv, msk, eps_low=t.eps_clip_low, eps_high=t.eps_clip_high,
-                              dual_clip=t.dual_clip, num_global_tokens=num_global_tokens, is_weights=isw)
-        stats = {k: float(m[k]) for k in METRIC_KEYS if k in m}
-        stats["entropy_sum"] = float((ent * msk).sum())
-        stats["nonfinite"] = 0.0 if bool(torch.isfinite(loss.detach())) else 1.0
-        return loss, stats
+            self.state.step += 1
+        return step_metrics(sums, grad_norm=grad_norm, lr=lr_used, ok=ok, step=self.state.step)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:
@@ -312,14 +256,14 @@ class ZeroRankWorker:
 
         self._require_model()
         self._require_onloaded(("params", "grads", "optimizer"), "save_checkpoint")
-        save_checkpoint(self, ckpt_dir, extra or {})
+        save_checkpoint(self.state, ckpt_dir, extra or {})
 
     def load_checkpoint(self, ckpt_dir: str) -> dict:
         """Restore everything :meth:`save_checkpoint` wrote; returns its ``extra``."""
         from openrlhf_shape.zero.checkpoint import load_checkpoint
 
         self._require_model()
-        return load_checkpoint(self, ckpt_dir)
+        return load_checkpoint(self.state, ckpt_dir)
 
     # ------------------------------------------------------------------ weights out
     def iter_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -331,14 +275,14 @@ class ZeroRankWorker:
 
         self._require_model()
         self._require_onloaded(("params",), "iter_hf_weights")
-        yield from iter_buckets(self, bucket_bytes)
+        yield from iter_buckets(self.state, bucket_bytes)
 
     def export_hf(self, out_dir: str) -> None:
         """Write an HF directory (safetensors + config + tokenizer files) atomically to ``out_dir``."""
         from openrlhf_shape.zero.export import export_hf_dir
 
         self._require_model()
-        export_hf_dir(self, out_dir)
+        export_hf_dir(self.state, out_dir)
 
     # ------------------------------------------------------------------ colocation
     def offload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
@@ -346,7 +290,7 @@ class ZeroRankWorker:
         from openrlhf_shape.zero.offload import state_tensors
 
         self._require_model()
-        freed = self.offloader.offload([], None, groups, tensors=state_tensors(self.engine))
+        freed = self.offloader.offload(state_tensors(self.state.engine), groups)
         return {"offloaded_bytes": float(freed), "offloaded": sorted(self.offloader.offloaded)}
 
     def onload_states(self, groups: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict:
@@ -362,7 +306,7 @@ class ZeroRankWorker:
     def shutdown(self) -> None:
         """Drop the engine and the process group (idempotent)."""
         try:
-            if self.engine is not None:
+            if self.state.engine is not None:
                 self.offloader.onload()
                 self._release_engine()
         finally:

@@ -6,12 +6,13 @@ import torch
 
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
-from openrlhf_shape.megatron.offload import GROUPS, _tensors
+from openrlhf_shape.actor.offload import GROUPS
+from openrlhf_shape.megatron.offload import state_tensors
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 
 
 def _snapshot(worker) -> dict[str, list[torch.Tensor]]:
-    return {g: [t.detach().clone() for t in ts] for g, ts in _tensors([worker.model], worker.optimizer).items()}
+    return {g: [t.detach().clone() for t in ts] for g, ts in state_tensors([worker.model], worker.optimizer).items()}
 
 
 def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model_dir: str,
@@ -28,7 +29,7 @@ def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: 
         info = w.offload_states()
         out["offloaded_bytes"] = info["offloaded_bytes"]
         out["empty_after_offload"] = all(t.untyped_storage().nbytes() == 0
-                                         for ts in _tensors([w.model], w.optimizer).values() for t in ts)
+                                         for ts in state_tensors([w.model], w.optimizer).values() for t in ts)
         errors = []
         for call in (lambda: w.train_step(batches[1]), lambda: w.compute_logprobs_and_entropy(batches[1]),
                      lambda: list(w.iter_hf_weights(1 << 20))):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from openrlhf_shape.megatron.launch import run_ranks
+from openrlhf_shape.actor.launch import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))

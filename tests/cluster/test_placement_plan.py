@@ -128,7 +128,7 @@ def test_errors_name_flags(kwargs: dict, flags: list[str]) -> None:
 def test_trainer_config_to_plan(preset: str) -> None:
     import os
 
-    from openrlhf_shape.cluster.runtime import plan_for
+    from openrlhf_shape.cluster.placement import plan_for
     from openrlhf_shape.trainer.config import load_config
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -160,7 +160,7 @@ PRESET_NAMES = ["qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "deepscaler-1.
 def _preset_plan(preset: str, colocate: bool, on_gpu: bool = True):
     import os
 
-    from openrlhf_shape.cluster.runtime import plan_for
+    from openrlhf_shape.cluster.placement import plan_for
     from openrlhf_shape.trainer.config import load_config
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -93,7 +93,8 @@ def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(gpu_cluster) ->
 
     from openrlhf_shape.cluster.placement import plan_placement
     from openrlhf_shape.cluster.ray_placement import RayPlacement, spawn_rank_actors
-    from openrlhf_shape.trainer.actor_group import MegatronRankActor
+    from openrlhf_shape.cluster.rank_group import RankActor
+    from openrlhf_shape.megatron.worker import MegatronRankWorker
 
     cfg = _cfg(**{"megatron.world_size": "2", "vllm.tensor_parallel_size": "2"})
     p = detect_platform(cfg)
@@ -109,8 +110,8 @@ def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(gpu_cluster) ->
     placement = RayPlacement(plan, cpus_per_bundle=0.5, gpus=p.gpus_per_bundle > 0, timeout_s=120)
     try:
         mcfg = cfg.megatron_config()
-        actors, _ = spawn_rank_actors(placement, ray.remote(MegatronRankActor), num_cpus=0.25,
-                                      args_for_rank=lambda r: (mcfg, r, 2, p.to_dict()))
+        actors, _ = spawn_rank_actors(placement, ray.remote(RankActor), num_cpus=0.25,
+                                      args_for_rank=lambda r: (MegatronRankWorker, mcfg, r, 2, p.to_dict()))
         got = ray.get([a.platform_profile.remote() for a in actors])
         for g in got:
             g.pop("torch_threads")
@@ -134,10 +135,11 @@ def test_cpu_rank_actor_sets_the_handed_threads(gpu_cluster) -> None:
     import ray
 
     from openrlhf_shape.megatron.config import MegatronConfig
-    from openrlhf_shape.trainer.actor_group import MegatronRankActor
+    from openrlhf_shape.cluster.rank_group import RankActor
+    from openrlhf_shape.megatron.worker import MegatronRankWorker
 
     handed = cpu_platform(threads_per_rank=2)
-    a = ray.remote(MegatronRankActor).options(num_cpus=0.25).remote(MegatronConfig(), 0, 1, handed.to_dict())
+    a = ray.remote(RankActor).options(num_cpus=0.25).remote(MegatronRankWorker, MegatronConfig(), 0, 1, handed.to_dict())
     got = ray.get(a.platform_profile.remote())
     assert got.pop("torch_threads") == 2 and Platform.from_dict(got) == handed
     ray.kill(a)

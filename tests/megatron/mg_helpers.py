@@ -36,7 +36,7 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def run_layout(world_size: int, timeout: float = 420, **kwargs) -> list[dict]:
-    from openrlhf_shape.megatron.launch import run_ranks
+    from openrlhf_shape.actor.launch import run_ranks
 
     return run_ranks("mg_scenarios:layout_run", world_size, kwargs=kwargs, timeout=timeout, extra_pythonpath=[HERE])
 

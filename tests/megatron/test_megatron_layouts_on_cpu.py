@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mg_helpers import hf_logprobs_entropy, max_abs_diff, run_layout
-from openrlhf_shape.megatron.worker import latest_checkpoint, merge_rank_outputs
+from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.megatron.worker import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

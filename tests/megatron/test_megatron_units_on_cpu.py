@@ -8,11 +8,11 @@ import types
 import pytest
 import torch
 
-from openrlhf_shape.megatron.batching import build_micro_batch, plan_micro_batches, shard_for_dp, validate_batch
+from openrlhf_shape.actor.batching import build_micro_batch, plan_micro_batches, shard_for_dp, validate_batch
 from openrlhf_shape.checkpoint_dir import COMPLETE_MARKER, latest_checkpoint
 from openrlhf_shape.megatron.config import MegatronConfig
-from openrlhf_shape.megatron.logprobs import vocab_parallel_logprobs_entropy
-from openrlhf_shape.megatron.worker import merge_rank_outputs
+from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
+from openrlhf_shape.cluster.rank_group import merge_rank_outputs
 
 
 # ---------------------------------------------------------------- config

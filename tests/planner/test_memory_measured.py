@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from openrlhf_shape.megatron.launch import run_ranks
+from openrlhf_shape.actor.launch import run_ranks
 from openrlhf_shape.planner.memory import megatron_update_peak_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from openrlhf_shape.megatron.launch import free_port
+from openrlhf_shape.actor.launch import free_port
 from openrlhf_shape.rewards import RewardComputer, RewardConfig, RewardPluginError, load_reward_fn
 from openrlhf_shape.trainer.logging_utils import MetricsLogger
 

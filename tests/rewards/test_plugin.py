@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 import torch
 
-from openrlhf_shape.megatron.launch import free_port
+from openrlhf_shape.actor.launch import free_port
 from openrlhf_shape.rewards import RewardComputer, RewardConfig, RewardPluginError, load_reward_fn
 
 PLUGIN = '''

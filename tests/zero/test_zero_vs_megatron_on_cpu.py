@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from mg_helpers import hf_logprobs_entropy, max_abs_diff
-from openrlhf_shape.megatron.launch import run_ranks
-from openrlhf_shape.megatron.worker import merge_rank_outputs
+from openrlhf_shape.actor.launch import run_ranks
+from openrlhf_shape.cluster.rank_group import merge_rank_outputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))

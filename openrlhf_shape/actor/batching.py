@@ -80,10 +80,6 @@ class MicroBatch:
     resp_targets: torch.Tensor
     resp_offsets: list[tuple[int, int]]
 
-    @property
-    def num_padded_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
 
 def build_micro_batch(
     sequences: list[list[int]], prompt_lens: list[int], rows: list[int], *, pad_id: int = 0, pad_multiple: int = 1

@@ -67,7 +67,7 @@ def run_ranks(
     for rank in range(world_size):
         log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
         logs.append(log)
-        cmd = [sys.executable, "-m", "openrlhf_shape.megatron.launch", target, workdir, str(rank), str(world_size), str(port)]
+        cmd = [sys.executable, "-m", "openrlhf_shape.actor.launch", target, workdir, str(rank), str(world_size), str(port)]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=base_env))
     deadline = time.monotonic() + timeout
     failed: Optional[str] = None

@@ -1,0 +1,150 @@
+"""The training ranks of any backend as Ray actors, driven SPMD from the trainer.
+
+:class:`RankGroup` starts one :class:`RankActor` per rank on the placement's bundles; each actor hosts
+one rank worker of the class it is given (a :class:`openrlhf_shape.actor.protocol.RankWorker`: the
+Megatron or the DeepSpeed worker). Every call goes to all ranks in the same order (the workers'
+collectives need that) and the results are merged here. Rank 0's address and a free port form the
+torch.distributed rendezvous. Nothing here knows which backend runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import ray
+import torch
+
+from openrlhf_shape.actor.protocol import STATE_GROUPS, RankWorker
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, pad_rows
+from openrlhf_shape.cluster.sender import WeightSenderMixin
+from openrlhf_shape.platform import Platform
+
+
+def merge_rank_outputs(outputs: list[dict], n: int) -> dict:
+    """Merge per-rank ``compute_logprobs_and_entropy`` outputs into batch order.
+
+    ``outputs``: one dict per rank (``{}`` for ranks without results). Returns
+    ``{"log_probs": [Tensor[T_i]] * n, "entropy": [...]}``; raises if a sample is missing.
+    """
+    log_probs: list[Optional[torch.Tensor]] = [None] * n
+    entropy: list[Optional[torch.Tensor]] = [None] * n
+    for out in outputs:
+        if not out:
+            continue
+        for idx, lp, en in zip(out["indices"], out["log_probs"], out["entropy"]):
+            if not 0 <= idx < n:
+                raise ValueError(f"rank output holds index {idx} outside the batch of {n}")
+            log_probs[idx], entropy[idx] = lp, en
+    missing = [i for i in range(n) if log_probs[i] is None]
+    if missing:
+        raise ValueError(f"no rank returned results for batch indices {missing[:10]} (of {len(missing)})")
+    return {"log_probs": log_probs, "entropy": entropy}
+
+
+class RankActor(WeightSenderMixin):
+    """Ray actor body: one rank, hosting a ``worker_cls`` instance. Methods run on the actor's main thread.
+
+    Built without a rendezvous: the group asks rank 0's actor for its node's address and a free port
+    (``endpoint``), then calls ``connect`` on every rank, which builds the worker."""
+
+    def __init__(self, worker_cls: type, cfg: Any, rank: int, world_size: int, platform: dict):
+        """``platform``: the driver's profile as a dict (``Platform.to_dict()``); rebuilt here, not
+        re-detected (``openrlhf_shape/platform.py``)."""
+        self.platform = Platform.from_dict(platform)
+        if self.platform.threads_per_rank:
+            # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the rank and the engines
+            # take turns (rollout, then update), so the rank may use the node's cores while it trains.
+            torch.set_num_threads(self.platform.threads_per_rank)
+        self.worker_cls, self.cfg, self.rank, self.world_size = worker_cls, cfg, rank, world_size
+        self.worker: RankWorker | None = None
+
+    def connect(self, master_addr: str, master_port: int) -> bool:
+        self.worker = self.worker_cls(self.cfg, rank=self.rank, world_size=self.world_size,
+                                      master_addr=master_addr, master_port=master_port, platform=self.platform)
+        return True
+
+    def platform_profile(self) -> dict:
+        """The profile this rank runs under (as handed), and the torch threads it set."""
+        return {**self.platform.to_dict(), "torch_threads": torch.get_num_threads()}
+
+    def call(self, method: str, *args) -> Any:
+        """Run one :class:`RankWorker` method on this rank's worker."""
+        return getattr(self.worker, method)(*args)
+
+    def stream_weights_out(self, sync_id: str, bucket_bytes: int) -> dict:
+        """All ranks walk the worker's HF export in lockstep (it gathers TP shards / PP stages / ZeRO
+        partitions per bucket); rank 0 sends each bucket through the sync's transport as soon as it
+        is produced (nothing is kept)."""
+        buckets = self.worker.iter_hf_weights(bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return {}
+        return self.stream_weights(buckets, sync_id)
+
+
+class RankGroup:
+    """All ranks of the actor model, each a :class:`RankActor` hosting a ``worker_cls``.
+
+    Args:
+        worker_cls: the backend's rank worker (a :class:`~openrlhf_shape.actor.protocol.RankWorker`).
+        cfg: the worker's config (handed to every rank as is).
+        world_size: number of ranks.
+        placement: an ``openrlhf_shape.cluster.ray_placement.RayPlacement``; rank r on its bundle.
+        platform: the run's profile (CPU shares and threads of each rank; handed to every rank).
+    """
+
+    def __init__(self, worker_cls: type, cfg: Any, world_size: int, placement, platform: Platform):
+        from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
+
+        if len(placement.plan.ranks) != world_size:
+            raise ValueError(f"placement plan has {len(placement.plan.ranks)} ranks, --megatron.world_size {world_size}")
+        self.worker_cls, self.cfg, self.world_size, self.platform = worker_cls, cfg, world_size, platform
+        handed = platform.to_dict()
+        self.actors, self.rendezvous = spawn_rank_actors(
+            placement, ray.remote(RankActor), num_cpus=platform.cpus_per_rank,
+            args_for_rank=lambda r: (worker_cls, cfg, r, world_size, handed))
+        ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
+
+    def _all(self, method: str, *args) -> list:
+        return ray.get([a.call.remote(method, *args) for a in self.actors])
+
+    def init_model(self, hf_dir: str) -> dict:
+        return self._all("init_model", hf_dir)[0]
+
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` float32 log-probs and entropy of every response token (0-padded), batch order."""
+        merged = merge_rank_outputs(self._all("compute_logprobs_and_entropy", batch), len(batch))
+        width = batch.response_width
+        return pad_rows(merged["log_probs"], width), pad_rows(merged["entropy"], width)
+
+    def train_step(self, batch: TrainBatch) -> dict:
+        return self._all("train_step", batch)[0]
+
+    def save_checkpoint(self, ckpt_dir: str, extra: dict | None = None) -> None:
+        self._all("save_checkpoint", ckpt_dir, extra)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        return self._all("load_checkpoint", ckpt_dir)[0]
+
+    def export_hf(self, out_dir: str) -> None:
+        self._all("export_hf", out_dir)
+
+    def start_weight_stream(self, sync_id: str, bucket_bytes: int) -> list:
+        """Refs of every rank's ``stream_weights_out`` (rank 0's result first: the sender's metrics)."""
+        return [a.stream_weights_out.remote(sync_id, bucket_bytes) for a in self.actors]
+
+    def offload_states(self, groups: tuple[str, ...] = STATE_GROUPS) -> dict:
+        return self._all("offload_states", tuple(groups))[0]
+
+    def onload_states(self, groups: tuple[str, ...] = STATE_GROUPS) -> dict:
+        return self._all("onload_states", tuple(groups))[0]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.call.remote("shutdown") for a in self.actors], timeout=60)
+        except Exception:
+            pass
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
