@@ -258,11 +258,11 @@ def main() -> None:
             s = res.stats
             est_states = unique_states(st, res.potentials)
             adv = advantages(st, res.potentials)
-            acc["decode"] += s["probe_decode_tokens"]
-            acc["prefill"] += s["probe_computed_prompt_tokens"]
+            acc["decode"] += s["probe/tokens"]
+            acc["prefill"] += s["probe/computed_prompt_tokens"]
             acc["wall"] += wall
-            acc["rounds"] += s["probe_rounds"]
-            acc["samples"] += s["probe_samples_per_state"]
+            acc["rounds"] += s["probe/rounds"]
+            acc["samples"] += s["probe/samples_per_state"]
             acc["phi_mse"] += float(((est_states - gt_states) ** 2).mean())
             acc["adv_mse"] += float(((adv - gt_adv) ** 2).mean())
             acc["sign"] += float((torch.sign(adv) == torch.sign(gt_adv)).double().mean())

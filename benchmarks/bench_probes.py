@@ -110,16 +110,16 @@ def main() -> None:
     print(f"main rollout: {rollout_s:.2f} s, {total_T / rollout_s:.1f} tok/s")
     for name, res, floor_m in (("cache warm (after rollout)", warm, floor_m_warm), ("cache reset first", cold, floor_m_cold)):
         st = res.stats
-        computed = st["probe_prompt_tokens"] - st["probe_cached_tokens"]
+        computed = st["probe/prompt_tokens"] - st["probe/cached_tokens"]
         print(f"-- probes, {name}:")
-        print(f"   prompt tokens {st['probe_prompt_tokens']:.0f}, cached {st['probe_cached_tokens']:.0f} "
-              f"(hit rate {st['probe_prefix_hit_rate']:.3f}), decode tokens {st['probe_decode_tokens']:.0f}")
+        print(f"   prompt tokens {st['probe/prompt_tokens']:.0f}, cached {st['probe/cached_tokens']:.0f} "
+              f"(hit rate {st['probe/prefix_hit_rate']:.3f}), decode tokens {st['probe/tokens']:.0f}")
         print(f"   prefill computed per response token: {computed / total_T:.3f}  "
               f"(floor with m-fold partial block {floor_m:.3f}; design floor 1+K(B/2+S)/T = {floor_design:.3f}; "
               f"target <= 1.1)")
-        print(f"   probe wall {st['probe_time_s']:.2f} s (generate {st['probe_generate_time_s']:.2f} s, "
-              f"score {st['probe_score_time_s']:.2f} s); probe/rollout wall = {st['probe_time_s'] / rollout_s:.2f} "
-              f"(generate only {st['probe_generate_time_s'] / rollout_s:.2f})")
+        print(f"   probe wall {st['probe/seconds']:.2f} s (generate {st['probe/generate_seconds']:.2f} s, "
+              f"score {st['probe/score_seconds']:.2f} s); probe/rollout wall = {st['probe/seconds'] / rollout_s:.2f} "
+              f"(generate only {st['probe/generate_seconds'] / rollout_s:.2f})")
 
 
 if __name__ == "__main__":

@@ -8,15 +8,16 @@ Colocated (one rank and one engine worker per GPU), per step:
 2. old log-probs / entropy (``forward``): Megatron's parameters come back, grads and optimizer
    states stay on host; engines stay awake so the probes that follow still hit the prefix cache
    of the rollout; the parameters go back to host afterwards;
-3. update (``before_update``): engines sleep at **level 2** (weights and KV discarded, not copied
+3. update (``before_update``, the loop's ``to_update`` phase): engines sleep at **level 2** (weights and KV discarded, not copied
    to host: the full new weights arrive by the sync right after the update anyway, so level 1's
    host copy of the old weights would cost host RAM and two copies for nothing), then Megatron
    onloads everything;
 4. sync (``sync_weights``): Megatron offloads grads + optimizer states (the bulk: ~16 of 18
    bytes/parameter), engines wake their weights, the new weights stream in (Megatron's
-   parameters must still be on the GPU: the export gathers them there), Megatron offloads its
-   parameters, engines wake the KV cache, prefix caches are reset and the group forgets its
-   prefix affinity. Back to 1.
+   parameters must still be on the GPU: the export gathers them there; every engine resets its
+   prefix cache when it loads them);
+5. back to rollout (``after_sync``, the loop's ``to_rollout`` phase, the mirror of 3): Megatron
+   offloads its parameters, engines wake the KV cache, the group forgets its prefix affinity.
 
 Not colocated: Megatron and the engines never share memory, so only the sync (and the cache
 resets) happen; the same calls are made with no sleep/offload.
@@ -32,7 +33,7 @@ SLEEP_LEVEL = 2
 
 class Lifecycle:
     """Args:
-        actor: ``MegatronActorGroup`` (offload_states / onload_states / start_weight_stream).
+        actor: the ``RankGroup`` (offload_states / onload_states / start_weight_stream).
         engines: the trainer's ``EngineGroup``.
         sync: ``EngineWeightSync`` over those engines (connected).
         bucket_bytes: weight-sync bucket size.
@@ -69,31 +70,36 @@ class Lifecycle:
             if self.colocate:
                 self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
 
-    def forward_actor(self) -> "_ForwardActor":
-        """The actor as the experience maker sees it: its forward calls go through :meth:`forward`."""
-        return _ForwardActor(self)
+    def logprobs(self, batch) -> Any:
+        """The rank group's old log-probs and entropy of ``batch``, inside :meth:`forward` (the experience
+        maker's ``logprobs_fn``)."""
+        return self.forward(self.actor.compute_logprobs_and_entropy, batch)
 
     # ---- update -------------------------------------------------------------------------------------
     def before_update(self) -> None:
+        """Rollout -> update: colocated engines sleep, the ranks bring every state back."""
         if self.colocate:
             self._do(f"engines.sleep({SLEEP_LEVEL})", self.engines.sleep, SLEEP_LEVEL)
             self._do("megatron.onload(all)", self.actor.onload_states, ALL_STATES)
         self.phase = "update"
 
     def sync_weights(self, step: int | None = None) -> dict[str, float]:
-        """After the update of ``step`` (named if the sync fails): new weights into every engine,
-        back to the rollout phase."""
+        """After the update of ``step`` (named if the sync fails): new weights into every engine."""
         if self.colocate:
             self._do("megatron.offload(grads,optimizer)", self.actor.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
-        metrics = self._do("sync", self.sync.sync,
-                           lambda sync_id: self.actor.start_weight_stream(sync_id, self.bucket_bytes), step)
+        return self._do("sync", self.sync.sync,
+                        lambda sync_id: self.actor.start_weight_stream(sync_id, self.bucket_bytes), step)
+
+    def after_sync(self) -> None:
+        """Update -> rollout, the mirror of :meth:`before_update`: colocated ranks put their parameters
+        back on host, engines wake their KV cache; the group forgets its prefix affinity (every engine
+        reset its prefix cache when it loaded the weights)."""
         if self.colocate:
             self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
             self._do("engines.wake(kv_cache)", self.engines.wake_up, ["kv_cache"])
-        self.engines.forget_affinity()  # every engine reset its prefix cache when it loaded the weights
+        self.engines.forget_affinity()
         self.phase = "rollout"
-        return metrics
 
     def around_checkpoint(self, fn, *args) -> Any:
         """Checkpoints need every state on the device (the distributed checkpoint writes from it)."""
@@ -105,15 +111,3 @@ class Lifecycle:
                 self._do("megatron.offload(all)", self.actor.offload_states, ALL_STATES)
         return self._do("megatron.checkpoint", fn, *args)
 
-
-class _ForwardActor:
-    """Delegates to the actor group; forward calls are bracketed by the lifecycle."""
-
-    def __init__(self, lifecycle: Lifecycle):
-        self._lc = lifecycle
-
-    def compute_logprobs_and_entropy(self, batch: dict) -> dict:
-        return self._lc.forward(self._lc.actor.compute_logprobs_and_entropy, batch)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._lc.actor, name)

@@ -150,11 +150,6 @@ class WeightSyncExtension:
                 out[f"{mod_name}.weight"] = captured[id(mod)].to("cpu", copy=True)
         return out
 
-    def shape_worker_info(self) -> dict[str, Any]:
-        import os
-
-        return {"rank": worker_rank(self), "pid": os.getpid(), "device": str(worker_device(self))}
-
 
 # ---------------------------------------------------------------------------------------------------
 # What a load must contain (pure functions: tested without an engine)

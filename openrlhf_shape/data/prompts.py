@@ -310,10 +310,6 @@ class PromptBatcher:
             self._order = order
         return self._order
 
-    @property
-    def batches_per_epoch(self) -> int:
-        n = len(self.dataset)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def next_batch(self) -> list[PromptItem]:
         """The next batch; advances (epoch, position)."""

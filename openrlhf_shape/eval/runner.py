@@ -113,7 +113,7 @@ def _problem_result(rec: dict[str, Any]) -> ProblemResult:
 def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int, stack: ExitStack | None = None):
     """One in-process VLLMEngine, or ``num_engines`` Ray engine actors in an EngineGroup (Ray is
     started here when needed, and shut down by ``stack`` when this call started it)."""
-    from openrlhf_shape.rollout.engine import start_engines
+    from openrlhf_shape.rollout.group import start_engines
 
     ecfg = dataclasses.replace(cfg.engine, model_path=hf_dir, max_model_len=max_model_len)
     if cfg.num_engines == 1:

@@ -8,7 +8,7 @@ import torch
 
 from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
 from openrlhf_shape.rewards.plugin import load_reward_fn, mean_extra_logs
-from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer, ProbeScoreStats
+from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer
 
 
 @dataclass
@@ -67,9 +67,6 @@ class RewardComputer:
             self._probe_scorer = DedupProbeScorer(self._math_verify())
         return self._probe_scorer.score(texts, labels, cache=cache)
 
-    def last_probe_score_stats(self) -> ProbeScoreStats | None:
-        """Counters of the last ``score`` call (None without fast probe scoring)."""
-        return None if self._probe_scorer is None else self._probe_scorer.last
 
     def compute(
         self, queries: list[str], prompts: list[str], labels: list[str], responses: list[str] | None = None, **kw

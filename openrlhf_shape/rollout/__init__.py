@@ -1,15 +1,8 @@
 """vLLM rollout engines (in-process or Ray actors), balanced dispatch, weight receive, and the
 SHAPE potential probes. vLLM itself is imported only when an engine starts."""
 
-from openrlhf_shape.rollout.engine import (
-    EngineConfig,
-    EngineGroup,
-    Generation,
-    SamplingConfig,
-    VLLMEngine,
-    create_ray_engines,
-    start_engines,
-)
+from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
+from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines, start_engines
 from openrlhf_shape.rollout.probes import (
     PotentialResult,
     ProbeConfig,

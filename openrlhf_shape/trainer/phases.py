@@ -6,7 +6,8 @@ import time
 from typing import Any, Callable, NamedTuple
 
 # The phases of one step, in order (docs/architecture.md); the run report sums their seconds.
-PHASES = ("generate", "rewards", "logprobs", "segment", "probes", "advantages", "train", "sync", "eval", "checkpoint")
+PHASES = ("generate", "rewards", "logprobs", "segment", "probes", "advantages", "to_update", "train", "sync",
+          "to_rollout", "eval", "checkpoint")
 
 
 class PhaseOutput(NamedTuple):
@@ -19,8 +20,8 @@ class PhaseOutput(NamedTuple):
 class StepLog:
     """Collects one step's metrics; ``phase(name, fn, *args)`` runs ``fn`` and records ``time/<name>``.
 
-    A phase returning a :class:`PhaseOutput` has its metrics merged and its value returned; a phase
-    returning a plain ``dict`` is taken as metrics (and returned); anything else is returned as is.
+    A phase returns a :class:`PhaseOutput` (its metrics are merged, its value returned) or None (a
+    transition that measures nothing, e.g. the colocation lifecycle's); anything else is refused.
     """
 
     def __init__(self) -> None:
@@ -33,12 +34,12 @@ class StepLog:
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         self.metrics[f"time/{name}"] = time.perf_counter() - t0
-        if isinstance(out, PhaseOutput):
-            self.metrics.update(out.metrics)
-            return out.value
-        if isinstance(out, dict):
-            self.metrics.update(out)
-        return out
+        if out is None:
+            return None
+        if not isinstance(out, PhaseOutput):
+            raise TypeError(f"phase {name!r} returned {type(out).__name__}; phases return PhaseOutput(value, metrics) or None")
+        self.metrics.update(out.metrics)
+        return out.value
 
     def finish(self, **extra: Any) -> dict[str, Any]:
         """The step's metrics with ``time/step`` (seconds since this log was made) and ``extra``."""

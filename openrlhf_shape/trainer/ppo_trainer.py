@@ -22,7 +22,7 @@ from openrlhf_shape.trainer.config import TrainConfig
 from openrlhf_shape.trainer.console import RunConsole
 from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
 from openrlhf_shape.trainer.logging_utils import MetricsLogger, log, setup_console_logging
-from openrlhf_shape.trainer.phases import PHASES, StepLog
+from openrlhf_shape.trainer.phases import PHASES, PhaseOutput, StepLog
 from openrlhf_shape.trainer.report import write_report
 from openrlhf_shape.trainer.setup import Run, build_run, resolve_model_dir
 
@@ -58,7 +58,7 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
-        cfg, run, maker = self.cfg, self.run, self.run.maker
+        cfg, run, maker, cluster = self.cfg, self.run, self.run.maker, self.run.cluster
         start = self._resume()
         logger, steps = self._open_log(start), self._steps(start)
         if start == 0:
@@ -70,18 +70,14 @@ class ShapeTrainer:
                 rec = StepLog()
                 items = run.batcher.next_batch()
                 # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
-                run.engines.reseed(cfg.trainer.seed * 1_000_003 + step)
-                exp = rec.phase("generate", maker.generate, items)
-                exp = rec.phase("rewards", maker.rewards, exp)
+                cluster.engines.reseed(cfg.trainer.seed * 1_000_003 + step)
+                exp = maker.make_experience(items, rec)  # generate, rewards, logprobs, segment, probes, advantages
                 if len(exp):
-                    exp = rec.phase("logprobs", maker.logprobs, exp)
                     run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
-                    boundaries = rec.phase("segment", maker.segment, exp)
-                    potentials = rec.phase("probes", maker.probes, exp, boundaries)
-                    exp = rec.phase("advantages", maker.advantages, exp, boundaries, potentials)
-                    run.lifecycle.before_update()  # colocated: engines sleep, Megatron onloads
+                    rec.phase("to_update", cluster.lifecycle.before_update)  # colocated: engines sleep, ranks onload
                     rec.phase("train", self.train, exp, step)
                     rec.phase("sync", self.sync, step)
+                    rec.phase("to_rollout", cluster.lifecycle.after_sync)  # colocated: ranks offload, engines wake
                 else:
                     log.warning("step %d: every group was filtered (no reward variance); no update", step)
                     rec.metrics["actor/updates"] = 0.0
@@ -96,12 +92,12 @@ class ShapeTrainer:
         finally:
             logger.close()
         if cfg.trainer.export_hf and history and history[-1]["step"] == cfg.trainer.num_steps:
-            run.lifecycle.around_checkpoint(run.actor.export_hf, os.path.join(self.run_dir, "hf"))
+            cluster.lifecycle.around_checkpoint(cluster.actor.export_hf, os.path.join(self.run_dir, "hf"))
             log.info("exported the trained policy to %s", os.path.join(self.run_dir, "hf"))
         return write_report(self.run_dir, history, run.setup_seconds)
 
     # ------------------------------------------------------------------ phases of the loop
-    def train(self, exp, step: int) -> dict[str, float]:
+    def train(self, exp, step: int) -> PhaseOutput:
         """Mini-batch updates over the rollout batch (``actor.max_epochs`` passes, shuffled per step)."""
         cfg = self.cfg
         n = len(exp)
@@ -111,19 +107,19 @@ class ShapeTrainer:
         for _epoch in range(cfg.actor.max_epochs):
             order = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, mb):  # a short last mini-batch (after DAPO filtering) still trains
-                rows.append(self.run.actor.train_step(exp.train_batch(order[start : start + mb], cfg.sampling.temperature)))
+                rows.append(self.run.cluster.actor.train_step(exp.train_batch(order[start : start + mb], cfg.sampling.temperature)))
         out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
         out["actor/updates"] = float(len(rows))
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
-        return out
+        return PhaseOutput(None, out)
 
-    def sync(self, step: int) -> dict[str, float]:
+    def sync(self, step: int) -> PhaseOutput:
         """Stream the new weights of ``step`` to the engines; the lifecycle (openrlhf_shape/cluster/lifecycle.py)
-        wakes colocated engines around it and resets prefix caches and affinity after it. A receiver that
-        dies or hangs stops the run within ``--rollout.weight_sync_timeout`` with an error naming it."""
-        return self.run.lifecycle.sync_weights(step)
+        wakes colocated engines' weights first. A receiver that dies or hangs stops the run within
+        ``--rollout.weight_sync_timeout`` with an error naming it."""
+        return PhaseOutput(None, self.run.cluster.lifecycle.sync_weights(step))
 
-    def evaluate(self, step: int) -> dict[str, float]:
+    def evaluate(self, step: int) -> PhaseOutput:
         """Held-out avg@N pass@1 and mean response length with 95% CIs (openrlhf_shape/trainer/heldout.py),
         at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples;
         per-problem results go to ``<run_dir>/evals/step_XXXXXX.jsonl`` (for pooling seeds).
@@ -134,15 +130,15 @@ class ShapeTrainer:
 
         items = self.run.eval_items or []
         if not items:
-            return {}
+            return PhaseOutput(None, {})
         t = self.cfg.trainer
-        self.run.engines.reseed(t.seed * 7_000_003 + 1)
+        self.run.cluster.engines.reseed(t.seed * 7_000_003 + 1)
         n = 1 if t.eval_temperature == 0 else t.eval_n_samples_per_prompt
         sampling = SamplingConfig(n=n, temperature=t.eval_temperature, top_p=t.eval_top_p, top_k=t.eval_top_k,
                                   max_tokens=self.cfg.sampling.max_tokens)
         log.info("held-out eval: %d problems x %d samples at T %.2f (up to %d tokens each)", len(items), n,
                  t.eval_temperature, sampling.max_tokens)
-        gens = self.run.engines.generate([list(it.prompt_ids) for it in items], sampling)
+        gens = self.run.cluster.engines.generate([list(it.prompt_ids) for it in items], sampling)
         scores = self.run.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
         problems = group_results([g.prompt_index for g in gens], scores, [len(g.token_ids) for g in gens],
                                  [g.finish_reason for g in gens])
@@ -151,26 +147,26 @@ class ShapeTrainer:
         log.info("held-out accuracy %.3f [%.3f, %.3f], length %.1f (%d problems x %d)", metrics["eval/accuracy"],
                  metrics["eval/accuracy_ci_low"], metrics["eval/accuracy_ci_high"],
                  metrics["eval/response_length/mean"], len(items), n)
-        return metrics
+        return PhaseOutput(None, metrics)
 
     def _val_before_train(self, logger: MetricsLogger) -> None:
         """Step 0: the base policy's held-out metrics, before any update (``--trainer.val_before_train``)."""
         if not (self.cfg.trainer.val_before_train and self.run.eval_items):
             return
         t0 = time.perf_counter()
-        metrics = self.evaluate(0)
+        metrics = self.evaluate(0).metrics
         metrics["time/eval"] = time.perf_counter() - t0
         logger.log(0, metrics)
 
-    def save(self, step: int) -> str:
+    def save(self, step: int) -> PhaseOutput:
         """Checkpoint actor + data position; keep the newest ``trainer.max_ckpts_keep`` complete ones."""
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time()}
-        self.run.lifecycle.around_checkpoint(self.run.actor.save_checkpoint, path, extra)
+        self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.actor.save_checkpoint, path, extra)
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.trainer.max_ckpts_keep]:
             shutil.rmtree(os.path.join(self.ckpt_root, old), ignore_errors=True)
-        return path
+        return PhaseOutput(path, {})
 
     # ------------------------------------------------------------------ around the loop
     def _resume(self) -> int:
@@ -181,14 +177,15 @@ class ShapeTrainer:
         if not path:
             if mode == "auto":
                 log.info("no complete checkpoint under %s: starting from step 0", self.ckpt_root)
-            self.run.lifecycle.start()
+            self.run.cluster.lifecycle.start()
             return 0
-        extra = self.run.actor.load_checkpoint(path)
+        extra = self.run.cluster.actor.load_checkpoint(path)
         self.run.batcher.load_state_dict(extra["batcher"])
         step = int(extra["step"])
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.run.batcher.epoch, self.run.batcher.position)
-        self.run.lifecycle.sync_weights(step)  # engines get the resumed weights (ends in the rollout phase)
+        self.run.cluster.lifecycle.sync_weights(step)  # engines get the resumed weights
+        self.run.cluster.lifecycle.after_sync()  # and the run is in the rollout phase
         return step
 
     def _open_log(self, start_step: int) -> MetricsLogger:
@@ -218,8 +215,8 @@ class ShapeTrainer:
         run = self.run
         if run is not None:
             run.reward.close()
-            run.engines.shutdown()
-            run.actor.shutdown()
+            run.cluster.engines.shutdown()
+            run.cluster.actor.shutdown()
             run.cluster.shutdown()
         own_ray = run.own_ray if run is not None else not self.cfg.trainer.ray_address
         if ray.is_initialized() and own_ray:

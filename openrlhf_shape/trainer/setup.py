@@ -9,29 +9,33 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openrlhf_shape.platform import Platform, detect_platform
 from openrlhf_shape.trainer.config import TrainConfig
 from openrlhf_shape.trainer.logging_utils import log
 
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.cluster.runtime import ClusterRuntime
+    from openrlhf_shape.data.prompts import PromptBatcher
+    from openrlhf_shape.rewards.computer import RewardComputer
+    from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+    from openrlhf_shape.trainer.logprob_guard import LogprobGapGuard
+
 @dataclass
 class Run:
-    """The components of one training run (built by :func:`build_run`)."""
+    """The components of one training run (built by :func:`build_run`); the cluster side (ranks, engines,
+    weight sync, colocation lifecycle) is ``cluster``."""
 
     model_dir: str
     platform: Platform  # the run's CPU/GPU profile (openrlhf_shape/platform.py)
-    tokenizer: Any
-    batcher: Any  # PromptBatcher over the training prompts
+    tokenizer: Any  # the policy's Hugging Face tokenizer
+    batcher: PromptBatcher  # over the training prompts
     eval_items: list | None  # held-out prompt items
-    engines: Any  # EngineGroup (owns the weight sync's cache and affinity resets)
-    engine_handles: list  # the engines' Ray actor handles
-    actor: Any  # MegatronActorGroup
-    cluster: Any  # ClusterRuntime: placement groups, weight sync (openrlhf_shape/cluster/runtime.py)
-    lifecycle: Any  # Lifecycle: colocation sleep/offload order and the weight sync
-    reward: Any  # RewardComputer
-    maker: Any  # ShapeExperienceMaker
-    gap_guard: Any  # LogprobGapGuard: is the engine running the trained policy (every step)
+    cluster: ClusterRuntime  # rank group, engines, weight sync, lifecycle (openrlhf_shape/cluster/runtime.py)
+    reward: RewardComputer
+    maker: ShapeExperienceMaker
+    gap_guard: LogprobGapGuard  # is the engine running the trained policy (every step)
     own_ray: bool
     setup_seconds: float
 
@@ -133,7 +137,7 @@ def build_run(cfg: TrainConfig) -> Run:
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    maker = ShapeExperienceMaker(cfg.shape, cfg.sampling, cfg.probe_config(), engines, lifecycle.forward_actor(),
+    maker = ShapeExperienceMaker(cfg.shape, cfg.sampling, cfg.probe_config(), engines, lifecycle.logprobs,
                                  reward, tokenizer,
                                  dynamic_filtering=cfg.rollout.dynamic_filtering,
                                  dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
@@ -142,5 +146,5 @@ def build_run(cfg: TrainConfig) -> Run:
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
-    return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items, engines=engines,
-               engine_handles=cluster.engine_handles, actor=actor, cluster=cluster, lifecycle=lifecycle, reward=reward, maker=maker, gap_guard=gap_guard, own_ray=own_ray, setup_seconds=seconds)
+    return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items,
+               cluster=cluster, reward=reward, maker=maker, gap_guard=gap_guard, own_ray=own_ray, setup_seconds=seconds)

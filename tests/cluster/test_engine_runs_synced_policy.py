@@ -22,7 +22,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
-from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, SamplingConfig, VLLMEngine, create_ray_engines  # noqa: E402
+from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine  # noqa: E402
+from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
 from openrlhf_shape.testing.hf_reference import hf_token_logprobs, mean_abs_gap  # noqa: E402
 from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402

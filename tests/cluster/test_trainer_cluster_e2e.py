@@ -23,6 +23,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from openrlhf_shape.testing.engine_weights import capture_loaded_weights, read_weights  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,15 +66,15 @@ def _run(overrides: list[str]) -> dict:
     try:
         trainer.setup()
         run = trainer.run  # the components set-up built (trainer/setup.py)
-        ray.get([h.capture_loaded_weights.remote() for h in run.engine_handles])
+        ray.get([capture_loaded_weights(h) for h in run.cluster.engine_handles])
         trainer.fit()
-        engine_weights = [ray.get(h.read_weights.remote()) for h in run.engine_handles]
-        states = run.engines.states()
-        events = list(run.lifecycle.events)
-        rendezvous = dict(run.actor.rendezvous)
+        engine_weights = [read_weights(h) for h in run.cluster.engine_handles]
+        states = run.cluster.engines.states()
+        events = list(run.cluster.lifecycle.events)
+        rendezvous = dict(run.cluster.actor.rendezvous)
         profiles = {"run": run.platform.to_dict(),
-                    "ranks": ray.get([a.platform_profile.remote() for a in run.actor.actors]),
-                    "engines": ray.get([h.platform_profile.remote() for h in run.engine_handles])}
+                    "ranks": ray.get([a.platform_profile.remote() for a in run.cluster.actor.actors]),
+                    "engines": ray.get([h.platform_profile.remote() for h in run.cluster.engine_handles])}
     finally:
         trainer.shutdown()
     import glob
@@ -214,7 +216,7 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     trainer = ShapeTrainer(cfg)
     try:
         trainer.setup()
-        actor, engine_1 = trainer.run.lifecycle.actor, trainer.run.engine_handles[1]
+        actor, engine_1 = trainer.run.cluster.lifecycle.actor, trainer.run.cluster.engine_handles[1]
         real_stream, calls = actor.start_weight_stream, []
 
         def stream_but_kill_engine_1_at_step_2(payload, bucket_bytes):  # fault injection around the real sync

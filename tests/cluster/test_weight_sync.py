@@ -17,7 +17,9 @@ import torch
 ray = pytest.importorskip("ray")
 
 from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
-from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, SamplingConfig, create_ray_engines  # noqa: E402
+from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig  # noqa: E402
+from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
+from openrlhf_shape.testing.engine_weights import capture_loaded_weights, read_weights  # noqa: E402
 from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -67,7 +69,7 @@ class _Recording(dict):
 
 def assert_engines_hold(engines: list, hf: dict[str, torch.Tensor], tp: int) -> None:
     for e in engines:
-        workers = ray.get(e.read_weights.remote())
+        workers = read_weights(e)
         assert len(workers) == tp
         for rank, params in enumerate(workers):
             used: set = set()
@@ -88,7 +90,7 @@ def record(name: str, m: dict) -> None:
 
 
 def run_sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
-    ray.get([e.capture_loaded_weights.remote() for e in group.engines])  # fresh capture per sync
+    ray.get([capture_loaded_weights(e) for e in group.engines])  # fresh capture per sync
     m = sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
     assert m["sync/bytes"] == ray.get(holder.model_bytes.remote())
     assert m["sync/buckets"] > 3

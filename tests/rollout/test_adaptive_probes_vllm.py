@@ -69,7 +69,7 @@ def test_tol_zero_equals_fixed_m(setup, tiny_tokenizer):
                                adaptive_round_size=1, max_probes=0)  # cap 0 = num_probes
     adaptive = _run(spy, prm, resp, bounds, adaptive_cfg, 11, tiny_tokenizer)
     assert len(spy.calls) == 1 and spy.calls[0][1] == 4  # no state can stop early: one round of m
-    assert adaptive.stats["probe_rounds"] == 1 and adaptive.stats["probe_samples_saved"] == 0
+    assert adaptive.stats["probe/rounds"] == 1 and adaptive.stats["probe/samples_saved"] == 0
     for a, b in zip(fixed.potentials, adaptive.potentials):
         assert torch.equal(a, b)
     for a, b in zip(fixed.probe_scores, adaptive.probe_scores):
@@ -89,8 +89,8 @@ def test_rounds_caps_and_stopping_rule(setup, tiny_tokenizer):
     res = _run(spy, prm, resp, bounds, cfg, 5, tiny_tokenizer)
     st = res.stats
     n_states = len(prm[0:1]) + 1 + sum(len(b) for b in bounds)  # two distinct prompts
-    assert st["probe_requests"] == n_states
-    assert st["probe_rounds"] == len(spy.calls) <= 3
+    assert st["probe/requests"] == n_states
+    assert st["probe/rounds"] == len(spy.calls) <= 3
     assert [c[1] for c in spy.calls] == [2, 2, 2][: len(spy.calls)]  # round sizes
     # each round's batch is a subsequence of the first (response order kept, prefixes adjacent)
     first = spy.calls[0][0]
@@ -116,6 +116,6 @@ def test_rounds_caps_and_stopping_rule(setup, tiny_tokenizer):
             continued += n == 6
             total += n
     assert stopped_early > 0 and continued > 0, (stopped_early, continued)
-    assert st["probe_samples"] <= st["probe_requests"] * 6
-    assert st["probe_samples_saved"] == st["probe_requests"] * 6 - st["probe_samples"] > 0
-    assert st["probe_unique_answers"] > 0 and math.isfinite(st["probe_tokens_saved"])
+    assert st["probe/samples"] <= st["probe/requests"] * 6
+    assert st["probe/samples_saved"] == st["probe/requests"] * 6 - st["probe/samples"] > 0
+    assert st["probe/unique_answers"] > 0 and math.isfinite(st["probe/tokens_saved"])

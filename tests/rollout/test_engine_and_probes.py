@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from openrlhf_shape.testing.engine_weights import load_into_engines
 from openrlhf_shape.rollout import (
     EngineConfig,
     EngineGroup,
@@ -108,10 +109,10 @@ def test_probes_hit_the_prefix_cache_and_potentials(group, prompts, tiny_tokeniz
     outcomes = [float(i % 2) for i in range(len(resp))]
     res = estimate_potentials(group, prm, resp, bounds, ["1"] * len(resp), outcomes, scorer, cfg, suffixes=suf)
     st = res.stats
-    assert st["probe_requests"] == len(prompts) + sum(len(b) for b in bounds)  # s_0 once per prompt
-    assert st["probe_samples"] == st["probe_requests"] * cfg.num_probes
-    assert st["probe_prefix_hit_rate"] > 0.6, st
-    assert 0 < st["probe_decode_tokens"] <= st["probe_samples"] * cfg.max_tokens
+    assert st["probe/requests"] == len(prompts) + sum(len(b) for b in bounds)  # s_0 once per prompt
+    assert st["probe/samples"] == st["probe/requests"] * cfg.num_probes
+    assert st["probe/prefix_hit_rate"] > 0.6, st
+    assert 0 < st["probe/tokens"] <= st["probe/samples"] * cfg.max_tokens
     for i, phi in enumerate(res.potentials):
         assert phi.dtype == torch.float32 and phi.shape == (len(bounds[i]) + 2,)
         assert phi[-1].item() == outcomes[i]
@@ -141,12 +142,12 @@ def test_new_weights_change_outputs_reset_cache_and_restore_exactly(group, promp
     gen = torch.Generator().manual_seed(1)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
     # one tensor per bucket: fused q/k/v and gate/up are spread over buckets but arrive in one call
-    group.update_weights([[(k, v)] for k, v in perturbed.items()])
+    load_into_engines(group, [[(k, v)] for k, v in perturbed.items()])
     after = group.generate([long_prompt], greedy)
     assert after[0].num_cached_tokens == 0  # cache was reset: no stale KV from the old weights
     assert after[0].token_ids != before[0].token_ids
 
-    group.update_weights([list(original.items())])
+    load_into_engines(group, [list(original.items())])
     restored = group.generate([long_prompt], greedy)
     assert restored[0].num_cached_tokens == 0
     assert restored[0].token_ids == before[0].token_ids

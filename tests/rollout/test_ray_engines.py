@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from openrlhf_shape.platform import Platform, cpu_platform
+from openrlhf_shape.testing.engine_weights import load_into_engines
 from openrlhf_shape.rollout import (
     EngineConfig,
     ProbeConfig,
@@ -74,7 +75,7 @@ def test_probes_follow_their_prompt_to_its_engine(ray_group, chat_ids):
         ray_group, prm, resp, bounds, ["1"] * len(resp), [0.0] * len(resp),
         lambda texts, labels: [0.0] * len(texts), ProbeConfig(num_probes=2, max_tokens=4),
     )
-    assert res.stats["probe_prefix_hit_rate"] > 0.6, res.stats
+    assert res.stats["probe/prefix_hit_rate"] > 0.6, res.stats
 
 
 def test_weights_through_ray_buckets(ray_group, chat_ids, tiny_model_dir):
@@ -84,10 +85,10 @@ def test_weights_through_ray_buckets(ray_group, chat_ids, tiny_model_dir):
     original = load_file(f"{tiny_model_dir}/model.safetensors")
     gen = torch.Generator().manual_seed(2)
     noisy = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
-    ray_group.update_weights(iter([[(k, v)] for k, v in noisy.items()]))  # one tensor per bucket
+    load_into_engines(ray_group, iter([[(k, v)] for k, v in noisy.items()]))  # one tensor per bucket
     changed = ray_group.generate(prompt, greedy)[0]
     assert changed.token_ids != before and changed.num_cached_tokens == 0
-    ray_group.update_weights(iter([list(original.items())[:5], list(original.items())[5:]]))
+    load_into_engines(ray_group, iter([list(original.items())[:5], list(original.items())[5:]]))
     restored = ray_group.generate(prompt, greedy)[0]
     assert restored.token_ids == before and restored.num_cached_tokens == 0
 

@@ -18,7 +18,8 @@ N = 4
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    from openrlhf_shape.rollout.engine import EngineConfig, EngineGroup, VLLMEngine
+    from openrlhf_shape.rollout.engine import EngineConfig, VLLMEngine
+    from openrlhf_shape.rollout.group import EngineGroup
 
     eng = VLLMEngine(EngineConfig(model_path=tiny_model_dir, seed=0, max_model_len=512, kv_cache_gib=1))
     group = EngineGroup([eng])
@@ -46,13 +47,13 @@ def parts(tiny_model_dir, parity_reward_file):
 
 def _build(engines, actor, reward, tok, shape: ShapeConfig, max_tokens: int, dynamic_filtering: bool = False):
     probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens)
-    return ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, actor, reward, tok,
+    return ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, actor.compute_logprobs_and_entropy, reward, tok,
                                 dynamic_filtering=dynamic_filtering)
 
 
 def _maker(engines, parts, dynamic_filtering=False, **shape_kw):
     tok, items, actor, reward = parts
-    return _build(engines, actor, reward, tok, ShapeConfig(**shape_kw), 48, dynamic_filtering), items, actor
+    return _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(**shape_kw), 48, dynamic_filtering), items, actor
 
 
 @pytest.mark.parametrize("estimator", ["shape", "mrt"])
@@ -99,7 +100,7 @@ def test_adaptive_probes_in_the_step(engines, parts):
     shape = ShapeConfig(num_segments=4, num_probes=4, min_segment_len=4)
     probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens, adaptive=True,
                         adaptive_tol=0.2, adaptive_first_round=2, adaptive_round_size=2, max_probes=4)
-    exp = ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=48), probe, engines, actor, reward,
+    exp = ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=48), probe, engines, actor.compute_logprobs_and_entropy, reward,
                                tok).make_experience(items)
     m = exp.metrics
     assert 1 <= m["probe/rounds"] <= 2
@@ -140,7 +141,7 @@ def test_rewards_outside_unit_interval_are_refused_for_shape(engines, parts, tmp
                    "    r = torch.full((len(queries),), -1.0)\n    return {'rewards': r, 'scores': r, 'extra_logs': {}}\n")
     tok, items, actor, _ = parts
     with RewardComputer(RewardConfig(remote_url=str(bad), num_workers=1)) as reward:
-        maker = _build(engines, actor, reward, tok, ShapeConfig(num_segments=2, num_probes=1), 8)
+        maker = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(num_segments=2, num_probes=1), 8)
         with pytest.raises(ValueError, match="--reward.remote_url"):
             maker.make_experience(items[:1])
 
@@ -152,7 +153,7 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     tis = RolloutCorrectionConfig("token", "clip", "ratio", (0.5, 5.0))
     probe = ProbeConfig(num_probes=1, max_tokens=4)
     maker = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=32, temperature=0.7),
-                                 probe, engines, actor, reward, tok, rollout_correction=tis)
+                                 probe, engines, actor.compute_logprobs_and_entropy, reward, tok, rollout_correction=tis)
     exp = maker.make_experience(items[:2])
     m, mask = exp.metrics, exp.response_mask
     assert exp.rollout_log_probs is not None and exp.is_weights is not None
@@ -168,11 +169,11 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     assert batch.is_weights is not None and batch.is_weights.shape == batch.advantages.shape
     batch.validate()
     with pytest.raises(ValueError, match="needs --rollout.top_p 1 and --rollout.top_k -1"):
-        ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, top_p=0.9), probe, engines, actor,
+        ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, top_p=0.9), probe, engines, actor.compute_logprobs_and_entropy,
                              reward, tok, rollout_correction=tis)
     # without a correction the metrics are still logged (untruncated sampling)
     off = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=16), probe, engines,
-                               actor, reward, tok).make_experience(items[:1])
+                               actor.compute_logprobs_and_entropy, reward, tok).make_experience(items[:1])
     assert off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in off.metrics
 
 
@@ -189,7 +190,7 @@ def test_openrlhf_style_reward_files_through_a_step(engines, parts, reward_file)
                         reward_file)
     tok, items, actor, _ = parts
     with RewardComputer(RewardConfig(remote_url=path, num_workers=1)) as reward:
-        exp = _build(engines, actor, reward, tok, ShapeConfig(estimator="grpo"), 16).make_experience(items[:2])
+        exp = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(estimator="grpo"), 16).make_experience(items[:2])
     assert exp.rewards.shape == (2 * N,) and ((exp.rewards >= 0) & (exp.rewards <= 1)).all()
     extra = {k: v for k, v in exp.metrics.items() if k.startswith("reward/")}
     want = {"tensor_reward.py": {"reward/response_chars", "reward/even"}, "list_reward.py": set(),

