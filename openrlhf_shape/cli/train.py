@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout.n_samples_per_prompt 8 --train.batch_size 256 --actor.eps_clip_low_high 0.2 0.28 "
         "--algo.advantage.estimator shape|mrt|group_norm --shape.alpha 0.3 --megatron.tensor_model_parallel_size 2 "
         "--reward.remote_url my_reward.py. OpenRLHF flags for parts this trainer does not have are refused, "
-        "each with the reason (README: OpenRLHF flags)."
+        "each with the reason (docs/openrlhf_compat.md: every OpenRLHF flag)."
     )
 
 

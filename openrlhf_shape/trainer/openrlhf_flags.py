@@ -2,7 +2,7 @@
 with it: the same setting under the same name, a setting that is always on here (accepted, no
 effect), accepted only for some values, or refused with one line saying why and what to use.
 
-This is data: the config parser (trainer/config.py) reads it; the README's flag table and the test
+This is data: the config parser (trainer/config.py) reads it; the flag table of docs/openrlhf_compat.md and the test
 that checks every OpenRLHF flag is covered are generated from / checked against it.
 
 Kinds:
@@ -292,7 +292,7 @@ def translated_value(f: OpenRLHFFlag, value: Any) -> Any:
 
 
 def markdown_table() -> str:
-    """The README table: OpenRLHF flag -> ours."""
+    """The table of docs/openrlhf_compat.md: OpenRLHF flag -> ours."""
     lines = ["| OpenRLHF 0.11.2 flag | here |", "| --- | --- |"]
     for f in sorted(OPENRLHF_PPO_FLAGS, key=lambda f: f.name):
         if f.kind == SAME:
