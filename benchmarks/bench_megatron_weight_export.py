@@ -18,13 +18,14 @@ import pickle
 import sys
 import tempfile
 import time
+from openrlhf_shape.platform import detect_platform  # noqa: E402  (driverless: decides for this process)
 
 
 def run_rank(*, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str, bucket_mb: int, sink: str) -> dict:
     from openrlhf_shape.megatron.config import MegatronConfig
     from openrlhf_shape.megatron.worker import MegatronRankWorker
 
-    worker = MegatronRankWorker(MegatronConfig(), rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    worker = MegatronRankWorker(MegatronConfig(), rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, platform=detect_platform())
     info = worker.init_model(model_dir)
     out = {"params": info["num_parameters"]}
     if sink == "ray":

@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import time
+from openrlhf_shape.platform import detect_platform  # noqa: E402  (driverless: decides for this process)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -65,7 +66,7 @@ def main() -> None:
 
     engine = VLLMEngine(
         EngineConfig(model_path=model_dir, block_size=args.block_size, max_model_len=2048, kv_cache_gib=1.0)
-    )
+, platform=detect_platform())
     group = EngineGroup([engine])
     tok = group.get_tokenizer()
     qa = _questions(args.prompts)

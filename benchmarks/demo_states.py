@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
+from openrlhf_shape.platform import detect_platform  # noqa: E402  (driverless: decides for this process)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +52,7 @@ def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=No
     cfg = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), [])
     model_dir = ensure_demo_model()
     engine = VLLMEngine(EngineConfig(model_path=model_dir, seed=seed, block_size=cfg.engine.block_size or 32,
-                                     max_model_len=cfg.max_model_len(), kv_cache_gib=1.0, dtype="float32"))
+                                     max_model_len=cfg.max_model_len(), kv_cache_gib=1.0, dtype="float32"), platform=detect_platform())
     group = EngineGroup([engine])
     tok = group.get_tokenizer()
     d = cfg.data

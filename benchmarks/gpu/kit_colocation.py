@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import torch
+from openrlhf_shape.platform import detect_platform  # noqa: E402  (driverless: decides for this process)
 
 N_IPC_TENSORS = 48
 
@@ -176,7 +177,7 @@ def zero2_vs_megatron(*, rank: int, world_size: int, master_addr: str, master_po
     out["megatron"]["after"] = _megatron_logprobs(mg, batch)["log_probs"]
     mg.shutdown()
     ds = ZeroRankWorker(ZeroConfig(train=MegatronConfig(**cfg), zero_stage=2), rank=rank, world_size=world_size,
-                        master_addr=master_addr, master_port=master_port)
+                        master_addr=master_addr, master_port=master_port, platform=detect_platform())
     ds.init_model(model_dir)
     out["deepspeed"] = {"metrics": ds.train_step(tb)}
     out["deepspeed"]["after"] = merge_rank_outputs([ds.compute_logprobs_and_entropy(batch)],

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import kit_models
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.cluster.rank_group import merge_rank_outputs
@@ -34,7 +35,7 @@ def _sync() -> None:
 
 def _worker(cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> MegatronRankWorker:
     return MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size,
-                              master_addr=master_addr, master_port=master_port)
+                              master_addr=master_addr, master_port=master_port, platform=detect_platform())
 
 
 def ragged_batch(n: int, min_len: int, max_len: int, vocab: int, *, seed: int, temperature: float) -> dict:

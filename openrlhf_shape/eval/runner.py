@@ -113,18 +113,19 @@ def _problem_result(rec: dict[str, Any]) -> ProblemResult:
 def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int, stack: ExitStack | None = None):
     """One in-process VLLMEngine, or ``num_engines`` Ray engine actors in an EngineGroup (Ray is
     started here when needed, and shut down by ``stack`` when this call started it)."""
+    from openrlhf_shape.platform import detect_platform
     from openrlhf_shape.rollout.group import start_engines
 
     ecfg = dataclasses.replace(cfg.engine, model_path=hf_dir, max_model_len=max_model_len)
-    if cfg.num_engines == 1:
-        return start_engines(ecfg, in_process=True)
+    if cfg.num_engines == 1:  # eval has no driver handing a profile: it decides for its own process
+        return start_engines(ecfg, in_process=True, platform=detect_platform(engine_tp=ecfg.tensor_parallel_size))
     import ray
 
     if not ray.is_initialized():
         ray.init()
         if stack is not None:
             stack.callback(ray.shutdown)
-    return start_engines(ecfg, cfg.num_engines)
+    return start_engines(ecfg, cfg.num_engines, platform=detect_platform(engine_tp=ecfg.tensor_parallel_size))
 
 
 def _make_scorer(cfg: EvalConfig):

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from openrlhf_shape.platform import Platform, detect_platform
+from openrlhf_shape.platform import Platform
 
 _DECAY_STYLES = ("constant", "cosine", "linear")
 _LAYER_SPECS = ("auto", "local", "te")
@@ -136,10 +136,11 @@ class MegatronConfig:
     def use_bf16(self) -> bool:
         """bf16=None means auto: the platform profile's Megatron dtype. A rank resolves it from the
         profile the driver handed it (:meth:`for_platform`), so a driver without a GPU (a Ray head
-        node) still gives GPU ranks bf16; unresolved, this process's profile decides."""
-        if self.bf16 is not None:
-            return bool(self.bf16)
-        return detect_platform().megatron_dtype == "bfloat16"
+        node) still gives GPU ranks bf16. Reading it unresolved is an error (no second CPU/GPU decision)."""
+        if self.bf16 is None:
+            raise ValueError("MegatronConfig.bf16 is 'auto' (None) here: resolve it for the rank's profile with "
+                             "for_platform(platform) first (openrlhf_shape/platform.py decides CPU vs GPU once)")
+        return bool(self.bf16)
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -149,20 +150,14 @@ class MegatronConfig:
         """"te" or "local": ``layer_spec``, with "auto" taken from the platform profile."""
         return platform.layer_spec if self.layer_spec == "auto" else self.layer_spec
 
-    @property
-    def resolved_layer_spec(self) -> str:
-        """"te" or "local" under this process's profile (a rank uses :meth:`layer_spec_on`)."""
-        return self.layer_spec if self.layer_spec != "auto" else detect_platform().layer_spec
-
     def for_platform(self, platform: Platform) -> "MegatronConfig":
         """This config with ``bf16`` decided by ``platform`` (ranks call it on the handed profile)."""
         if self.bf16 is not None:
             return self
         return replace(self, bf16=platform.megatron_dtype == "bfloat16")
 
-    def check_device(self, platform: Platform | None = None) -> None:
+    def check_device(self, platform: Platform) -> None:
         """Called by each rank with its profile: refuse bf16 or the TE spec where they cannot run."""
-        platform = platform if platform is not None else detect_platform()
         if self.bf16 and not platform.on_gpu:
             raise ValueError(
                 "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"

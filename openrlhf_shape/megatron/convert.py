@@ -31,11 +31,12 @@ def _export_rank(rank: int, world_size: int, master_addr: str, master_port: int,
                  out_dir: str, hf_dir: str, tp: int, pp: int, distributed_optimizer: bool) -> dict:
     from openrlhf_shape.megatron.config import MegatronConfig
     from openrlhf_shape.megatron.worker import MegatronRankWorker
+    from openrlhf_shape.platform import detect_platform
 
     cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          use_distributed_optimizer=distributed_optimizer)
     worker = MegatronRankWorker(cfg, rank=rank, world_size=world_size, master_addr=master_addr,
-                                master_port=master_port)
+                                master_port=master_port, platform=detect_platform())  # a driverless rank
     try:
         worker.init_model(hf_dir)
         extra = worker.load_checkpoint(ckpt_dir)

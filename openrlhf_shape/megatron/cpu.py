@@ -278,13 +278,12 @@ def _patch_distopt_adam_step_load() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
-def apply_cpu_patches(platform: "Platform | None" = None) -> bool:
-    """Apply all CPU patches once, only under a CPU profile (``platform``: the rank's, as handed;
-    None: this process's). Returns True if active."""
+def apply_cpu_patches(platform: "Platform") -> bool:
+    """Apply all CPU patches once, only under a CPU profile (``platform``: the rank's, as handed).
+    Returns True if active."""
     global _APPLIED
-    from openrlhf_shape.platform import detect_platform
 
-    if not (platform if platform is not None else detect_platform()).on_cpu:
+    if not platform.on_cpu:
         return False
     with _LOCK:
         if _APPLIED:

@@ -39,7 +39,7 @@ from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.export import export_hf_dir, iter_buckets
 from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
 from openrlhf_shape.megatron.state import ActorState
-from openrlhf_shape.platform import Platform, detect_platform
+from openrlhf_shape.platform import Platform
 from openrlhf_shape.rng import seed_all
 
 __all__ = ["MegatronRankWorker", "latest_checkpoint"]
@@ -72,8 +72,9 @@ class _State:
 class MegatronRankWorker:
     """Owns one Megatron rank (plain class; :class:`openrlhf_shape.cluster.rank_group.RankActor` hosts it).
 
-    ``platform``: the run's profile as handed by the driver (a :class:`Platform` or its dict); None
-    for a rank without a driver (the subprocess ranks of the tests, ``convert``): this process's.
+    ``platform``: the run's profile as handed by the driver (a :class:`Platform` or its dict). A rank
+    without a driver (the subprocess ranks of ``actor/launch.py``, ``convert``) passes
+    ``detect_platform()`` of its own process: the caller decides, never the worker.
     """
 
     cfg = _State()
@@ -88,8 +89,8 @@ class MegatronRankWorker:
     step = _State()
 
     def __init__(self, cfg: MegatronConfig, *, rank: int, world_size: int, master_addr: str, master_port: int,
-                 platform: Platform | dict | None = None):
-        self.platform = Platform.from_dict(platform) if platform is not None else detect_platform()
+                 platform: Platform | dict):
+        self.platform = Platform.from_dict(platform)
         self.rank = rank
         self.world_size = world_size
         self.on_cpu = self.platform.on_cpu

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from openrlhf_shape.platform import Platform, detect_platform
+from openrlhf_shape.platform import Platform
 
 
 @dataclass
@@ -140,9 +140,10 @@ def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int
 class VLLMEngine:
     """One vLLM engine in this process (run it inside a Ray actor via :func:`create_ray_engines`)."""
 
-    def __init__(self, cfg: EngineConfig, platform: Platform | dict | None = None):
+    def __init__(self, cfg: EngineConfig, platform: Platform | dict):
         """``platform``: the run's profile as handed by the driver (a :class:`Platform` or its
-        ``to_dict()``); None for an engine without a driver (tests, benchmarks): this process's."""
+        ``to_dict()``); an engine without a driver (eval, tests, benchmarks) is handed
+        ``detect_platform(engine_tp=...)`` of its own process by its caller."""
         if not cfg.model_path or cfg.max_model_len is None:
             raise ValueError("EngineConfig.model_path and EngineConfig.max_model_len must be set before an engine starts")
         if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
@@ -153,8 +154,7 @@ class VLLMEngine:
                 f"engine on node {socket.gethostname()}: {cfg.model_path}/config.json does not exist here; the model "
                 "directory (--actor.model_name_or_path) must be on a filesystem every node sees, at the same path")
         self.cfg = cfg
-        self.platform = (Platform.from_dict(platform) if platform is not None
-                         else detect_platform(engine_tp=cfg.tensor_parallel_size))
+        self.platform = Platform.from_dict(platform)
         self.on_cpu = self.platform.on_cpu
         if cfg.enable_sleep_mode and not self.platform.engine_sleep_mode:
             raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")

@@ -9,7 +9,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from openrlhf_shape.platform import Platform, detect_platform
+from openrlhf_shape.platform import Platform
 from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
 
 
@@ -26,12 +26,13 @@ def create_ray_engines(
     extra_env: dict[str, str] | None = None,
     wait_ready: bool = True,
     placement=None,
-    platform: Platform | None = None,
+    *,
+    platform: Platform,
 ) -> list:
     """Start ``num_engines`` Ray actors each holding a :class:`VLLMEngine`; returns the handles.
 
-    ``platform`` (the run's profile; None: :func:`~openrlhf_shape.platform.detect_platform` of this
-    Ray cluster) is handed to every engine and decides the actors' resources and environment: on
+    ``platform`` (the run's profile; a caller without a driver passes
+    :func:`~openrlhf_shape.platform.detect_platform` of this Ray cluster) is handed to every engine and decides the actors' resources and environment: on
     CPU VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE (and one core per worker at
     engine TP > 1), fractional ``num_cpus`` (else Ray cannot place a third actor on a small node:
     looks like a hang); on GPU ``platform.gpus_per_engine`` (1 at TP 1; at TP > 1 vLLM places its own
@@ -45,7 +46,6 @@ def create_ray_engines(
         raise ValueError(f"num_engines must be >= 1, got {num_engines}")
     if not ray.is_initialized():
         raise RuntimeError("create_ray_engines needs ray.init() first")
-    platform = platform if platform is not None else detect_platform(engine_tp=cfg.tensor_parallel_size)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)}
     if extra_env:
         env.update(extra_env)
@@ -71,13 +71,13 @@ def start_engines(
     num_engines: int = 1,
     *,
     in_process: bool = False,
-    platform: Platform | None = None,
+    platform: Platform,
     **ray_options: Any,
 ) -> "EngineGroup":
     """The one engine factory: ``num_engines`` engines behind an :class:`EngineGroup`, in this
     process (``in_process=True``: one engine) or as Ray actors (:func:`create_ray_engines`, which
     takes ``ray_options``: ``placement``, ``wait_ready``, resource overrides, ``extra_env``).
-    ``platform``: the run's profile (None: detected here)."""
+    ``platform``: the run's profile (a caller without a driver passes ``detect_platform(...)``)."""
     if in_process:
         if num_engines != 1 or ray_options:
             raise ValueError("an in-process engine group holds exactly one engine and takes no Ray options")

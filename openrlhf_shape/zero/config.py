@@ -68,12 +68,11 @@ class ZeroConfig:
     @property
     def use_bf16(self) -> bool:
         """bf16 parameters? ``auto`` is resolved by each rank from the profile the driver handed it
-        (:meth:`for_platform`), so a driver without a GPU still gives GPU ranks bf16; unresolved, this
-        process's profile decides."""
+        (:meth:`for_platform`), so a driver without a GPU still gives GPU ranks bf16; reading it
+        unresolved is an error (no second CPU/GPU decision)."""
         if self.param_dtype == "auto":
-            from openrlhf_shape.platform import detect_platform
-
-            return detect_platform().megatron_dtype == "bfloat16"
+            raise ValueError("ZeroConfig.param_dtype is 'auto' here: resolve it for the rank's profile with "
+                             "for_platform(platform) first (openrlhf_shape/platform.py decides CPU vs GPU once)")
         return self.param_dtype == "bf16"
 
     def for_platform(self, platform) -> "ZeroConfig":

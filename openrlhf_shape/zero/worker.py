@@ -33,7 +33,7 @@ from openrlhf_shape.actor.batching import (
     validate_batch,
 )
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
-from openrlhf_shape.platform import Platform, detect_platform
+from openrlhf_shape.platform import Platform
 from openrlhf_shape.rng import seed_all
 from openrlhf_shape.zero.config import ZeroConfig
 from openrlhf_shape.zero.state import ZeroState
@@ -53,10 +53,10 @@ class ZeroRankWorker:
     handed to the checkpoint and export functions (they never see the worker)."""
 
     def __init__(self, cfg: ZeroConfig, *, rank: int, world_size: int, master_addr: str, master_port: int,
-                 platform: Platform | dict | None = None):
-        """``platform``: the run's profile as handed by the driver (``openrlhf_shape/platform.py``); None
-        (tests launching ranks without a driver) asks :func:`detect_platform` in this process."""
-        self.platform = Platform.from_dict(platform) if platform is not None else detect_platform()
+                 platform: Platform | dict):
+        """``platform``: the run's profile as handed by the driver (``openrlhf_shape/platform.py``); a rank
+        without a driver passes ``detect_platform()`` of its own process."""
+        self.platform = Platform.from_dict(platform)
         set_cpu_accelerator(self.platform)
         self.cfg = cfg = cfg.for_platform(self.platform)
         self.rank, self.world_size = rank, world_size

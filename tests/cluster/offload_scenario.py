@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.actor.offload import GROUPS
@@ -18,7 +19,7 @@ def _snapshot(worker) -> dict[str, list[torch.Tensor]]:
 def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model_dir: str,
         batches: list[dict], offload: bool) -> dict:
     w = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
-                           master_port=master_port)
+                           master_port=master_port, platform=detect_platform())
     w.init_model(model_dir)
     batches = [TrainBatch.from_ragged(b["sequences"], b["prompt_lens"], b["old_log_probs"], b["advantages"],
                                       temperature=b["temperature"]) for b in batches]

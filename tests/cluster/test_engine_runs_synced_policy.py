@@ -21,6 +21,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
@@ -61,7 +62,7 @@ def test_in_process_loads(models, kind) -> None:
     model_dir = models[kind]
     base = load_dir(model_dir)
     assert ("lm_head.weight" in base) == (kind == "untied")  # tied: the checkpoint has the embedding only
-    engine = VLLMEngine(EngineConfig(model_path=model_dir, max_model_len=256, dtype="float32"))
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, max_model_len=256, dtype="float32"), platform=detect_platform())
     try:
         assert gap_to_hf(engine.score(SEQS), model_dir, None) <= GAP
         weights = base
@@ -91,7 +92,7 @@ def test_tp1_transports_colocation_and_cached_probe(ray_local, models, tmp_path)
     tied model's engine then serves a probe on a prefix cached after the sync, compared with a fresh
     engine started from the synced weights."""
     cfg = {k: EngineConfig(model_path=d, max_model_len=512, kv_cache_gib=0.5, dtype="float32") for k, d in models.items()}
-    handles = {k: create_ray_engines(1, c, num_cpus_per_engine=0.5)[0] for k, c in cfg.items()}
+    handles = {k: create_ray_engines(1, c, num_cpus_per_engine=0.5, platform=detect_platform(engine_tp=c.tensor_parallel_size))[0] for k, c in cfg.items()}
     holders = {k: ray.remote(TensorHolder).options(num_cpus=0.1).remote(d) for k, d in models.items()}
     groups = {k: EngineGroup([h]) for k, h in handles.items()}
     fresh = None
@@ -129,7 +130,7 @@ def test_tp1_transports_colocation_and_cached_probe(ray_local, models, tmp_path)
         synced_dir = tmp_path / "synced"
         _save_like(models[kind], ray.get(holder.state.remote()), synced_dir)
         fresh = create_ray_engines(1, EngineConfig(model_path=str(synced_dir), max_model_len=512, kv_cache_gib=0.5,
-                                                   dtype="float32"), num_cpus_per_engine=0.5)[0]
+                                                   dtype="float32"), num_cpus_per_engine=0.5, platform=detect_platform())[0]
         first_suffix, probe_suffix = [11, 12, 13], [21, 22, 23, 24]
         group.reseed(5)
         after_sync = group.generate([prefix + first_suffix], probe)[0]
@@ -165,7 +166,7 @@ def _save_like(model_dir: str, weights: dict[str, torch.Tensor], out) -> None:
 def test_tp2_collective(ray_local, models, kind) -> None:
     cfg = EngineConfig(model_path=models[kind], max_model_len=256, kv_cache_gib=0.5, dtype="float32",
                        tensor_parallel_size=2)
-    handle = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})[0]
+    handle = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, platform=detect_platform(engine_tp=cfg.tensor_parallel_size))[0]
     group = EngineGroup([handle])
     holder = ray.remote(TensorHolder).options(num_cpus=0.1).remote(models[kind])
     try:

@@ -170,3 +170,36 @@ def test_only_platform_py_decides_cpu_or_gpu() -> None:
     # the allow-list is not stale
     for rel in ALLOWED:
         assert DECISION_CALLS.search((REPO / rel).read_text()), rel
+
+
+# Who may ask for the profile: the driver (it decides once and hands the profile down) and the entry points
+# that run without a driver. Everything else takes the profile as a required argument: no
+# "platform or detect_platform()" fallback gives a consumer a second way in.
+PROFILE_SOURCES = {
+    "openrlhf_shape/trainer/setup.py": "the training driver: THE decision of the run",
+    "openrlhf_shape/cli/doctor.py": "the doctor's driver",
+    "openrlhf_shape/eval/runner.py": "eval has no driver: its engines run in this process or its own Ray",
+    "openrlhf_shape/megatron/convert.py": "convert's subprocess ranks have no driver",
+}
+
+
+def test_the_profile_is_handed_not_looked_up() -> None:
+    import ast
+
+    callers = set()
+    for f in (REPO / "openrlhf_shape").rglob("*.py"):
+        rel = f.relative_to(REPO).as_posix()
+        calls = [n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Call)
+                 and getattr(n.func, "id", getattr(n.func, "attr", None)) == "detect_platform"]
+        if calls and rel != "openrlhf_shape/platform.py":
+            callers.add(rel)
+    assert callers == set(PROFILE_SOURCES), f"detect_platform() called outside the driverless entry points: {sorted(callers - set(PROFILE_SOURCES))}"
+    import inspect
+
+    from openrlhf_shape.megatron.worker import MegatronRankWorker
+    from openrlhf_shape.rollout.engine import VLLMEngine
+    from openrlhf_shape.rollout.group import create_ray_engines, start_engines
+    from openrlhf_shape.zero.worker import ZeroRankWorker
+
+    for fn in (MegatronRankWorker.__init__, ZeroRankWorker.__init__, VLLMEngine.__init__, create_ray_engines, start_engines):
+        assert inspect.signature(fn).parameters["platform"].default is inspect.Parameter.empty, fn.__qualname__

@@ -12,6 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.cluster.sync_driver import EngineWeightSync, WeightSyncError  # noqa: E402
 from openrlhf_shape.cluster.weight_sync import get_or_raise  # noqa: E402
 from openrlhf_shape.cluster.weight_sync.object_store import ObjectStoreSender  # noqa: E402
@@ -33,7 +34,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("transport", ["collective", "object_store"])
 def test_engine_killed_mid_sync_raises_naming_engine_and_step(ray_local, model_dir, transport) -> None:
     cfg = EngineConfig(model_path=model_dir, max_model_len=256, kv_cache_gib=0.25, dtype="float32")
-    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5)
+    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5, platform=detect_platform(engine_tp=cfg.tensor_parallel_size))
     group = EngineGroup(handles)
     holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(model_dir)
     sync = EngineWeightSync(handles, engine_tp=1, transport=transport, backend="gloo", timeout_s=TIMEOUT_S)

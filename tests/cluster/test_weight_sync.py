@@ -16,6 +16,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
@@ -101,7 +102,7 @@ def run_sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
 
 def test_tp1_collective_and_object_store(ray_local, model_dir) -> None:
     cfg = EngineConfig(model_path=model_dir, max_model_len=512, kv_cache_gib=1.0, dtype="float32")
-    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5)
+    handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5, platform=detect_platform(engine_tp=cfg.tensor_parallel_size))
     group = EngineGroup(handles)
     holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(model_dir)
     try:
@@ -147,7 +148,7 @@ def test_tp1_collective_and_object_store(ray_local, model_dir) -> None:
 def test_tp2_collective(ray_local, model_dir) -> None:
     cfg = EngineConfig(model_path=model_dir, max_model_len=512, kv_cache_gib=1.0, dtype="float32",
                        tensor_parallel_size=2)
-    handles = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    handles = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, platform=detect_platform(engine_tp=cfg.tensor_parallel_size))
     group = EngineGroup(handles)
     holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(model_dir)
     try:

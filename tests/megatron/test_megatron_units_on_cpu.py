@@ -13,14 +13,20 @@ from openrlhf_shape.checkpoint_dir import COMPLETE_MARKER, latest_checkpoint
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
 from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.platform import cpu_platform, gpu_platform
 
 
 # ---------------------------------------------------------------- config
 def test_config_defaults_on_cpu():
     cfg = MegatronConfig()
-    assert cfg.bf16 is None and cfg.use_bf16 is False and cfg.params_dtype == torch.float32
+    assert cfg.bf16 is None  # auto: decided by the rank's handed profile, never re-detected by the config
+    with pytest.raises(ValueError, match="for_platform"):
+        cfg.params_dtype
+    on_cpu = cfg.for_platform(cpu_platform())
+    assert on_cpu.use_bf16 is False and on_cpu.params_dtype == torch.float32
+    assert cfg.for_platform(gpu_platform()).params_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="bf16"):
-        MegatronConfig(bf16=True).check_device()
+        MegatronConfig(bf16=True).check_device(cpu_platform())
     assert cfg.eps_clip_low == 0.2 and cfg.eps_clip_high == 0.28
 
 
@@ -45,11 +51,13 @@ def test_config_errors_name_the_field_on_cpu(kwargs, field):
 
 
 def test_layer_spec_resolution_on_cpu():
-    assert MegatronConfig().layer_spec == "auto" and MegatronConfig().resolved_layer_spec == "local"
-    assert MegatronConfig(layer_spec="local").resolved_layer_spec == "local"
-    MegatronConfig(layer_spec="local", local_attention="sdpa").check_device()
+    cpu = cpu_platform()
+    assert MegatronConfig().layer_spec == "auto" and MegatronConfig().layer_spec_on(cpu) == "local"
+    assert MegatronConfig().layer_spec_on(gpu_platform()) == "te"
+    assert MegatronConfig(layer_spec="local").layer_spec_on(cpu) == "local"
+    MegatronConfig(layer_spec="local", local_attention="sdpa").check_device(cpu)
     with pytest.raises(ValueError, match="layer_spec='te' needs a GPU"):
-        MegatronConfig(layer_spec="te").check_device()
+        MegatronConfig(layer_spec="te").check_device(cpu)
 
 
 def test_validate_against_model_on_cpu():

@@ -23,6 +23,7 @@ import gc
 
 import torch
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.worker import MegatronRankWorker
@@ -68,7 +69,7 @@ def measure_update_peaks(
     warmup_dir: str, vocab: int, seq_len: int, rows_list: list[int],
 ) -> dict:
     worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size,
-                                master_addr=master_addr, master_port=master_port)
+                                master_addr=master_addr, master_port=master_port, platform=detect_platform())
     worker.init_model(warmup_dir)
     worker.cfg.micro_batch_max_tokens = 2 * 16
     worker.train_step(_batch(2, 16, 1000, seed=0))

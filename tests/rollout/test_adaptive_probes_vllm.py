@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.rollout import EngineConfig, EngineGroup, ProbeConfig, ProbeSuffixes, SamplingConfig, VLLMEngine
 from openrlhf_shape.rollout.probes import estimate_potentials
 
@@ -42,7 +43,7 @@ def parity_scorer(texts, labels):
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, chat_ids, tiny_tokenizer):
-    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32"))
+    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32"), platform=detect_platform())
     group = EngineGroup([engine])
     prompts = [chat_ids(q) for q in QUESTIONS]
     group.reseed(7)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.engine_weights import load_into_engines
 from openrlhf_shape.rollout import (
     EngineConfig,
@@ -28,7 +29,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def group(tiny_model_dir):
-    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32"))
+    engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32"), platform=detect_platform())
     g = EngineGroup([engine])
     yield g
     g.shutdown()

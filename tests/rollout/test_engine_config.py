@@ -4,6 +4,7 @@ import pickle
 
 import pytest
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.rollout.engine import EngineConfig, VLLMEngine
 
 
@@ -17,4 +18,4 @@ def test_engine_refuses_a_model_dir_missing_on_its_node(tmp_path):
     shipped = pickle.dumps(cfg)  # what a Ray actor on another node receives
     (model / "config.json").unlink()  # ... where the directory does not exist
     with pytest.raises(FileNotFoundError, match="must be on a filesystem every node sees"):
-        VLLMEngine(pickle.loads(shipped))
+        VLLMEngine(pickle.loads(shipped), platform=detect_platform())

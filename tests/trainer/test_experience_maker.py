@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.algorithms import RolloutCorrectionConfig, ShapeConfig, grpo_advantages
 from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.rollout.engine import SamplingConfig
@@ -21,7 +22,7 @@ def engines(tiny_model_dir):
     from openrlhf_shape.rollout.engine import EngineConfig, VLLMEngine
     from openrlhf_shape.rollout.group import EngineGroup
 
-    eng = VLLMEngine(EngineConfig(model_path=tiny_model_dir, seed=0, max_model_len=512, kv_cache_gib=1))
+    eng = VLLMEngine(EngineConfig(model_path=tiny_model_dir, seed=0, max_model_len=512, kv_cache_gib=1), platform=detect_platform())
     group = EngineGroup([eng])
     yield group
     group.shutdown()

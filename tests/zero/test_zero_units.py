@@ -10,6 +10,7 @@ from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.zero.config import ZeroConfig, zero_config_from
 from openrlhf_shape.zero.export import plan_buckets
 from openrlhf_shape.zero.schedule import lr_at
+from openrlhf_shape.platform import cpu_platform, gpu_platform
 
 
 @pytest.mark.parametrize("style, warmup", [("cosine", 1), ("cosine", 0), ("linear", 3), ("constant", 2)])
@@ -46,8 +47,11 @@ def test_ds_config():
     assert z3["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert z3["bf16"] == {"enabled": True} and z3["gradient_clipping"] == 0.5
     assert z3["train_micro_batch_size_per_gpu"] == 1 and z3["gradient_accumulation_steps"] == 1
-    z2 = ZeroConfig().ds_config(on_gpu=False)
-    assert "offload_optimizer" not in z2["zero_optimization"] and z2["bf16"]["enabled"] is torch.cuda.is_available()
+    z2 = ZeroConfig().for_platform(cpu_platform()).ds_config(on_gpu=False)
+    assert "offload_optimizer" not in z2["zero_optimization"] and z2["bf16"]["enabled"] is False
+    assert ZeroConfig().for_platform(gpu_platform()).ds_config(on_gpu=True)["bf16"]["enabled"] is True
+    with pytest.raises(ValueError, match="for_platform"):  # auto is the handed profile's to decide, not this process's
+        ZeroConfig().ds_config(on_gpu=False)
 
 
 def test_bucket_plan_uses_full_sizes():

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.zero.config import ZeroConfig
@@ -86,7 +87,7 @@ def zero_run(*, rank: int, world_size: int, master_addr: str, master_port: int, 
         zcfg = ZeroConfig(train=MegatronConfig(**train_cfg), **overrides)
         if worker is None:
             worker = ZeroRankWorker(zcfg, rank=rank, world_size=world_size, master_addr=master_addr,
-                                    master_port=master_port)
+                                    master_port=master_port, platform=detect_platform())
         worker.cfg = zcfg
         sub = lambda p: None if p is None else os.path.join(p, name)  # noqa: E731
         out[name] = _one(worker, model_dirs=model_dirs, batch=batch, train_dir=train_dir, train_steps=train_steps,
