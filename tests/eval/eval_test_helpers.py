@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -39,3 +40,12 @@ class ScriptedBackend:
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def load_script(name: str):
+    """A script of ``scripts/`` (``name`` without ``.py``) imported as a module (scripts are not a package)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

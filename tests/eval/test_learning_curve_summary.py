@@ -1,20 +1,14 @@
 """scripts/summarize_learning_curve.py on run directories in the trainer's format: base = step-0 eval,
 trained = last eval, the bar, partial runs, and the markdown table."""
 
-import importlib.util
 import json
-import os
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eval_test_helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("summ", os.path.join(ROOT, "scripts", "summarize_learning_curve.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("summarize_learning_curve")
 
 
 def _eval(acc, lo, hi, length):

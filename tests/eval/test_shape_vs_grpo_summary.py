@@ -1,23 +1,17 @@
 """scripts/summarize_shape_vs_grpo.py on run directories in the trainer's format: every run listed (an
 unfinished one marked), seeds pooled per arm, SHAPE - GRPO paired by seed, instruments per step."""
 
-import importlib.util
 import json
-import os
 
 import numpy as np
 
 from openrlhf_shape.eval.metrics import ProblemResult
 from openrlhf_shape.eval.pooling import write_problem_results
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from eval_test_helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("svg", os.path.join(ROOT, "scripts", "summarize_shape_vs_grpo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("summarize_shape_vs_grpo")
 
 
 def _run(root, name, rates_by_step, lengths, finished=True, wrong_adv=-0.2):
