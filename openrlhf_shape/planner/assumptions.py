@@ -28,6 +28,9 @@ class PlanOptions:
     link_gbs: float = 50.0  # node <-> node per node, GB/s (weight sync to engines on other nodes)
     # rates (guesses, to be replaced by measurements)
     mfu: float = 0.35  # Megatron forward/backward model-FLOPs utilisation
+    # forward-only MFU, the probes' suffix prefill: the GPU kit measured 40-44% (Qwen3-4B) and 48-49% (8B) for a
+    # forward pass on one H100 without transformer-engine (docs/gpu_results.md)
+    prefill_mfu: float = 0.44
     decode_efficiency: float = 0.5  # fraction of HBM bandwidth a vLLM decode step reaches
     decode_tokens_per_s_per_gpu: float | None = None  # overrides the bandwidth model when set
     mean_response_tokens: int | None = None  # None: half of --sampling.max_tokens
@@ -54,6 +57,7 @@ class PlanOptions:
         need(self.gpu_memory_gib > 0, "gpu_memory_gib", "must be > 0")
         need(self.gpus_per_node >= 1, "gpus_per_node", "must be >= 1")
         need(0 < self.mfu <= 1, "mfu", "must lie in (0, 1]")
+        need(0 < self.prefill_mfu <= 1, "prefill_mfu", "must lie in (0, 1]")
         need(0 < self.decode_efficiency <= 1, "decode_efficiency", "must lie in (0, 1]")
         need(self.vllm_sleep_level in (0, 1, 2), "vllm_sleep_level", "vLLM sleeps at level 1 or 2 (0: never sleeps)")
         need(self.megatron_offload in ("none", "optimizer", "all"), "megatron_offload", "none | optimizer | all")

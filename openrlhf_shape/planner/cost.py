@@ -8,8 +8,11 @@ Phases (sequential in our trainer, nothing overlaps):
   its ``c`` sequences from HBM (bandwidth bound) or does ``2 x params x c`` FLOPs (compute bound),
   whichever is slower. Time = max(tokens / throughput, the longest response at one sequence per
   step), i.e. the batch cannot finish before its longest response;
-* probes: ``K x m`` probes of ``suffix + probe_max_tokens`` tokens per response, prefixes from the
-  prefix cache (only the suffix is prefilled), decoded at the same rate;
+* probes (:func:`probe_roofline`): ``K x m`` probes per response; each is a prefix-cache hit on the
+  response so far (nothing recomputed), a prefill of the forced-answer suffix (compute bound: FLOPs at
+  the forward pass's MFU measured by the GPU kit) and ``probe_max_tokens`` decode steps, run in waves of
+  ``vllm_max_num_seqs`` probes; a decode step reads the weights once and every probe's context KV
+  (paged attention reads a shared prefix once per sequence), or is compute bound, whichever is slower;
 * log-probs: one forward of every sequence (2 x params FLOPs/token + attention) over all ranks;
 * update: forward + backward (6 x params FLOPs/token + attention; 8 x with full recompute) per epoch,
   stretched by the pipeline bubble ``(pp - 1) / micro-batches``;
@@ -20,6 +23,7 @@ Phases (sequential in our trainer, nothing overlaps):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from openrlhf_shape.planner.assumptions import PlanOptions
@@ -53,6 +57,38 @@ def decode_rate(model: ModelShape, engine_tp: int, concurrent: float, mean_ctx: 
     return concurrent / t, t
 
 
+def probe_roofline(model: ModelShape, *, engine_tp: int, probes: float, suffix_tokens: int, decode_tokens: int,
+                   context_tokens: float, opt: PlanOptions) -> tuple[float, str]:
+    """Seconds of one engine's probe phase, and how they were reached.
+
+    ``probes``: probes on this engine; ``context_tokens``: the mean prefix a probe continues (prompt plus the
+    response up to its boundary, served from the prefix cache). Prefill: ``probes x suffix`` tokens at
+    ``2 x params + attention over the context`` FLOPs each, at ``--plan.prefill_mfu``. Decode: waves of
+    ``min(vllm_max_num_seqs, probes)`` probes x ``decode_tokens`` steps; a step reads the engine's weight
+    shard plus each probe's context KV at ``hbm_gbs x decode_efficiency``, or computes ``2 x params`` per
+    probe at ``mfu``, whichever is slower."""
+    if probes <= 0:
+        return 0.0, "no probes"
+    gpu = opt.peak_tflops * 1e12
+    f_prefill = 2 * model.total_params() + 2 * 2 * model.layers * model.q_dim * (context_tokens + suffix_tokens / 2)
+    t_prefill = probes * suffix_tokens * f_prefill / (engine_tp * gpu * opt.prefill_mfu)
+    wave = max(1.0, min(float(opt.vllm_max_num_seqs), probes))
+    waves = math.ceil(probes / wave)
+    ctx = context_tokens + suffix_tokens + decode_tokens / 2
+    bytes_step = model.total_params() * 2 / engine_tp + wave * ctx * model.kv_bytes_per_token(engine_tp)
+    t_mem = bytes_step / (opt.hbm_gbs * 1e9 * opt.decode_efficiency)
+    t_cmp = 2 * model.total_params() / engine_tp * wave / (gpu * opt.mfu)
+    t_step = max(t_mem, t_cmp)
+    t_decode = waves * decode_tokens * t_step
+    kv_share = wave * ctx * model.kv_bytes_per_token(engine_tp) / bytes_step
+    how = (f"prefill {probes:,.0f} probes x {suffix_tokens} suffix tokens x {f_prefill / 1e9:.1f} GFLOP / "
+           f"({engine_tp} GPU x {opt.peak_tflops:g} TFLOPS x prefill MFU {opt.prefill_mfu}) = {t_prefill:.0f} s; "
+           f"decode {waves} waves of {wave:.0f} x {decode_tokens} steps x {t_step * 1e3:.1f} ms "
+           f"({'HBM' if t_mem >= t_cmp else 'compute'} bound, context KV {100 * kv_share:.0f}% of the bytes read, "
+           f"{ctx:,.0f} tokens per probe) = {t_decode:.0f} s")
+    return t_prefill + t_decode, how
+
+
 def step_time(
     model: ModelShape,
     *,
@@ -68,7 +104,8 @@ def step_time(
     response_tokens: int,
     max_response_tokens: int,
     probes_per_response: int,
-    probe_tokens: int,
+    probe_suffix_tokens: int,
+    probe_decode_tokens: int,
     epochs: int,
     micro_batch_tokens: int,
     train_batch_size: int,
@@ -98,15 +135,12 @@ def step_time(
                         f"max({gen_tokens:,.0f} tokens/engine / {rate:,.0f} tok/s = {t_tp:.0f} s, "
                         f"longest response {max_response_tokens} steps x {t_one * 1e3:.1f} ms = {t_tail:.0f} s); {how_rate}"))
     if probes_per_response:
-        p_tokens = per_engine * probes_per_response * probe_tokens
-        conc_p = max(1.0, min(opt.vllm_max_num_seqs, per_engine * probes_per_response))
-        if opt.decode_tokens_per_s_per_gpu:
-            rate_p = rate
-        else:
-            rate_p, _ = decode_rate(model, engine_tp, conc_p, seq, opt)
-        phases.append(Phase("SHAPE probes", p_tokens / rate_p,
-                            f"{per_engine:.0f} responses/engine x {probes_per_response} probes x {probe_tokens} tokens "
-                            f"(suffix prefill + decode) / {rate_p:,.0f} tok/s"))
+        # a probe continues the response at a boundary: on average half of it (segments cut it evenly)
+        t_probes, how_probes = probe_roofline(model, engine_tp=engine_tp, probes=per_engine * probes_per_response,
+                                              suffix_tokens=probe_suffix_tokens, decode_tokens=probe_decode_tokens,
+                                              context_tokens=prompt_tokens + response_tokens / 2, opt=opt)
+        phases.append(Phase("SHAPE probes", t_probes, f"{per_engine:.0f} responses/engine x {probes_per_response} probes: "
+                                                      + how_probes))
     total_tokens = samples * seq
     gpu_flops = opt.peak_tflops * 1e12 * opt.mfu
     f_lp = flops_per_token(model, seq, backward=False, recompute=False)

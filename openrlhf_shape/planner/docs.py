@@ -53,8 +53,8 @@ def _phase(plan: Plan, name: str) -> str:
 
 def preset_table() -> list[str]:
     rows = [
-        "| preset | model | GPUs | Megatron TP x PP x DP | vLLM engines x TP | rollout | log-probs | update | update, vLLM never asleep | smallest margin | KV tokens / engine | est. step |",
-        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| preset | model | GPUs | Megatron TP x PP x DP | vLLM engines x TP | rollout | log-probs | update | update, vLLM never asleep | smallest margin | KV tokens / engine | est. step | SHAPE/GRPO |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for path in sorted(CONFIGS.glob("*.yaml")):
         plan = _plan(path)
@@ -66,10 +66,11 @@ def preset_table() -> list[str]:
             f"| {path.stem} | {plan.model.name} | {gpus or 'CPU'} | {plan.tp} x {plan.pp} x {plan.dp} | {engines} | "
             f"{_phase(plan, 'rollout')} | {_phase(plan, 'log-probs')} | {_phase(plan, 'update')} | "
             f"{_phase(awake, 'update') if awake else '-'} | {free / GiB:.1f} GiB ({name}) | "
-            f"{plan.vllm.kv_tokens:,} | {f'{plan.step_seconds:.0f} s' if plan.phases else 'n/a'} |"
+            f"{plan.vllm.kv_tokens:,} | {f'{plan.step_seconds:.0f} s' if plan.phases else 'n/a'} | "
+            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} |"
             if plan.vllm else
             f"| {path.stem} | {plan.model.name} | CPU | {plan.tp} x {plan.pp} x {plan.dp} | {engines} | - | - | "
-            f"{_phase(plan, 'update')} (host RAM) | - | {free / GiB:.1f} GiB ({name}) | - | n/a |"
+            f"{_phase(plan, 'update')} (host RAM) | - | {free / GiB:.1f} GiB ({name}) | - | n/a | - |"
         )
     return rows
 
@@ -156,8 +157,15 @@ def generate() -> str:
         "next to the rank's resident weights, fp32 grads and optimizer shard. `--engine.gpu_memory_utilization` is",
         "therefore bounded by what Megatron keeps resident; a refusal prints the largest value that fits. The update",
         "phase has ample room once vLLM sleeps; it still fits if vLLM never sleeps, with the margin of that column.",
-        "The SHAPE probes (K x m = 128 probes of ~47 tokens per response in the Qwen3 presets) cost about as much decode time as the",
-        "rollout itself in these estimates.",
+        "The SHAPE probes (K x m = 128 probes per response in the Qwen3 presets: a prefix-cache hit, a ~31-token",
+        "suffix prefill and 16 decode steps each) are costed as a roofline (`planner/cost.py:probe_roofline`): the",
+        "prefill is compute bound at the forward MFU the GPU kit measured; the decode runs in waves of",
+        "`vllm_max_num_seqs` probes and is bound by HBM, where each probe's context KV (the prompt and the response",
+        "up to its boundary) is ~95% of the bytes a step reads: paged attention reads a shared prefix once per",
+        "sequence. The SHAPE/GRPO column is the step with the probes over the same step without them; the paper",
+        "measured 1.17 at K = 8 (K = 16 here). What would cut the probe term: attention that reads a prefix shared",
+        "by a wave once (cascade / shared-prefix kernels), grouping a response's probes into one wave, or fewer",
+        "probes (`--probe.adaptive`: 0.54x the probe tokens on the demo, docs/adaptive_probes.md).",
         "",
         "## The terms",
         "",

@@ -91,6 +91,16 @@ class Plan:
         return sum(p.seconds for p in self.phases)
 
     @property
+    def probe_seconds(self) -> float:
+        return sum(p.seconds for p in self.phases if p.name == "SHAPE probes")
+
+    @property
+    def shape_over_grpo(self) -> float | None:
+        """Step time with the probes over the same step without them (GRPO on this layout); None without probes."""
+        base = self.step_seconds - self.probe_seconds
+        return self.step_seconds / base if self.probe_seconds and base > 0 else None
+
+    @property
     def min_free(self) -> tuple[str, int]:
         phases = self.gpu_phases + self.engine_phases
         worst = min(phases, key=lambda p: p.free)
@@ -157,7 +167,8 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     probe_tokens = suffix + rs.probe_max_tokens
     mb_per_dp = max(1, math.ceil(rs.train_batch_size / dp * (prompt_tokens + response_tokens) / mbt))
     plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
-                       probes_per_response=probes_per_response, probe_tokens=probe_tokens, micro_batches_per_dp=mb_per_dp)
+                       probes_per_response=probes_per_response, probe_tokens=probe_tokens, probe_suffix_tokens=suffix,
+                       probe_decode_tokens=rs.probe_max_tokens, micro_batches_per_dp=mb_per_dp)
 
     # The profile the trainer would hand its ranks on such a cluster (openrlhf_shape/platform.py).
     from openrlhf_shape.platform import cpu_platform, gpu_platform
@@ -365,7 +376,8 @@ def _finish(plan: Plan, cfg: Any) -> None:
         plan.model, world=plan.world, tp=plan.tp, pp=plan.pp, dp=plan.dp, recompute=r.recompute,
         num_engines=r.num_engines, engine_tp=r.engine_tp, samples=i["samples"],
         prompt_tokens=i["prompt_tokens"], response_tokens=i["response_tokens"], max_response_tokens=r.max_new_tokens,
-        probes_per_response=i["probes_per_response"], probe_tokens=i["probe_tokens"], epochs=r.max_epochs,
+        probes_per_response=i["probes_per_response"], probe_suffix_tokens=i["probe_suffix_tokens"],
+        probe_decode_tokens=i["probe_decode_tokens"], epochs=r.max_epochs,
         micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=r.train_batch_size, kv_tokens_per_engine=kv_tokens,
         nodes=nodes, colocate=r.colocate, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
     )
