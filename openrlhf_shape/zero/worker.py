@@ -58,7 +58,8 @@ class ZeroRankWorker:
         without a driver passes ``detect_platform()`` of its own process."""
         self.platform = Platform.from_dict(platform)
         set_cpu_accelerator(self.platform)
-        self.cfg = cfg = cfg.for_platform(self.platform)
+        cfg = cfg.for_platform(self.platform)
+        self.state = ZeroState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size, dp_size=world_size)
         self.rank, self.world_size = rank, world_size
         self.on_cpu = self.platform.on_cpu
         n_dev = 0 if self.on_cpu else torch.cuda.device_count()
@@ -80,12 +81,20 @@ class ZeroRankWorker:
         self.dp_size = world_size
         self.dp_rank = rank
         seed_all(cfg.train.seed)
-        self.state = ZeroState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size, dp_size=world_size)
         from openrlhf_shape.actor.offload import StateOffloader
 
         self.offloader = StateOffloader(on_gpu=self.platform.on_gpu)
 
     # ------------------------------------------------------------------ properties
+    @property
+    def cfg(self) -> ZeroConfig:
+        """The rank's settings, resolved for its profile; they live in the state checkpoint/export read."""
+        return self.state.cfg
+
+    @cfg.setter
+    def cfg(self, cfg: ZeroConfig) -> None:  # a new configuration for the next init_model (tests run stages on one rank)
+        self.state.cfg = cfg.for_platform(self.platform)
+
     @property
     def device(self) -> torch.device:
         return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())

@@ -46,9 +46,9 @@ def parts(tiny_model_dir, parity_reward_file):
     reward.close()
 
 
-def _build(engines, actor, reward, tok, shape: ShapeConfig, max_tokens: int, dynamic_filtering: bool = False):
+def _build(engines, logprobs_fn, reward, tok, shape: ShapeConfig, max_tokens: int, dynamic_filtering: bool = False):
     probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens)
-    return ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, actor.compute_logprobs_and_entropy, reward, tok,
+    return ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, logprobs_fn, reward, tok,
                                 dynamic_filtering=dynamic_filtering)
 
 
