@@ -119,11 +119,14 @@ class SdpaCoreAttention(_megatron_base()):  # type: ignore[misc]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_per_partition)
 
 
-def local_layer_spec(*, qk_layernorm: bool, attention: str):
-    """Megatron's local GPT layer spec (RMSNorm) with the chosen core attention ("megatron" | "sdpa")."""
+def local_layer_spec(*, qk_layernorm: bool, attention: str, num_experts: int | None = None):
+    """Megatron's local GPT layer spec (RMSNorm) with the chosen core attention ("megatron" | "sdpa").
+    ``num_experts``: a MoE layer whose experts are Megatron's ``SequentialMLP`` (one local MLP per expert;
+    grouped GEMM needs transformer-engine or the CUDA grouped_gemm package)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+                                    normalization="RMSNorm")
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     elif attention != "megatron":

@@ -4,12 +4,13 @@ mbridge 0.15.1 builds every model with the transformer-engine spec and TE parame
 (``linear_qkv.layer_norm_weight``). On a machine without CUDA we use Megatron's local spec
 (``get_gpt_layer_local_spec``) whose norms are separate modules (``input_layernorm``,
 ``pre_mlp_layernorm``). :func:`make_bridge` returns an instance of a small subclass of the
-registered mbridge class (Qwen3 / Qwen2 / Llama) that
+registered mbridge class (Qwen3 / Qwen2 / Llama / Qwen3-MoE) that
 
 * picks the spec from ``MegatronConfig.layer_spec`` ("auto": the platform profile's, TE on GPU and
   local on CPU; the local spec's core attention is Megatron's or torch SDPA,
   ``MegatronConfig.local_attention``);
-* adds the local-spec key names (per instance, never in mbridge's class-level dicts);
+* adds the local-spec key names (per instance, never in mbridge's class-level dicts), MoE experts as
+  ``SequentialMLP`` renamed to mbridge's grouped names (docs/moe.md);
 * maps ``output_layer.weight`` to ``model.embed_tokens.weight`` for tied embeddings (per instance);
 * reads ``rope_theta`` from ``rope_parameters`` (transformers 5) or the legacy attribute;
 * turns our :class:`MegatronConfig` into TransformerConfig overrides
@@ -18,13 +19,15 @@ registered mbridge class (Qwen3 / Qwen2 / Llama) that
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.platform import Platform
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight$")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 
 def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spec: Optional[bool] = None) -> dict[str, Any]:
@@ -38,8 +41,9 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spe
         local_spec = on_cpu
     overrides: dict[str, Any] = {
         "sequence_parallel": bool(cfg.sequence_parallel),
-        # Packed / dynamic micro-batches have different lengths; the PP schedule must exchange shapes.
-        "variable_seq_lengths": True,
+        # Packed / dynamic micro-batches have different lengths; the PP schedule must exchange shapes
+        # (without PP nothing is exchanged, and MoE's all-gather token dispatcher refuses the switch).
+        "variable_seq_lengths": cfg.pipeline_model_parallel_size > 1,
         # The policy loss is already normalised by the global valid-token count, so the schedule
         # must not divide by the number of micro-batches and DDP must not average over DP.
         "calculate_per_token_loss": True,
@@ -62,7 +66,10 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spe
             persist_layer_norm=False,
         )
     if on_cpu:
-        overrides.update(use_cpu_initialization=True)
+        # the all-to-all MoE token dispatcher creates CUDA streams at construction; all-gather does not
+        overrides.update(use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
+    if local_spec:
+        overrides.update(moe_grouped_gemm=False)  # the local spec's experts are SequentialMLP
     return overrides
 
 
@@ -123,7 +130,22 @@ class _ShapeBridgeMixin:
             return super()._get_transformer_layer_spec(vp_stage)  # type: ignore[misc]
         from openrlhf_shape.megatron.attention import local_layer_spec
 
-        return local_layer_spec(qk_layernorm=bool(self.config.qk_layernorm), attention=self._shape_local_attention)
+        return local_layer_spec(qk_layernorm=bool(self.config.qk_layernorm), attention=self._shape_local_attention,
+                                num_experts=self.config.num_moe_experts)
+
+    def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+        # The local spec's experts are SequentialMLP modules (``mlp.experts.local_experts.E.linear_fc1.weight``);
+        # mbridge names them as TE's grouped MLP does (``mlp.experts.linear_fc1.weightE``).
+        m = _LOCAL_EXPERT.search(mcore_weights_name)
+        if m:
+            mcore_weights_name = _LOCAL_EXPERT.sub(rf"mlp.experts.\g<fc>.weight{int(m.group('e')) + self._expert_offset()}",
+                                                   mcore_weights_name)
+        return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)  # type: ignore[misc]
+
+    def _expert_offset(self) -> int:
+        """The first global expert id on this expert-parallel rank (local ids start at 0)."""
+        ep = getattr(self.mpu, "ep_size", 1) or 1
+        return 0 if ep == 1 else self.config.num_moe_experts // ep * self.mpu.ep_rank
 
     def _get_gptmodel_args(self) -> dict:
         return dict(

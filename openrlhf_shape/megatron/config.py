@@ -25,6 +25,8 @@ class MegatronConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # MoE experts sharded over this many data-parallel ranks (--megatron.expert_model_parallel_size); 1 for dense
+    expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False
@@ -62,7 +64,7 @@ class MegatronConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "total_steps",
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size", "total_steps",
                      "micro_batch_max_tokens", "entropy_chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -161,6 +163,13 @@ class MegatronConfig:
         if self.bf16 and not platform.on_gpu:
             raise ValueError(
                 "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
+            )
+        if self.expert_model_parallel_size > 1 and not platform.on_gpu:
+            raise ValueError(
+                f"MegatronConfig.expert_model_parallel_size={self.expert_model_parallel_size} does not run on CPU yet: "
+                "the all-gather MoE token dispatcher needs equal token counts on every expert-parallel rank and the "
+                "all-to-all one creates CUDA streams (docs/moe.md); use expert_model_parallel_size=1 (experts sharded "
+                "by tensor parallelism instead)"
             )
         if self.layer_spec_on(platform) == "te":
             if not platform.on_gpu:

@@ -278,6 +278,19 @@ def _patch_distopt_adam_step_load() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
+def _patch_moe_router_gemm() -> None:
+    """megatron-core 0.16.1's MoE router gating reads ``te_general_gemm``, a name ``moe_utils`` binds only when
+    transformer-engine imports; without TE every MoE forward raises ``NameError`` (its own code already
+    falls back to a torch matmul when the name is None).
+
+    Without it: a Qwen3-MoE model cannot run a forward on CPU (nor on a GPU without transformer-engine).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_patches(platform: "Platform") -> bool:
     """Apply all CPU patches once, only under a CPU profile (``platform``: the rank's, as handed).
     Returns True if active."""
@@ -293,5 +306,6 @@ def apply_cpu_patches(platform: "Platform") -> bool:
         _patch_sequence_parallel_norm()
         _patch_gloo_scatter()
         _patch_distopt_adam_step_load()
+        _patch_moe_router_gemm()
         _APPLIED = True
     return True

@@ -118,6 +118,7 @@ class MegatronRankWorker:
             mpu.initialize_model_parallel(
                 tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                expert_model_parallel_size=cfg.expert_model_parallel_size,
             )
             seed_all(cfg.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)

@@ -75,6 +75,10 @@ class ModelShape:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelShape":
+        if cfg.get("num_experts") or cfg.get("num_local_experts"):
+            raise NotImplementedError(
+                f"{name}: a mixture-of-experts config ({cfg.get('model_type')}); the planner's memory and time terms "
+                "are dense-only so far (experts, router and all-to-all terms: docs/moe.md); no estimate rather than a wrong one")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         mt = str(cfg.get("model_type", "llama"))

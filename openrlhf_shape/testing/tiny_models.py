@@ -14,7 +14,7 @@ import os
 import random
 from pathlib import Path
 
-TINY_ARCHS = ("qwen3", "qwen2", "llama")
+TINY_ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -84,7 +84,7 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 1024):
 
 
 def _config(arch: str, vocab_size: int, num_layers: int, tie: bool | None, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -103,6 +103,10 @@ def _config(arch: str, vocab_size: int, num_layers: int, tie: bool | None, **ove
         cfg = Qwen3Config(head_dim=32, tie_word_embeddings=bool(tie) if tie is not None else False, **common)
     elif arch == "qwen2":
         cfg = Qwen2Config(tie_word_embeddings=bool(tie) if tie is not None else False, **common)
+    elif arch == "qwen3_moe":  # 8 experts, 2 routed per token, every layer sparse (as Qwen3-30B-A3B: 128 / 8)
+        cfg = Qwen3MoeConfig(head_dim=32, tie_word_embeddings=bool(tie) if tie is not None else False, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                             norm_topk_prob=True, router_aux_loss_coef=0.001, **common)
     elif arch == "llama":
         cfg = LlamaConfig(head_dim=32, tie_word_embeddings=True if tie is None else bool(tie), **common)
     else:
