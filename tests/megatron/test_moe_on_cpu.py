@@ -58,3 +58,15 @@ def test_what_does_not_run_yet_is_refused_with_the_reason(moe_dir):
     MegatronConfig(expert_model_parallel_size=2, layer_spec="local").check_device(gpu_platform())  # GPU: allowed
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
         ModelShape.from_file(f"{moe_dir}/config.json")  # the planner sizes dense models only, says so
+
+
+def test_the_trainer_refuses_a_moe_policy_until_the_engine_reload_is_right(moe_dir):
+    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.trainer.setup import build_run
+
+    from pathlib import Path
+
+    preset = Path(__file__).resolve().parents[2] / "configs" / "cpu-smoke.yaml"
+    cfg = load_config(str(preset), ["--actor.model_name_or_path", moe_dir])
+    with pytest.raises(ValueError, match="mixture-of-experts model"):
+        build_run(cfg)
