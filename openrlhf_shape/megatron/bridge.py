@@ -66,8 +66,7 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spe
             persist_layer_norm=False,
         )
     if on_cpu:
-        # the all-to-all MoE token dispatcher creates CUDA streams at construction; all-gather does not
-        overrides.update(use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
+        overrides.update(use_cpu_initialization=True)
     if local_spec:
         overrides.update(moe_grouped_gemm=False)  # the local spec's experts are SequentialMLP
     return overrides
@@ -97,9 +96,14 @@ class _ShapeBridgeMixin:
     _shape_overrides: dict[str, Any] = {}
     _shape_local_spec: bool = True
     _shape_local_attention: str = "megatron"
+    _shape_on_cpu: bool = False
 
     def _build_base_config(self, text_config_key=None, **kwargs):  # type: ignore[override]
         kwargs.update(self._shape_overrides)
+        if kwargs.get("num_moe_experts") and self._shape_on_cpu:
+            # MoE on CPU: the all-to-all token dispatcher creates CUDA streams at construction; all-gather does
+            # not (it refuses variable_seq_lengths, so MoE with PP > 1 does not run on CPU: docs/moe.md)
+            kwargs["moe_token_dispatcher_type"] = "allgather"
         return super()._build_base_config(text_config_key, **kwargs)  # type: ignore[misc]
 
     def _adjust_mapping_for_shared_weights(self) -> None:
@@ -184,6 +188,7 @@ def make_bridge(hf_config: Any, cfg: MegatronConfig, *, platform: Platform):
             "_shape_overrides": transformer_config_overrides(cfg, on_cpu=on_cpu, local_spec=local_spec),
             "_shape_local_spec": local_spec,
             "_shape_local_attention": cfg.local_attention,
+            "_shape_on_cpu": on_cpu,
         },
     )
     return cls(hf_config, dtype=cfg.params_dtype)
