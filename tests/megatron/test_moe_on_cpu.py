@@ -60,13 +60,16 @@ def test_what_does_not_run_yet_is_refused_with_the_reason(moe_dir):
         ModelShape.from_file(f"{moe_dir}/config.json")  # the planner sizes dense models only, says so
 
 
-def test_the_trainer_refuses_a_moe_policy_until_the_engine_reload_is_right(moe_dir):
+def test_the_trainer_takes_a_moe_policy_on_megatron_only(moe_dir):
+    """A MoE policy trains on the Megatron backend (tests/trainer/test_train_e2e_moe.py runs SHAPE steps on it,
+    colocated and disaggregated); the DeepSpeed backend is refused before anything starts, naming the flag:
+    it exports transformers 5's fused expert tensors, which the engine's per-expert checkpoint does not have."""
     from openrlhf_shape.trainer.config import load_config
     from openrlhf_shape.trainer.setup import build_run
 
     from pathlib import Path
 
     preset = Path(__file__).resolve().parents[2] / "configs" / "cpu-smoke.yaml"
-    cfg = load_config(str(preset), ["--actor.model_name_or_path", moe_dir])
-    with pytest.raises(ValueError, match="mixture-of-experts model"):
+    cfg = load_config(str(preset), ["--actor.model_name_or_path", moe_dir, "--actor.backend", "deepspeed"])
+    with pytest.raises(ValueError, match="mixture-of-experts model .*--actor.backend megatron"):
         build_run(cfg)
