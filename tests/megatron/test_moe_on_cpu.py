@@ -61,7 +61,7 @@ def test_what_does_not_run_yet_is_refused_with_the_reason(moe_dir):
 
 
 def test_the_trainer_refuses_a_moe_policy_until_the_engine_reload_is_right(moe_dir):
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.setup import build_run
 
     from pathlib import Path
