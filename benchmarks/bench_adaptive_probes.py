@@ -227,7 +227,7 @@ def main() -> None:
     t0 = time.perf_counter()
     chunks = []
     for c in range(args.gt_m // args.gt_chunk):
-        res, _ = run_probes(st, probe_config(f"fixed:{args.gt_chunk}", st.shape.probe_max_tokens), reward, 10_000 + c)
+        res, _ = run_probes(st, probe_config(f"fixed:{args.gt_chunk}", st.probe.max_tokens), reward, 10_000 + c)
         chunks.append(res.potentials)
     gt = [torch.stack([ch[i] for ch in chunks]).mean(0) for i in range(len(st.responses))]
     gt_states = unique_states(st, gt)
@@ -251,7 +251,7 @@ def main() -> None:
     rows = {}
 
     for spec in settings:
-        cfg = probe_config(spec, st.shape.probe_max_tokens)
+        cfg = probe_config(spec, st.probe.max_tokens)
         acc = {k: 0.0 for k in ("decode", "prefill", "wall", "rounds", "samples", "phi_mse", "adv_mse", "sign")}
         for rep in range(args.repeats):
             res, wall = run_probes(st, cfg, reward, 1 + rep)

@@ -71,7 +71,7 @@ def _demo_probe_batch(path: str, prompts: int, n: int, m: int) -> tuple[list[str
     from openrlhf_shape.rollout import ProbeConfig, ProbeSuffixes, SamplingConfig, build_probe_prompt
 
     st = build_demo_states(prompts, n)
-    cfg = ProbeConfig(num_probes=m, max_tokens=st.shape.probe_max_tokens)
+    cfg = ProbeConfig(num_probes=m, max_tokens=st.probe.max_tokens)
     suf = ProbeSuffixes.from_tokenizer(st.tokenizer, cfg)
     requests, labels, seen = [], [], set()
     for p, r, bs, lab in zip(st.prompts, st.responses, st.boundary_lists, st.labels):

@@ -19,7 +19,7 @@ import shlex
 import statistics
 import tempfile
 
-from openrlhf_shape.trainer.config import load_config
+from openrlhf_shape.config import load_config
 from openrlhf_shape.trainer.ppo_trainer import PHASES, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -26,6 +26,7 @@ class DemoStates:
     group: object  # EngineGroup
     tokenizer: object
     shape: object  # ShapeConfig of the preset
+    probe: object  # ProbeConfig of the preset (m, probe length)
     max_new_tokens: int
     prompts: list[list[int]]  # per response
     responses: list[list[int]]
@@ -45,13 +46,13 @@ def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=No
     from openrlhf_shape.data.prompts import PromptDataConfig, build_prompt_dataset
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.rollout import EngineConfig, EngineGroup, SamplingConfig, VLLMEngine
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.experience import HFActor
     from openrlhf_shape.trainer.setup import _prompt_source
 
     cfg = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), [])
     model_dir = ensure_demo_model()
-    engine = VLLMEngine(EngineConfig(model_path=model_dir, seed=seed, block_size=cfg.engine.block_size or 32,
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, seed=seed, block_size=cfg.vllm.block_size or 32,
                                      max_model_len=cfg.max_model_len(), kv_cache_gib=1.0, dtype="float32"), platform=detect_platform())
     group = EngineGroup([engine])
     tok = group.get_tokenizer()
@@ -63,9 +64,9 @@ def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=No
         tok,
     )
     items = random.Random(seed).sample(list(dataset), num_prompts)
-    r = cfg.sampling
+    r = cfg.rollout
     gens = group.generate([list(it.prompt_ids) for it in items],
-                          SamplingConfig(n=n_samples, temperature=r.temperature, max_tokens=r.max_tokens))
+                          SamplingConfig(n=n_samples, temperature=r.temperature, max_tokens=r.max_new_tokens))
     sample_items = [items[g.prompt_index] for g in gens]
     responses = [list(g.token_ids) for g in gens]
     own = reward is None
@@ -84,7 +85,7 @@ def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=No
     del actor
     mask = length_mask([len(x) for x in responses], ent.shape[1])
     bounds = segment_batch(ent, mask, cfg.shape)
-    return DemoStates(group=group, tokenizer=tok, shape=cfg.shape, max_new_tokens=r.max_tokens,
+    return DemoStates(group=group, tokenizer=tok, shape=cfg.shape, probe=cfg.probe, max_new_tokens=r.max_new_tokens,
                       prompts=[list(it.prompt_ids) for it in sample_items], responses=responses,
                       labels=[it.label for it in sample_items], rewards=out["rewards"].float(), entropy=ent,
                       mask=mask, boundaries=bounds, boundary_lists=boundaries_as_lists(bounds), n_samples=n_samples)

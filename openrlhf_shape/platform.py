@@ -60,7 +60,7 @@ class Platform:
     gpus_per_bundle: float = 0.0  # GPUs in each placement bundle (0: CPU slots on the local node)
     gpus_per_engine: float = 0.0  # engine actor's GPUs without a placement (GPU: 1 at TP 1, vLLM's workers at TP > 1)
     cpus_per_rank: float = 0.5  # Ray CPUs of a Megatron rank actor (--actor.num_cpus_per_rank)
-    cpus_per_engine: float = 0.5  # Ray CPUs of an engine actor (--rollout.num_cpus_per_engine)
+    cpus_per_engine: float = 0.5  # Ray CPUs of an engine actor (--vllm.num_cpus_per_engine)
     threads_per_rank: int | None = None  # torch threads of a rank actor (None: leave Ray's OMP_NUM_THREADS)
     threads_per_engine: int | None = None  # torch threads of a TP-1 engine actor (None: leave Ray's OMP_NUM_THREADS)
     cluster_gpus: float = 0.0  # GPUs the decision saw (Ray cluster or this host)
@@ -159,14 +159,14 @@ def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platfor
     """
     gpus, source = _gpu_count()
     cpus_per_rank = float(cfg.actor.num_cpus_per_rank) if cfg is not None else 0.5
-    cpus_per_engine = float(cfg.rollout.num_cpus_per_engine) if cfg is not None else 0.5
+    cpus_per_engine = float(cfg.vllm.num_cpus_per_engine) if cfg is not None else 0.5
     if engine_tp is None:
-        engine_tp = int(cfg.engine.tensor_parallel_size) if cfg is not None else 1
+        engine_tp = int(cfg.vllm.tensor_parallel_size) if cfg is not None else 1
     if gpus > 0:
         # At engine TP > 1 vLLM's Ray executor places the workers; the engine actor itself holds no GPU.
         return gpu_platform(gpus_per_engine=1.0 if engine_tp == 1 else 0.0, cpus_per_rank=cpus_per_rank,
                             cpus_per_engine=cpus_per_engine, cluster_gpus=gpus, source=source)
-    world = int(cfg.megatron.world_size) if cfg is not None else 1
+    world = int(cfg.actor.world_size) if cfg is not None else 1
     # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the ranks and the engines take turns
     # (rollout, then update), so the ranks share the node's cores while they train.
     cores = os.cpu_count() or 1
@@ -175,6 +175,6 @@ def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platfor
         threads = max(1, cores // max(world, 1))
         # Likewise the engines while they generate; at engine TP > 1 each worker is bound to one core instead.
         if engine_tp == 1:
-            engine_threads = max(1, cores // max(int(cfg.rollout.num_engines), 1))
+            engine_threads = max(1, cores // max(int(cfg.vllm.num_engines), 1))
     return cpu_platform(cpus_per_rank=cpus_per_rank, cpus_per_engine=cpus_per_engine, threads_per_rank=threads,
                         threads_per_engine=engine_threads, cluster_gpus=0.0, source=source)

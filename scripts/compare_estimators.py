@@ -19,7 +19,7 @@ import os
 from openrlhf_shape.data.prompts import bundled_math_path
 from openrlhf_shape.eval import BenchmarkSpec, EvalConfig, analyze, evaluate
 from openrlhf_shape.rollout.engine import EngineConfig
-from openrlhf_shape.trainer.config import load_config
+from openrlhf_shape.config import load_config
 from openrlhf_shape.trainer.ppo_trainer import resolve_model_dir, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

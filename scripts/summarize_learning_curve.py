@@ -5,7 +5,7 @@
 
 Reads each run's ``run.json`` and ``metrics.jsonl`` (written by the trainer with configs/cpu-learn.yaml):
 the held-out evals (``eval/accuracy`` with ``eval/accuracy_ci_low/high``, ``eval/response_length/mean``
-with its CI) at step 0 (``--trainer.val_before_train``), in the middle and at the end, and the per-step
+with its CI) at step 0 (``--eval.val_before_train``), in the middle and at the end, and the per-step
 training reward. "base" is the step-0 eval, "trained" the last eval. A run whose last step is below its
 ``trainer.num_steps`` is marked partial. Also draws the held-out curve with CIs and runs ``analyze``.
 """
@@ -66,7 +66,7 @@ def summarize_run(run_dir: str, base_from: str | None = None) -> dict[str, Any]:
     """One estimator's entry of learning_curve.json.
 
     ``base_from``: another run directory whose step-0 eval is this run's base, for a run started with
-    ``--trainer.val_before_train false``; its held-out protocol and base model must equal this run's.
+    ``--eval.val_before_train false``; its held-out protocol and base model must equal this run's.
     """
     with open(os.path.join(run_dir, "run.json")) as f:
         info = json.load(f)
@@ -184,7 +184,7 @@ def render_markdown(data: dict[str, Any], notes: str | None) -> str:
     lines += ["Reproduce (2-core CPU machine, no GPU):", "", "```bash", *commands, "```", "",
               f"Machine: {data['machine']}", "",
               f"Held-out: all 100 bundled test problems x {n} samples at T 0.6 (top-p 0.95, top-k 40), avg@{n} pass@1 "
-              "with 95% percentile-bootstrap CIs over problems; step 0 is the base policy (`--trainer.val_before_train`).",
+              "with 95% percentile-bootstrap CIs over problems; step 0 is the base policy (`--eval.val_before_train`).",
               "", "| estimator | steps | held-out accuracy, step 0 | middle | trained | mean tokens, step 0 | trained "
               "| bar (trained low > base high) | run seconds | mean step s | probes s/step |",
               "| --- | ---: | --- | --- | --- | --- | --- | :---: | ---: | ---: | ---: |"]
@@ -200,7 +200,7 @@ def render_markdown(data: dict[str, Any], notes: str | None) -> str:
         if e.get("base_from"):
             lines += ["", f"{name.upper()}'s step-0 (base) eval is the one of `{e['base_from']}`: the same base model, "
                       "held-out problems, sampling settings and seed (the engines are reseeded before every eval), "
-                      "so the same numbers; the run itself used `--trainer.val_before_train false`."]
+                      "so the same numbers; the run itself used `--eval.val_before_train false`."]
     lines += ["", f"![held-out curve]({FIG_DIR}/heldout_curve.png)", ""]
     lines += ["Per-step training reward (rollouts at T 1.0, 8 prompts x 4 samples):", ""]
     for name, e in ests.items():

@@ -23,7 +23,7 @@ def gamma_min_bound(num_probes: int) -> float:
 class ShapeConfig:
     """Settings of the advantage estimator (``--algo.advantage.estimator`` and ``--shape.*``).
 
-    Defaults follow the paper (alpha 0.3, gamma_min 0.9, K 8, m 8, probes of 16 tokens); TCR
+    Defaults follow the paper (alpha 0.3, gamma_min 0.9, K 8); TCR
     defaults (beta 0.5, delta 0.5..1.5) are ours (the paper is silent). ``l_ref`` None means
     ``max_response_len / num_segments`` (resolved by :meth:`resolved_l_ref`).
     """
@@ -34,8 +34,6 @@ class ShapeConfig:
     l_ref: float | None = None
     fixed_gamma: float | None = None  # ablation: constant gamma_k
     num_segments: int = 8  # K
-    num_probes: int = 8  # m
-    probe_max_tokens: int = 16
     segmentation: str = "entropy"
     entropy_threshold: float | None = None  # absolute tau; None = per-response quantile
     entropy_quantile: float = 0.8
@@ -82,28 +80,10 @@ class ShapeConfig:
                     "a correct trajectory's total reward is only guaranteed to exceed every incorrect one's "
                     f"when alpha < 0.5). Use alpha < 0.5, or pass --shape.allow_unsafe_hparams to run anyway.",
                 )
-            if self.estimator == "shape" and self.num_probes >= 1:
-                name, g = ("gamma_min", self.gamma_min) if self.fixed_gamma is None else ("fixed_gamma", self.fixed_gamma)
-                m = self.num_probes
-                bound = gamma_min_bound(m)
-                if g <= bound:
-                    raise bad(
-                        name,
-                        f"{g} <= (m-1)/m = {m - 1}/{m} = {bound:.4g} for m = {m} probes (--shape.num_probes) breaks "
-                        f"reward-sign consistency (paper appendix A.2: potentials lie on the grid k/{m}, and the "
-                        f"step from Phi = {m - 1}/{m} to 1 must get a positive shaping reward gamma - {m - 1}/{m}, "
-                        "which needs gamma > (m-1)/m; the paper's gamma_min = 0.7 ablation collapsed). Raise "
-                        f"--shape.{name} into ({bound:.4g}, 1], lower --shape.num_probes, or pass "
-                        "--shape.allow_unsafe_hparams to run anyway.",
-                    )
         if self.l_ref is not None and not self.l_ref > 0:
             raise bad("l_ref", f"must be > 0 tokens (or unset for max_response_len / K), got {self.l_ref}")
         if not 1 <= self.num_segments <= 256:
             raise bad("num_segments", f"K must lie in [1, 256], got {self.num_segments}")
-        if not 1 <= self.num_probes <= 1024:
-            raise bad("num_probes", f"m must lie in [1, 1024], got {self.num_probes}")
-        if not 1 <= self.probe_max_tokens <= 4096:
-            raise bad("probe_max_tokens", f"must lie in [1, 4096], got {self.probe_max_tokens}")
         if not 0.0 <= self.entropy_quantile <= 1.0:
             raise bad("entropy_quantile", f"must lie in [0, 1], got {self.entropy_quantile}")
         if self.min_segment_len < 1:
@@ -120,6 +100,23 @@ class ShapeConfig:
             raise bad("tcr_eps", f"must be > 0, got {self.tcr_eps}")
         if not self.delimiter:
             raise bad("delimiter", "must be a non-empty string")
+
+    def check_reward_sign(self, m: int, probes_flag: str = "--probe.num_probes") -> None:
+        """Appendix A.2 for SHAPE with up to ``m`` probes per state (the one place it is checked; m is
+        owned by :class:`~openrlhf_shape.rollout.probes.ProbeConfig`, named by ``probes_flag``)."""
+        if self.estimator != "shape" or self.allow_unsafe_hparams:
+            return
+        name, g = ("gamma_min", self.gamma_min) if self.fixed_gamma is None else ("fixed_gamma", self.fixed_gamma)
+        bound = gamma_min_bound(m)
+        if g <= bound:
+            raise ValueError(
+                f"--shape.{name}: {g} <= (m-1)/m = {m - 1}/{m} = {bound:.4g} for m = {m} probes ({probes_flag}) breaks "
+                f"reward-sign consistency (paper appendix A.2: potentials lie on the grid k/{m}, and the "
+                f"step from Phi = {m - 1}/{m} to 1 must get a positive shaping reward gamma - {m - 1}/{m}, "
+                "which needs gamma > (m-1)/m; the paper's gamma_min = 0.7 ablation collapsed). Raise "
+                f"--shape.{name} into ({bound:.4g}, 1], lower {probes_flag}, or pass "
+                "--shape.allow_unsafe_hparams to run anyway."
+            )
 
     def resolved_l_ref(self, max_response_len: int) -> float:
         """L_ref in tokens: the configured value, else ``max_response_len / K``."""

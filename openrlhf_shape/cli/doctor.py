@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     try:
         cfg = load_config(args.config, list(getattr(args, "overrides", []) or []), check_paths=False)
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     owned = start_ray(cfg)
     try:
         platform = detect_platform(cfg)
-        print(f"doctor: {cfg.trainer.ray_address or 'local Ray'}, {platform.device} run "
+        print(f"doctor: {cfg.train.ray_address or 'local Ray'}, {platform.device} run "
               f"({platform.cluster_gpus:g} GPUs seen)")
         checks = run_doctor(cfg, platform.on_gpu, args.timeout)
     finally:

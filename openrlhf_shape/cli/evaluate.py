@@ -37,7 +37,7 @@ _HELP = {
 
 def _flat_defaults() -> dict[str, tuple[type, object]]:
     """flat flag -> (type, default), read from the EvalConfig dataclasses."""
-    from openrlhf_shape.config_flags import leaf_types
+    from openrlhf_shape.config.flags import leaf_types
 
     types = leaf_types(EvalConfig)
     base = EvalConfig("m", [BenchmarkSpec("aime24", "x")], ".")
@@ -53,7 +53,7 @@ def _flat_defaults() -> dict[str, tuple[type, object]]:
 def _arg_type(tp):
     import functools
 
-    from openrlhf_shape.config_flags import convert
+    from openrlhf_shape.config.flags import convert
 
     return functools.partial(convert, tp=tp, flag="eval")
 
@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    from openrlhf_shape.config_flags import FlagSpace
+    from openrlhf_shape.config.flags import FlagSpace
 
     keys = {}
     for text in args.benchmark_keys:

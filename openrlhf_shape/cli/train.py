@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     overrides = list(getattr(args, "overrides", []) or [])
     if args.resume is not None:
@@ -44,13 +44,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train: error: {exc}")
     if args.print_config:
-        from openrlhf_shape.trainer.flag_translation import canonical_view
+        from openrlhf_shape.config.load import flag_view
 
-        print(yaml.safe_dump(canonical_view(cfg.to_dict()), sort_keys=False))
+        print(yaml.safe_dump(flag_view(cfg), sort_keys=False))
         return 0
     from openrlhf_shape.trainer.ppo_trainer import run_training
 
     summary = run_training(cfg)
     if summary:
-        print(f"done: steps {summary['steps'][0]}..{summary['steps'][-1]}, report in {cfg.trainer.output_dir}/report.md")
+        print(f"done: steps {summary['steps'][0]}..{summary['steps'][-1]}, report in {cfg.ckpt.output_dir}/report.md")
     return 0

@@ -109,9 +109,9 @@ class _Listener:
 
 def shared_paths(cfg) -> dict[str, str]:
     """flag -> directory that every node must share (created here if missing)."""
-    paths = {"--ckpt.output_dir": os.path.abspath(cfg.trainer.output_dir)}
-    if cfg.trainer.ckpt_path:
-        paths["--ckpt.path"] = os.path.abspath(cfg.trainer.ckpt_path)
+    paths = {"--ckpt.output_dir": os.path.abspath(cfg.ckpt.output_dir)}
+    if cfg.ckpt.path:
+        paths["--ckpt.path"] = os.path.abspath(cfg.ckpt.path)
     return paths
 
 
@@ -232,7 +232,7 @@ def run_doctor(cfg, on_gpu: bool, timeout_s: float = 60.0) -> list[Check]:
     token = uuid.uuid4().hex[:12]
     writable, made, failed = write_driver_tokens(shared_paths(cfg), token)
     checks += failed
-    model_dir = cfg.actor.pretrain if cfg.actor.pretrain != "demo" else None
+    model_dir = cfg.actor.model_name_or_path if cfg.actor.model_name_or_path != "demo" else None
     reports = []
     try:
         refs = _on_nodes(_node_report, [node_id for node_id, _, _ in res], writable, token, model_dir, rendezvous,

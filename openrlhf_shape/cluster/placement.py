@@ -25,15 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Flag names used in error messages (the trainer's dotted config keys).
-FLAG_WORLD = "--megatron.world_size"
+FLAG_WORLD = "--actor.num_nodes x --actor.num_gpus_per_node"
 FLAG_TP = "--megatron.tensor_model_parallel_size"
 FLAG_PP = "--megatron.pipeline_model_parallel_size"
-FLAG_ENGINES = "--rollout.num_engines"
-FLAG_ENGINE_TP = "--rollout.engine_tensor_parallel_size"
-FLAG_COLOCATE = "--rollout.colocate"
+FLAG_ENGINES = "--vllm.num_engines"
+FLAG_ENGINE_TP = "--vllm.tensor_parallel_size"
+FLAG_COLOCATE = "--train.colocate_all"
 FLAG_ROLLOUT_GPUS = "--rollout.num_gpus"
-FLAG_GPUS_PER_NODE = "--trainer.gpus_per_node"
-FLAG_NUM_NODES = "--trainer.num_nodes"
+FLAG_GPUS_PER_NODE = "--train.gpus_per_node"
+FLAG_NUM_NODES = "--train.num_nodes"
 
 
 @dataclass(frozen=True)
@@ -292,12 +292,12 @@ def resolve_weight_sync(requested: str, plan: PlacementPlan, on_gpu: bool) -> tu
 def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
     """The plan for a TrainConfig (``on_gpu``: ``Platform.on_gpu``). CPU: every slot on the local
     node (gpus_per_node = all slots)."""
-    r, m, t = cfg.rollout, cfg.megatron, cfg.trainer
-    etp = cfg.engine.tensor_parallel_size
+    m, t, v, world = cfg.megatron, cfg.train, cfg.vllm, cfg.actor.world_size
+    etp = v.tensor_parallel_size
     if on_gpu:
         gpn, nodes = t.gpus_per_node, t.num_nodes
     else:
-        gpn, nodes = max(m.world_size + r.num_engines * etp, etp, m.tensor_model_parallel_size), None
-    return plan_placement(world_size=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                          num_engines=r.num_engines, engine_tp=etp, colocate=r.colocate, gpus_per_node=gpn,
-                          num_nodes=nodes, rollout_gpus=r.num_gpus)
+        gpn, nodes = max(world + v.num_engines * etp, etp, m.tensor_model_parallel_size), None
+    return plan_placement(world_size=world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          num_engines=v.num_engines, engine_tp=etp, colocate=t.colocate_all, gpus_per_node=gpn,
+                          num_nodes=nodes, rollout_gpus=cfg.rollout.num_gpus)

@@ -98,7 +98,7 @@ class RankGroup:
         from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
 
         if len(placement.plan.ranks) != world_size:
-            raise ValueError(f"placement plan has {len(placement.plan.ranks)} ranks, --megatron.world_size {world_size}")
+            raise ValueError(f"placement plan has {len(placement.plan.ranks)} ranks, --actor.num_nodes x --actor.num_gpus_per_node = {world_size}")
         self.worker_cls, self.cfg, self.world_size, self.platform = worker_cls, cfg, world_size, platform
         handed = platform.to_dict()
         self.actors, self.rendezvous = spawn_rank_actors(

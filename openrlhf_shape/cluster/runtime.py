@@ -53,10 +53,10 @@ def make_rank_group(cfg, mcfg, placement, platform: Platform) -> RankGroup:
         from openrlhf_shape.zero.config import zero_config_from
         from openrlhf_shape.zero.worker import ZeroRankWorker
 
-        return RankGroup(ZeroRankWorker, zero_config_from(mcfg, cfg.ds), cfg.megatron.world_size, placement, platform)
+        return RankGroup(ZeroRankWorker, zero_config_from(mcfg, cfg.ds), cfg.actor.world_size, placement, platform)
     from openrlhf_shape.megatron.worker import MegatronRankWorker
 
-    return RankGroup(MegatronRankWorker, mcfg, cfg.megatron.world_size, placement, platform)
+    return RankGroup(MegatronRankWorker, mcfg, cfg.actor.world_size, placement, platform)
 
 
 def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
@@ -80,17 +80,17 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     placement = RayPlacement(plan, cpus_per_bundle=cpus, gpus=platform.gpus_per_bundle > 0)
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
-        engines = start_engines(engine_cfg, r.num_engines, platform=platform, placement=placement, wait_ready=False)
+        engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False)
         actor = make_rank_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
         ray.get([h.ready.remote() for h in engines.engines])
         transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
         log.info("weight sync: %s (%s)", transport, why)
-        sync = EngineWeightSync(engines.engines, cfg.engine.tensor_parallel_size, transport=transport,
+        sync = EngineWeightSync(engines.engines, cfg.vllm.tensor_parallel_size, transport=transport,
                                 backend=platform.collective_backend, timeout_s=r.weight_sync_timeout)
     except BaseException:
         placement.remove()
         raise
-    lifecycle = Lifecycle(actor, engines, sync, r.weight_sync_bucket_mb << 20, colocate=plan.colocate)
+    lifecycle = Lifecycle(actor, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate)
     return ClusterRuntime(plan, placement, platform, actor, list(engines.engines), engines, sync, lifecycle)
 
 

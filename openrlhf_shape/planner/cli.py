@@ -13,7 +13,7 @@ def dry_run(config_path: str | None, overrides: list[str]) -> int:
     from openrlhf_shape.planner.assumptions import parse_plan_options, split_plan_flags
     from openrlhf_shape.planner.plan import build_plan
     from openrlhf_shape.planner.report import format_plan
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     plan_flags, rest = split_plan_flags(overrides)
     try:

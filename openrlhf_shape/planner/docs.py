@@ -26,11 +26,11 @@ NEMO = dict(gpus=32, tokens_per_s_per_gpu=571.0, step_seconds=376.0, samples=204
 NEMO_MEAN_SEQ = round(NEMO["tokens_per_s_per_gpu"] * NEMO["step_seconds"] * NEMO["gpus"] / NEMO["samples"])
 NEMO_PROMPT = 154  # assumed mean prompt of their maths prompts; the rest of the mean sequence is response
 NEMO_FLAGS = [
-    "--rollout.rollout_batch_size", "128", "--sampling.n", "16", "--actor.train_batch_size", "512",
-    "--data.max_prompt_len", "256", "--sampling.max_tokens", "3840",
+    "--rollout.batch_size", "128", "--rollout.n_samples_per_prompt", "16", "--train.batch_size", "512",
+    "--data.max_prompt_len", "256", "--rollout.max_new_tokens", "3840",
     "--megatron.tensor_model_parallel_size", "4", "--megatron.pipeline_model_parallel_size", "4",
-    "--megatron.world_size", "32", "--rollout.num_engines", "8", "--engine.tensor_parallel_size", "4",
-    "--megatron.micro_batch_max_tokens", "8192", "--shape.estimator", "grpo",
+    "--actor.num_nodes", "4", "--actor.num_gpus_per_node", "8", "--vllm.num_engines", "8", "--vllm.tensor_parallel_size", "4",
+    "--train.max_tokens_per_gpu", "8192", "--algo.advantage.estimator", "grpo",
 ]
 NEMO_PLAN_FLAGS = ["--plan.mean_prompt_tokens", str(NEMO_PROMPT),
                    "--plan.mean_response_tokens", str(NEMO_MEAN_SEQ - NEMO_PROMPT)]
@@ -38,7 +38,7 @@ NEMO_PLAN_FLAGS = ["--plan.mean_prompt_tokens", str(NEMO_PROMPT),
 
 def _plan(config: Path, flags: list[str] | None = None, plan_flags: list[str] | None = None) -> Plan:
     from openrlhf_shape.planner.assumptions import parse_plan_options
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     cfg = load_config(str(config), flags or [], check_paths=False)
     return build_plan(cfg, parse_plan_options(plan_flags or []), str(config.relative_to(REPO_ROOT)))
@@ -154,7 +154,7 @@ def generate() -> str:
         "",
         "What the table says: every preset fits, and the tightest phase of the colocated presets is *log-probs*:",
         "the old-policy forward runs while vLLM still holds its whole budget (the SHAPE probes need it right after),",
-        "next to the rank's resident weights, fp32 grads and optimizer shard. `--engine.gpu_memory_utilization` is",
+        "next to the rank's resident weights, fp32 grads and optimizer shard. `--vllm.gpu_memory_utilization` is",
         "therefore bounded by what Megatron keeps resident; a refusal prints the largest value that fits. The update",
         "phase has ample room once vLLM sleeps; it still fits if vLLM never sleeps, with the margin of that column.",
         "The SHAPE probes (K x m = 128 probes per response in the Qwen3 presets: a prefix-cache hit, a ~31-token",

@@ -3,9 +3,9 @@
 Rule for finding the ``config.json`` of a dry run (first match wins):
 
 1. ``--plan.model_config PATH``: a ``config.json`` file, or a directory holding one;
-2. ``--actor.pretrain DIR`` when ``DIR/config.json`` exists locally;
-3. ``--actor.pretrain demo``: ``configs/models/SmolLM2-135M-Instruct.json``;
-4. ``configs/models/<basename of --actor.pretrain>.json`` (the presets' cluster paths such as
+2. ``--actor.model_name_or_path DIR`` when ``DIR/config.json`` exists locally;
+3. ``--actor.model_name_or_path demo``: ``configs/models/SmolLM2-135M-Instruct.json``;
+4. ``configs/models/<basename of --actor.model_name_or_path>.json`` (the presets' cluster paths such as
    ``/models/Qwen3-32B`` do not exist on a laptop; their shapes ship with the repo).
 
 Nothing else is read: no weights, no tokenizer.
@@ -34,7 +34,7 @@ def display_path(path: str | os.PathLike) -> str:
 
 
 def resolve_model_config(pretrain: str, override: str | None = None) -> Path:
-    """The ``config.json`` the planner reads for ``--actor.pretrain`` (see the module rule)."""
+    """The ``config.json`` the planner reads for ``--actor.model_name_or_path`` (see the module rule)."""
     if override:
         p = Path(override)
         if p.is_dir():
@@ -51,7 +51,7 @@ def resolve_model_config(pretrain: str, override: str | None = None) -> Path:
         return shipped
     known = ", ".join(sorted(p.stem for p in MODELS_DIR.glob("*.json")))
     raise FileNotFoundError(
-        f"--actor.pretrain: {pretrain} has no local config.json and configs/models/{name} does not exist; "
+        f"--actor.model_name_or_path: {pretrain} has no local config.json and configs/models/{name} does not exist; "
         f"pass --plan.model_config PATH (a config.json) or use one of the shipped shapes: {known}"
     )
 

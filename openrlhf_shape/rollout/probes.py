@@ -31,7 +31,8 @@ PROBE_TEXT_PREFIX = "\\boxed{"  # the suffix opened the box; scoring re-attaches
 
 @dataclass
 class ProbeConfig:
-    """Probe settings. num_probes = m (samples per state); max_tokens per probe sample.
+    """Probe settings (``--probe.*``). num_probes = m (samples per state: this class owns it); max_tokens
+    per probe sample. The paper's defaults: m = 8 probes of 16 tokens.
 
     adaptive: probe in rounds and stop a state early once its estimate is certain enough
     (:class:`~openrlhf_shape.algorithms.adaptive_probes.AdaptiveProbeRule`: first round
@@ -67,10 +68,10 @@ class ProbeConfig:
         )
 
     def __post_init__(self) -> None:
-        if self.num_probes < 1:
-            raise ValueError(f"ProbeConfig.num_probes (m) must be >= 1, got {self.num_probes}")
-        if self.max_tokens < 1:
-            raise ValueError(f"ProbeConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.num_probes <= 1024:
+            raise ValueError(f"ProbeConfig.num_probes (m) must lie in [1, 1024], got {self.num_probes}")
+        if not 1 <= self.max_tokens <= 4096:
+            raise ValueError(f"ProbeConfig.max_tokens must lie in [1, 4096], got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"ProbeConfig.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -80,7 +81,7 @@ class ProbeConfig:
         if not self.think_suffix:
             raise ValueError("ProbeConfig.think_suffix must be non-empty (it closes the thinking block)")
         if self.max_probes < 0:
-            raise ValueError(f"--probe.max_probes must be >= 0 (0 = --shape.num_probes), got {self.max_probes}")
+            raise ValueError(f"--probe.max_probes must be >= 0 (0 = --probe.num_probes), got {self.max_probes}")
         self.rule()  # validates the adaptive settings
 
 

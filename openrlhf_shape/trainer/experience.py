@@ -125,7 +125,7 @@ class ShapeExperienceMaker:
     Args:
         shape: the estimator settings (``--shape.*``).
         sampling: rollout sampling (``--sampling.*``; ``n`` samples per prompt).
-        probe: probe settings with m and the probe length resolved (``TrainConfig.probe_config``).
+        probe: ``--probe.*`` (m, the probe length, adaptive rounds).
         engines: an :class:`~openrlhf_shape.rollout.group.EngineGroup` (rollouts and probes).
         logprobs_fn: old log-probs and entropy of a batch (see module doc).
         reward: a :class:`~openrlhf_shape.rewards.computer.RewardComputer` (outcomes and probe scores).

@@ -4,7 +4,7 @@
 Set-up (data, Ray, engines, the actor group, rewards) lives in :mod:`openrlhf_shape.trainer.setup`;
 the experience phases in :mod:`openrlhf_shape.trainer.experience`; per-phase timing and metrics in
 :class:`~openrlhf_shape.trainer.phases.StepLog`. Per step (docs/architecture.md): the rollout batch
-is cut into mini-batches of ``actor.train_batch_size`` samples, each one optimizer step on the
+is cut into mini-batches of ``train.batch_size`` samples, each one optimizer step on the
 Megatron ranks (loss normalised by the mini-batch's global valid-token count); then the new weights
 stream to the vLLM engines.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from openrlhf_shape.trainer.config import TrainConfig
+from openrlhf_shape.config import TrainConfig
 from openrlhf_shape.trainer.console import RunConsole
 from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
 from openrlhf_shape.trainer.logging_utils import MetricsLogger, log, setup_console_logging
@@ -47,8 +47,8 @@ class ShapeTrainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.run_dir = os.path.abspath(cfg.trainer.output_dir)
-        self.ckpt_root = (os.path.abspath(cfg.trainer.ckpt_path) if cfg.trainer.ckpt_path
+        self.run_dir = os.path.abspath(cfg.ckpt.output_dir)
+        self.ckpt_root = (os.path.abspath(cfg.ckpt.path) if cfg.ckpt.path
                           else os.path.join(self.run_dir, "checkpoints"))
         self.run: Run | None = None
         self.length_alarm = LengthCollapseAlarm(cfg.shape.length_alarm_fraction, cfg.shape.length_alarm_window)
@@ -70,7 +70,7 @@ class ShapeTrainer:
                 rec = StepLog()
                 items = run.batcher.next_batch()
                 # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
-                cluster.engines.reseed(cfg.trainer.seed * 1_000_003 + step)
+                cluster.engines.reseed(cfg.train.seed * 1_000_003 + step)
                 exp = maker.make_experience(items, rec)  # generate, rewards, logprobs, segment, probes, advantages
                 if len(exp):
                     run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
@@ -81,9 +81,9 @@ class ShapeTrainer:
                 else:
                     log.warning("step %d: every group was filtered (no reward variance); no update", step)
                     rec.metrics["actor/updates"] = 0.0
-                if _due(step, cfg.trainer.eval_steps):
+                if _due(step, cfg.eval.steps):
                     rec.phase("eval", self.evaluate, step)
-                if _due(step, cfg.trainer.save_steps) or step == cfg.trainer.num_steps:
+                if _due(step, cfg.ckpt.save_steps) or step == cfg.train.num_steps:
                     rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
                 history.append({"step": step, **metrics})
@@ -91,7 +91,7 @@ class ShapeTrainer:
                 self._report_step(step, metrics, exp.samples, logger, eta)
         finally:
             logger.close()
-        if cfg.trainer.export_hf and history and history[-1]["step"] == cfg.trainer.num_steps:
+        if cfg.ckpt.save_hf and history and history[-1]["step"] == cfg.train.num_steps:
             cluster.lifecycle.around_checkpoint(cluster.actor.export_hf, os.path.join(self.run_dir, "hf"))
             log.info("exported the trained policy to %s", os.path.join(self.run_dir, "hf"))
         return write_report(self.run_dir, history, run.setup_seconds)
@@ -101,13 +101,13 @@ class ShapeTrainer:
         """Mini-batch updates over the rollout batch (``actor.max_epochs`` passes, shuffled per step)."""
         cfg = self.cfg
         n = len(exp)
-        mb = min(cfg.actor.train_batch_size, n)
-        gen = torch.Generator().manual_seed(cfg.trainer.seed * 100003 + step)
+        mb = min(cfg.train.batch_size, n)
+        gen = torch.Generator().manual_seed(cfg.train.seed * 100003 + step)
         rows = []
-        for _epoch in range(cfg.actor.max_epochs):
+        for _epoch in range(cfg.train.max_epochs):
             order = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, mb):  # a short last mini-batch (after DAPO filtering) still trains
-                rows.append(self.run.cluster.actor.train_step(exp.train_batch(order[start : start + mb], cfg.sampling.temperature)))
+                rows.append(self.run.cluster.actor.train_step(exp.train_batch(order[start : start + mb], cfg.rollout.temperature)))
         out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
         out["actor/updates"] = float(len(rows))
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
@@ -131,18 +131,18 @@ class ShapeTrainer:
         items = self.run.eval_items or []
         if not items:
             return PhaseOutput(None, {})
-        t = self.cfg.trainer
-        self.run.cluster.engines.reseed(t.seed * 7_000_003 + 1)
-        n = 1 if t.eval_temperature == 0 else t.eval_n_samples_per_prompt
-        sampling = SamplingConfig(n=n, temperature=t.eval_temperature, top_p=t.eval_top_p, top_k=t.eval_top_k,
-                                  max_tokens=self.cfg.sampling.max_tokens)
+        e, seed = self.cfg.eval, self.cfg.train.seed
+        self.run.cluster.engines.reseed(seed * 7_000_003 + 1)
+        n = 1 if e.temperature == 0 else e.n_samples_per_prompt
+        sampling = SamplingConfig(n=n, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+                                  max_tokens=self.cfg.rollout.max_new_tokens)
         log.info("held-out eval: %d problems x %d samples at T %.2f (up to %d tokens each)", len(items), n,
-                 t.eval_temperature, sampling.max_tokens)
+                 e.temperature, sampling.max_tokens)
         gens = self.run.cluster.engines.generate([list(it.prompt_ids) for it in items], sampling)
         scores = self.run.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
         problems = group_results([g.prompt_index for g in gens], scores, [len(g.token_ids) for g in gens],
                                  [g.finish_reason for g in gens])
-        metrics = heldout_metrics(problems, seed=t.seed)
+        metrics = heldout_metrics(problems, seed=seed)
         write_problem_results(self.run_dir, step, problems)
         log.info("held-out accuracy %.3f [%.3f, %.3f], length %.1f (%d problems x %d)", metrics["eval/accuracy"],
                  metrics["eval/accuracy_ci_low"], metrics["eval/accuracy_ci_high"],
@@ -150,8 +150,8 @@ class ShapeTrainer:
         return PhaseOutput(None, metrics)
 
     def _val_before_train(self, logger: MetricsLogger) -> None:
-        """Step 0: the base policy's held-out metrics, before any update (``--trainer.val_before_train``)."""
-        if not (self.cfg.trainer.val_before_train and self.run.eval_items):
+        """Step 0: the base policy's held-out metrics, before any update (``--eval.val_before_train``)."""
+        if not (self.cfg.eval.val_before_train and self.run.eval_items):
             return
         t0 = time.perf_counter()
         metrics = self.evaluate(0).metrics
@@ -159,12 +159,12 @@ class ShapeTrainer:
         logger.log(0, metrics)
 
     def save(self, step: int) -> PhaseOutput:
-        """Checkpoint actor + data position; keep the newest ``trainer.max_ckpts_keep`` complete ones."""
+        """Checkpoint actor + data position; keep the newest ``ckpt.max_num`` complete ones."""
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time()}
         self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.actor.save_checkpoint, path, extra)
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
-        for old in done[: -self.cfg.trainer.max_ckpts_keep]:
+        for old in done[: -self.cfg.ckpt.max_num]:
             shutil.rmtree(os.path.join(self.ckpt_root, old), ignore_errors=True)
         return PhaseOutput(path, {})
 
@@ -172,7 +172,7 @@ class ShapeTrainer:
     def _resume(self) -> int:
         from openrlhf_shape.checkpoint_dir import latest_checkpoint
 
-        mode = self.cfg.trainer.resume
+        mode = self.cfg.ckpt.resume
         path = latest_checkpoint(self.ckpt_root) if mode == "auto" else (None if mode == "none" else mode)
         if not path:
             if mode == "auto":
@@ -190,23 +190,23 @@ class ShapeTrainer:
 
     def _open_log(self, start_step: int) -> MetricsLogger:
         cfg = self.cfg
-        run_info = {"estimator": cfg.shape.estimator, "name": os.path.basename(self.run_dir),
+        run_info = {"estimator": cfg.algo.advantage.estimator, "name": os.path.basename(self.run_dir),
                     "model": self.run.model_dir, "config": cfg.to_dict()}
-        t = cfg.trainer
-        return MetricsLogger(self.run_dir, run_info, t.use_tensorboard or bool(t.tensorboard_dir), t.wandb_project,
-                             resume_step=start_step if start_step > 0 else None, tensorboard_dir=t.tensorboard_dir,
-                             wandb_kwargs={"entity": t.wandb_org, "group": t.wandb_group, "name": t.wandb_run_name})
+        lg, wb = cfg.logger, cfg.logger.wandb
+        return MetricsLogger(self.run_dir, run_info, lg.use_tensorboard or bool(lg.tensorboard_dir), wb.project,
+                             resume_step=start_step if start_step > 0 else None, tensorboard_dir=lg.tensorboard_dir,
+                             wandb_kwargs={"entity": wb.org, "group": wb.group, "name": wb.run_name})
 
     def _steps(self, start_step: int) -> list[int]:
-        t = self.cfg.trainer
+        t = self.cfg.train
         last = min(t.num_steps, start_step + (t.stop_after_steps or t.num_steps))
         return list(range(start_step + 1, last + 1))
 
     def _report_step(self, step: int, metrics: dict, samples: list[dict], logger: MetricsLogger, eta_s: float) -> None:
         self.length_alarm.update(step, metrics)  # one warning line when lengths collapse; never stops the run
         logger.log(step, metrics)
-        log.info(step_line(step, self.cfg.trainer.num_steps, metrics, eta_s))
-        for s in samples[: self.cfg.trainer.log_samples]:  # the run's log file; the console with --logger.verbose
+        log.info(step_line(step, self.cfg.train.num_steps, metrics, eta_s))
+        for s in samples[: self.cfg.logger.log_samples]:  # the run's log file; the console with --logger.verbose
             log.debug("  sample (R=%.0f, label %s): %s", s["reward"], s["label"], s["response"][-300:].replace("\n", " "))
 
     def shutdown(self) -> None:
@@ -218,7 +218,7 @@ class ShapeTrainer:
             run.cluster.engines.shutdown()
             run.cluster.actor.shutdown()
             run.cluster.shutdown()
-        own_ray = run.own_ray if run is not None else not self.cfg.trainer.ray_address
+        own_ray = run.own_ray if run is not None else not self.cfg.train.ray_address
         if ray.is_initialized() and own_ray:
             ray.shutdown()
 
@@ -244,9 +244,9 @@ def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float |
 def run_training(cfg: TrainConfig) -> dict[str, Any]:
     """Set up, train, shut down. The console shows one line per step and the warnings that matter;
     everything (engine and worker output included) goes to ``<ckpt.output_dir>/train.log``."""
-    verbose = bool(cfg.trainer.verbose)
+    verbose = bool(cfg.logger.verbose)
     setup_console_logging(verbose=verbose)
-    console = RunConsole(os.path.abspath(cfg.trainer.output_dir), verbose=verbose).start()
+    console = RunConsole(os.path.abspath(cfg.ckpt.output_dir), verbose=verbose).start()
     trainer = ShapeTrainer(cfg)
     try:
         trainer.setup()

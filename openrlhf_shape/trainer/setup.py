@@ -1,6 +1,6 @@
 """Set-up of a training run, apart from the loop: data, Ray, engines, the actor group, rewards.
 
-:func:`build_run` turns a :class:`~openrlhf_shape.trainer.config.TrainConfig` into a :class:`Run`
+:func:`build_run` turns a :class:`~openrlhf_shape.config.TrainConfig` into a :class:`Run`
 holding every component the loop (:mod:`openrlhf_shape.trainer.ppo_trainer`) drives.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from openrlhf_shape.platform import Platform, detect_platform
-from openrlhf_shape.trainer.config import TrainConfig
+from openrlhf_shape.config import TrainConfig
 from openrlhf_shape.trainer.logging_utils import log
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,22 +64,22 @@ def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
     prompts = cfg.data  # a PromptDataConfig (plus the held-out fields)
     dataset = build_prompt_dataset(dataclasses.replace(prompts, prompt_dataset=_prompt_source(prompts.prompt_dataset)),
                                    tokenizer)
-    if len(dataset) < cfg.rollout.rollout_batch_size:
+    if len(dataset) < cfg.rollout.batch_size:
         raise ValueError(
-            f"--rollout.batch_size {cfg.rollout.rollout_batch_size} exceeds the {len(dataset)} "
-            f"usable prompts of {cfg.data.prompt_data} ({dataset.num_filtered} filtered by "
+            f"--rollout.batch_size {cfg.rollout.batch_size} exceeds the {len(dataset)} "
+            f"usable prompts of {cfg.data.prompt_dataset} ({dataset.num_filtered} filtered by "
             f"--data.max_prompt_len {cfg.data.max_prompt_len})"
         )
     log.info("prompts: %d usable, %d filtered as longer than %d tokens", len(dataset), dataset.num_filtered,
              cfg.data.max_prompt_len)
-    if cfg.trainer.num_episodes:  # OpenRLHF's --train.num_episodes: passes over the prompt set
-        cfg.trainer.num_steps = max(1, cfg.trainer.num_episodes * (len(dataset) // cfg.rollout.rollout_batch_size))
-        log.info("--train.num_episodes %d: %d steps", cfg.trainer.num_episodes, cfg.trainer.num_steps)
-    batcher = PromptBatcher(dataset, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
+    if cfg.train.num_episodes:  # OpenRLHF's --train.num_episodes: passes over the prompt set
+        cfg.train.num_steps = max(1, cfg.train.num_episodes * (len(dataset) // cfg.rollout.batch_size))
+        log.info("--train.num_episodes %d: %d steps", cfg.train.num_episodes, cfg.train.num_steps)
+    batcher = PromptBatcher(dataset, cfg.rollout.batch_size, seed=cfg.train.seed)
     eval_items = None
-    if cfg.data.eval_data:
-        held_out = dataclasses.replace(prompts, prompt_dataset=_prompt_source(cfg.data.eval_data),
-                                       max_samples=cfg.data.eval_max_samples, prompt_split=cfg.data.eval_split)
+    if cfg.eval.dataset:
+        held_out = dataclasses.replace(prompts, prompt_dataset=_prompt_source(cfg.eval.dataset),
+                                       max_samples=cfg.eval.max_samples, prompt_split=cfg.eval.split)
         eval_items = list(build_prompt_dataset(held_out, tokenizer))
     return batcher, eval_items
 
@@ -91,8 +91,8 @@ def start_ray(cfg: TrainConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    if cfg.trainer.ray_address:
-        ray.init(address=cfg.trainer.ray_address, log_to_driver=True)
+    if cfg.train.ray_address:
+        ray.init(address=cfg.train.ray_address, log_to_driver=True)
         return False
     # Workers' import-time notices are not silenced: they go to <output_dir>/train.log (trainer/console.py).
     ray.init(address="local", include_dashboard=False, log_to_driver=True,
@@ -110,7 +110,7 @@ def build_run(cfg: TrainConfig) -> Run:
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
 
     t0 = time.perf_counter()
-    model_dir = resolve_model_dir(cfg.actor.pretrain)
+    model_dir = resolve_model_dir(cfg.actor.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes)
     mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
@@ -121,21 +121,21 @@ def build_run(cfg: TrainConfig) -> Run:
             f"({model_config.model_type}); the DeepSpeed backend names its experts as transformers 5 holds them "
             "(one fused mlp.experts.gate_up_proj per layer), not per expert as the engine's checkpoint does, so "
             "the weight sync cannot load them; use --actor.backend megatron (docs/moe.md)")
-    mcfg.validate_against_model(model_config, cfg.megatron.world_size)  # heads % TP, ...
+    mcfg.validate_against_model(model_config, cfg.actor.world_size)  # heads % TP, ...
 
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
     log.info("platform: %s (%s, %g GPUs seen), Megatron %s over %s, layer spec %s, vLLM dtype %s",
              platform.device, platform.source, platform.cluster_gpus, platform.megatron_dtype,
              platform.collective_backend, platform.layer_spec, platform.engine_dtype)
-    engine_cfg = dataclasses.replace(
-        cfg.engine, model_path=model_dir, seed=cfg.trainer.seed, max_model_len=cfg.max_model_len(),
-        enable_sleep_mode=bool(platform.engine_sleep_mode and cfg.rollout.colocate),
-        dtype=platform.engine_dtype if cfg.engine.dtype == "auto" else cfg.engine.dtype,
+    engine_cfg = cfg.vllm.engine_config(
+        model_path=model_dir, seed=cfg.train.seed, max_model_len=cfg.max_model_len(),
+        enable_sleep_mode=bool(platform.engine_sleep_mode and cfg.train.colocate_all),
+        dtype=platform.engine_dtype if cfg.vllm.dtype == "auto" else cfg.vllm.dtype,
     )
     log.info("starting %d vLLM engine(s) and %d %s rank(s) (TP %d, PP %d, DP %d)",
-             cfg.rollout.num_engines, cfg.megatron.world_size, cfg.actor.backend, mcfg.tensor_model_parallel_size,
-             mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.megatron.world_size))
+             cfg.vllm.num_engines, cfg.actor.world_size, cfg.actor.backend, mcfg.tensor_model_parallel_size,
+             mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.actor.world_size))
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
     cluster = start_cluster(cfg, mcfg, engine_cfg, platform)
     actor, engines, lifecycle = cluster.actor, cluster.engines, cluster.lifecycle
@@ -143,10 +143,10 @@ def build_run(cfg: TrainConfig) -> Run:
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    maker = ShapeExperienceMaker(cfg.shape, cfg.sampling, cfg.probe_config(), engines, lifecycle.logprobs,
+    maker = ShapeExperienceMaker(cfg.shape, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
                                  reward, tokenizer,
-                                 dynamic_filtering=cfg.rollout.dynamic_filtering,
-                                 dynamic_filtering_range=tuple(cfg.rollout.dynamic_filtering_range),
+                                 dynamic_filtering=cfg.algo.dynamic_filtering_enable,
+                                 dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range))
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)

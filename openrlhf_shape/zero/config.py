@@ -3,8 +3,9 @@
 The optimiser, LR schedule, micro-batching and policy-loss settings are the ones the Megatron
 backend reads (:class:`~openrlhf_shape.megatron.config.MegatronConfig`: ``lr``, ``min_lr``,
 warmup, decay style, Adam betas/eps, weight decay, ``clip_grad``, ``eps_clip_*``,
-``micro_batch_max_tokens``, ``entropy_chunk_size``, ``recompute_activations``, ``seed``), so one
-flag set drives either backend. :class:`ZeroConfig` adds what only DeepSpeed has.
+``micro_batch_max_tokens``, ``entropy_chunk_size``, ``recompute_activations``, ``seed``), built from
+the backend-neutral flags ``--actor.*`` / ``--train.max_tokens_per_gpu`` (``TrainConfig.zero_config``),
+so one flag set drives either backend. :class:`ZeroConfig` adds what only DeepSpeed has (``--ds.*``).
 """
 
 from __future__ import annotations

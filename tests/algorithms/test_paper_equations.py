@@ -146,9 +146,9 @@ def test_shape_config_refuses_unsafe_hparams_and_cites_appendix():
     with pytest.raises(ValueError, match=r"--shape.alpha.*A\.1"):
         ShapeConfig(alpha=0.5)
     with pytest.raises(ValueError, match=r"--shape.gamma_min.*A\.2"):
-        ShapeConfig(gamma_min=0.875)
+        ShapeConfig(gamma_min=0.875).check_reward_sign(8)  # m = 8 probes (ProbeConfig owns m)
     with pytest.raises(ValueError, match=r"--shape.fixed_gamma.*A\.2"):
-        ShapeConfig(fixed_gamma=0.7)
+        ShapeConfig(fixed_gamma=0.7).check_reward_sign(8)
     cfg = ShapeConfig(alpha=0.6, gamma_min=0.7, allow_unsafe_hparams=True)
     assert cfg.alpha == 0.6
     assert ShapeConfig(estimator="grpo", alpha=0.9).estimator == "grpo"  # GRPO ignores alpha
@@ -163,27 +163,27 @@ def test_a2_bound_follows_num_probes(m):
     assert f.item() > 0
     f = shape_segment_advantages(torch.tensor([bound, 1.0]), torch.tensor([1.0]), 0.0, alpha=1.0, fixed_gamma=at)
     assert f.item() <= 1e-7
-    assert ShapeConfig(num_probes=m, gamma_min=min(1.0, just_above)).num_probes == m
+    ShapeConfig(gamma_min=min(1.0, just_above)).check_reward_sign(m)  # m is --probe.num_probes' (ProbeConfig's)
     for name in ("gamma_min", "fixed_gamma"):
         with pytest.raises(ValueError) as err:
-            ShapeConfig(num_probes=m, **{name: at})
+            ShapeConfig(**{name: at}).check_reward_sign(m)
         msg = str(err.value)
-        assert f"--shape.{name}" in msg and "--shape.num_probes" in msg and "--shape.allow_unsafe_hparams" in msg
+        assert f"--shape.{name}" in msg and "--probe.num_probes" in msg and "--shape.allow_unsafe_hparams" in msg
         assert "A.2" in msg and f"{m - 1}/{m}" in msg
-    assert ShapeConfig(num_probes=m, gamma_min=at, allow_unsafe_hparams=True).gamma_min == at
+    ShapeConfig(gamma_min=at, allow_unsafe_hparams=True).check_reward_sign(m)
+    ShapeConfig(estimator="mrt", gamma_min=at).check_reward_sign(m)  # MRT has no gamma
 
 
 def test_gamma_min_0_9_is_refused_with_16_probes():
-    assert ShapeConfig(num_probes=8, gamma_min=0.9).gamma_min == 0.9
+    ShapeConfig(gamma_min=0.9).check_reward_sign(8)
     with pytest.raises(ValueError, match=r"--shape.gamma_min.*15/16"):
-        ShapeConfig(num_probes=16, gamma_min=0.9)
+        ShapeConfig(gamma_min=0.9).check_reward_sign(16)
 
 
 @pytest.mark.parametrize(
     "kwargs, flag",
     [
         ({"num_segments": 0}, "num_segments"),
-        ({"num_probes": 0}, "num_probes"),
         ({"tcr_beta": -1}, "tcr_beta"),
         ({"tcr_delta_min": 1.2}, "tcr_delta_min"),
         ({"tcr_delta_max": 0.9}, "tcr_delta_min"),

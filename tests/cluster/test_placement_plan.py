@@ -105,14 +105,14 @@ def test_disaggregated_engine_skips_to_next_node() -> None:
 
 
 @pytest.mark.parametrize("kwargs, flags", [
-    (dict(world_size=8, tp=3, pp=1), ["--megatron.tensor_model_parallel_size", "--megatron.world_size"]),
-    (dict(world_size=16, tp=16, pp=1), ["--megatron.tensor_model_parallel_size", "--trainer.gpus_per_node"]),
-    (dict(world_size=8, tp=2, pp=1, engine_tp=16), ["--rollout.engine_tensor_parallel_size"]),
-    (dict(world_size=8, tp=2, pp=1, num_engines=8, engine_tp=2), ["--rollout.colocate", "--rollout.num_engines"]),
-    (dict(world_size=16, tp=4, pp=1, num_nodes=1), ["--trainer.num_nodes"]),
-    (dict(world_size=8, tp=2, pp=1, colocate=False, num_nodes=1), ["--trainer.num_nodes", "--rollout.num_engines"]),
+    (dict(world_size=8, tp=3, pp=1), ["--megatron.tensor_model_parallel_size", "--actor.num_gpus_per_node"]),
+    (dict(world_size=16, tp=16, pp=1), ["--megatron.tensor_model_parallel_size", "--train.gpus_per_node"]),
+    (dict(world_size=8, tp=2, pp=1, engine_tp=16), ["--vllm.tensor_parallel_size"]),
+    (dict(world_size=8, tp=2, pp=1, num_engines=8, engine_tp=2), ["--train.colocate_all", "--vllm.num_engines"]),
+    (dict(world_size=16, tp=4, pp=1, num_nodes=1), ["--train.num_nodes"]),
+    (dict(world_size=8, tp=2, pp=1, colocate=False, num_nodes=1), ["--train.num_nodes", "--vllm.num_engines"]),
     (dict(world_size=8, tp=2, pp=1, colocate=False, rollout_gpus=3), ["--rollout.num_gpus"]),
-    (dict(world_size=8, tp=2, pp=1, rollout_gpus=4), ["--rollout.num_gpus", "--rollout.colocate"]),
+    (dict(world_size=8, tp=2, pp=1, rollout_gpus=4), ["--rollout.num_gpus", "--train.colocate_all"]),
 ])
 def test_errors_name_flags(kwargs: dict, flags: list[str]) -> None:
     args = dict(num_engines=4, engine_tp=2, colocate=True, gpus_per_node=8)
@@ -129,15 +129,15 @@ def test_trainer_config_to_plan(preset: str) -> None:
     import os
 
     from openrlhf_shape.cluster.placement import plan_for
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # the presets point at /models and /data, which this machine does not have
     cfg = load_config(os.path.join(root, "configs", f"{preset}.yaml"), check_paths=False)
     plan = plan_for(cfg, on_gpu=True)
-    m, r = cfg.megatron, cfg.rollout
-    check_invariants(plan, world=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                     engines=r.num_engines, etp=cfg.engine.tensor_parallel_size)
+    m = cfg.megatron
+    check_invariants(plan, world=cfg.actor.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                     engines=cfg.vllm.num_engines, etp=cfg.vllm.tensor_parallel_size)
     cpu = plan_for(cfg, on_gpu=False)  # CPU slots: one node holds every slot
     assert cpu.num_nodes == 1
 
@@ -145,10 +145,10 @@ def test_trainer_config_to_plan(preset: str) -> None:
 @pytest.mark.parametrize("flags, flag", [
     (["--rollout.weight_sync", "nccl"], "rollout.weight_sync"),
     (["--rollout.weight_sync", "cuda_ipc"], "rollout.weight_sync"),
-    (["--trainer.gpus_per_node", "0"], "trainer.gpus_per_node"),
+    (["--train.gpus_per_node", "0"], "train.gpus_per_node"),
 ])
 def test_cluster_flags_are_validated(flags: list[str], flag: str) -> None:
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     with pytest.raises(ValueError, match=flag):
         load_config(None, flags)
@@ -161,11 +161,11 @@ def _preset_plan(preset: str, colocate: bool, on_gpu: bool = True):
     import os
 
     from openrlhf_shape.cluster.placement import plan_for
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs", f"{preset}.yaml"), check_paths=False)
-    cfg.rollout.colocate = colocate
+    cfg.train.colocate_all = colocate
     return plan_for(cfg, on_gpu=on_gpu)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from openrlhf_shape.platform import Platform, cpu_platform, detect_platform, gpu_platform
-from openrlhf_shape.trainer.config import load_config
+from openrlhf_shape.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def _cfg(**flags: str):
     args: list[str] = []
     for k, v in flags.items():
         args += [f"--{k}", v]
-    return load_config(None, ["--actor.pretrain", "demo", *args], check_paths=False)
+    return load_config(None, ["--actor.model_name_or_path", "demo", *args], check_paths=False)
 
 
 def test_cpu_profile_on_this_machine() -> None:
@@ -36,7 +36,7 @@ def test_cpu_profile_on_this_machine() -> None:
     import torch
 
     assert not torch.cuda.is_available()
-    cfg = _cfg(**{"megatron.world_size": "2", "actor.num_cpus_per_rank": "0.25", "rollout.num_cpus_per_engine": "0.75"})
+    cfg = _cfg(**{"actor.num_gpus_per_node": "2", "actor.num_cpus_per_rank": "0.25", "vllm.num_cpus_per_engine": "0.75"})
     p = detect_platform(cfg)
     assert (p.device, p.on_gpu, p.cluster_gpus) == ("cpu", False, 0.0)
     assert p.source == ("ray" if ray.is_initialized() else "local")  # a local Ray here declares no GPUs
@@ -52,9 +52,9 @@ def test_cpu_profile_on_this_machine() -> None:
     assert "OMP_NUM_THREADS" not in env  # bound cores instead
     assert "VLLM_CPU_OMP_THREADS_BIND" not in p.engine_env(1.0, 1)
     assert p.engine_env(1.0, 1)["OMP_NUM_THREADS"] == str(os.cpu_count())
-    two = detect_platform(_cfg(**{"rollout.num_engines": "2"}))
+    two = detect_platform(_cfg(**{"vllm.num_engines": "2"}))
     assert two.threads_per_engine == max(1, (os.cpu_count() or 1) // 2)
-    assert detect_platform(_cfg(**{"engine.tensor_parallel_size": "2"})).threads_per_engine is None
+    assert detect_platform(_cfg(**{"vllm.tensor_parallel_size": "2"})).threads_per_engine is None
     # Megatron's "auto" settings follow the profile
     from openrlhf_shape.megatron.config import MegatronConfig
 
@@ -96,7 +96,7 @@ def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(gpu_cluster) ->
     from openrlhf_shape.cluster.rank_group import RankActor
     from openrlhf_shape.megatron.worker import MegatronRankWorker
 
-    cfg = _cfg(**{"megatron.world_size": "2", "vllm.tensor_parallel_size": "2"})
+    cfg = _cfg(**{"actor.num_gpus_per_node": "2", "vllm.tensor_parallel_size": "2"})
     p = detect_platform(cfg)
     assert not torch.cuda.is_available()  # the driver itself has no GPU: the cluster decides
     assert (p.device, p.source, p.cluster_gpus) == ("cuda", "ray", 16.0)

@@ -30,13 +30,13 @@ NODES, GPUS = 4, 8
 
 def preset_shape(name: str) -> dict:
     """The layout a preset asks for, read through the trainer's own config loader (any flag names)."""
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     cfg = load_config(str(CONFIGS / f"{name}.yaml"), check_paths=False)
     m = cfg.megatron
-    return dict(world_size=m.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                num_engines=cfg.rollout.num_engines, engine_tp=cfg.engine.tensor_parallel_size,
-                colocate=bool(cfg.rollout.colocate))
+    return dict(world_size=cfg.actor.world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                num_engines=cfg.vllm.num_engines, engine_tp=cfg.vllm.tensor_parallel_size,
+                colocate=bool(cfg.train.colocate_all))
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +115,11 @@ def test_preset_disaggregated(cluster, name: str) -> None:
 def test_too_few_gpus_names_flags(cluster) -> None:
     # 32B disaggregated needs 8 nodes of 8 GPUs; the cluster has 4.
     plan = plan_placement(**{**preset_shape("qwen3-32b"), "colocate": False}, gpus_per_node=GPUS)
-    with pytest.raises(ValueError, match=r"--megatron.world_size.*--rollout.num_engines"):
+    with pytest.raises(ValueError, match=r"--megatron.world_size.*--vllm.num_engines"):
         RayPlacement(plan, gpus=True)
     # Enough GPUs in total (32) but not of the right shape: a 16-GPU TP group needs a 16-GPU node.
     plan = plan_placement(world_size=16, tp=16, pp=1, num_engines=1, engine_tp=1, colocate=True, gpus_per_node=16)
-    with pytest.raises(ValueError, match=r"--trainer.gpus_per_node"):
+    with pytest.raises(ValueError, match=r"--train.gpus_per_node"):
         RayPlacement(plan, gpus=True)
 
 
@@ -142,7 +142,7 @@ def test_rendezvous_on_rank0_node(cluster) -> None:
 
 
 def _doctor_cfg(name: str, out_dir: str, model_dir: str, *extra: str):
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     return load_config(str(CONFIGS / f"{name}.yaml"), ["--ckpt.output_dir", out_dir, "--actor.model_name_or_path",
                                                        model_dir, *extra], check_paths=False)

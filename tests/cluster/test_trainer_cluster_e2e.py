@@ -31,17 +31,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _overrides(model_dir: str, reward_file: str, out_dir: str, **extra) -> list[str]:
     flags = {
-        "actor.pretrain": model_dir, "data.prompt_data": "bundled:train", "data.max_samples": "8",
+        "actor.model_name_or_path": model_dir, "data.prompt_dataset": "bundled:train", "data.max_samples": "8",
         "data.max_prompt_len": "256",
-        "rollout.n_samples_per_prompt": "2", "rollout.rollout_batch_size": "2", "rollout.max_new_tokens": "16",
-        "rollout.kv_cache_gib": "1", "rollout.block_size": "32", "rollout.num_engines": "2",
-        "rollout.weight_sync_bucket_mb": "1",
-        "actor.train_batch_size": "4", "actor.learning_rate": "1e-3", "actor.micro_batch_max_tokens": "512",
-        "megatron.world_size": "2",
-        "trainer.num_steps": "1", "trainer.save_steps": "0", "trainer.output_dir": out_dir, "trainer.log_samples": "0",
-        "trainer.eval_steps": "0",
+        "rollout.n_samples_per_prompt": "2", "rollout.batch_size": "2", "rollout.max_new_tokens": "16",
+        "vllm.kv_cache_gib": "1", "vllm.block_size": "32", "vllm.num_engines": "2",
+        "vllm.weight_sync_bucket_mb": "1",
+        "train.batch_size": "4", "actor.adam.lr": "1e-3", "train.max_tokens_per_gpu": "512",
+        "actor.num_gpus_per_node": "2",
+        "train.num_steps": "1", "ckpt.save_steps": "0", "ckpt.output_dir": out_dir, "logger.log_samples": "0",
+        "eval.steps": "0",
         "reward.remote_url": reward_file, "reward.num_workers": "1",
-        "shape.num_segments": "2", "shape.num_probes": "2", "shape.min_segment_len": "2", "shape.probe_max_tokens": "4",
+        "shape.num_segments": "2", "probe.num_probes": "2", "shape.min_segment_len": "2", "probe.max_tokens": "4",
     }
     flags.update(extra)
     out = []
@@ -58,7 +58,7 @@ def _run(overrides: list[str]) -> dict:
     sys.path.insert(0, HERE)
     from safetensors.torch import load_file
 
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
 
     cfg = load_config(None, overrides)
@@ -159,7 +159,7 @@ def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_
         assert dp_store["metrics"][k] == dp_coll["metrics"][k], k
 
     tp_coloc = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "tp_coloc"),
-                               **{"megatron.tensor_model_parallel_size": "2", "rollout.colocate": True}))
+                               **{"megatron.tensor_model_parallel_size": "2", "train.colocate_all": True}))
     _assert_weights_exact(tp_coloc)
     _assert_profile_handed(tp_coloc)
     ev = tp_coloc["events"]
@@ -179,7 +179,7 @@ def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_
 def test_trainer_cluster_path_deepspeed_zero3(tmp_path, tiny_model_dir, parity_reward_file, ray_once, dp_coll) -> None:
     ds = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "ds_zero3"),
                          **{"actor.backend": "deepspeed", "ds.zero_stage": "3", "ds.zero3_param_persistence_threshold": "0",
-                            "rollout.colocate": True}))
+                            "train.colocate_all": True}))
     _assert_weights_exact(ds)
     assert ds["metrics"]["sync/receivers"] == 2 and ds["metrics"]["sync/buckets"] >= 2
     ev = ds["events"]
@@ -205,13 +205,13 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     import time
 
     from openrlhf_shape.cluster.sync_driver import WeightSyncError
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
 
     out = str(tmp_path / "killed")
-    evals = {"data.eval_data": "bundled:test", "data.eval_max_samples": "4", "trainer.eval_steps": "1"}
+    evals = {"eval.dataset": "bundled:test", "eval.max_samples": "4", "eval.steps": "1"}
     cfg = load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
-        "megatron.world_size": "1", "trainer.num_steps": "2", "trainer.save_steps": "1",
+        "actor.num_gpus_per_node": "1", "train.num_steps": "2", "ckpt.save_steps": "1",
         "rollout.weight_sync_timeout": "300", **evals}))
     trainer = ShapeTrainer(cfg)
     try:
@@ -238,7 +238,7 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     assert not os.path.exists(os.path.join(out, "checkpoints", "step_000002"))
 
     again = ShapeTrainer(load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
-        "megatron.world_size": "1", "trainer.num_steps": "2", "trainer.save_steps": "1", **evals})))
+        "actor.num_gpus_per_node": "1", "train.num_steps": "2", "ckpt.save_steps": "1", **evals})))
     try:
         again.setup()
         again.fit()

@@ -64,7 +64,7 @@ def test_the_trainer_takes_a_moe_policy_on_megatron_only(moe_dir):
     """A MoE policy trains on the Megatron backend (tests/trainer/test_train_e2e_moe.py runs SHAPE steps on it,
     colocated and disaggregated); the DeepSpeed backend is refused before anything starts, naming the flag:
     it exports transformers 5's fused expert tensors, which the engine's per-expert checkpoint does not have."""
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.setup import build_run
 
     from pathlib import Path

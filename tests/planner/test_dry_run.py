@@ -58,14 +58,14 @@ def test_model_states_that_cannot_fit_are_refused_with_numbers_and_flags(capsys)
 
 
 def test_vllm_utilisation_leaving_no_room_is_refused_with_the_value_to_use(capsys):
-    rc, out = _dry_run(capsys, "--config", "configs/qwen3-32b.yaml", "--engine.gpu_memory_utilization", "0.9")
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-32b.yaml", "--vllm.gpu_memory_utilization", "0.9")
     assert rc == 2
     refusal = out.split("REFUSED:")[1]
     assert "rollout phase" in refusal and "log-probs phase" in refusal
-    suggested = refusal.split("lower --engine.gpu_memory_utilization to at most ")[1].split()[0]
+    suggested = refusal.split("lower --vllm.gpu_memory_utilization to at most ")[1].split()[0]
     assert 0.5 < float(suggested) < 0.9
     # the suggested value is one that fits
-    rc, out = _dry_run(capsys, "--config", "configs/qwen3-32b.yaml", "--engine.gpu_memory_utilization", suggested)
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-32b.yaml", "--vllm.gpu_memory_utilization", suggested)
     assert rc == 0, out
 
 
@@ -73,10 +73,10 @@ def test_too_few_gpus_and_bad_divisibility_are_refused(capsys):
     rc, out = _dry_run(capsys, "--config", "configs/qwen3-32b.yaml", "--plan.num_nodes", "2")
     assert rc == 2 and "placement: the layout needs 4 nodes" in out and "--plan.num_nodes = 2" in out
     rc, out = _dry_run(capsys, "--config", "configs/qwen3-8b.yaml", "--megatron.tensor_model_parallel_size", "3",
-                       "--megatron.world_size", "12", "--actor.train_batch_size", "256")
+                       "--actor.num_gpus_per_node", "12", "--train.batch_size", "256")
     assert rc == 2 and "--megatron.tensor_model_parallel_size=3 must divide num_attention_heads=32" in out
-    rc, out = _dry_run(capsys, "--config", "configs/qwen3-4b.yaml", "--engine.gpu_memory_utilization", "0.05")
-    assert rc == 2 and "leaves no KV cache" in out and "--engine.tensor_parallel_size" in out
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-4b.yaml", "--vllm.gpu_memory_utilization", "0.05")
+    assert rc == 2 and "leaves no KV cache" in out and "--vllm.tensor_parallel_size" in out
 
 
 def test_plan_flags_are_validated_and_change_the_plan(capsys):
@@ -95,7 +95,7 @@ def test_console_script_exit_code(tmp_path):
                          "--dry_run"], cwd=REPO, env=env, capture_output=True, text=True)
     assert ok.returncode == 0 and "FITS" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "openrlhf_shape.cli.main", "train", "--config", "configs/qwen3-14b.yaml",
-                          "--dry_run", "--megatron.pipeline_model_parallel_size", "1", "--megatron.world_size", "16",
+                          "--dry_run", "--megatron.pipeline_model_parallel_size", "1", "--actor.num_gpus_per_node", "16",
                           "--megatron.tensor_model_parallel_size", "1", "--megatron.sequence_parallel", "false"],
                          cwd=REPO, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "REFUSED" in bad.stdout
@@ -178,7 +178,7 @@ def test_forward_only_model_and_attention_choices():
 
 
 def test_offloading_megatron_states_makes_room_for_vllm(capsys):
-    flags = ["--config", "configs/qwen3-32b.yaml", "--engine.gpu_memory_utilization", "0.8"]
+    flags = ["--config", "configs/qwen3-32b.yaml", "--vllm.gpu_memory_utilization", "0.8"]
     rc, out = _dry_run(capsys, *flags)
     assert rc == 2 and "rollout phase" in out.split("REFUSED:")[1]
     rc, out = _dry_run(capsys, *flags, "--plan.megatron_offload", "all")

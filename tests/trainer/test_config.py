@@ -5,14 +5,15 @@ import os
 import pytest
 import yaml
 
-from openrlhf_shape.trainer.config import load_config, parse_overrides
+from openrlhf_shape.config import load_config
+from openrlhf_shape.config.flags import parse_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_presets_load_and_validate():
     cfg = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"))
-    assert cfg.actor.pretrain == "demo" and cfg.shape.num_segments == 4
+    assert cfg.actor.model_name_or_path == "demo" and cfg.shape.num_segments == 4
     for name in ("qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "deepscaler-1.5b", "deepseek-r1-distill-qwen-1.5b"):
         with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
             data = yaml.safe_load(f)
@@ -36,15 +37,15 @@ def test_dotted_flags_override_yaml_and_aliases(tmp_path):
     p.write_text("rollout:\n  n_samples_per_prompt: 4\n  rollout_batch_size: 2\nactor:\n  train_batch_size: 8\n")
     cfg = load_config(str(p), ["--algo.advantage.estimator", "mrt", "--actor.eps_clip_low_high", "0.1", "0.3",
                                "--rollout.temperature=0.7", "--shape.tcr", "false", "--data.prompt_dataset", "bundled:test"])
-    assert cfg.shape.estimator == "mrt"
-    assert (cfg.megatron.eps_clip_low, cfg.megatron.eps_clip_high) == (0.1, 0.3)
-    assert cfg.sampling.temperature == 0.7 and cfg.sampling.n == 4
-    assert cfg.shape.tcr is False and cfg.data.prompt_data == "bundled:test"
+    assert cfg.algo.advantage.estimator == "mrt"
+    assert (cfg.actor.eps_clip_low_high[0], cfg.actor.eps_clip_low_high[1]) == (0.1, 0.3)
+    assert cfg.rollout.temperature == 0.7 and cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.shape.tcr is False and cfg.data.prompt_dataset == "bundled:test"
 
 
 def test_parse_overrides_handles_negatives_and_bare_flags():
-    assert parse_overrides(["--rollout.top_k", "-1", "--rollout.colocate", "--a.b=c"]) == [
-        ("rollout.top_k", "-1"), ("rollout.colocate", True), ("a.b", "c")]
+    assert parse_overrides(["--rollout.top_k", "-1", "--train.colocate_all", "--a.b=c"]) == [
+        ("rollout.top_k", "-1"), ("train.colocate_all", True), ("a.b", "c")]
 
 
 @pytest.mark.parametrize(
@@ -62,7 +63,7 @@ def test_parse_overrides_handles_negatives_and_bare_flags():
         (["--data.prompt_dataset", "/nonexistent/p.jsonl"], "--data.prompt_dataset"),
         (["--actor.eps_clip_low_high", "0.2"], "--actor.eps_clip_low_high"),
         (["--probe.adaptive", "--probe.adaptive_tol", "0.7"], "--probe.adaptive_tol"),
-        (["--probe.adaptive", "--probe.max_probes", "16"], r"--probe.max_probes.*gamma > 0.9375"),
+        (["--probe.adaptive", "--probe.max_probes", "16"], r"--shape.gamma_min.*m = 16 probes \(--probe.max_probes\)"),
         (["--probe.max_probes", "-1"], "--probe.max_probes"),
         (["--reward.num_workers", "-2"], "--reward.num_workers"),
     ],

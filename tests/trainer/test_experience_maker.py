@@ -46,15 +46,17 @@ def parts(tiny_model_dir, parity_reward_file):
     reward.close()
 
 
-def _build(engines, logprobs_fn, reward, tok, shape: ShapeConfig, max_tokens: int, dynamic_filtering: bool = False):
-    probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens)
+def _build(engines, logprobs_fn, reward, tok, shape: ShapeConfig, max_tokens: int, dynamic_filtering: bool = False,
+           num_probes: int = 8):
+    probe = ProbeConfig(num_probes=num_probes, max_tokens=16)
     return ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, logprobs_fn, reward, tok,
                                 dynamic_filtering=dynamic_filtering)
 
 
-def _maker(engines, parts, dynamic_filtering=False, **shape_kw):
+def _maker(engines, parts, dynamic_filtering=False, num_probes=8, **shape_kw):
     tok, items, actor, reward = parts
-    return _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(**shape_kw), 48, dynamic_filtering), items, actor
+    return _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(**shape_kw), 48, dynamic_filtering,
+                  num_probes), items, actor
 
 
 @pytest.mark.parametrize("estimator", ["shape", "mrt"])
@@ -98,8 +100,8 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
 
 def test_adaptive_probes_in_the_step(engines, parts):
     tok, items, actor, reward = parts
-    shape = ShapeConfig(num_segments=4, num_probes=4, min_segment_len=4)
-    probe = ProbeConfig(num_probes=shape.num_probes, max_tokens=shape.probe_max_tokens, adaptive=True,
+    shape = ShapeConfig(num_segments=4, min_segment_len=4)
+    probe = ProbeConfig(num_probes=4, max_tokens=16, adaptive=True,
                         adaptive_tol=0.2, adaptive_first_round=2, adaptive_round_size=2, max_probes=4)
     exp = ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=48), probe, engines, actor.compute_logprobs_and_entropy, reward,
                                tok).make_experience(items)
@@ -142,7 +144,7 @@ def test_rewards_outside_unit_interval_are_refused_for_shape(engines, parts, tmp
                    "    r = torch.full((len(queries),), -1.0)\n    return {'rewards': r, 'scores': r, 'extra_logs': {}}\n")
     tok, items, actor, _ = parts
     with RewardComputer(RewardConfig(remote_url=str(bad), num_workers=1)) as reward:
-        maker = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(num_segments=2, num_probes=1), 8)
+        maker = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(num_segments=2), 8, num_probes=1)
         with pytest.raises(ValueError, match="--reward.remote_url"):
             maker.make_experience(items[:1])
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from openrlhf_shape.eval.metrics import bootstrap_ci
-from openrlhf_shape.trainer.config import load_config
+from openrlhf_shape.config import load_config
 from openrlhf_shape.trainer.heldout import group_results, heldout_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,13 +44,13 @@ def test_group_results_rejects_mismatched_lengths():
 
 def test_learn_preset_evaluates_before_training_with_sampling():
     cfg = load_config(os.path.join(ROOT, "configs", "cpu-learn.yaml"))
-    t = cfg.trainer
-    assert t.val_before_train and t.eval_n_samples_per_prompt == 8 and t.eval_temperature == 0.6
-    assert cfg.data.eval_max_samples == 100 and cfg.engine.kv_cache_gib == 1
+    e = cfg.eval
+    assert e.val_before_train and e.n_samples_per_prompt == 8 and e.temperature == 0.6 and (e.top_p, e.top_k) == (0.95, 40)
+    assert cfg.eval.max_samples == 100 and cfg.vllm.kv_cache_gib == 1
 
 
 def test_eval_flags_are_validated():
     with pytest.raises(ValueError, match="--eval.n_samples_per_prompt"):
         load_config(os.path.join(ROOT, "configs", "cpu-learn.yaml"), ["--eval.n_samples_per_prompt", "0"])
     with pytest.raises(ValueError, match="--eval.max_samples"):
-        load_config(os.path.join(ROOT, "configs", "cpu-learn.yaml"), ["--data.eval_max_samples", "0"])
+        load_config(os.path.join(ROOT, "configs", "cpu-learn.yaml"), ["--eval.max_samples", "0"])

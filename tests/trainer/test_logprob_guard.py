@@ -63,7 +63,7 @@ def test_coverage_counts_a_tied_head_with_its_embedding():
 
 def test_guard_for_run_reads_each_sides_dtype():
     from openrlhf_shape.platform import detect_platform
-    from openrlhf_shape.trainer.config import TrainConfig
+    from openrlhf_shape.config import TrainConfig
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
 
     class Model:  # an HF config's dtype attribute

@@ -111,8 +111,8 @@ def test_example_command_line_resolves_without_them(name, flags, capsys):
 
 
 def test_old_names_still_work_with_one_notice(capsys):
-    assert main(["train", "--print_config", "--actor.pretrain", "demo", "--rollout.rollout_batch_size", "4",
-                 "--actor.train_batch_size", "32", "--rollout.generate_max_len", "64"]) == 0
+    assert main(["train", "--print_config", "--actor.pretrain", "demo", "--rollout.rollout_batch_size", "4",  # old-names
+                 "--actor.train_batch_size", "32", "--rollout.generate_max_len", "64"]) == 0  # old-names
     out = capsys.readouterr()
     notices = [ln for ln in out.err.splitlines() if ln.startswith("[deprecated]")]
     assert len(notices) == 4 and "use --actor.model_name_or_path" in notices[0]

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from openrlhf_shape.trainer.openrlhf_flags import ALWAYS, BY_NAME, OPENRLHF_PPO_FLAGS, REFUSED, SAME, VALUES, refusal
+from openrlhf_shape.config.openrlhf import ALWAYS, BY_NAME, OPENRLHF_PPO_FLAGS, REFUSED, SAME, VALUES, refusal
 
 
 def _openrlhf_parser() -> argparse.ArgumentParser:
@@ -62,7 +62,7 @@ def test_parts_we_do_not_have_are_named(name):
 
 
 def test_compat_doc_table_is_the_table():
-    from openrlhf_shape.trainer.openrlhf_flags import markdown_table
+    from openrlhf_shape.config.openrlhf import markdown_table
 
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                "docs", "openrlhf_compat.md")).read()

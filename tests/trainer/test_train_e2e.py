@@ -52,7 +52,7 @@ def _flags(model_dir, reward_file, out_dir, estimator="shape"):
         "--ckpt.output_dir", out_dir, "--logger.log_samples", "0",
         "--reward.remote_url", reward_file, "--reward.num_workers", "1",
         "--algo.advantage.estimator", estimator,
-        "--shape.num_segments", "3", "--shape.num_probes", "2", "--shape.min_segment_len", "2",
+        "--shape.num_segments", "3", "--probe.num_probes", "2", "--shape.min_segment_len", "2",
     ]
 
 

@@ -64,13 +64,13 @@ def test_bucket_plan_uses_full_sizes():
 
 
 def test_trainer_flags_reach_the_backend():
-    from openrlhf_shape.trainer.config import load_config
+    from openrlhf_shape.config import load_config
 
     cfg = load_config("configs/deepseek-r1-distill-qwen-1.5b.yaml",
                       ["--actor.backend", "deepspeed", "--ds.zero_stage", "3", "--ds.adam_offload"], check_paths=False)
     z = zero_config_from(cfg.megatron_config(), cfg.ds)
     assert (z.zero_stage, z.adam_offload, z.train.recompute_activations) == (3, True, True)  # + gradient checkpointing
-    assert z.train.lr == cfg.megatron.lr and z.train.micro_batch_max_tokens == cfg.megatron.micro_batch_max_tokens
+    assert z.train.lr == cfg.actor.adam.lr and z.train.micro_batch_max_tokens == cfg.train.max_tokens_per_gpu
     with pytest.raises(ValueError, match="--actor.backend deepspeed"):
         load_config("configs/qwen3-4b.yaml", ["--ds.zero_stage", "3"], check_paths=False)
     with pytest.raises(ValueError, match="tensor_model_parallel_size 1"):

@@ -6,14 +6,14 @@ field's type, and applies values by rebuilding the touched dataclasses with
 :func:`dataclasses.replace` (so each component validates itself in ``__post_init__``). Two
 declared tables shape the surface:
 
-- ``aliases``: old or foreign flag name -> canonical path, or -> a tuple of paths for a flag that
-  sets several fields at once (``--actor.eps_clip_low_high 0.2 0.28``). Extending the aliases (e.g.
-  OpenRLHF names) means adding rows, nothing else.
+- ``aliases``: another name of a flag -> its path (the training config has none: flag = path;
+  its project's old names are handled before, in :mod:`openrlhf_shape.config.compat`).
 - ``derived``: canonical paths that are computed from other settings (never a flag), with the
   flag that sets them instead, for the error message.
 
-Errors raised by a component (``MegatronConfig.lr must be > 0``) are re-worded to the flag
-(``--megatron.lr``) by :meth:`FlagSpace.build`.
+A path may name one element of a tuple field (``actor.adam.betas[1]``): the old single-value
+names of a pair still set their half. Errors raised by a component (``EngineConfig.block_size
+must ...``) are re-worded to the flag (``--vllm.block_size``) by :meth:`FlagSpace.build`.
 """
 
 from __future__ import annotations
@@ -165,6 +165,9 @@ class FlagSpace:
     def resolve(self, flag: str, value: Any) -> list[tuple[str, Any]]:
         """``(canonical path, typed value)`` pairs for one flag; errors name the flag and the fix."""
         target = self.aliases.get(flag, flag)
+        element = re.fullmatch(r"(.+)\[(\d)\]", target) if isinstance(target, str) else None
+        if element and element.group(1) in self.types:  # one half of a pair: ("path[i]", typed element)
+            return [(target, convert(value, typing.get_args(self.types[element.group(1)])[int(element.group(2))], flag))]
         if isinstance(target, tuple):  # one flag, several fields: a tuple value split over them
             parts = convert(value, tuple[tuple(self.types[p] for p in target)], flag)
             return list(zip(target, parts))
@@ -177,7 +180,19 @@ class FlagSpace:
         return [(target, convert(value, self.types[target], flag))]
 
     def build(self, base: Any, values: dict[str, Any]) -> Any:
-        """``base`` with ``values`` (canonical path -> typed value) applied, sections re-validated."""
+        """``base`` with ``values`` (canonical path -> typed value) applied, sections re-validated.
+        A ``path[i]`` key sets one element of the tuple at ``path`` (its value given, else ``base``'s)."""
+        values = dict(values)
+        for key in [k for k in values if k.endswith("]")]:
+            path, i = key[:-1].split("[")
+            current = values.get(path)
+            if current is None:
+                current = base
+                for part in path.split("."):
+                    current = getattr(current, part)
+            items = list(current)
+            items[int(i)] = values.pop(key)
+            values[path] = tuple(items)
         return self._replace(base, "", values)
 
     def _replace(self, obj: Any, prefix: str, values: dict[str, Any]) -> Any:

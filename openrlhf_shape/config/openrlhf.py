@@ -2,7 +2,7 @@
 with it: the same setting under the same name, a setting that is always on here (accepted, no
 effect), accepted only for some values, or refused with one line saying why and what to use.
 
-This is data: the config parser (trainer/config.py) reads it; the flag table of docs/openrlhf_compat.md and the test
+This is data: the config parser (config/compat.py) reads it; the flag table of docs/openrlhf_compat.md and the test
 that checks every OpenRLHF flag is covered are generated from / checked against it.
 
 Kinds:
@@ -81,7 +81,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("vllm.tensor_parallel_size", 1, SAME),
     _f("vllm.gpu_memory_utilization", 0.95, SAME),
     _f("vllm.enforce_eager", False, SAME),
-    _f("vllm.enable_prefix_caching", False, ALWAYS, why="prefix caching is always on (the potential probes rely on it)"),
+    _f("vllm.enable_prefix_caching", False, SAME, why="on by default here: the potential probes rely on it"),
     _f("vllm.enable_sleep", False, ALWAYS, why="engines sleep whenever --train.colocate_all is set"),
     _f("vllm.sync_backend", "nccl", VALUES, accept={"nccl": None},
        why="weights go to vLLM through the trainer's streamed weight sync (--rollout.weight_sync: a collective group "
@@ -141,7 +141,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("ds.lora.alpha", 16, REFUSED, why=_NO_LORA),
     _f("ds.lora.target_modules", "all-linear", REFUSED, why=_NO_LORA),
     _f("ds.lora.dropout", 0, REFUSED, why=_NO_LORA),
-    _f("actor.gradient_checkpointing_enable", False, SAME, ours="megatron.recompute_activations",
+    _f("actor.gradient_checkpointing_enable", False, SAME, ours="actor.gradient_checkpointing_enable",
        why="activation recompute on either backend (Megatron recompute; HF gradient checkpointing under DeepSpeed)"),
     _f("actor.gradient_checkpointing_reentrant", False, REFUSED,
        why="activation recompute is non-reentrant on both backends; use --actor.gradient_checkpointing_enable"),

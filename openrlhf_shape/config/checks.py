@@ -1,0 +1,148 @@
+"""Validation of a :class:`~openrlhf_shape.config.tree.TrainConfig` across sections.
+
+Each section validates its own fields when built; what spans sections (batch divisibility, the
+layout, the backend, the appendix-A.2 bound with the probe count) is checked here, once. Every
+message starts with the flag a user types.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.config.tree import TrainConfig
+
+
+def _need(cond: bool, flag: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"--{flag}: {msg}")
+
+
+def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
+    """``build()``; a ``ValueError`` naming ``cls_name.field`` is re-raised naming ``--<to_flag(field)>``."""
+    try:
+        return build()
+    except ValueError as exc:
+        msg = re.sub(rf"\b{cls_name}\.(\w+)", lambda m: "--" + to_flag(m.group(1)), str(exc))
+        raise ValueError(msg) from None
+
+
+def megatron_flag(name: str) -> str:
+    """The flag that sets MegatronConfig field ``name``."""
+    from openrlhf_shape.config.tree import RANK_SOURCE
+
+    return RANK_SOURCE[name].split("[")[0] if name in RANK_SOURCE else f"megatron.{name}"
+
+
+def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
+    """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
+    cfg.data.validate()
+    _check_rollout(cfg)
+    _check_batches(cfg)
+    _check_backend(cfg)
+    _check_loop(cfg, check_paths)
+    _check_probes(cfg)
+    _check_paths(cfg, check_paths)
+
+
+def _check_rollout(cfg: "TrainConfig") -> None:
+    r, a = cfg.rollout, cfg.algo.advantage
+    reworded(r.sampling_config, "SamplingConfig",
+             lambda f: {"n": "rollout.n_samples_per_prompt", "max_tokens": "rollout.max_new_tokens"}.get(f, f"rollout.{f}"))
+    if a.estimator == "grpo" or cfg.shape.outcome_baseline != "none":
+        _need(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
+              "GRPO and group baselines need >= 2 samples per prompt")
+    _need(r.batch_size >= 1, "rollout.batch_size", "must be >= 1 prompt per step")
+    _need(cfg.vllm.num_engines >= 1, "vllm.num_engines", "must be >= 1")
+    _need(r.temperature > 0, "rollout.temperature", "must be > 0 (entropy is taken at this temperature)")
+    cfg.rollout_correction().validate()
+    if a.is_correction_level != "off":
+        _need(r.top_p >= 1 and r.top_k in (-1, 0), "algo.advantage.is_correction_level",
+              "needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k vLLM's log-probs are of the "
+              "truncated distribution, so every importance weight would carry the truncation mass")
+    _need(r.weight_sync_timeout > 0, "rollout.weight_sync_timeout",
+          f"{r.weight_sync_timeout}: use a positive number of seconds (the longest one weight sync may take)")
+    _need(r.max_logprob_gap >= 0, "rollout.max_logprob_gap",
+          f"{r.max_logprob_gap}: use 0 (warn past the dtype's expected gap) or a gap in nats past which the run stops")
+    _need(r.weight_sync in ("auto", "collective", "object_store", "cuda_ipc"), "rollout.weight_sync",
+          f"{r.weight_sync!r}: use auto, collective, object_store or cuda_ipc")
+    _need(r.weight_sync != "cuda_ipc" or cfg.train.colocate_all, "rollout.weight_sync",
+          "cuda_ipc needs --train.colocate_all (sender and engine worker on the same GPU)")
+
+
+def _check_batches(cfg: "TrainConfig") -> None:
+    r, t, m = cfg.rollout, cfg.train, cfg.megatron
+    samples = r.batch_size * r.n_samples_per_prompt
+    _need(t.batch_size >= 1, "train.batch_size", "must be >= 1")
+    _need(samples % t.batch_size == 0 or cfg.algo.dynamic_filtering_enable, "train.batch_size",
+          f"{t.batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
+          f"(e.g. --train.batch_size {samples})")
+    _need(t.max_epochs >= 1, "train.max_epochs", "must be >= 1")
+    world = cfg.actor.world_size
+    _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
+    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+    _need(world % mp == 0, "actor.num_gpus_per_node",
+          f"{world} ranks is not a multiple of TP x PP = {mp}; set --actor.num_nodes x "
+          "--actor.num_gpus_per_node to TP x PP x DP")
+    dp = world // mp
+    _need(t.batch_size % dp == 0, "train.batch_size",
+          f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP))")
+
+
+def _check_backend(cfg: "TrainConfig") -> None:
+    a, ds = cfg.actor, cfg.ds
+    if a.backend not in ("megatron", "deepspeed"):
+        raise ValueError(f"--actor.backend: {a.backend!r}; use megatron or deepspeed")
+    if ds.param_dtype == "fp16":
+        raise ValueError("--ds.param_dtype: fp16 needs dynamic loss scaling, which this trainer does not run; "
+                         "use bf16 (or fp32 on CPU)")
+    reworded(cfg.megatron_config, "MegatronConfig", megatron_flag)  # the layout and the training settings
+    if a.backend == "megatron":
+        if ds.zero_stage == 3 or ds.adam_offload:
+            raise ValueError(
+                "--ds.zero_stage 3 / --ds.adam_offload configure the DeepSpeed backend; add --actor.backend "
+                "deepspeed, or shard on Megatron with --megatron.use_distributed_optimizer")
+        return
+    reworded(cfg.zero_config, "ZeroConfig", lambda f: f"ds.{f}")  # its own errors name the flags
+
+
+def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:
+    t, e, c = cfg.train, cfg.eval, cfg.ckpt
+    _need(cfg.data.max_prompt_len is not None, "data.max_prompt_len", "must be set (tokens; it sizes the engines)")
+    _need(t.num_steps >= 1, "train.num_steps", "must be >= 1")
+    _need(c.save_steps >= 0 and e.steps >= 0, "ckpt.save_steps", "save/eval steps must be >= 0")
+    _need(e.n_samples_per_prompt >= 1, "eval.n_samples_per_prompt", "must be >= 1 response per held-out problem")
+    _need(e.temperature >= 0, "eval.temperature", "must be >= 0 (0 is greedy)")
+    _need(0 < e.top_p <= 1, "eval.top_p", "must lie in (0, 1]")
+    _need(not ((e.val_before_train or e.steps) and e.max_samples == 0), "eval.max_samples",
+          "is 0 but an eval is asked for (--eval.steps / --eval.val_before_train); raise it or use None")
+    _need(c.max_num >= 1, "ckpt.max_num", "must keep at least 1 checkpoint")
+    _need(not check_paths or c.resume in ("auto", "none") or os.path.isdir(c.resume), "ckpt.resume",
+          f"{c.resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
+    _need(t.gpus_per_node >= 1, "train.gpus_per_node", "must be >= 1")
+    if cfg.reward.num_workers < 0:
+        raise ValueError(f"--reward.num_workers: must be >= 1, or 0 for one per core; got {cfg.reward.num_workers}")
+
+
+def _check_probes(cfg: "TrainConfig") -> None:
+    """Appendix A.2 against the most probes a state can get: m, or the adaptive cap."""
+    p = cfg.probe
+    rule = p.rule()
+    if rule is None:
+        cfg.shape.check_reward_sign(p.num_probes, "--probe.num_probes")
+    else:
+        cfg.shape.check_reward_sign(rule.max_probes, "--probe.max_probes" if p.max_probes else "--probe.num_probes")
+
+
+def _check_paths(cfg: "TrainConfig", check_paths: bool) -> None:
+    source, model = cfg.data.prompt_dataset, cfg.actor.model_name_or_path
+    if source.startswith("bundled:"):
+        _need(source in ("bundled:train", "bundled:test"), "data.prompt_dataset",
+              "bundled data is 'bundled:train' or 'bundled:test'")
+    elif check_paths and not os.path.exists(source) and source.endswith((".jsonl", ".json", ".parquet")):
+        raise FileNotFoundError(f"--data.prompt_dataset: file {source} does not exist")
+    if check_paths and model != "demo" and not os.path.isdir(model):
+        raise FileNotFoundError(
+            f"--actor.model_name_or_path: {model} is not a Hugging Face model directory (or use 'demo')")

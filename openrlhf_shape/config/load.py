@@ -1,0 +1,99 @@
+"""Defaults <- YAML preset <- dotted flags: :func:`load_config`, and an old run's saved config."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import yaml
+
+from openrlhf_shape.config.compat import DEPRECATED, OLD_DERIVED, translate
+from openrlhf_shape.config.flags import FlagSpace, flatten_mapping, parse_overrides
+from openrlhf_shape.config.tree import RANK_SOURCE, TrainConfig
+
+# Fields decided at set-up, never flags (the value names the flag to use instead).
+DERIVED: dict[str, str] = {
+    "vllm.model_path": "--actor.model_name_or_path",
+    "vllm.seed": "--train.seed",
+    "vllm.enable_sleep_mode": "--train.colocate_all",
+    "shape.estimator": "--algo.advantage.estimator",
+}
+FLAGS = FlagSpace(TrainConfig, derived=DERIVED)
+assert not set(RANK_SOURCE) & {p.split(".", 1)[1] for p in FLAGS.types if p.startswith("megatron.")}
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config: {path} does not exist (presets live in configs/)")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of sections")
+    return data
+
+
+def _resolved(pairs: list[tuple[str, Any]], notify=None) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for flag, value in translate(pairs, notify):
+        values.update(FLAGS.resolve(flag, value))
+    if "algo.advantage.estimator" in values:  # ShapeConfig validates alpha for its estimator: give it first
+        values["shape.estimator"] = values["algo.advantage.estimator"]
+    return values
+
+
+def load_config(yaml_path: str | None = None, overrides: list[str] | None = None, *,
+                check_paths: bool = True) -> TrainConfig:
+    """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`.
+
+    Flags and YAML keys go through :func:`~openrlhf_shape.config.compat.translate` first: OpenRLHF
+    flags for parts this trainer does not have are refused (all of them, one line each), old names
+    print a deprecation line, OpenRLHF's value encodings are translated. ``check_paths=False`` (the
+    dry run) skips the checks that the data and model paths exist on this machine."""
+    values: dict[str, Any] = {}
+    if yaml_path:
+        try:
+            values.update(_resolved(flatten_mapping(_read_yaml(yaml_path), FLAGS)))
+        except ValueError as exc:
+            raise ValueError(f"{yaml_path}: {exc}") from None
+    values.update(_resolved(parse_overrides(list(overrides or []))))
+    return FLAGS.build(TrainConfig(), values).validate(check_paths=check_paths)
+
+
+def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
+    """A saved config (``run.json``'s ``config``: ``to_dict()`` of this tree or of the old one, whose
+    paths are read through :data:`~openrlhf_shape.config.compat.DEPRECATED`), not validated."""
+    old = "trainer" in saved or "sampling" in saved  # the tree before flag = path
+    values: dict[str, Any] = {}
+    for path, value in _flat(saved):
+        if (old and path in OLD_DERIVED) or path in DERIVED:
+            continue
+        values.update(FLAGS.resolve(DEPRECATED.get(path, path) if old else path, value))
+    if "algo.advantage.estimator" in values:
+        values["shape.estimator"] = values["algo.advantage.estimator"]
+    return FLAGS.build(TrainConfig(), values)
+
+
+def _flat(node: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in node.items():
+        if isinstance(value, dict) and key != "extra" and f"{prefix}{key}" not in FLAGS.types:
+            out.extend(_flat(value, f"{prefix}{key}."))
+        elif key != "extra":
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def flag_view(cfg: TrainConfig) -> dict[str, Any]:
+    """The resolved config as the flags a user types, nested by dots: what ``--print_config`` prints
+    (a valid preset: every key is a flag path; derived fields are left out)."""
+    out: dict[str, Any] = {}
+    for path in FLAGS.types:
+        if path in DERIVED:
+            continue
+        value = cfg.get(path)
+        node = out
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    return out
