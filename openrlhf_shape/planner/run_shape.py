@@ -51,6 +51,8 @@ class RunShape:
     num_probes: int
     probe_max_tokens: int
     think_suffix: str
+    ep: int = 1  # --megatron.expert_model_parallel_size
+    etp: int | None = None  # expert tensor parallel: megatron.expert_tensor_parallel_size if the config has one, else TP (megatron-core's default)
     backend: str = "megatron"  # --actor.backend
     zero_stage: int = 2  # --ds.zero_stage (deepspeed backend)
     adam_offload: bool = False  # --ds.adam_offload (deepspeed backend)
@@ -85,6 +87,8 @@ def run_shape(cfg: Any) -> RunShape:
         num_probes=_first(cfg, "shape.num_probes"),
         probe_max_tokens=_first(cfg, "shape.probe_max_tokens"),
         think_suffix=_first(cfg, "probe.think_suffix", default="x" * 105),
+        ep=int(_first(cfg, "megatron.expert_model_parallel_size", default=1)),
+        etp=getattr(getattr(cfg, "megatron", None), "expert_tensor_parallel_size", None),
         backend=str(_first(cfg, "actor.backend", default="megatron")),
         zero_stage=int(_first(cfg, "ds.zero_stage", default=2)),
         adam_offload=bool(getattr(getattr(cfg, "ds", None), "adam_offload", False)),
