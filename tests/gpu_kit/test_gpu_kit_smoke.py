@@ -98,6 +98,12 @@ def test_moe_section(smoke):
     cases = moe["throughput"]["cases"]
     assert {c["case"]["mode"] for c in cases} == {"update", "logprob"}
     assert all(c["tokens_per_second"] > 0 and math.isfinite(c["mfu"]) for c in cases)
+    # the planner's parameter count of this shape is the Megatron model's (router whole, experts, embeddings)
+    from openrlhf_shape.planner.model import MODELS_DIR, ModelShape
+
+    cfg = json.loads((MODELS_DIR / f"{moe['model']['config']}.json").read_text())
+    cfg.update(moe["model"]["overrides"])
+    assert moe["num_parameters"] == ModelShape.from_dict(cfg).total_params()
     preds = moe["throughput"]["planner"]["predictions"]
     assert preds and all(p.get("predicted_peak_bytes", 0) > 0 for p in preds), preds
     assert "| moe | yes |" in smoke["md"]
