@@ -15,6 +15,10 @@ in the JSON and the next one still runs):
   entropy pass (Qwen3-4B/8B) at 8k and 16k tokens per micro-batch, activation recompute on,
   random weights; every case records the inputs a memory planner needs.
 
+* ``moe``: a random-weight Qwen3-MoE with Qwen3-30B-A3B's layers (4 layers; 2 for the update): parity with HF
+  and a negative control (experts swapped pairwise), update and log-prob throughput with MFU from the active
+  parameters and the planner's predicted peak next to the measured one.
+
 ``--smoke`` runs the same code on CPU (gloo, float32, tiny model, two training steps, a tiny
 throughput case) so the kit cannot rot between GPU runs (tests/gpu_kit/).
 
@@ -76,6 +80,19 @@ GPU_CASES = [
     {"model": "Qwen3-4B", "mode": "logprob", "micro_batch_tokens": 16384},
     {"model": "Qwen3-8B", "mode": "logprob", "micro_batch_tokens": 8192},
     {"model": "Qwen3-8B", "mode": "logprob", "micro_batch_tokens": 16384},
+]
+# Mixture of experts (issue 25): random-weight stand-ins with Qwen3-30B-A3B's layer (hidden 2048, 128 experts of
+# width 768, 8 routed per token, every layer sparse). GPU: 4 layers for parity and the log-prob pass (3.0B params),
+# 2 for the update (1.9B params: ~34 GB of bf16 weights, fp32 grads, master and Adam state on one H100).
+MOE_CONFIG = "Qwen3-30B-A3B"
+SMOKE_MOE_SHAPE = {**SMOKE_SHAPE, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+MOE_GPU_CASES = [
+    {"model": MOE_CONFIG, "mode": "update", "micro_batch_tokens": 8192, "overrides": {"num_hidden_layers": 2}},
+    {"model": MOE_CONFIG, "mode": "logprob", "micro_batch_tokens": 16384, "overrides": {"num_hidden_layers": 4}},
+]
+MOE_SMOKE_CASES = [
+    {"model": MOE_CONFIG, "mode": "update", "micro_batch_tokens": 64, "overrides": SMOKE_MOE_SHAPE},
+    {"model": MOE_CONFIG, "mode": "logprob", "micro_batch_tokens": 64, "overrides": SMOKE_MOE_SHAPE},
 ]
 SMOKE_CASES = [
     {"model": "Qwen3-0.6B", "mode": "update", "micro_batch_tokens": 64, "overrides": SMOKE_SHAPE},
@@ -163,7 +180,7 @@ class SkipSection(Exception):
     """A section that cannot run here (no GPU, a wheel not carried): recorded with the reason."""
 
 
-ALL_SECTIONS = ("parity", "train", "throughput", "offload", "cuda_ipc", "zero2", "te_spec")
+ALL_SECTIONS = ("parity", "train", "throughput", "offload", "cuda_ipc", "zero2", "te_spec", "moe")
 
 
 class Kit:
@@ -248,6 +265,31 @@ class Kit:
             "caught": not neg["passed"],
         }
         rec["passed"] = passed and not neg["passed"]
+        return rec
+
+    # ---------------------------------------------------------------- mixture of experts
+    def moe(self) -> dict:
+        """qwen3_moe on the Megatron backend at world 1: log-prob/entropy parity with HF (plus a negative control
+        with the experts swapped pairwise) and the update / log-prob throughput with MFU from active parameters."""
+        if self.smoke:
+            model = {"config": MOE_CONFIG, "overrides": SMOKE_MOE_SHAPE, "seed": 11}
+            batch = self._batch(6, 8, 40, SMOKE_MOE_SHAPE["vocab_size"], seed=2)
+        else:
+            model = {"config": MOE_CONFIG, "overrides": {"num_hidden_layers": 4, "initializer_range": 0.05}, "seed": 11}
+            batch = self._batch(8, 64, 1024, 151936, seed=2)
+        cfg = {**self.base_cfg, "local_attention": "sdpa", "micro_batch_max_tokens": 4096 if self.gpu else 96}
+        res = self._run("moe_parity", dict(cfg=cfg, model=model, batch=batch, workdir=os.path.join(self.workdir, "moe")))
+        cmp = _compare(res["megatron"], res["hf"], gpu=self.gpu)
+        neg = _compare(res["negative_control"], res["hf"], gpu=self.gpu)
+        tput = self.throughput(None, cases=MOE_SMOKE_CASES if self.smoke else MOE_GPU_CASES)
+        rec = {"model": model, "cfg": cfg, "num_parameters": res["info"]["num_parameters"], "dtype": res["info"]["dtype"],
+               "num_sequences": len(batch["sequences"]), "seconds": res["seconds"], "parity": cmp,
+               "negative_control_swapped_experts": {
+                   "swapped_tensors": res["swapped_tensors"],
+                   "log_probs_vs_hf_fp32": neg["log_probs"]["megatron_vs_hf_fp32"],
+                   "entropy_vs_hf_fp32": neg["entropy"]["megatron_vs_hf_fp32"], "caught": not neg["passed"]},
+               "throughput": tput}
+        rec["passed"] = bool(cmp["passed"] and not neg["passed"] and tput["passed"])
         return rec
 
     # ---------------------------------------------------------------- colocation (kit_colocation.py)
@@ -378,8 +420,8 @@ class Kit:
         self._record("export", export_section)
 
     # ---------------------------------------------------------------- throughput
-    def throughput(self, only: list[str] | None) -> dict:
-        cases = SMOKE_CASES if self.smoke else GPU_CASES
+    def throughput(self, only: list[str] | None, cases: list[dict] | None = None) -> dict:
+        cases = cases or (SMOKE_CASES if self.smoke else GPU_CASES)
         if only:
             cases = [c for c in cases if _case_id(c) in only]
         cfg = {**self.base_cfg, "local_attention": "sdpa", "recompute_activations": True,
@@ -553,6 +595,18 @@ def markdown(res: dict) -> str:
             key = (f"{rec['dtype']}: loss {_fmt(rec['loss']['megatron'], '.5f')} vs {_fmt(rec['loss']['deepspeed'], '.5f')}, "
                    f"grad norm {_fmt(rec['grad_norm']['megatron'])} vs {_fmt(rec['grad_norm']['deepspeed'])}, log-probs after "
                    f"the step mean/max {_fmt(rec['logprobs_after_step']['mean_abs'])}/{_fmt(rec['logprobs_after_step']['max_abs'])}")
+        elif name == "moe":
+            lp, en = rec["parity"]["log_probs"], rec["parity"]["entropy"]
+            neg = rec["negative_control_swapped_experts"]
+            cases = "; ".join(
+                (f"{c['case']['mode']} {c['case']['micro_batch_tokens']} tokens: {c['tokens_per_second']:.0f} tok/s, "
+                 f"MFU {c['mfu'] * 100:.1f}% (active params), peak {_fmt(c.get('peak_gib'), '.1f')} GiB")
+                if "error" not in c else f"{c['case']['mode']}: error {c['error'].splitlines()[0][:80]}"
+                for c in rec["throughput"].get("cases", []))
+            key = (f"{rec['num_parameters'] / 1e9:.3g}B params; logp max/mean err vs HF-fp32 "
+                   f"{_fmt(lp['megatron_vs_hf_fp32']['max'])}/{_fmt(lp['megatron_vs_hf_fp32']['mean'])}, entropy "
+                   f"{_fmt(en['megatron_vs_hf_fp32']['max'])}/{_fmt(en['megatron_vs_hf_fp32']['mean'])}; experts swapped: "
+                   f"logp max err {_fmt(neg['log_probs_vs_hf_fp32']['max'])}, caught: {neg['caught']}; {cases}")
         elif name == "te_spec":
             lp = rec["te"]["log_probs"]["megatron_vs_hf_fp32"]
             key = f"TE spec logp max/mean err vs HF-fp32 {_fmt(lp['max'])}/{_fmt(lp['mean'])}"
@@ -598,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, two steps, tiny throughput case")
     ap.add_argument("--sections", default=",".join(ALL_SECTIONS),
                     help="comma list of parity, train (train_resume + export), throughput, offload, cuda_ipc, "
-                         "zero2 (DeepSpeed ZeRO-2 vs Megatron), te_spec")
+                         "zero2 (DeepSpeed ZeRO-2 vs Megatron), te_spec, moe (Qwen3-MoE parity + throughput)")
     ap.add_argument("--cases", default="",
                     help="throughput cases to keep, MODEL:MODE:TOKENS[:ATTENTION], e.g. Qwen3-8B:logprob:16384 (comma list)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per section process")
@@ -633,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         if "throughput" in sections:
             only = [c.strip() for c in args.cases.split(",") if c.strip()] or None
             kit._record("throughput", lambda: kit.throughput(only))
-        for name in ("offload", "cuda_ipc", "zero2", "te_spec"):
+        for name in ("offload", "cuda_ipc", "zero2", "te_spec", "moe"):
             if name in sections:
                 kit._record(name, getattr(kit, name))
     finally:

@@ -15,6 +15,10 @@ FLOP formula (dense decoder, GQA, gated MLP; multiply-add = 2 FLOPs), per optimi
     hardware FLOPs (HFU): update with full activation recompute = 4 * forward (each block and
                           each log-prob chunk runs its forward again in backward)
 
+Mixture of experts (``qwen3_moe``): a sparse layer's MLP term is what one token runs through, the router
+and ``k`` experts, ``h * E + 3 * h * f_e * k`` (f_e = moe_intermediate_size, E experts, top-k ``k``), so
+MFU counts the active parameters (layers listed in ``mlp_only_layers`` keep the dense MLP).
+
 Embedding look-ups and norms are not counted. For models with untied embeddings the input
 embedding is a look-up, not a matmul, so it never counts; the output layer counts through
 F_head only. MFU = model FLOPs / seconds / peak, peak = 989e12 (H100 SXM dense bf16).
@@ -73,14 +77,21 @@ def random_hf_model_dir(name: str, out_dir: str, *, seed: int, dtype: str, devic
 
 
 def layer_matmul_params(cfg: dict) -> int:
-    """N_layer of the module docstring, from an HF config dict (qwen2/qwen3/llama)."""
+    """N_layer of the module docstring, from an HF config dict (qwen2/qwen3/llama; qwen3_moe: active params)."""
     h = int(cfg["hidden_size"])
     n_q = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_q)
     d = int(cfg.get("head_dim") or h // n_q)
     f = int(cfg["intermediate_size"])
     layers = int(cfg["num_hidden_layers"])
-    return layers * (h * d * (2 * n_q + 2 * n_kv) + 3 * h * f)
+    attn = h * d * (2 * n_q + 2 * n_kv)
+    if not cfg.get("num_experts"):
+        return layers * (attn + 3 * h * f)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    sparse = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    moe_mlp = h * int(cfg["num_experts"]) + 3 * h * int(cfg["moe_intermediate_size"]) * int(cfg["num_experts_per_tok"])
+    return layers * attn + sparse * moe_mlp + (layers - sparse) * 3 * h * f
 
 
 def forward_flops(cfg: dict, seq_lens: Iterable[int], resp_lens: Iterable[int]) -> dict:

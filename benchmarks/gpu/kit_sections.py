@@ -107,6 +107,53 @@ def parity(*, rank: int, world_size: int, master_addr: str, master_port: int, cf
     return {"info": info, "megatron": mg, "negative_control": negative, "hf": refs, "seconds": time.time() - t0}
 
 
+def moe_parity(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model: dict,
+               batch: dict, workdir: str) -> dict:
+    """A random-weight qwen3_moe (configs/models name + overrides): Megatron log-probs + entropy vs HF, and a
+    negative control with the experts of every sparse layer swapped pairwise (0 <-> 1, 2 <-> 3, ...)."""
+    t0 = time.time()
+    model_dir = _make_model(model, os.path.join(workdir, "moe_model"))
+    worker = _worker(cfg, rank, world_size, master_addr, master_port)
+    info = worker.init_model(model_dir, train=False)
+    mg = _megatron_logprobs(worker, batch)
+    swapped = swap_experts_pairwise(worker._gpt())
+    negative = _megatron_logprobs(worker, batch)
+    worker.shutdown()
+    del worker
+    gc.collect()
+    refs = _hf_refs(model_dir, batch)
+    return {"info": info, "megatron": mg, "negative_control": negative, "swapped_tensors": swapped, "hf": refs,
+            "seconds": time.time() - t0}
+
+
+def swap_experts_pairwise(gpt: torch.nn.Module) -> int:
+    """Exchange the weights of experts 2j and 2j+1 in every sparse layer, in place; returns how many tensors
+    moved. Names: ``...experts.local_experts.E.linear_fcN.weight`` (SequentialMLP, the local spec) or
+    ``...experts.linear_fcN.weightE`` (grouped GEMM). A mapping bug of that kind must land outside the tolerance."""
+    import re
+
+    params = dict(gpt.named_parameters())
+    pat = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$|^(.*\.experts\.linear_fc\d\.weight)(\d+)$")
+    moved = 0
+    with torch.no_grad():
+        for name, p in params.items():
+            m = pat.match(name)
+            if not m:
+                continue
+            idx = int(m.group(2) if m.group(2) is not None else m.group(5))
+            if idx % 2:
+                continue
+            other = (f"{m.group(1)}{idx + 1}{m.group(3)}" if m.group(2) is not None else f"{m.group(4)}{idx + 1}")
+            if other in params:
+                tmp = p.detach().clone()
+                p.copy_(params[other])
+                params[other].copy_(tmp)
+                moved += 2
+    if not moved:
+        raise AssertionError("no expert weights found to swap (is this a MoE model?)")
+    return moved
+
+
 def _wrong_qkv_logprobs(worker: MegatronRankWorker, model_dir: str, batch: dict) -> dict:
     """Negative control: q/k/v loaded flat-concatenated (no per-KV-group interleave), same batch.
 

@@ -26,6 +26,12 @@ class PlanOptions:
     hbm_gbs: float = 3350.0  # HBM bandwidth per GPU, GB/s
     pcie_gbs: float = 25.0  # host <-> GPU, GB/s (sleep level 1 wake-up, weight gathers to the host)
     link_gbs: float = 50.0  # node <-> node per node, GB/s (weight sync to engines on other nodes)
+    # MoE all-to-all: NVLink 4 of an H100 SXM is 900 GB/s both directions (NVIDIA H100 datasheet), 450 each way
+    nvlink_gbs: float = 450.0  # GPU <-> GPU inside a node, GB/s one way (expert all-to-all within a node)
+    # DGX H100: one ConnectX-7 NDR 400 Gb/s InfiniBand port per GPU (DGX H100 user guide) = 50 GB/s each way
+    ib_gbs: float = 50.0  # GPU <-> GPU across nodes, GB/s one way per GPU (expert all-to-all spanning nodes)
+    a2a_efficiency: float = 0.5  # fraction of those link rates an NCCL all-to-all reaches (guess: many small messages)
+    moe_load_imbalance: float = 1.0  # busiest expert rank's tokens / the even share (guess: 1 = balanced routing)
     # rates (guesses, to be replaced by measurements)
     mfu: float = 0.35  # Megatron forward/backward model-FLOPs utilisation
     # forward-only MFU, the probes' suffix prefill: the GPU kit measured 40-44% (Qwen3-4B) and 48-49% (8B) for a
@@ -61,8 +67,10 @@ class PlanOptions:
         need(0 < self.decode_efficiency <= 1, "decode_efficiency", "must lie in (0, 1]")
         need(self.vllm_sleep_level in (0, 1, 2), "vllm_sleep_level", "vLLM sleeps at level 1 or 2 (0: never sleeps)")
         need(self.megatron_offload in ("none", "optimizer", "all"), "megatron_offload", "none | optimizer | all")
-        for name in ("peak_tflops", "hbm_gbs", "pcie_gbs", "link_gbs"):
+        for name in ("peak_tflops", "hbm_gbs", "pcie_gbs", "link_gbs", "nvlink_gbs", "ib_gbs"):
             need(getattr(self, name) > 0, name, "must be > 0")
+        need(0 < self.a2a_efficiency <= 1, "a2a_efficiency", "must lie in (0, 1]")
+        need(self.moe_load_imbalance >= 1, "moe_load_imbalance", "must be >= 1 (1: balanced routing)")
         return self
 
     def host_bytes(self, on_gpu: bool) -> int:

@@ -19,6 +19,12 @@ Phases (sequential in our trainer, nothing overlaps):
 * weight sync: rank 0 gathers the bf16 weights to its host, ships them to the other nodes, each
   engine loads its shard (plus the sleep level 1 wake-up copy);
 * rewards: a fixed guess (Math-Verify runs on CPU).
+
+Mixture-of-experts models: FLOPs count the *active* parameters (the router and ``k`` experts per sparse
+layer, :meth:`ModelShape.active_params`); a decode step reads the non-expert weights and the experts its
+tokens touch (``1 - (1 - k/E)^c`` of them at ``c`` tokens per step, routing assumed uniform); the
+all-to-all dispatch and combine of every sparse layer over the EP group (and the all-gather /
+reduce-scatter over expert TP) are a phase of their own (:func:`moe_alltoall`), not overlapped with compute.
 """
 
 from __future__ import annotations
@@ -38,23 +44,71 @@ class Phase:
 
 
 def flops_per_token(model: ModelShape, seq_len: float, *, backward: bool, recompute: bool) -> float:
-    """Model FLOPs per token: 2 x params (matmuls) + causal attention 2 x 2 x layers x q_dim x seq/2,
-    times 3 for forward+backward (4 with full recompute)."""
-    fwd = 2 * model.total_params() + 2 * model.layers * model.q_dim * seq_len
+    """Model FLOPs per token: 2 x active params (matmuls; all params for a dense model) + causal attention
+    2 x 2 x layers x q_dim x seq/2, times 3 for forward+backward (4 with full recompute)."""
+    fwd = 2 * model.active_params() + 2 * model.layers * model.q_dim * seq_len
     if not backward:
         return fwd
     return fwd * (4 if recompute else 3)
 
 
+def experts_touched(model: ModelShape, tokens: float) -> float:
+    """Expected fraction of a sparse layer's experts that ``tokens`` tokens route to, each picking ``k`` of
+    ``E`` uniformly and independently: ``1 - (1 - k/E)^tokens`` (1.0 for a dense model)."""
+    if not model.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - model.experts_per_tok / model.num_experts) ** max(tokens, 1.0)
+
+
+def decode_weight_bytes(model: ModelShape, tokens: float, dtype_bytes: int = 2) -> float:
+    """Weight bytes a forward of ``tokens`` tokens reads (whole engine): every non-expert weight and the
+    experts those tokens touch (:func:`experts_touched`)."""
+    expert = model.expert_params()
+    return ((model.total_params() - expert) + expert * experts_touched(model, tokens)) * dtype_bytes
+
+
 def decode_rate(model: ModelShape, engine_tp: int, concurrent: float, mean_ctx: float, opt: PlanOptions) -> tuple[float, float]:
     """(tokens/s of one engine at ``concurrent`` sequences, seconds of one decode step)."""
     bw = opt.hbm_gbs * 1e9 * opt.decode_efficiency
-    weights = model.total_params() * 2 / engine_tp
+    weights = decode_weight_bytes(model, concurrent) / engine_tp
     kv = concurrent * mean_ctx * model.kv_bytes_per_token(engine_tp)
     t_mem = (weights + kv) / bw
-    t_compute = 2 * model.total_params() / engine_tp * concurrent / (opt.peak_tflops * 1e12 * opt.mfu)
+    t_compute = 2 * model.active_params() / engine_tp * concurrent / (opt.peak_tflops * 1e12 * opt.mfu)
     t = max(t_mem, t_compute)
     return concurrent / t, t
+
+
+def moe_alltoall(model: ModelShape, *, tokens_per_dp: float, passes: float, tp: int, pp: int, sp: bool, ep: int,
+                 etp: int, gpus_per_node: int, opt: PlanOptions) -> tuple[float, str]:
+    """Seconds one GPU spends in the experts' token exchange over ``passes`` forward-equivalents of
+    ``tokens_per_dp`` tokens (the tokens of one data-parallel replica), and how.
+
+    Per token on the rank (``1/tp`` of the replica's tokens under sequence parallel) and sparse layer of its
+    stage, one forward sends ``k`` copies of the hidden state (bf16) to the EP group and gets them back
+    (dispatch + combine: ``2 k h 2 B (EP-1)/EP``), and all-gathers then reduce-scatters them over expert TP
+    (``2 k h 2 B (ETP-1)``), times ``--plan.moe_load_imbalance``. Backward moves the same again, a full
+    recompute once more (the callers' ``passes``). Megatron orders expert ranks ETP innermost then EP, so an
+    EP group covers ``ETP x EP`` consecutive ranks: inside a node it runs over NVLink (``--plan.nvlink_gbs``);
+    wider, the share of peers on other nodes goes over InfiniBand (``--plan.ib_gbs`` per GPU), the rest over
+    NVLink, concurrently; both at ``--plan.a2a_efficiency``."""
+    if not model.is_moe or passes <= 0:
+        return 0.0, "dense model"
+    kh = model.experts_per_tok * model.hidden * 2 * opt.moe_load_imbalance  # bytes of k copies of one token
+    ep_node = max(1, min(ep, gpus_per_node // etp))  # EP peers on the rank's own node (itself included)
+    intra = 2 * kh * (ep_node - 1) / ep
+    inter = 2 * kh * (ep - ep_node) / ep
+    ag = 2 * kh * (etp - 1)
+    eff = opt.a2a_efficiency
+    per_tok_layer = max(intra / (opt.nvlink_gbs * 1e9), inter / (opt.ib_gbs * 1e9)) / eff + ag / (opt.nvlink_gbs * 1e9 * eff)
+    local_tokens = tokens_per_dp / (tp if sp else 1)
+    sparse_layers = len(model.moe_layers) / pp
+    t = passes * local_tokens * sparse_layers * per_tok_layer
+    span = "inside a node (NVLink)" if ep_node == ep else f"over {ep // ep_node} nodes ({ep - ep_node} of {ep} EP peers over InfiniBand)"
+    how = (f"{passes:g} pass(es) x {local_tokens:,.0f} tokens/GPU x {sparse_layers:.0f} sparse layers x "
+           f"[EP {ep} dispatch + combine {(intra + inter) / 1e3:.1f} kB {span}"
+           + (f", ETP {etp} all-gather + reduce-scatter {ag / 1e3:.1f} kB (NVLink)" if etp > 1 else "")
+           + f"] per token-layer at a2a efficiency {eff:g}")
+    return t, how
 
 
 def probe_roofline(model: ModelShape, *, engine_tp: int, probes: float, suffix_tokens: int, decode_tokens: int,
@@ -70,14 +124,14 @@ def probe_roofline(model: ModelShape, *, engine_tp: int, probes: float, suffix_t
     if probes <= 0:
         return 0.0, "no probes"
     gpu = opt.peak_tflops * 1e12
-    f_prefill = 2 * model.total_params() + 2 * 2 * model.layers * model.q_dim * (context_tokens + suffix_tokens / 2)
+    f_prefill = 2 * model.active_params() + 2 * 2 * model.layers * model.q_dim * (context_tokens + suffix_tokens / 2)
     t_prefill = probes * suffix_tokens * f_prefill / (engine_tp * gpu * opt.prefill_mfu)
     wave = max(1.0, min(float(opt.vllm_max_num_seqs), probes))
     waves = math.ceil(probes / wave)
     ctx = context_tokens + suffix_tokens + decode_tokens / 2
-    bytes_step = model.total_params() * 2 / engine_tp + wave * ctx * model.kv_bytes_per_token(engine_tp)
+    bytes_step = decode_weight_bytes(model, wave) / engine_tp + wave * ctx * model.kv_bytes_per_token(engine_tp)
     t_mem = bytes_step / (opt.hbm_gbs * 1e9 * opt.decode_efficiency)
-    t_cmp = 2 * model.total_params() / engine_tp * wave / (gpu * opt.mfu)
+    t_cmp = 2 * model.active_params() / engine_tp * wave / (gpu * opt.mfu)
     t_step = max(t_mem, t_cmp)
     t_decode = waves * decode_tokens * t_step
     kv_share = wave * ctx * model.kv_bytes_per_token(engine_tp) / bytes_step
@@ -114,6 +168,10 @@ def step_time(
     colocate: bool,
     sleep_level: int,
     opt: PlanOptions,
+    ep: int = 1,
+    etp: int | None = None,
+    sequence_parallel: bool = False,
+    gpus_per_node: int = 8,
 ) -> list[Phase]:
     phases: list[Phase] = []
     seq = prompt_tokens + response_tokens
@@ -153,6 +211,15 @@ def step_time(
     phases.append(Phase("update", t_up,
                         f"{epochs} epoch(s) x {total_tokens:,} tokens x {f_tr / 1e9:.1f} GFLOP/token / ({world} x {opt.peak_tflops:g} x {opt.mfu})"
                         f" x (1 + bubble {bubble:.2f}: PP {pp}, {mbs_per_dp:.1f} micro-batches per DP rank)"))
+    if model.is_moe:
+        etp = etp or tp
+        comm = dict(tokens_per_dp=total_tokens / dp, tp=tp, pp=pp, sp=sequence_parallel, ep=ep, etp=etp,
+                    gpus_per_node=gpus_per_node, opt=opt)
+        t_lp, how_a2a = moe_alltoall(model, passes=1, **comm)
+        t_upd, _ = moe_alltoall(model, passes=epochs * (3 if recompute else 2), **comm)
+        phases.append(Phase("MoE all-to-all", t_lp + t_upd,
+                            f"log-probs {t_lp:.0f} s + update {t_upd:.0f} s (forward, backward"
+                            f"{', recompute' if recompute else ''} x {epochs} epoch(s)); log-probs: {how_a2a}"))
     w = model.total_params() * 2
     t_sync = w / (opt.pcie_gbs * 1e9) + (nodes - 1) * w / (opt.link_gbs * 1e9) + w / engine_tp / (opt.pcie_gbs * 1e9)
     wake = w / engine_tp / (opt.pcie_gbs * 1e9) if colocate and sleep_level == 1 else 0.0

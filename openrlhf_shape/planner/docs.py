@@ -63,7 +63,7 @@ def preset_table() -> list[str]:
         gpus = plan.placement.num_bundles if plan.placement is not None else 0
         engines = f"{plan.placement.num_engines} x TP{plan.placement.engine_tp}" if plan.placement is not None else "vllm-cpu"
         rows.append(
-            f"| {path.stem} | {plan.model.name} | {gpus or 'CPU'} | {plan.tp} x {plan.pp} x {plan.dp} | {engines} | "
+            f"| {path.stem} | {plan.model.name} | {gpus or 'CPU'} | {plan.tp} x {plan.pp} x {plan.dp}{f' (EP {plan.ep})' if plan.model.is_moe else ''} | {engines} | "
             f"{_phase(plan, 'rollout')} | {_phase(plan, 'log-probs')} | {_phase(plan, 'update')} | "
             f"{_phase(awake, 'update') if awake else '-'} | {free / GiB:.1f} GiB ({name}) | "
             f"{plan.vllm.kv_tokens:,} | {f'{plan.step_seconds:.0f} s' if plan.phases else 'n/a'} | "
@@ -107,6 +107,71 @@ def nemo_section() -> list[str]:
         "",
     ]
     return out
+
+
+MOE_REFUSAL_FLAGS = ["--megatron.expert_model_parallel_size", "1"]
+
+
+def moe_section() -> list[str]:
+    """The mixture-of-experts presets: parameters, expert layout, margins, step time and its all-to-all share."""
+    rows = [
+        "| preset | params total / active | GPUs (training + rollout) | Megatron TP x PP x DP | experts EP x ETP x EDP | vLLM engines x TP | "
+        "smallest margin | est. step | MoE all-to-all | SHAPE/GRPO |",
+        "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    moe_presets = []
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        plan = _plan(path)
+        if not plan.model.is_moe:
+            continue
+        moe_presets.append(path)
+        m, p = plan.model, plan.placement
+        name, free = plan.min_free
+        a2a = sum(ph.seconds for ph in plan.phases if ph.name == "MoE all-to-all")
+        rollout = p.num_engines * p.engine_tp
+        gpus = f"{p.num_bundles} ({plan.world} + {rollout})" if not p.colocate else f"{p.num_bundles} (colocated)"
+        rows.append(
+            f"| {path.stem} | {m.total_params() / 1e9:.1f}B / {m.active_params() / 1e9:.2f}B | {gpus} | "
+            f"{plan.tp} x {plan.pp} x {plan.dp} | {plan.ep} x {plan.etp} x {plan.edp} | {p.num_engines} x TP{p.engine_tp} | "
+            f"{free / GiB:.1f} GiB ({name}) | {plan.step_seconds:.0f} s | {a2a:.0f} s | "
+            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} |")
+    big = next((p for p in moe_presets if "235b" in p.stem), None)
+    refusal = []
+    if big is not None:
+        bad = _plan(big, MOE_REFUSAL_FLAGS)
+        first = next((r for r in bad.refusals if r.startswith("update")), bad.refusals[0] if bad.refusals else "fits")
+        refusal = [
+            f"The same {big.stem} layout without expert parallelism (`{' '.join(MOE_REFUSAL_FLAGS)}`) is refused:",
+            "",
+            "    " + first,
+            "",
+        ]
+    return [
+        "## Mixture-of-experts presets (Qwen3-30B-A3B, Qwen3-235B-A22B)",
+        "",
+        "A `qwen3_moe` `config.json` is sized with its experts (`planner/model.py`): total parameters (what the",
+        "checkpoint, the vLLM engines and the weight sync carry) and active ones (the router and 8 of 128 experts per",
+        "layer: what the FLOPs count). Counts equal Hugging Face's models built on the meta device",
+        "(tests/planner/test_moe_planner.py): Qwen3-30B-A3B 30.53B total / 3.35B active, Qwen3-235B-A22B 235.09B / 22.19B.",
+        "",
+        *rows,
+        "",
+        "A Megatron rank holds `num_experts / EP` experts per sparse layer of its stage, each split by expert TP",
+        "(megatron-core's `expert_tensor_parallel_size`, which is the TP size unless set), plus the non-expert weights",
+        "split by TP/PP; the distributed optimizer shards the experts' fp32 master and Adam state over the expert-data-",
+        "parallel group `EDP = world / (ETP x EP x PP)` and the rest over DP. With 18 bytes per parameter (bf16 weight,",
+        "fp32 grad buffer, fp32 master, Adam m and v) the experts dominate: Qwen3-235B-A22B needs EP x ETP x PP = 128",
+        "(2.8B parameters per rank) to leave room for activations, and its 94 layers allow PP 1 or 2 only (our layout",
+        "check wants layers % PP == 0). vLLM holds every expert across its TP workers (470 GB of bf16 for 235B-A22B:",
+        "54.7 GiB per GPU at TP 8), so the 235B preset rolls out on engines of its own (disaggregated): colocated, the",
+        "engines' weights and Megatron's resident states do not fit one 80 GB GPU. The all-to-all phase is the token",
+        "dispatch and combine of every sparse layer over the EP group (`planner/cost.py:moe_alltoall`, not overlapped):",
+        "an EP group spans ETP x EP consecutive ranks, so 16 and 64 GPUs here, and crosses nodes over InfiniBand",
+        "(`--plan.ib_gbs`, 50 GB/s per GPU) rather than NVLink (`--plan.nvlink_gbs`, 450). A decode step reads the",
+        "experts its tokens touch (`1 - (1 - 8/128)^c` of them at `c` tokens per step: 99% from 70 on).",
+        "",
+        *refusal,
+    ]
 
 
 def assumptions_table() -> list[str]:
@@ -191,6 +256,7 @@ def generate() -> str:
         "were counted one by one; the transformer-engine factors used on GPU are derived, not measured here. The GPU kit",
         "can compare `megatron_update_peak_bytes(...)` with `torch.cuda.max_memory_allocated()`.",
         "",
+        *moe_section(),
         *nemo_section(),
         "## Assumptions",
         "",

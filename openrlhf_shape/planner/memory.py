@@ -17,6 +17,14 @@ What the Megatron rank holds (our worker, megatron-core 0.16.1):
 * activations at ``micro_batch_max_tokens`` (see :func:`layer_activation_elems`), in flight for
   ``min(pp - stage, micro-batches)`` micro-batches under 1F1B;
 * the chunked log-prob/entropy scratch (:mod:`openrlhf_shape.actor.logprobs`) on the last stage.
+
+Mixture-of-experts models (``qwen3_moe``; megatron-core's process groups, ``parallel_state.initialize_model_parallel``):
+a rank holds ``num_experts / EP`` experts of each sparse layer of its stage, each split ``ETP`` ways
+(``expert_tensor_parallel_size``, which defaults to the TP size when not given, as our worker leaves it),
+plus the non-expert parameters (attention, norms, the router ``[E, h]`` kept whole on every TP rank,
+embeddings) split by TP/PP as for a dense model. Expert parameters are replicated over the expert-data-parallel
+group of ``EDP = world / (ETP x EP x PP)`` ranks, so the distributed optimizer shards their fp32 master and Adam
+state over EDP and the rest over DP; the DDP grad buffers (dense and expert) are not sharded.
 """
 
 from __future__ import annotations
@@ -60,16 +68,25 @@ def grads_term(n_local: int, grad_dtype: str = "fp32") -> Term:
     )
 
 
-def optimizer_term(n_local: int, dtype: str, dp: int, distributed: bool, adam_state: bool = True) -> Term:
+def optimizer_term(n_local: int, dtype: str, dp: int, distributed: bool, adam_state: bool = True,
+                   n_expert: int = 0, edp: int = 1) -> Term:
     """``adam_state=False``: before the first optimizer step (Adam's m and v are created by the
-    step; the fp32 master copy of bf16 weights exists from the optimizer's construction)."""
+    step; the fp32 master copy of bf16 weights exists from the optimizer's construction).
+
+    MoE: ``n_local`` counts the non-expert parameters (sharded over DP), ``n_expert`` the local expert
+    parameters, sharded over the expert-data-parallel group ``edp`` by the distributed optimizer."""
     master = 4 if dtype != "fp32" else 0
     per = (8 if adam_state else 0) + master
     shard = dp if distributed else 1
+    eshard = edp if distributed else 1
     what = {12: "fp32 master + Adam m, v", 8: "Adam m, v (fp32 weights: no master copy)",
             4: "fp32 master; Adam m, v not created yet", 0: "nothing yet: fp32 weights, Adam m, v not created"}[per]
     how = f"/ DP {dp} (distributed optimizer)" if distributed else "(not sharded: --megatron.use_distributed_optimizer false)"
-    return Term("optimizer", n_local * per // shard, f"{n_local:,} local params x {per} B ({what}) {how}")
+    if not n_expert:
+        return Term("optimizer", n_local * per // shard, f"{n_local:,} local params x {per} B ({what}) {how}")
+    ehow = f"/ EDP {edp}" if distributed else "(not sharded)"
+    return Term("optimizer", n_local * per // shard + n_expert * per // eshard,
+                f"({n_local:,} non-expert params x {per} B {how}) + ({n_expert:,} local expert params x {per} B {ehow}) ({what})")
 
 
 def optimizer_step_transient(model: ModelShape, tp: int, spec: str, *, n_shard: int, dtype: str) -> Term:
@@ -92,7 +109,8 @@ ATTENTIONS = ("megatron", "sdpa", "flash")
 
 
 def layer_activation_elems(
-    model: ModelShape, *, tp: int, sp: bool, seq_len: int, spec: str, attention: str | None = None
+    model: ModelShape, *, tp: int, sp: bool, seq_len: int, spec: str, attention: str | None = None,
+    sparse: bool = False, etp: int | None = None, imbalance: float = 1.0,
 ) -> dict[str, float]:
     """Elements saved for backward by one decoder layer, per token, split by origin.
 
@@ -113,6 +131,14 @@ def layer_activation_elems(
       ``flash`` (the TE spec's fused attention).
     * MLP (SwiGLU): fc1 output (2 I) plus local: 3 I (silu output, gated product, one copy);
       te: 2 I (silu output, gated product). All /tp.
+    * sparse (MoE) layer instead of the MLP (``sparse=True``), per token of the micro-batch, with
+      ``s = 1/tp`` of the tokens on a rank under sequence parallel (1 without), top-k ``k``, expert width
+      ``I_e``, ``E`` experts: the router's logits and probabilities (2 E s; fp32 in Megatron, counted at
+      the activation dtype); the dispatched copies of the hidden state kept for the experts' fc1 backward
+      after the all-to-all and the expert-TP all-gather (k h ETP s) and the combined output (k h s); each
+      expert's fc1 output and SwiGLU as in the dense MLP on k tokens (k (2 + 3|2) I_e s: the ETP all-gather
+      multiplies the tokens by ETP, the width is I_e / ETP). Routing is assumed balanced up to
+      ``imbalance`` (``--plan.moe_load_imbalance``): the busiest rank's tokens over the even share.
     """
     h, q, kv, i, a = model.hidden, model.q_dim, model.kv_dim, model.intermediate, model.heads
     hn = h / tp if sp else h
@@ -130,7 +156,15 @@ def layer_activation_elems(
         out["attention probs"] = a * seq_len / tp
     else:
         out[f"attention ({attention}: q, k, v)"] = (q + 2 * kv) / tp
-    out["mlp (fc1 out + swiglu)"] = (2 * i + (3 * i if spec == "local" else 2 * i)) / tp
+    if sparse:
+        s_tok = 1 / tp if sp else 1.0
+        k, ie, e = model.experts_per_tok, model.moe_intermediate, model.num_experts
+        etp = etp or tp
+        out["router (logits, probs)"] = 2 * e * s_tok
+        out["moe dispatch + combine (k copies of h)"] = imbalance * k * h * (etp + 1) * s_tok
+        out["experts (fc1 out + swiglu)"] = imbalance * k * (2 * ie + (3 * ie if spec == "local" else 2 * ie)) * s_tok
+    else:
+        out["mlp (fc1 out + swiglu)"] = (2 * i + (3 * i if spec == "local" else 2 * i)) / tp
     return out
 
 
@@ -149,48 +183,70 @@ def activation_terms(
     num_micro_batches: int,
     forward_only: bool = False,
     attention: str | None = None,
+    etp: int | None = None,
+    imbalance: float = 1.0,
 ) -> list[Term]:
     """Activations of one rank of pipeline stage ``stage`` at a micro-batch of ``tokens`` tokens
     (padded rows x seq_len). 1F1B keeps ``min(pp - stage, num_micro_batches)`` micro-batches in
     flight. Full recompute (uniform, one layer per checkpoint, as the worker configures it) keeps
-    each layer's input only and rebuilds one layer's activations at a time in backward."""
+    each layer's input only and rebuilds one layer's activations at a time in backward. MoE: the
+    stage's sparse layers use the sparse-layer elements of :func:`layer_activation_elems`."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     b = DTYPE_BYTES[dtype]
-    elems = layer_activation_elems(model, tp=tp, sp=sp, seq_len=seq_len, spec=spec, attention=attention)
+    stage_layers = model.stage_layers(pp, stage)
+    n_sparse = sum(1 for layer in stage_layers if model.is_sparse(layer))
+    n_layers = len(stage_layers)
+    kinds = ([(False, n_layers - n_sparse)] if n_layers - n_sparse else []) + ([(True, n_sparse)] if n_sparse else [])
+    per_kind = {sp_: layer_activation_elems(model, tp=tp, sp=sp, seq_len=seq_len, spec=spec, attention=attention,
+                                            sparse=sp_, etp=etp, imbalance=imbalance) for sp_, _ in kinds}
+    elems = per_kind[max(per_kind, key=lambda k: sum(per_kind[k].values()))]  # the larger layer kind
     full_layer = sum(elems.values())
     hn = model.hidden / tp if sp else model.hidden
-    n_layers = model.layers // pp
     terms: list[Term] = []
     if forward_only:
         # No graph is kept: what is alive at once inside one layer. MLP: residual + norm output
         # (2 h) + fc1 output (2 I) + silu output and gated product (2 I); attention: residual +
         # qkv output + normed/roped q, k + attention output (+ the [heads, seq] scores when unfused).
+        # Sparse layer: residual + norm output, the router's logits and probabilities, the dispatched
+        # copies and the experts' outputs (2 k h ETP s), fc1 output and gated product (3 k I_e s).
         q, kv, i = model.q_dim / tp, model.kv_dim / tp, model.intermediate / tp
         mlp_live = 2 * hn + 4 * i
+        what = "MLP 2 h + 4 I"
+        if n_sparse:
+            s_tok = 1 / tp if sp else 1.0
+            k, e_tp = model.experts_per_tok, etp or tp
+            moe_live = 2 * hn + s_tok * (2 * model.num_experts + imbalance * k * (2 * e_tp * model.hidden + 3 * model.moe_intermediate))
+            if n_sparse == n_layers or moe_live > mlp_live:
+                mlp_live, what = moe_live, "MoE 2 h + s (2 E + k (2 ETP h + 3 I_e))"
         attn_live = hn + (q + 2 * kv) + (q + kv) + q + elems.get("attention probs", 0.0) * 2
         live = max(mlp_live, attn_live)
         terms.append(Term("activations (forward only)", int(tokens * live * b),
-                          f"{tokens} tokens x max(MLP 2 h + 4 I = {mlp_live:.0f}, attention {attn_live:.0f}) elems/token x {b} B (live inside one layer)"))
+                          f"{tokens} tokens x max({what} = {mlp_live:.0f}, attention {attn_live:.0f}) elems/token x {b} B (live inside one layer)"))
         return terms
     in_flight = max(1, min(pp - stage, num_micro_batches))
     if recompute == "full":
-        stored = hn
-        desc = f"layer input {hn:.0f}"
+        stored_sum = n_layers * hn
+        desc = f"{n_layers} layers x layer input {hn:.0f}"
     elif recompute == "selective":
-        stored = full_layer - elems.get("attention probs", 0.0)
-        desc = f"{stored:.0f} (all but the attention probabilities)"
+        stored_sum = sum(n * (sum(per_kind[k].values()) - per_kind[k].get("attention probs", 0.0)) for k, n in kinds)
+        desc = " + ".join(f"{n} {'sparse' if k else 'dense'} layers x {sum(per_kind[k].values()) - per_kind[k].get('attention probs', 0.0):.0f}"
+                          for k, n in kinds) + " (all but the attention probabilities)"
     else:
-        stored = full_layer
-        desc = " + ".join(f"{k} {v:.0f}" for k, v in elems.items())
-    terms.append(
-        Term(
-            "activations (stored)",
-            int(in_flight * n_layers * tokens * stored * b),
-            f"{in_flight} micro-batch(es) in flight x {n_layers} layers x {tokens} tokens x [{desc}] elems x {b} B"
-            f" (recompute={recompute}, sp={sp}, tp={tp})",
-        )
-    )
+        stored_sum = sum(n * sum(per_kind[k].values()) for k, n in kinds)
+        desc = " + ".join(f"{n} {'sparse ' if k else ''}layers x (" + " + ".join(f"{name} {v:.0f}" for name, v in per_kind[k].items()) + ")"
+                          for k, n in kinds)
+    if not n_sparse:  # dense: one layer kind, the same formula text as before MoE
+        stored = stored_sum / n_layers
+        desc = desc.split(" x ", 1)[1]
+        if recompute == "none":
+            desc = desc[1:-1]  # the parentheses around the one kind's terms
+        how = f"{in_flight} micro-batch(es) in flight x {n_layers} layers x {tokens} tokens x [{desc}] elems x {b} B"
+        nbytes = int(in_flight * n_layers * tokens * stored * b)
+    else:
+        how = f"{in_flight} micro-batch(es) in flight x {tokens} tokens x [{desc}] elems x {b} B"
+        nbytes = int(in_flight * tokens * stored_sum * b)
+    terms.append(Term("activations (stored)", nbytes, how + f" (recompute={recompute}, sp={sp}, tp={tp})"))
     terms.append(
         Term(
             "activations (backward working set)",
@@ -297,32 +353,56 @@ def megatron_memory_stages(
     with_optimizer: bool = True,
     adam_state: bool = True,
     attention: str | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    moe_imbalance: float = 1.0,
 ) -> list[MegatronMemory]:
-    """:func:`megatron_memory` for every pipeline stage, stage 0 first."""
+    """:func:`megatron_memory` for every pipeline stage, stage 0 first.
+
+    MoE (``model.is_moe``): ``ep`` = ``--megatron.expert_model_parallel_size``, ``etp`` = the expert
+    tensor-parallel size (None: ``tp``, megatron-core's default); ``moe_imbalance`` scales the experts'
+    activations (busiest rank over the balanced share)."""
     if spec not in SPECS:
         raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
+    etp = etp or tp
+    edp = expert_data_parallel_size(tp=tp, dp=dp, ep=ep, etp=etp)
     seq_len = seq_len or micro_batch_tokens
     out: list[MegatronMemory] = []
     for stage in range(pp):
-        n_local = model.stage_params(tp, pp, stage)
+        n_dense = model.stage_params(tp, pp, stage)
+        n_expert = model.stage_expert_params(etp, ep, pp, stage)
+        n_local = n_dense + n_expert
         static = [weights_term(n_local, dtype)]
         if with_optimizer:
             static.append(grads_term(n_local, grad_dtype))
-            static.append(optimizer_term(n_local, dtype, dp, distributed_optimizer, adam_state))
+            static.append(optimizer_term(n_dense, dtype, dp, distributed_optimizer, adam_state, n_expert=n_expert, edp=edp))
+        if n_expert:
+            static[0] = Term("weights", static[0].bytes, static[0].formula + f"; {n_expert:,} of them expert params "
+                             f"({model.num_experts} experts / EP {ep} per sparse layer, each / ETP {etp})")
         acts = activation_terms(
             model, tp=tp, pp=pp, stage=stage, sp=sequence_parallel, tokens=micro_batch_tokens, seq_len=seq_len,
             recompute=recompute, dtype=dtype, spec=spec, num_micro_batches=num_micro_batches, forward_only=forward_only,
-            attention=attention,
+            attention=attention, etp=etp, imbalance=moe_imbalance,
         )
         stored = [t for t in acts if t.name == "activations (stored)"]
         transient = [t for t in acts if t.name != "activations (stored)"]
         if stage == pp - 1:
             transient.append(logprob_scratch_term(model, tp=tp, tokens=micro_batch_tokens, chunk=logprob_chunk,
                                                   param_dtype=dtype, forward_only=forward_only))
-        n_shard = n_local // dp if distributed_optimizer else n_local
+        n_shard = (n_dense // dp + n_expert // edp) if distributed_optimizer else n_local
         step = [] if forward_only else [optimizer_step_transient(model, tp, spec, n_shard=n_shard, dtype=dtype)]
         out.append(MegatronMemory(stage, static, stored, transient, step, n_local))
     return out
+
+
+def expert_data_parallel_size(*, tp: int, dp: int, ep: int, etp: int) -> int:
+    """Megatron's expert-data-parallel size ``world / (ETP x EP x PP)`` = ``TP x DP / (ETP x EP)``; raises
+    when the layout does not divide (megatron-core refuses it at ``initialize_model_parallel``)."""
+    if (tp * dp) % (etp * ep):
+        raise ValueError(
+            f"--megatron.expert_model_parallel_size {ep} x expert TP {etp} must divide TP {tp} x DP {dp} "
+            f"(world / PP): megatron-core needs world % (ETP x EP x PP) == 0")
+    return tp * dp // (etp * ep)
 
 
 def megatron_update_peak_bytes(
@@ -344,6 +424,8 @@ def megatron_update_peak_bytes(
     adam_state: bool = True,
     train_state: bool = True,
     attention: str | None = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> dict[str, int]:
     """Predicted peak bytes of one Megatron rank for an update (or a log-prob pass with
     ``forward_only=True``) of one micro-batch of ``micro_batch_tokens`` tokens.
@@ -353,7 +435,8 @@ def megatron_update_peak_bytes(
     optimizer step (Adam's m, v do not exist yet; e.g. a log-prob pass right after ``init_model``);
     ``train_state=False`` a forward-only model without DDP grad buffer and optimizer
     (``init_model(train=False)``). ``attention``: ``flash`` (TE spec default), ``megatron``
-    (unfused, local spec default) or ``sdpa`` (local spec with torch SDPA).
+    (unfused, local spec default) or ``sdpa`` (local spec with torch SDPA). MoE configs (``qwen3_moe``):
+    ``ep`` / ``etp`` are the expert-parallel and expert tensor-parallel sizes (``etp`` None: ``tp``).
     Returns every term by name plus ``total`` (bytes)
     and ``stage`` (the pipeline stage with the highest peak). Comparable to
     ``torch.cuda.max_memory_allocated()`` minus what was allocated before the model was built
@@ -366,7 +449,7 @@ def megatron_update_peak_bytes(
         model, tp=tp, pp=pp, dp=dp, micro_batch_tokens=micro_batch_tokens, seq_len=seq_len, recompute=recompute,
         sequence_parallel=sequence_parallel, dtype=dtype, distributed_optimizer=distributed_optimizer,
         logprob_chunk=logprob_chunk, spec=spec or ("local" if dtype == "fp32" else "te"), forward_only=forward_only,
-        adam_state=adam_state, with_optimizer=train_state, attention=attention,
+        adam_state=adam_state, with_optimizer=train_state, attention=attention, ep=ep, etp=etp,
     )
     return mem.as_dict()
 
@@ -402,18 +485,26 @@ def vllm_memory(
     dtype_bytes: int = 2,
 ) -> VllmMemory:
     budget = int(utilization * gpu_bytes)
+    # every expert lives in the engine (split over its TP workers, or spread over them with vLLM's expert parallelism)
     w = model.total_params() * dtype_bytes // engine_tp
     # Profiling run: one forward of max_num_batched_tokens (largest live set: MLP fc1 output +
-    # a few hidden-size tensors) plus the sampler's fp32 logits for max_num_seqs rows.
-    act = max_num_batched_tokens * dtype_bytes * (4 * model.hidden + 2 * model.intermediate // engine_tp) + max_num_seqs * model.vocab * 4 * 2
+    # a few hidden-size tensors) plus the sampler's fp32 logits for max_num_seqs rows. MoE: the fused-MoE
+    # kernel's caches per token instead of the MLP's: k x (fc1 output 2 I_e/etp + activation I_e/etp + output h).
+    if model.is_moe:
+        mlp = model.experts_per_tok * (3 * model.moe_intermediate // engine_tp + model.hidden)
+        mlp_how = "k (3 I_e/etp + h)"
+    else:
+        mlp = 2 * model.intermediate // engine_tp
+        mlp_how = "2 I/etp"
+    act = max_num_batched_tokens * dtype_bytes * (4 * model.hidden + mlp) + max_num_seqs * model.vocab * 4 * 2
     kv = budget - w - act
     per_tok = model.kv_bytes_per_token(engine_tp, dtype_bytes)
     return VllmMemory(
         budget=Term("vLLM budget", budget, f"gpu_memory_utilization {utilization} x {gpu_bytes / GiB:.1f} GiB"),
-        weights=Term("vLLM weights", w, f"{model.total_params():,} params x {dtype_bytes} B / engine TP {engine_tp}"),
+        weights=Term("vLLM weights", w, f"{model.total_params():,} params{' (all experts)' if model.is_moe else ''} x {dtype_bytes} B / engine TP {engine_tp}"),
         activations=Term(
             "vLLM profiling peak", act,
-            f"{max_num_batched_tokens} batched tokens x {dtype_bytes} B x (4 h + 2 I/etp) + {max_num_seqs} seqs x V x 4 B x 2",
+            f"{max_num_batched_tokens} batched tokens x {dtype_bytes} B x (4 h + {mlp_how}) + {max_num_seqs} seqs x V x 4 B x 2",
         ),
         kv_cache=Term("vLLM KV cache", kv, f"budget - weights - profiling peak; {per_tok:,} B/token "
                       f"(2 x {model.layers} layers x {max(1, model.kv_heads // engine_tp)} kv heads x {model.head_dim} x {dtype_bytes} B)"),

@@ -34,6 +34,7 @@ FLAG_MBT = "--train.max_tokens_per_gpu"
 FLAG_RECOMPUTE = "--actor.gradient_checkpointing_enable"
 FLAG_SP = "--megatron.sequence_parallel"
 FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
+FLAG_EP = "--megatron.expert_model_parallel_size"
 
 
 @dataclass
@@ -79,6 +80,9 @@ class Plan:
     refusals: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)
+    ep: int = 1  # expert parallel (MoE)
+    etp: int = 1  # expert tensor parallel (MoE; megatron-core's default: TP)
+    edp: int = 1  # expert data parallel = world / (ETP x EP x PP)
 
     @property
     def fits(self) -> bool:
@@ -132,6 +136,25 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     except ValueError as exc:
         msg = str(exc).replace("tensor_model_parallel_size", FLAG_TP).replace("pipeline_model_parallel_size", FLAG_PP)
         plan.refusals.append(f"layout: {msg}")
+    ep = int(cfg.megatron.expert_model_parallel_size)
+    etp = getattr(cfg.megatron, "expert_tensor_parallel_size", None) or tp
+    plan.ep, plan.etp = ep, etp
+    if model.is_moe:
+        if model.num_experts % ep:
+            plan.refusals.append(f"layout: {FLAG_EP}={ep} must divide num_experts={model.num_experts} (each expert-parallel "
+                                 "rank holds an equal share of the experts); pick a divisor")
+        if world % (etp * ep * pp):
+            plan.refusals.append(
+                f"layout: {FLAG_EP}={ep} x expert TP {etp} x {FLAG_PP}={pp} = {etp * ep * pp} must divide "
+                f"{FLAG_WORLD}={world} (megatron-core's expert layout); change {FLAG_EP} or {FLAG_WORLD}")
+            ep = plan.ep = 1  # size the rest as if experts were not expert-parallel, so every other refusal still shows
+        if cfg.actor.backend == "deepspeed":
+            plan.refusals.append("layout: a mixture-of-experts model on --actor.backend deepspeed: the planner sizes MoE "
+                                 "on the Megatron backend only (experts sharded by expert parallelism); use --actor.backend megatron")
+        plan.edp = world // (etp * ep * pp) if world % (etp * ep * pp) == 0 else 1
+    elif ep > 1:
+        plan.notes.append(f"{FLAG_EP}={ep} has no effect on a dense model ({model.name} has no experts)")
+        ep = plan.ep = 1
 
     # -- placement: the trainer's own planner
     if on_gpu:
@@ -178,7 +201,9 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
               sequence_parallel=sp, dtype=dtype, distributed_optimizer=cfg.megatron.use_distributed_optimizer,
               logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
-    if cfg.actor.backend == "deepspeed":  # one ZeRO rank (planner/zero_memory.py)
+    if model.is_moe:
+        kw.update(ep=ep, etp=etp, moe_imbalance=options.moe_load_imbalance)
+    if cfg.actor.backend == "deepspeed" and not model.is_moe:  # one ZeRO rank (planner/zero_memory.py)
         from openrlhf_shape.planner.zero_memory import zero_memory
 
         zkw = dict(dp=dp, stage=cfg.ds.zero_stage, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
@@ -326,13 +351,19 @@ def _refusal(plan: Plan, cfg: TrainConfig, ph: PhaseMemory, where: str) -> str:
         outside = plan.vllm.awake_bytes - plan.vllm.budget.bytes
         room = (ph.capacity - others - outside - plan.options.min_free_gib * GiB) / ph.capacity
         fix = (f"lower {FLAG_UTIL} to at most {max(math.floor(room * 100) / 100, 0):.2f} (Megatron holds up to "
-               f"{others / GiB:.1f} GiB while vLLM is awake), or shrink that with a larger {FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
+               f"{others / GiB:.1f} GiB while vLLM is awake), or shrink that with a larger "
+               + (f"{FLAG_EP} / " if plan.model.is_moe else "") + f"{FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
                + ("" if cfg.megatron.use_distributed_optimizer else f" or {FLAG_DISTOPT} true")
                + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else ""))
     elif ph.name.startswith("rollout"):
         fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
     else:
         opts = [f"raise {FLAG_TP} / {FLAG_PP} (or {FLAG_WORLD} for more DP)"]
+        if plan.model.is_moe and plan.megatron is not None:
+            n_exp = plan.model.stage_expert_params(plan.etp, plan.ep, plan.pp, plan.worst_stage)
+            opts.insert(0, f"raise {FLAG_EP} (now {plan.ep}: {n_exp / 1e9:.2f}B of the rank's "
+                           f"{plan.megatron.n_local / 1e9:.2f}B parameters are experts, whose weights and fp32 grads "
+                           f"no data-parallel rank shares) with {FLAG_WORLD} a multiple of EP x expert TP x PP")
         if not cfg.megatron.use_distributed_optimizer:
             opts.append(f"{FLAG_DISTOPT} true")
         if not cfg.actor.gradient_checkpointing_enable:
@@ -375,4 +406,6 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         probe_decode_tokens=i["probe_decode_tokens"], epochs=cfg.train.max_epochs,
         micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=cfg.train.batch_size, kv_tokens_per_engine=kv_tokens,
         nodes=nodes, colocate=cfg.train.colocate_all, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
+        ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
+        gpus_per_node=plan.options.gpus_per_node,
     )

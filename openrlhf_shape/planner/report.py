@@ -43,7 +43,13 @@ def format_plan(plan: Plan) -> str:
     lines.append(
         f"model: {m.name} ({display_path(plan.model_path)}): {m.total_params() / 1e9:.2f}B params, {m.layers} layers, hidden {m.hidden}, "
         f"ffn {m.intermediate}, heads {m.heads}/{m.kv_heads} x {m.head_dim}, vocab {m.vocab}, tied {m.tied}")
-    lines.append(f"Megatron: world {plan.world} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp}; "
+    if m.is_moe:
+        lines.append(f"mixture of experts: {m.active_params() / 1e9:.2f}B active params per token of {m.total_params() / 1e9:.2f}B; "
+                     f"{len(m.moe_layers)} sparse layers x {m.num_experts} experts (ffn {m.moe_intermediate}), "
+                     f"{m.experts_per_tok} routed per token; experts {m.expert_params() / 1e9:.2f}B")
+    experts = (f"; experts: EP {plan.ep} x expert TP {plan.etp} x PP {plan.pp} x expert DP {plan.edp}"
+               if m.is_moe else "")
+    lines.append(f"Megatron: world {plan.world} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp}{experts}; "
                  f"micro-batch {plan.micro_batch_tokens} tokens; workload {plan.inputs}")
     lines.append("")
     lines += placement_lines(plan)

@@ -24,8 +24,10 @@ from openrlhf_shape.testing.placement_probes import RankProbe, probe_engine, pro
 from openrlhf_shape.testing.simulated_cluster import simulated_gpu_cluster  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-PRESETS = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "cpu-smoke")
 NODES, GPUS = 4, 8
+# presets whose layout needs more than the simulated NODES x GPUS (test_too_big_presets_are_refused_naming_flags)
+TOO_BIG = {"qwen3-235b-a22b"}  # 128 training + 64 rollout GPUs
+PRESETS = sorted(p.stem for p in CONFIGS.glob("*.yaml") if p.stem != "cpu-smoke" and p.stem not in TOO_BIG)
 
 
 def preset_shape(name: str) -> dict:
@@ -98,11 +100,46 @@ def check(plan, ranks: list[dict], engines: list[list[dict]], shape: dict) -> No
         assert not set(eng_gpu) & set(rank_gpu), "engine pool overlaps the ranks' GPUs"
 
 
+def expert_layout(name: str) -> tuple[int, int, str]:
+    """(EP, expert TP, model name) of a preset: megatron-core's expert TP is the TP size (the worker sets no other)."""
+    from openrlhf_shape.config import load_config
+
+    cfg = load_config(str(CONFIGS / f"{name}.yaml"), check_paths=False)
+    m = cfg.megatron
+    etp = getattr(m, "expert_tensor_parallel_size", None) or m.tensor_model_parallel_size
+    return m.expert_model_parallel_size, etp, cfg.actor.model_name_or_path
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_as_configured(cluster, name: str) -> None:
     shape = preset_shape(name)
     plan, ranks, engines = place_and_probe(shape)
     check(plan, ranks, engines, shape)
+    ep, etp, pretrain = expert_layout(name)
+    if ep > 1:
+        # MoE: an EP group is ETP x EP consecutive ranks (Megatron's expert order); the planner's all-to-all term
+        # assumes it spans ceil(ETP x EP / GPUS) nodes. The ranks Ray actually placed say the same.
+        from openrlhf_shape.planner.assumptions import PlanOptions
+        from openrlhf_shape.planner.cost import moe_alltoall
+        from openrlhf_shape.planner.model import ModelShape, resolve_model_config
+
+        span = etp * ep
+        nodes = [len({ranks[r]["node_id"] for r in range(g, g + span)}) for g in range(0, shape["world_size"], span)]
+        expected = -(-span // GPUS)
+        assert nodes == [expected] * len(nodes), nodes
+        model = ModelShape.from_file(resolve_model_config(pretrain))
+        assert model.is_moe
+        _, how = moe_alltoall(model, tokens_per_dp=1, passes=1, tp=shape["tp"], pp=shape["pp"], sp=True, ep=ep, etp=etp,
+                              gpus_per_node=GPUS, opt=PlanOptions())
+        assert (f"over {expected} nodes" in how) if expected > 1 else ("inside a node" in how), how
+
+
+def test_too_big_presets_are_refused_naming_flags(cluster) -> None:
+    for name in sorted(TOO_BIG):
+        plan = plan_placement(**preset_shape(name), gpus_per_node=GPUS)
+        assert plan.num_nodes > NODES
+        with pytest.raises(ValueError, match=r"cannot host this layout.*--actor.num_gpus_per_node"):
+            RayPlacement(plan, gpus=True)
 
 
 @pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-14b"])

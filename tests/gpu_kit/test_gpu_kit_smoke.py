@@ -1,6 +1,6 @@
 """The GPU verification kit's CPU smoke: ``bash scripts/gpu_check.sh OUT --smoke`` runs every section
 (parity with a negative control, PPO steps with the distributed optimizer + resume in a new process,
-bucketed HF export, a tiny throughput case) on CPU/gloo, so the kit cannot rot between GPU runs."""
+bucketed HF export, a tiny throughput case, the Qwen3-MoE case) on CPU/gloo, so the kit cannot rot between GPU runs."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_every_section_passes(smoke):
     res = smoke["res"]
     assert res["mode"] == "smoke"
     assert set(res["sections"]) == {"parity", "train_resume", "export", "throughput", "offload", "cuda_ipc", "zero2",
-                                    "te_spec"}
+                                    "te_spec", "moe"}
     failed = {k: v.get("error", "") for k, v in res["sections"].items() if not v.get("passed") and "skip_reason" not in v}
     assert not failed, failed
     # what cannot run on CPU says so (and only that): CUDA IPC needs CUDA, TE its wheel
@@ -83,3 +83,27 @@ def test_numbers_are_finite_and_meaningful(smoke):
                     "dtype", "optimizer", "logprob_chunk_size", "measured_peak_bytes"):
             assert key in pi, key
     assert "| throughput | yes |" in smoke["md"]
+
+
+def test_moe_section(smoke):
+    """Qwen3-MoE (8 experts, 2 routed) at world 1: Megatron's log-probs and entropy equal HF's in float32, the
+    experts swapped pairwise land far outside the tolerance, and both throughput modes run with the planner's
+    MoE estimate next to them."""
+    moe = smoke["res"]["sections"]["moe"]
+    assert moe["passed"], moe.get("error")
+    assert moe["parity"]["log_probs"]["megatron_vs_hf_fp32"]["max"] <= 1e-4
+    assert moe["parity"]["entropy"]["megatron_vs_hf_fp32"]["max"] <= 1e-4
+    neg = moe["negative_control_swapped_experts"]
+    assert neg["caught"] and neg["swapped_tensors"] > 0 and neg["log_probs_vs_hf_fp32"]["max"] > 1e-2
+    cases = moe["throughput"]["cases"]
+    assert {c["case"]["mode"] for c in cases} == {"update", "logprob"}
+    assert all(c["tokens_per_second"] > 0 and math.isfinite(c["mfu"]) for c in cases)
+    # the planner's parameter count of this shape is the Megatron model's (router whole, experts, embeddings)
+    from openrlhf_shape.planner.model import MODELS_DIR, ModelShape
+
+    cfg = json.loads((MODELS_DIR / f"{moe['model']['config']}.json").read_text())
+    cfg.update(moe["model"]["overrides"])
+    assert moe["num_parameters"] == ModelShape.from_dict(cfg).total_params()
+    preds = moe["throughput"]["planner"]["predictions"]
+    assert preds and all(p.get("predicted_peak_bytes", 0) > 0 for p in preds), preds
+    assert "| moe | yes |" in smoke["md"]

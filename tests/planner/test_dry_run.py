@@ -37,9 +37,11 @@ def test_every_preset_fits_and_prints_map_and_plan(capsys, preset):
     margin = float(out.split("FITS: smallest margin ")[1].split(" GiB")[0])
     assert margin >= 2.0  # --plan.min_free_gib default
     if not preset.startswith("cpu-"):  # the CPU presets have no GPU map
-        # the map: every rank with its coordinates and a colocated engine worker, node by node
-        assert "node 0:" in out and "rank   0 (tp 0, pp 0, dp 0) + engine 0 worker 0" in out
-        for phase in ("[rollout]", "[log-probs]", "[update]"):
+        # the map: every rank with its coordinates and its engine worker (on the rank's GPU when colocated), node by node
+        assert "node 0:" in out and "rank   0 (tp 0, pp 0, dp 0)" in out and "engine 0 worker 0" in out
+        colocated = "colocated):" in out
+        assert colocated == ("rank   0 (tp 0, pp 0, dp 0) + engine 0 worker 0" in out)
+        for phase in ("[rollout]", "[log-probs]", "[update]") if colocated else ("[rollout (engine GPU)]", "[log-probs]", "[update]"):
             assert phase in out
         assert "KV cache:" in out and "step time estimate:" in out and "rollout decode" in out
         assert "mfu=0.35" in out  # assumptions are printed
