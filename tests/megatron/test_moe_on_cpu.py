@@ -45,8 +45,8 @@ def ep2(moe_dir, ragged_batch, tmp_path_factory):
     first = run_layout(2, cfg=cfg, model_dirs={"moe": moe_dir}, batch=ragged_batch, train_dir=moe_dir, train_steps=3,
                        save_at=SAVE_AT, ckpt_root=str(root / "ckpt"), export_dir=str(root / "hf"),
                        # variants apply in order on the same worker: each resets what the previous one set
-                       variants={"aux": {"moe_aux_loss_coeff": 0.1},
-                                 "z": {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.01},
+                       variants={"aux": {"moe_aux_loss_coeff": 1.0},
+                                 "z": {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.1},
                                  "uneven": {"moe_z_loss_coeff": 0.0, "micro_batch_max_tokens": 40}})
     resumed = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=moe_dir, train_steps=3,
                          resume_from=str(root / "ckpt" / f"step_{SAVE_AT}"))
@@ -159,8 +159,8 @@ def test_router_losses_reach_megatron_and_change_the_gradient_on_cpu(ep2):
     base = ep2["first"][0]
     assert base["info"]["moe"]["load_balancing"] == "none" and base["info"]["moe"]["z_loss_coeff"] is None
     aux, z = base["variants"]["aux"], base["variants"]["z"]
-    assert aux["info"]["moe"]["load_balancing"] == "aux_loss" and aux["info"]["moe"]["aux_loss_coeff"] == 0.1
-    assert z["info"]["moe"]["z_loss_coeff"] == 0.01 and z["info"]["moe"]["load_balancing"] == "none"
+    assert aux["info"]["moe"]["load_balancing"] == "aux_loss" and aux["info"]["moe"]["aux_loss_coeff"] == 1.0
+    assert z["info"]["moe"]["z_loss_coeff"] == 0.1 and z["info"]["moe"]["load_balancing"] == "none"
     ref = base["metrics"]
     for var in (aux, z):
         ms = var["metrics"]
