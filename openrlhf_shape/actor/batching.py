@@ -5,7 +5,7 @@ Every rank receives the whole batch and computes the same plan, so no data moves
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,6 +79,11 @@ class MicroBatch:
     resp_pos: torch.Tensor
     resp_targets: torch.Tensor
     resp_offsets: list[tuple[int, int]]
+    seq_lens: list[int] = field(default_factory=list)  # unpadded length of each row (tokens)
+
+    def padding_mask(self) -> torch.Tensor:
+        """[rows, seq] bool, True at the right-padding positions (after each row's ``seq_lens``)."""
+        return torch.arange(self.input_ids.shape[1])[None, :] >= torch.tensor(self.seq_lens, dtype=torch.long)[:, None]
 
 
 def build_micro_batch(
@@ -107,6 +112,7 @@ def build_micro_batch(
         resp_pos=torch.tensor(resp_pos, dtype=torch.long),
         resp_targets=torch.tensor(resp_targets, dtype=torch.long),
         resp_offsets=offsets,
+        seq_lens=[len(sequences[r]) for r in rows],
     )
 
 

@@ -42,7 +42,7 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spe
     overrides: dict[str, Any] = {
         "sequence_parallel": bool(cfg.sequence_parallel),
         # Packed / dynamic micro-batches have different lengths; the PP schedule must exchange shapes
-        # (without PP nothing is exchanged, and MoE's all-gather token dispatcher refuses the switch).
+        # (without PP nothing is exchanged).
         "variable_seq_lengths": cfg.pipeline_model_parallel_size > 1,
         # The policy loss is already normalised by the global valid-token count, so the schedule
         # must not divide by the number of micro-batches and DDP must not average over DP.
@@ -72,6 +72,22 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spe
     return overrides
 
 
+def moe_config_overrides(cfg: MegatronConfig) -> dict[str, Any]:
+    """The MoE router losses of ``cfg`` as TransformerConfig overrides (applied to MoE models only).
+
+    0 keeps mbridge's RL default (``moe_router_load_balancing_type="none"``, no z-loss); a positive
+    ``moe_aux_loss_coeff`` turns on Megatron's per-micro-batch switch load-balancing loss ("aux_loss"), a
+    positive ``moe_z_loss_coeff`` the router z-loss. How they are scaled in the gradient: the worker
+    (``_router_loss_scale``).
+    """
+    out: dict[str, Any] = {"moe_z_loss_coeff": float(cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff > 0 else None}
+    if cfg.moe_aux_loss_coeff > 0:
+        out.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(cfg.moe_aux_loss_coeff))
+    else:
+        out.update(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    return out
+
+
 def _rope_theta(hf_config: Any) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
@@ -97,13 +113,14 @@ class _ShapeBridgeMixin:
     _shape_local_spec: bool = True
     _shape_local_attention: str = "megatron"
     _shape_on_cpu: bool = False
+    _shape_moe_overrides: dict[str, Any] = {}
 
     def _build_base_config(self, text_config_key=None, **kwargs):  # type: ignore[override]
         kwargs.update(self._shape_overrides)
-        if kwargs.get("num_moe_experts") and self._shape_on_cpu:
-            # MoE on CPU: the all-to-all token dispatcher creates CUDA streams at construction; all-gather does
-            # not (it refuses variable_seq_lengths, so MoE with PP > 1 does not run on CPU: docs/moe.md)
-            kwargs["moe_token_dispatcher_type"] = "allgather"
+        if kwargs.get("num_moe_experts"):
+            kwargs.update(self._shape_moe_overrides)
+        # MoE keeps mbridge's all-to-all token dispatcher on CPU too (cpu.py gives it what it needs without CUDA
+        # streams): it takes unequal token counts per expert-parallel rank and variable_seq_lengths (PP > 1).
         return super()._build_base_config(text_config_key, **kwargs)  # type: ignore[misc]
 
     def _adjust_mapping_for_shared_weights(self) -> None:
@@ -137,14 +154,20 @@ class _ShapeBridgeMixin:
         return local_layer_spec(qk_layernorm=bool(self.config.qk_layernorm), attention=self._shape_local_attention,
                                 num_experts=self.config.num_moe_experts)
 
-    def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> dict[str, str]:
         # The local spec's experts are SequentialMLP modules (``mlp.experts.local_experts.E.linear_fc1.weight``);
-        # mbridge names them as TE's grouped MLP does (``mlp.experts.linear_fc1.weightE``).
-        m = _LOCAL_EXPERT.search(mcore_weights_name)
-        if m:
-            mcore_weights_name = _LOCAL_EXPERT.sub(rf"mlp.experts.\g<fc>.weight{int(m.group('e')) + self._expert_offset()}",
-                                                   mcore_weights_name)
-        return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)  # type: ignore[misc]
+        # mbridge knows experts by TE's grouped names (``mlp.experts.linear_fc1.weightE``). Renaming here, before
+        # mbridge's own expert-parallel handling, lets it do what it does for TE: on load the global expert id
+        # (local id + this EP rank's offset), on export (``consider_ep=False``) the all-gather of every EP rank's
+        # experts under their global ids. Renamed later, the export of an EP rank would carry its own experts only.
+        mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)  # type: ignore[misc]
+        offset = self._expert_offset() if consider_ep else 0
+        for local_name, global_name in mapping.items():
+            m = _LOCAL_EXPERT.search(global_name)
+            if m:
+                mapping[local_name] = _LOCAL_EXPERT.sub(rf"mlp.experts.\g<fc>.weight{int(m.group('e')) + offset}",
+                                                        global_name)
+        return mapping
 
     def _expert_offset(self) -> int:
         """The first global expert id on this expert-parallel rank (local ids start at 0)."""
@@ -189,6 +212,7 @@ def make_bridge(hf_config: Any, cfg: MegatronConfig, *, platform: Platform):
             "_shape_local_spec": local_spec,
             "_shape_local_attention": cfg.local_attention,
             "_shape_on_cpu": on_cpu,
+            "_shape_moe_overrides": moe_config_overrides(cfg),
         },
     )
     return cls(hf_config, dtype=cfg.params_dtype)

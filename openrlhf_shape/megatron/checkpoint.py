@@ -39,14 +39,20 @@ def _sharded_state_dict(state: ActorState, *, is_loading: bool) -> dict:
 def _ensure_optimizer_state(state: ActorState) -> None:
     """A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
     asserts; initialise zero state with step 0 (overwritten by the load)."""
-    inner = state.optimizer.optimizer
-    for group in inner.param_groups:
-        for p in group["params"]:
-            st = inner.state[p]
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(p.data)
-                st["exp_avg_sq"] = torch.zeros_like(p.data)
-                st["step"] = torch.zeros((), dtype=torch.float32)
+    for inner in _inner_optimizers(state.optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron optimizer: one, or one per part of a ``ChainedOptimizer``
+    (a MoE model with expert parallelism has a dense and an expert part, reduced over different groups)."""
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def _rng_state(on_gpu: bool) -> dict:
@@ -136,9 +142,9 @@ def _load_optimizer_state(actor: ActorState, state: dict, step: int) -> None:
     with _missing_step_tolerated(actor.optimizer):
         actor.optimizer.load_state_dict(state)
     if actor.cfg.use_distributed_optimizer:
-        inner = actor.optimizer.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state.get(p)
-                if st is not None and "exp_avg" in st:
-                    st["step"] = torch.tensor(float(step), dtype=torch.float32)
+        for inner in _inner_optimizers(actor.optimizer):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    st = inner.state.get(p)
+                    if st is not None and "exp_avg" in st:
+                        st["step"] = torch.tensor(float(step), dtype=torch.float32)

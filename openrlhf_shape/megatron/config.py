@@ -27,6 +27,14 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     # MoE experts sharded over this many data-parallel ranks (--megatron.expert_model_parallel_size); 1 for dense
     expert_model_parallel_size: int = 1
+    # MoE router losses (docs/moe.md). 0 = off, the default: mbridge's RL default and the paper's runs (dense)
+    # have no load-balancing loss, and the policy should not be pulled towards balance the rollouts did not have.
+    # > 0: Megatron's switch load-balancing loss ("aux_loss": num_experts x sum_e f_e P_e per micro-batch and
+    # layer; HF's qwen3_moe config ships router_aux_loss_coef=0.001) and the router z-loss (ST-MoE, mean
+    # logsumexp(router logits)^2), each summed over layers and averaged over the mini-batch's tokens, added
+    # to the policy loss's gradient with this weight.
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False
@@ -107,6 +115,10 @@ class MegatronConfig:
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"MegatronConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"MegatronConfig.{name} must be a number >= 0 (0 turns the loss off), got {value!r}")
         if self.layer_spec not in _LAYER_SPECS:
             raise ValueError(f"MegatronConfig.layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
         if self.local_attention not in _LOCAL_ATTENTIONS:
@@ -164,13 +176,6 @@ class MegatronConfig:
             raise ValueError(
                 "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
             )
-        if self.expert_model_parallel_size > 1 and not platform.on_gpu:
-            raise ValueError(
-                f"MegatronConfig.expert_model_parallel_size={self.expert_model_parallel_size} does not run on CPU yet: "
-                "the all-gather MoE token dispatcher needs equal token counts on every expert-parallel rank and the "
-                "all-to-all one creates CUDA streams (docs/moe.md); use expert_model_parallel_size=1 (experts sharded "
-                "by tensor parallelism instead)"
-            )
         if self.layer_spec_on(platform) == "te":
             if not platform.on_gpu:
                 raise ValueError(
@@ -215,6 +220,29 @@ class MegatronConfig:
             raise ValueError(
                 f"pipeline_model_parallel_size={pp} must divide num_hidden_layers={layers}; "
                 "pick a PP size that divides the layer count"
+            )
+        experts = int(getattr(hf_config, "num_experts", None) or 0)  # qwen3_moe's name for the routed expert count
+        ep = self.expert_model_parallel_size
+        if not experts and (ep > 1 or self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
+            raise ValueError(
+                f"{getattr(hf_config, 'model_type', 'this')} model has no routed experts: leave "
+                "--megatron.expert_model_parallel_size at 1 and --megatron.moe_aux_loss_coeff / moe_z_loss_coeff at 0"
+            )
+        if experts and experts % ep:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} must divide num_experts={experts}; pick an EP size that divides it"
+            )
+        if experts and tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"a mixture-of-experts model with tensor_model_parallel_size={tp} trains only with sequence parallelism "
+                "(megatron-core's MoE layer refuses TP without it in training); set --megatron.sequence_parallel true"
+            )
+        dp = world_size // (tp * pp)
+        if ep > 1 and dp % ep:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} must divide the data-parallel size {dp} (world {world_size} / "
+                f"(TP {tp} x PP {pp})): experts are sharded over data-parallel ranks; change --megatron.expert_model_parallel_size "
+                "or the world size"
             )
         vocab = int(hf_config.vocab_size)
         if vocab % tp:

@@ -291,6 +291,46 @@ def _patch_moe_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_moe_alltoall_dispatcher() -> None:
+    """The all-to-all MoE token dispatcher (expert parallelism) without CUDA streams.
+
+    megatron-core 0.16.1's ``MoEAlltoAllTokenDispatcher`` overlaps the device-to-host copies of its split
+    sizes with compute: its constructor creates a class-wide ``torch.cuda.Stream()`` and
+    ``_maybe_dtoh_and_synchronize`` copies ``input_splits`` / ``output_splits`` / ``output_splits_tp`` to host
+    numpy arrays on that stream, records an event and waits on it before the all-to-all. On CPU the tensors
+    already live on the host, so the copy is the identity and no stream or event is needed; what must stay
+    is the conversion of the split sizes to numpy at the same point (``all_to_all_single`` and the uneven
+    TP all-gather take them as Python sequences, as on GPU).
+
+    Without it: building any MoE layer with ``moe_token_dispatcher_type="alltoall"`` raises "torch.cuda.Stream
+    requires CUDA support", so expert parallelism (which needs unequal token counts per rank: the all-gather
+    dispatcher cannot do that) cannot run on CPU.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if getattr(MoEAlltoAllTokenDispatcher, "_shape_cpu_patched", False):
+        return
+
+    class _HostStream:
+        """Stand-in for the class-wide DtoH stream: its presence keeps ``__init__`` from creating a CUDA one;
+        nothing calls it (``_maybe_dtoh_and_synchronize`` below is the only user)."""
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HostStream()
+
+    def _as_numpy(t: Any) -> Any:
+        return t.numpy() if torch.is_tensor(t) else t
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: Any = None) -> Any:
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            self.input_splits = _as_numpy(self.input_splits)
+            self.output_splits = _as_numpy(self.output_splits)
+            self.output_splits_tp = _as_numpy(self.output_splits_tp)
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    MoEAlltoAllTokenDispatcher._shape_cpu_patched = True
+
+
 def apply_cpu_patches(platform: "Platform") -> bool:
     """Apply all CPU patches once, only under a CPU profile (``platform``: the rank's, as handed).
     Returns True if active."""
@@ -307,5 +347,6 @@ def apply_cpu_patches(platform: "Platform") -> bool:
         _patch_gloo_scatter()
         _patch_distopt_adam_step_load()
         _patch_moe_router_gemm()
+        _patch_moe_alltoall_dispatcher()
         _APPLIED = True
     return True

@@ -265,7 +265,12 @@ class MegatronRankWorker:
     def _model_info(self, gpt) -> dict:
         cfg, hf_config = self.cfg, self.hf_config
         n_local = sum(p.numel() for p in gpt.parameters())
-        totals = torch.tensor([n_local if self.mpu.get_data_parallel_rank() == 0 else 0], dtype=torch.long, device=self.device)
+        # Each parameter once: dense ones from data-parallel rank 0; experts (``allreduce=False``: sharded over the
+        # expert-parallel ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
+        n_expert = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
+        count = (n_local - n_expert if self.mpu.get_data_parallel_rank() == 0 else 0) + (
+            n_expert if self.mpu.get_expert_data_parallel_rank() == 0 else 0)
+        totals = torch.tensor([count], dtype=torch.long, device=self.device)
         dist.all_reduce(totals)
         return {
             "num_parameters": int(totals.item()),
@@ -275,26 +280,46 @@ class MegatronRankWorker:
             "pp": cfg.pipeline_model_parallel_size,
             "dp": self.dp_size,
             "dtype": str(cfg.params_dtype),
+            **self._moe_info(),
         }
+
+    def _moe_info(self) -> dict:
+        """What Megatron's TransformerConfig says about experts and router losses ({} for a dense model)."""
+        tc = self.tconfig
+        if not getattr(tc, "num_moe_experts", None):
+            return {}
+        return {"moe": {"num_experts": int(tc.num_moe_experts), "ep": self.cfg.expert_model_parallel_size,
+                        "token_dispatcher": tc.moe_token_dispatcher_type,
+                        "load_balancing": tc.moe_router_load_balancing_type,
+                        "aux_loss_coeff": tc.moe_aux_loss_coeff, "z_loss_coeff": tc.moe_z_loss_coeff}}
 
     # ------------------------------------------------------------------ micro-batching
     def _plan(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
         """This DP rank's sample indices and its padded micro-batches (same on TP/PP peers)."""
         seqs, plens = batch.sequences, batch.prompt_lens
         lengths = [len(s) for s in seqs]
-        shard = shard_for_dp(lengths, self.dp_size)[self.mpu.get_data_parallel_rank()]
+        shards = shard_for_dp(lengths, self.dp_size)
+        shard = shards[self.mpu.get_data_parallel_rank()]
         pad_multiple = self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1
         pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        if not shard:
-            # More DP ranks than samples: a fully masked dummy keeps the collectives in step.
-            filler = build_micro_batch([[pad_id, pad_id]], [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)
-            filler.rows = []  # carries no sample: the shared loss masks it out entirely
-            return [], [filler]
-        groups = plan_micro_batches([lengths[i] for i in shard], self.cfg.micro_batch_max_tokens, pad_multiple=pad_multiple)
+        budget = self.cfg.micro_batch_max_tokens
+        groups = plan_micro_batches([lengths[i] for i in shard], budget, pad_multiple=pad_multiple) if shard else []
         mbs = [
             build_micro_batch(seqs, plens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
             for g in groups
         ]
+        # At least one micro-batch (more DP ranks than samples: a dummy keeps the collectives in step). With
+        # expert parallelism every MoE layer's forward and backward is an all-to-all over the data-parallel
+        # ranks of the expert group, so all DP ranks run as many micro-batches as the longest plan (every rank
+        # computes every rank's plan; no communication).
+        target = 1
+        if self.cfg.expert_model_parallel_size > 1:
+            target = max([1] + [len(plan_micro_batches([lengths[i] for i in s], budget, pad_multiple=pad_multiple))
+                                for s in shards if s])
+        while len(mbs) < target:
+            filler = build_micro_batch([[pad_id, pad_id]], [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)
+            filler.rows = []  # carries no sample: the shared loss masks it out entirely
+            mbs.append(filler)
         return shard, mbs
 
     def _response_logprobs(self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool):
@@ -328,24 +353,64 @@ class MegatronRankWorker:
 
         gpt = self._gpt()
         device = self.device
+        masked = self._router_losses_on() and not forward_only
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            # Router losses: keep pads and fillers out of them (the policy loss never sees them).
+            extra = {"padding_mask": _router_padding_mask(mb).to(device)} if masked else {}
             with _hidden_states_only(gpt):
-                out = model(mb.input_ids.to(device), mb.position_ids.to(device), None)
+                out = model(mb.input_ids.to(device), mb.position_ids.to(device), None, **extra)
             return out, functools.partial(loss_fn, mb)
 
         max_len = max(mb.input_ids.shape[1] for mb in mbs)
         fb = get_forward_backward_func()
-        return fb(
-            forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=[self.model],
-            num_microbatches=len(mbs),
-            seq_length=max_len,
-            micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
-            forward_only=forward_only,
-        )
+        with self._router_loss_scale(mbs, forward_only=forward_only):
+            return fb(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs),
+                model=[self.model],
+                num_microbatches=len(mbs),
+                seq_length=max_len,
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
+                forward_only=forward_only,
+            )
+
+    def _router_losses_on(self) -> bool:
+        cfg = self.cfg
+        return bool(getattr(self.tconfig, "num_moe_experts", None)) and (cfg.moe_aux_loss_coeff > 0 or cfg.moe_z_loss_coeff > 0)
+
+    @contextlib.contextmanager
+    def _router_loss_scale(self, mbs: list[MicroBatch], *, forward_only: bool) -> Iterator[None]:
+        """Scale the MoE router losses (load-balancing, z) to a token mean over the whole mini-batch.
+
+        With ``calculate_per_token_loss`` Megatron's router adds ``loss x (tokens of the micro-batch on this
+        rank)`` to the backward and expects ``finalize_model_grads`` to divide every gradient by the global
+        token count; we skip that division (the policy loss is already a global token mean), so the schedule's
+        backward scale for the router losses (``MoEAuxLossAutoScaler``, set to 1 after each forward) is replaced
+        by 1 / (unpadded tokens of every micro-batch on every data-parallel rank; :func:`_router_padding_mask`).
+        Result: ``coeff x sum over layers of the token-weighted mean over micro-batches of Megatron's
+        per-micro-batch loss``, whatever the data-parallel or micro-batch layout.
+        """
+        if forward_only or not self._router_losses_on():
+            yield
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        valid = sum(int((~_router_padding_mask(mb)).sum()) for mb in mbs)
+        tokens = torch.tensor([float(valid)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tokens, group=self.mpu.get_data_parallel_group())
+        factor = 1.0 / float(tokens.item())
+        orig = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
+
+        def set_loss_scale(scale: torch.Tensor) -> None:
+            orig.__func__(scale * factor)
+
+        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
+        try:
+            yield
+        finally:
+            MoEAuxLossAutoScaler.set_loss_scale = orig
 
     # ------------------------------------------------------------------ log-probs / entropy
     def compute_logprobs_and_entropy(self, batch: SequenceBatch | dict) -> dict:
@@ -429,7 +494,7 @@ class MegatronRankWorker:
             ok = loss_finite and not found_inf and math.isfinite(grad_norm)
             if ok:
                 if cfg.clip_grad > 0:
-                    self.optimizer.clip_grad_norm(cfg.clip_grad)
+                    _clip_to_total_norm(self.optimizer, cfg.clip_grad, grad_norm)
                 ok = bool(self.optimizer.step_with_ready_grads())
             if ok:
                 self.scheduler.step(increment=1)
@@ -496,6 +561,37 @@ def _unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def _router_padding_mask(mb: MicroBatch) -> torch.Tensor:
+    """[rows, seq] bool for Megatron's MoE router, True = left out of the router losses: right padding, and all
+    but the first token of a filler micro-batch (a fully masked one would divide by zero token counts inside
+    Megatron's loss functions; its one token is a pad).
+
+    Without it a pad position whose embedding is zero (HF zero-initialises the ``padding_idx`` row) sends the
+    z-loss through RMSNorm at a zero input, which amplifies by 1/sqrt(eps): measured 436 vs 10.2 grad norm."""
+    if not mb.rows:
+        mask = torch.ones_like(mb.input_ids, dtype=torch.bool)
+        mask[0, 0] = False
+        return mask
+    return mb.padding_mask()
+
+
+def _clip_to_total_norm(optimizer, max_norm: float, total_norm: float) -> None:
+    """Scale every gradient by ``min(1, max_norm / total_norm)`` (``total_norm``: the global L2 norm over all
+    parameters, from ``optimizer.get_grad_norm()``).
+
+    A MoE model with expert parallelism has a ``ChainedOptimizer`` of two parts (dense parameters, reduced
+    over data parallelism; experts, over the expert-data-parallel group), whose ``clip_grad_norm`` refuses
+    more than one part; each part is clipped by the norm of the whole model, as megatron-core's own step does.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm, total_norm,
+                                         opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 def _finalize_without_token_scaling(finalize):

@@ -94,7 +94,7 @@ def layout_run(
         for arch, path in model_dirs.items():
             worker.init_model(path)
             var["logprobs"][arch] = worker.compute_logprobs_and_entropy(batch)
-        worker.init_model(train_dir)
+        var["info"] = worker.init_model(train_dir)
         batches = train_batches(batch, train_steps, seed=1234)
         var["metrics"] = [worker.train_step(b) for b in batches]
         res.setdefault("variants", {})[vname] = var
