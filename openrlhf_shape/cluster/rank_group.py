@@ -120,11 +120,13 @@ class RankGroup:
     def init_model(self, hf_dir: str) -> dict:
         return self._all("init_model", hf_dir)[0]
 
-    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T]`` float32 log-probs and entropy of every response token (0-padded), batch order."""
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, ...]:
+        """``[B, T]`` float32 log-probs and entropy of every response token (0-padded), batch order; with MoE
+        routing replay (``--megatron.routing_replay``) a third element, per sample ``[L_i, layers, top_k]``."""
         merged = merge_rank_outputs(self._all("compute_logprobs_and_entropy", batch), len(batch))
         width = batch.response_width
-        return pad_rows(merged["log_probs"], width), pad_rows(merged["entropy"], width)
+        out = (pad_rows(merged["log_probs"], width), pad_rows(merged["entropy"], width))
+        return out + (merged["routed_experts"],) if "routed_experts" in merged else out
 
     def train_step(self, batch: TrainBatch) -> dict:
         return self._all("train_step", batch)[0]

