@@ -80,7 +80,7 @@ class RoutingReplay:
     rank's slice of the sequence: recording gathers it, replay hands each rank its slice.
     """
 
-    def __init__(self, gpt: torch.nn.Module, *, sequence_parallel: bool = False, tp_group=None):
+    def __init__(self, gpt: torch.nn.Module, *, sequence_parallel: bool = False):
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         routers = moe_routers(gpt)
@@ -103,7 +103,6 @@ class RoutingReplay:
         self.top_k = int(routers[0].topk)
         self.num_experts = int(cfg.num_moe_experts)
         self.sequence_parallel = bool(sequence_parallel)
-        self.tp_group = tp_group
 
     @property
     def num_layers(self) -> int:

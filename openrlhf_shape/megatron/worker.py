@@ -207,8 +207,7 @@ class MegatronRankWorker:
                 gpt.cuda(torch.cuda.current_device())
             if load_weights:
                 bridge.load_weights([gpt], hf_dir)
-            self.routing = None if cfg.routing_replay == "none" else RoutingReplay(
-                gpt, sequence_parallel=cfg.sequence_parallel, tp_group=self.mpu.get_tensor_model_parallel_group())
+            self.routing = None if cfg.routing_replay == "none" else RoutingReplay(gpt, sequence_parallel=cfg.sequence_parallel)
             tconfig = bridge.config
             module = Float16Module(tconfig, gpt) if cfg.use_bf16 else gpt
             if not train:
