@@ -248,3 +248,17 @@ def test_experiences_carry_the_routing_to_every_mini_batch():
     tb.validate()
     assert [int(r[0, 0, 0]) for r in tb.routed_experts] == [2, 0]
     assert [int(r[0, 0, 0]) for r in exp.select([1]).routed_experts] == [1]
+
+
+def test_the_trainer_refuses_routing_replay_for_a_dense_policy(tmp_path):
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.testing import make_tiny_model
+    from openrlhf_shape.trainer.setup import build_run
+
+    dense = make_tiny_model(tmp_path / "qwen3", arch="qwen3", num_layers=1)
+    preset = Path(__file__).resolve().parents[2] / "configs" / "cpu-smoke.yaml"
+    cfg = load_config(str(preset), ["--actor.model_name_or_path", str(dense), "--megatron.routing_replay", "r2"])
+    with pytest.raises(ValueError, match="--megatron.routing_replay r2: routing replay is for a mixture-of-experts"):
+        build_run(cfg)
+    with pytest.raises(ValueError, match="use --megatron.routing_replay r3"):  # the engines' switch follows the flag
+        load_config(str(preset), ["--vllm.return_routed_experts", "true"])
