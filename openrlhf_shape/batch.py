@@ -39,11 +39,15 @@ class SequenceBatch:
 
     ``sequences``: B lists of token ids; ``prompt_lens``: B prompt lengths in tokens (>= 1);
     ``temperature``: log-probs and entropy are taken of ``logits / temperature``.
+    ``routed_experts``: MoE routing replay (``megatron/routing_replay.py``, ``--megatron.routing_replay``):
+    per sample an integer tensor ``[L_i, layers, top_k]``, the experts each token (prompt and response, in
+    order; ``L_i`` = len(sequence) or one less) is routed to; None without replay.
     """
 
     sequences: list[list[int]]
     prompt_lens: list[int]
     temperature: float = 1.0
+    routed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -70,7 +74,7 @@ class SequenceBatch:
             if key not in batch:
                 raise KeyError(f"batch is missing {key!r}; expected keys sequences, prompt_lens, temperature")
         return SequenceBatch(sequences=batch["sequences"], prompt_lens=batch["prompt_lens"],
-                             temperature=float(batch.get("temperature", 1.0)))
+                             temperature=float(batch.get("temperature", 1.0)), routed_experts=batch.get("routed_experts"))
 
     def validate(self) -> None:
         """Check the shapes; errors name the field and the fix."""
@@ -87,6 +91,9 @@ class SequenceBatch:
                 )
         if float(self.temperature) <= 0:
             raise ValueError(f"batch.temperature must be > 0, got {self.temperature}")
+        if self.routed_experts is not None and len(self.routed_experts) != len(seqs):
+            raise ValueError(f"batch.routed_experts has {len(self.routed_experts)} entries for {len(seqs)} sequences "
+                             "(one [L_i, layers, top_k] tensor per sample)")
 
 
 @dataclass(kw_only=True)

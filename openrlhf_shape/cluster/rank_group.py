@@ -24,7 +24,8 @@ def merge_rank_outputs(outputs: list[dict], n: int) -> dict:
     """Merge per-rank ``compute_logprobs_and_entropy`` outputs into batch order.
 
     ``outputs``: one dict per rank (``{}`` for ranks without results). Returns
-    ``{"log_probs": [Tensor[T_i]] * n, "entropy": [...]}``; raises if a sample is missing.
+    ``{"log_probs": [Tensor[T_i]] * n, "entropy": [...]}`` (and ``"routed_experts"``: [Tensor[L_i, layers,
+    top_k]] * n under MoE routing replay); raises if a sample is missing.
     """
     log_probs: list[Optional[torch.Tensor]] = [None] * n
     entropy: list[Optional[torch.Tensor]] = [None] * n
@@ -38,7 +39,14 @@ def merge_rank_outputs(outputs: list[dict], n: int) -> dict:
     missing = [i for i in range(n) if log_probs[i] is None]
     if missing:
         raise ValueError(f"no rank returned results for batch indices {missing[:10]} (of {len(missing)})")
-    return {"log_probs": log_probs, "entropy": entropy}
+    merged = {"log_probs": log_probs, "entropy": entropy}
+    if any("routed_experts" in out for out in outputs if out):  # MoE routing replay (megatron/routing_replay.py)
+        routed: list[Optional[torch.Tensor]] = [None] * n
+        for out in outputs:
+            for idx, r in zip(out.get("indices", []), out.get("routed_experts", [])):
+                routed[idx] = r
+        merged["routed_experts"] = routed
+    return merged
 
 
 class RankActor(WeightSenderMixin):
@@ -112,11 +120,13 @@ class RankGroup:
     def init_model(self, hf_dir: str) -> dict:
         return self._all("init_model", hf_dir)[0]
 
-    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T]`` float32 log-probs and entropy of every response token (0-padded), batch order."""
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, ...]:
+        """``[B, T]`` float32 log-probs and entropy of every response token (0-padded), batch order; with MoE
+        routing replay (``--megatron.routing_replay``) a third element, per sample ``[L_i, layers, top_k]``."""
         merged = merge_rank_outputs(self._all("compute_logprobs_and_entropy", batch), len(batch))
         width = batch.response_width
-        return pad_rows(merged["log_probs"], width), pad_rows(merged["entropy"], width)
+        out = (pad_rows(merged["log_probs"], width), pad_rows(merged["entropy"], width))
+        return out + (merged["routed_experts"],) if "routed_experts" in merged else out
 
     def train_step(self, batch: TrainBatch) -> dict:
         return self._all("train_step", batch)[0]

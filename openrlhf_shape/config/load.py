@@ -16,6 +16,7 @@ DERIVED: dict[str, str] = {
     "vllm.model_path": "--actor.model_name_or_path",
     "vllm.seed": "--train.seed",
     "vllm.enable_sleep_mode": "--train.colocate_all",
+    "vllm.return_routed_experts": "--megatron.routing_replay r3",
     "shape.estimator": "--algo.advantage.estimator",
 }
 FLAGS = FlagSpace(TrainConfig, derived=DERIVED)

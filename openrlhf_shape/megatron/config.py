@@ -69,6 +69,9 @@ class MegatronConfig:
     # checkpoint format for the distributed optimizer: "dp_reshardable" (same layout) or
     # "fully_reshardable" (the layout may change between save and load)
     dist_optimizer_ckpt_format: str = "fully_reshardable"
+    # MoE routing replay (megatron/routing_replay.py): "none"; "r2" = the old-log-prob pass records each token's
+    # experts and the update replays them; "r3" = the rollout engine's experts are replayed in both passes
+    routing_replay: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -130,6 +133,22 @@ class MegatronConfig:
                 "MegatronConfig.local_attention applies to the local layer spec only; with layer_spec='te' "
                 "leave local_attention='megatron' (TE brings its own fused attention)"
             )
+        from openrlhf_shape.megatron.routing_replay import ROUTING_REPLAY_MODES
+
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"MegatronConfig.routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}")
+        if self.routing_replay != "none" and self.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                f"MegatronConfig.routing_replay={self.routing_replay!r} with pipeline_model_parallel_size="
+                f"{self.pipeline_model_parallel_size} is not built (the routing of every stage would have to be "
+                "gathered, and 1F1B with recompute needs a backward replay queue); use pipeline_model_parallel_size=1 "
+                "or routing_replay='none' (docs/moe.md)")
+        if self.routing_replay != "none" and self.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"MegatronConfig.routing_replay={self.routing_replay!r} with expert_model_parallel_size="
+                f"{self.expert_model_parallel_size} is not tested (expert parallelism tops ranks up with filler "
+                "micro-batches that carry no recorded routing); use expert_model_parallel_size=1 or "
+                "routing_replay='none' (docs/moe.md)")
         if self.dist_optimizer_ckpt_format not in ("dp_reshardable", "fully_reshardable"):
             raise ValueError(
                 "MegatronConfig.dist_optimizer_ckpt_format must be 'dp_reshardable' or "

@@ -37,6 +37,7 @@ from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-e
 from openrlhf_shape.megatron.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.export import export_hf_dir, iter_buckets
+from openrlhf_shape.megatron.routing_replay import MicroBatchRouting, RoutingReplay
 from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
 from openrlhf_shape.megatron.state import ActorState
 from openrlhf_shape.platform import Platform
@@ -98,6 +99,7 @@ class MegatronRankWorker:
         cfg = cfg.for_platform(self.platform)
         self.state = ActorState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size,
                                 dp_size=cfg.data_parallel_size(world_size))
+        self.routing: RoutingReplay | None = None  # MoE routing replay (--megatron.routing_replay), set by init_model
         if self.on_cpu:
             cpu_compat.apply_cpu_patches(self.platform)
         else:
@@ -205,6 +207,7 @@ class MegatronRankWorker:
                 gpt.cuda(torch.cuda.current_device())
             if load_weights:
                 bridge.load_weights([gpt], hf_dir)
+            self.routing = None if cfg.routing_replay == "none" else RoutingReplay(gpt, sequence_parallel=cfg.sequence_parallel)
             tconfig = bridge.config
             module = Float16Module(tconfig, gpt) if cfg.use_bf16 else gpt
             if not train:
@@ -348,7 +351,8 @@ class MegatronRankWorker:
             with_entropy=with_entropy,
         )
 
-    def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list:
+    def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool,
+                      routing: MicroBatchRouting | None = None) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         gpt = self._gpt()
@@ -359,8 +363,12 @@ class MegatronRankWorker:
             mb = next(data_iterator)
             # Router losses: keep pads and fillers out of them (the policy loss never sees them).
             extra = {"padding_mask": _router_padding_mask(mb).to(device)} if masked else {}
+            if routing is not None:
+                routing.before(mb)
             with _hidden_states_only(gpt):
                 out = model(mb.input_ids.to(device), mb.position_ids.to(device), None, **extra)
+            if routing is not None:
+                routing.after(mb)
             return out, functools.partial(loss_fn, mb)
 
         max_len = max(mb.input_ids.shape[1] for mb in mbs)
@@ -412,6 +420,27 @@ class MegatronRankWorker:
         finally:
             MoEAuxLossAutoScaler.set_loss_scale = orig
 
+    def _routing(self, batch: SequenceBatch, *, update: bool) -> MicroBatchRouting | None:
+        """MoE routing replay for one pass (``--megatron.routing_replay``): None (free routing), record, or replay.
+
+        A batch carrying ``routed_experts`` is replayed (R3's passes, R2's update passes, or any re-run on a known
+        routing); without them R2's old-log-prob pass records, and every other replayed pass refuses."""
+        mode = self.cfg.routing_replay
+        if mode == "none" or self.routing is None:
+            return None
+        if mode == "r2" and not update and batch.routed_experts is None:
+            return MicroBatchRouting(self.routing, batch.sequences)  # the old-log-prob pass records
+        if batch.routed_experts is None:
+            source = ("compute_logprobs_and_entropy's 'routed_experts' output (the old-log-prob pass)" if mode == "r2"
+                      else "the rollout engine (Generation.routed_experts, EngineConfig.return_routed_experts)")
+            raise ValueError(f"--megatron.routing_replay {mode}: this pass needs batch.routed_experts from {source}; "
+                             "pass them, or set --megatron.routing_replay none")
+        from openrlhf_shape.megatron.routing_replay import check_routed_experts
+
+        r = self.routing
+        check_routed_experts(batch.routed_experts, batch.sequences, r.num_layers, r.top_k, r.num_experts)
+        return MicroBatchRouting(r, batch.sequences, batch.routed_experts)
+
     # ------------------------------------------------------------------ log-probs / entropy
     def compute_logprobs_and_entropy(self, batch: SequenceBatch | dict) -> dict:
         """Forward only. Returns results on the last PP stage / TP rank 0, ``{}`` elsewhere.
@@ -419,6 +448,8 @@ class MegatronRankWorker:
         ``batch``: a :class:`~openrlhf_shape.batch.SequenceBatch` (or the same fields as a mapping).
         Output (gathered by :func:`openrlhf_shape.cluster.rank_group.merge_rank_outputs`): ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
         position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
+        With ``--megatron.routing_replay`` r2 (recorded here) or r3 (``batch.routed_experts`` replayed) the output
+        also carries ``"routed_experts"``: per sample ``[L_i, layers, top_k]``, to hand to :meth:`train_step`.
         """
         self._require_onloaded(("params",), "compute_logprobs_and_entropy")
         self._require_model()
@@ -433,18 +464,24 @@ class MegatronRankWorker:
                 zero = torch.zeros((), device=hidden.device)
                 return zero, torch.tensor(0, dtype=torch.int), {"mb": mb, "logp": lp.float().cpu(), "entropy": en.float().cpu()}
 
-            with torch.no_grad():
-                store = self._run_schedule(mbs, loss_fn, forward_only=True)
+            routing = self._routing(batch, update=False)
+            with torch.no_grad(), (routing.active() if routing else contextlib.nullcontext()):
+                store = self._run_schedule(mbs, loss_fn, forward_only=True, routing=routing)
             self.model.train()
         if not self.holds_results or not shard:
             return {}
         out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
+        if routing is not None:
+            out["routed_experts"] = []
         for rec in store:
             mb = rec["mb"]
             for row, (a, b) in zip(mb.rows, mb.resp_offsets):
                 out["indices"].append(row)
                 out["log_probs"].append(rec["logp"][a:b].clone())
                 out["entropy"].append(rec["entropy"][a:b].clone())
+                if routing is not None:
+                    out["routed_experts"].append(routing.recorded[row] if routing.records else
+                                                 torch.as_tensor(batch.routed_experts[row]).to(routing.replay.dtype))
         return out
 
     # ------------------------------------------------------------------ training
@@ -452,7 +489,8 @@ class MegatronRankWorker:
         """One optimizer step over the whole mini-batch (this rank trains on its DP shard).
 
         ``batch``: a :class:`~openrlhf_shape.batch.TrainBatch` (old log-probs, advantages and loss
-        mask as ``[B, T]``; optional rollout-correction weights ``is_weights`` ``[B, T]``). The PPO/DAPO
+        mask as ``[B, T]``; optional rollout-correction weights ``is_weights`` ``[B, T]``; with
+        ``--megatron.routing_replay`` r2/r3 ``routed_experts``, replayed in the forward and backward). The PPO/DAPO
         loss is normalised by the number of valid response tokens of the whole mini-batch. Returns
         float metrics, identical on all ranks.
         """
@@ -478,7 +516,9 @@ class MegatronRankWorker:
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            store = self._run_schedule(mbs, loss_fn, forward_only=False)
+            routing = self._routing(batch, update=True)
+            with routing.active() if routing else contextlib.nullcontext():
+                store = self._run_schedule(mbs, loss_fn, forward_only=False, routing=routing)
             sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
             if self.holds_results and shard:
                 for rec in store:

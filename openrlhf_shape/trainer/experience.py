@@ -37,7 +37,8 @@ from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 
 # Old log-probs and entropy of a SequenceBatch: ``(log_probs, entropy)``, both float32 ``[B, T]`` (0-padded).
-LogProbFn = Callable[[SequenceBatch], tuple[torch.Tensor, torch.Tensor]]
+# With MoE routing replay the actor group adds a third element: per sample [L_i, layers, top_k] expert ids.
+LogProbFn = Callable[[SequenceBatch], tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -66,6 +67,9 @@ class ExperienceBatch:
     is_weights: torch.Tensor | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
+    # MoE routing replay (--megatron.routing_replay): per sample [L_i, layers, top_k] expert ids, from the engine
+    # (R3) or recorded by the old-log-prob pass (R2); handed to every train_batch
+    routed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -90,10 +94,12 @@ class ExperienceBatch:
             texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
             rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
             entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
+            routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
         )
 
     def sequence_batch(self, temperature: float) -> SequenceBatch:
-        return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature)
+        return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature,
+                             routed_experts=self.routed_experts)
 
     def train_batch(self, rows: Sequence[int], temperature: float) -> TrainBatch:
         """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch)."""
@@ -105,6 +111,7 @@ class ExperienceBatch:
             temperature=temperature, old_log_probs=self.old_log_probs[idx, :width],
             advantages=self.advantages[idx, :width], loss_mask=mask[:, :width],
             is_weights=None if self.is_weights is None else self.is_weights[idx, :width],
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
         )
 
 
@@ -202,6 +209,7 @@ class ShapeExperienceMaker:
             items=sample_items, sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
             prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
             response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
+            routed_experts=[g.routed_experts for g in gens] if all(g.routed_experts is not None for g in gens) else None,
         )
         lf = lengths.float()
         return PhaseOutput(exp, {
@@ -247,7 +255,10 @@ class ShapeExperienceMaker:
 
     def logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
         """Old-policy log-probs and entropy ``[B, T]`` at the sampling temperature (the actor)."""
-        lp, ent = self.logprobs_fn(exp.sequence_batch(self.sampling.temperature))
+        out = self.logprobs_fn(exp.sequence_batch(self.sampling.temperature))
+        lp, ent = out[0], out[1]
+        if len(out) > 2 and out[2] is not None:  # MoE routing replay: the routing this pass recorded (R2) or replayed
+            exp.routed_experts = list(out[2])
         mask = exp.response_mask
         if lp.shape != mask.shape or ent.shape != mask.shape:
             raise RuntimeError(f"actor returned log-probs {tuple(lp.shape)} / entropy {tuple(ent.shape)} for "

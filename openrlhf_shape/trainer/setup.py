@@ -122,6 +122,9 @@ def build_run(cfg: TrainConfig) -> Run:
             "(one fused mlp.experts.gate_up_proj per layer), not per expert as the engine's checkpoint does, so "
             "the weight sync cannot load them; use --actor.backend megatron (docs/moe.md)")
     mcfg.validate_against_model(model_config, cfg.actor.world_size)  # heads % TP, ...
+    if mcfg.routing_replay != "none" and (cfg.actor.backend != "megatron" or not getattr(model_config, "num_experts", None)):
+        raise ValueError(f"--megatron.routing_replay {mcfg.routing_replay}: routing replay is for a mixture-of-experts "
+                         "policy on --actor.backend megatron; set --megatron.routing_replay none (docs/moe.md)")
 
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
@@ -132,6 +135,7 @@ def build_run(cfg: TrainConfig) -> Run:
         model_path=model_dir, seed=cfg.train.seed, max_model_len=cfg.max_model_len(),
         enable_sleep_mode=bool(platform.engine_sleep_mode and cfg.train.colocate_all),
         dtype=platform.engine_dtype if cfg.vllm.dtype == "auto" else cfg.vllm.dtype,
+        return_routed_experts=mcfg.routing_replay == "r3",  # R3: the engines return each token's experts
     )
     log.info("starting %d vLLM engine(s) and %d %s rank(s) (TP %d, PP %d, DP %d)",
              cfg.vllm.num_engines, cfg.actor.world_size, cfg.actor.backend, mcfg.tensor_model_parallel_size,

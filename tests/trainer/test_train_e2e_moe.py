@@ -31,7 +31,9 @@ def moe_model_dir(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), arch="qwen3_moe", seed=3))
 
 
-@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+# disaggregated-r2: routing replay R2 (docs/moe.md): the old-log-prob pass records every token's experts and the
+# update must get them back through the experiences (train_step refuses a batch without them under r2)
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated", "disaggregated-r2"])
 def test_shape_steps_on_a_moe_policy(tmp_path, moe_model_dir, parity_reward_file, layout) -> None:
     out_dir = str(tmp_path / layout)
     flags = _flags(moe_model_dir, parity_reward_file, out_dir) + [
@@ -39,6 +41,8 @@ def test_shape_steps_on_a_moe_policy(tmp_path, moe_model_dir, parity_reward_file
         "--vllm.weight_sync_bucket_mb", "1"]  # the ~3 MB model crosses in several buckets
     if layout == "colocated":
         flags.append("--train.colocate_all")
+    if layout.endswith("-r2"):
+        flags += ["--megatron.routing_replay", "r2"]
     out = _finish(_train(flags))
     metrics = _metrics(out_dir)
     assert sorted(metrics) == [1, 2], out[-3000:]
@@ -50,4 +54,4 @@ def test_shape_steps_on_a_moe_policy(tmp_path, moe_model_dir, parity_reward_file
         assert row["time/sync"] > 0  # step 1's update reached the engine before step 2 rolled out
         assert row["sync/buckets"] >= 3 and row["sync/receivers"] == 1  # experts bucketed like every tensor
     with open(os.path.join(out_dir, "run.json")) as f:
-        assert json.load(f)["config"]["rollout"]["colocate"] is (layout == "colocated")
+        assert json.load(f)["config"]["train"]["colocate_all"] is (layout == "colocated")
