@@ -29,13 +29,6 @@ def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
         raise ValueError(msg) from None
 
 
-def megatron_flag(name: str) -> str:
-    """The flag that sets MegatronConfig field ``name``."""
-    from openrlhf_shape.config.tree import RANK_SOURCE
-
-    return RANK_SOURCE[name].split("[")[0] if name in RANK_SOURCE else f"megatron.{name}"
-
-
 def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
     cfg.data.validate()
@@ -98,7 +91,7 @@ def _check_backend(cfg: "TrainConfig") -> None:
     if ds.param_dtype == "fp16":
         raise ValueError("--ds.param_dtype: fp16 needs dynamic loss scaling, which this trainer does not run; "
                          "use bf16 (or fp32 on CPU)")
-    reworded(cfg.megatron_config, "MegatronConfig", megatron_flag)  # the layout and the training settings
+    reworded(cfg.megatron_config, "MegatronConfig", cfg.megatron_flag)  # the layout and the training settings
     if a.backend == "megatron":
         if ds.zero_stage == 3 or ds.adam_offload:
             raise ValueError(

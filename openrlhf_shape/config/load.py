@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from openrlhf_shape.config.checks import validate
 from openrlhf_shape.config.compat import DEPRECATED, OLD_DERIVED, translate
 from openrlhf_shape.config.flags import FlagSpace, flatten_mapping, parse_overrides
 from openrlhf_shape.config.tree import RANK_SOURCE, TrainConfig
@@ -57,7 +58,9 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
         except ValueError as exc:
             raise ValueError(f"{yaml_path}: {exc}") from None
     values.update(_resolved(parse_overrides(list(overrides or []))))
-    return FLAGS.build(TrainConfig(), values).validate(check_paths=check_paths)
+    cfg = FLAGS.build(TrainConfig(), values)
+    validate(cfg, check_paths)
+    return cfg
 
 
 def config_from_dict(saved: dict[str, Any]) -> TrainConfig:

@@ -233,7 +233,7 @@ def _train_data() -> PromptDataConfig:
 
 @dataclass
 class TrainConfig:
-    """The whole job. Validation: :func:`openrlhf_shape.config.checks.validate`."""
+    """The whole job. Validation: :func:`openrlhf_shape.config.checks.validate` (``load_config`` runs it)."""
 
     data: PromptDataConfig = field(default_factory=_train_data)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -255,14 +255,6 @@ class TrainConfig:
         if self.shape.estimator != self.algo.advantage.estimator:
             self.shape = dataclasses.replace(self.shape, estimator=self.algo.advantage.estimator)
 
-    def validate(self, check_paths: bool = True) -> "TrainConfig":
-        """Checks that need no model or devices (``check_paths=False``: a dry run skips the checks
-        that local files exist); see :mod:`openrlhf_shape.config.checks`."""
-        from openrlhf_shape.config.checks import validate
-
-        validate(self, check_paths)
-        return self
-
     def get(self, path: str) -> Any:
         """The value at a dotted flag path (``actor.adam.betas[1]`` for an element)."""
         path, _, index = path.partition("[")
@@ -281,6 +273,12 @@ class TrainConfig:
         """Optimizer steps of the whole run (the LR schedule's length)."""
         per_rollout = max(1, (self.rollout.batch_size * self.rollout.n_samples_per_prompt) // self.train.batch_size)
         return max(1, self.train.num_steps * per_rollout * self.train.max_epochs)
+
+    @staticmethod
+    def megatron_flag(name: str) -> str:
+        """The flag (without ``--``) that sets MegatronConfig field ``name``: ``actor.*`` / ``train.*`` for the
+        backend-neutral settings (:data:`RANK_SOURCE`), ``megatron.<name>`` for the rest."""
+        return RANK_SOURCE[name].split("[")[0] if name in RANK_SOURCE else f"megatron.{name}"
 
     def megatron_config(self) -> MegatronConfig:
         """What each actor rank gets: ``megatron.*`` plus the backend-neutral ``actor.*`` / ``train.*``
