@@ -53,7 +53,9 @@ def run_status(run_dir: str) -> dict[str, Any]:
     planned = None
     if os.path.exists(os.path.join(run_dir, "run.json")):
         with open(os.path.join(run_dir, "run.json")) as f:
-            planned = json.load(f).get("config", {}).get("trainer", {}).get("num_steps")
+            config = json.load(f).get("config", {})
+        # --train.num_steps; run directories written before the flag = path layout keep it under "trainer"
+        planned = config.get("train", {}).get("num_steps", config.get("trainer", {}).get("num_steps"))
     train = [r for r in rows if r["step"] > 0 and "rollout/accuracy" in r]
     return {"dir": run_dir, "steps": train[-1]["step"] if train else 0, "planned": planned,
             "finished": os.path.exists(os.path.join(run_dir, "summary.json")),
@@ -128,7 +130,7 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm, seeds in runs.items():
         for s, st in sorted(statuses[arm].items()):
-            lines.append(f"| {ARMS[arm]} | {s} | {st['steps']}/{st['planned']} | {'yes' if st['finished'] else 'NO'} | "
+            lines.append(f"| {ARMS[arm]} | {s} | {st['steps']}/{st['planned'] if st['planned'] is not None else '?'} | {'yes' if st['finished'] else 'NO'} | "
                          f"{st['train_seconds']:.0f} | {st['evals']} | {st['alarm_steps'] or '-'} |")
 
     pooled: dict[str, list[dict]] = {}
