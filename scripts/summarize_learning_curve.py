@@ -19,7 +19,7 @@ import shutil
 import sys
 from typing import Any
 
-from openrlhf_shape.eval.analysis.runs import read_metrics
+from openrlhf_shape.eval.analysis.runs import read_metrics, saved_value
 
 FIG_DIR = "learning_curve"
 
@@ -45,15 +45,17 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def _held_out_protocol(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Everything that decides a held-out eval's numbers for a given policy."""
-    d, r, t = cfg.get("data", {}), cfg.get("rollout", {}), cfg.get("trainer", {})
-    return {"eval_data": d.get("eval_data"), "eval_max_samples": d.get("eval_max_samples"),
-            "input_template": d.get("input_template"),
-            "max_new_tokens": r.get("max_new_tokens", cfg.get("sampling", {}).get("max_tokens")),
-            "pretrain": cfg.get("actor", {}).get("pretrain"), "seed": t.get("seed"),
-            # runs written before the config restructure call it eval_n_samples
-            "eval_n_samples_per_prompt": t.get("eval_n_samples_per_prompt", t.get("eval_n_samples")),
-            **{k: t.get(k) for k in ("eval_temperature", "eval_top_p", "eval_top_k")}}
+    """Everything that decides a held-out eval's numbers for a given policy (a saved config of any layout)."""
+    def v(*paths: str) -> Any:
+        return saved_value(cfg, *paths)
+
+    return {"eval_data": v("eval.dataset", "data.eval_data"), "eval_max_samples": v("eval.max_samples", "data.eval_max_samples"),
+            "input_template": v("data.input_template"),
+            "max_new_tokens": v("rollout.max_new_tokens", "sampling.max_tokens"),
+            "pretrain": v("actor.model_name_or_path", "actor.pretrain"), "seed": v("train.seed", "trainer.seed"),
+            "eval_n_samples_per_prompt": v("eval.n_samples_per_prompt", "trainer.eval_n_samples_per_prompt",
+                                           "trainer.eval_n_samples"),
+            **{f"eval_{k}": v(f"eval.{k}", f"trainer.eval_{k}") for k in ("temperature", "top_p", "top_k")}}
 
 
 def run_label(entry: dict[str, Any]) -> str | None:
@@ -78,7 +80,7 @@ def summarize_run(run_dir: str, base_from: str | None = None) -> dict[str, Any]:
             raise ValueError(f"--base_from {base_from}: its held-out eval settings differ from {run_dir}'s")
         records = [r for r in read_metrics(os.path.join(base_from, "metrics.jsonl")) if r["step"] == 0] + records
     cfg = info.get("config", {})
-    num_steps = int(cfg.get("trainer", {}).get("num_steps", 0))
+    num_steps = int(saved_value(cfg, "train.num_steps", "trainer.num_steps", default=0))
     evals = [_eval_point(r) for r in records if "eval/accuracy_ci_low" in r]
     train = [r for r in records if r["step"] > 0 and "rollout/accuracy" in r]
     summary_path = os.path.join(run_dir, "summary.json")
@@ -112,13 +114,13 @@ def summarize_run(run_dir: str, base_from: str | None = None) -> dict[str, Any]:
         "base_from": base_from if base_from and base and not any(r["step"] == 0 for r in read_metrics(
             os.path.join(run_dir, "metrics.jsonl"))) else None,
         "bar_cleared": bool(base and trained and trained["ci_low"] > base["ci_high"]),
-        "config": {"learning_rate": cfg.get("actor", {}).get("learning_rate"),
-                   "train_batch_size": cfg.get("actor", {}).get("train_batch_size"),
-                   "rollout_batch_size": cfg.get("rollout", {}).get("rollout_batch_size"),
-                   "n_samples_per_prompt": cfg.get("sampling", {}).get("n", cfg.get("rollout", {}).get("n_samples_per_prompt")),
-                   "max_new_tokens": cfg.get("sampling", {}).get("max_tokens", cfg.get("rollout", {}).get("max_new_tokens")),
-                   "outcome_baseline": cfg.get("shape", {}).get("outcome_baseline"),
-                   "seed": cfg.get("trainer", {}).get("seed")},
+        "config": {"learning_rate": saved_value(cfg, "actor.adam.lr", "actor.learning_rate", "megatron.lr"),
+                   "train_batch_size": saved_value(cfg, "train.batch_size", "actor.train_batch_size"),
+                   "rollout_batch_size": saved_value(cfg, "rollout.batch_size", "rollout.rollout_batch_size"),
+                   "n_samples_per_prompt": saved_value(cfg, "rollout.n_samples_per_prompt", "sampling.n"),
+                   "max_new_tokens": saved_value(cfg, "rollout.max_new_tokens", "sampling.max_tokens"),
+                   "outcome_baseline": saved_value(cfg, "shape.outcome_baseline"),
+                   "seed": saved_value(cfg, "train.seed", "trainer.seed")},
     }
     return out
 

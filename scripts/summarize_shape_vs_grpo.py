@@ -21,7 +21,7 @@ import re
 import sys
 from typing import Any
 
-from openrlhf_shape.eval.analysis.runs import read_metrics
+from openrlhf_shape.eval.analysis.runs import read_metrics, saved_value
 from openrlhf_shape.eval.pooling import eval_steps, paired_difference, pool_runs
 
 ARMS = {  # directory prefix -> label
@@ -53,9 +53,7 @@ def run_status(run_dir: str) -> dict[str, Any]:
     planned = None
     if os.path.exists(os.path.join(run_dir, "run.json")):
         with open(os.path.join(run_dir, "run.json")) as f:
-            config = json.load(f).get("config", {})
-        # --train.num_steps; run directories written before the flag = path layout keep it under "trainer"
-        planned = config.get("train", {}).get("num_steps", config.get("trainer", {}).get("num_steps"))
+            planned = saved_value(json.load(f).get("config", {}), "train.num_steps", "trainer.num_steps")
     train = [r for r in rows if r["step"] > 0 and "rollout/accuracy" in r]
     return {"dir": run_dir, "steps": train[-1]["step"] if train else 0, "planned": planned,
             "finished": os.path.exists(os.path.join(run_dir, "summary.json")),

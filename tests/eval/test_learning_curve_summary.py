@@ -59,6 +59,11 @@ def test_base_from_another_run_with_the_same_protocol(tmp_path):
         (tmp_path / d / "run.json").write_text(json.dumps({"estimator": "grpo", "config": proto}))
     e = mod.summarize_run(run, base_from=base)
     assert e["base"]["accuracy"] == 0.15 and e["base_from"] == base and e["bar_cleared"]
+    # the run written after flag = path (train / eval sections), its base before: the same protocol
+    (tmp_path / run / "run.json").write_text(json.dumps({"estimator": "grpo", "config": {
+        "train": {"num_steps": 4, "seed": 42}, "eval": {"n_samples_per_prompt": 4, "max_samples": 100}}}))
+    e = mod.summarize_run(run, base_from=base)
+    assert e["base_from"] == base and e["num_steps_planned"] == 4 and e["partial"] and e["config"]["seed"] == 42
     other = {**proto, "trainer": {**proto["trainer"], "eval_n_samples_per_prompt": 2}}
     (tmp_path / "base" / "run.json").write_text(json.dumps({"estimator": "grpo", "config": other}))
     with pytest.raises(ValueError, match="held-out eval settings differ"):

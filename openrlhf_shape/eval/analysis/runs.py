@@ -22,6 +22,22 @@ import numpy as np
 EVAL_REPORT_CANDIDATES = ("eval/report.json", "report.json")
 
 
+def saved_value(config: dict[str, Any], *paths: str, default: Any = None) -> Any:
+    """The first of the dotted ``paths`` present in a saved config (``run.json``'s ``config``).
+
+    Name the flag = path location first (``train.num_steps``), then where older run directories keep it
+    (``trainer.num_steps``), so one reader serves run directories of every layout."""
+    for path in paths:
+        node: Any = config
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            return node
+    return default
+
+
 @dataclass
 class Run:
     """One run. ``records``: per-step metric dicts sorted by step."""
