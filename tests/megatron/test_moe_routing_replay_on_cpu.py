@@ -186,6 +186,9 @@ def test_routing_replay_flag_is_validated():
         MegatronConfig(routing_replay="r4")
     with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
         MegatronConfig(routing_replay="r2", pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 is not built .*filler"):
+        MegatronConfig(routing_replay="r2", expert_model_parallel_size=2)
+    assert MegatronConfig(expert_model_parallel_size=2).routing_replay == "none"
     assert MegatronConfig(routing_replay="r3").routing_replay == "r3"
 
 
