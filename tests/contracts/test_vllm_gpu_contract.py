@@ -187,3 +187,22 @@ def test_cuda_ipc_rebuild_takes_the_storage_device_where_we_replace_it():
     assert params[IPC_STORAGE_DEVICE_ARG] == "storage_device", params
     assert "rebuild_cuda_tensor" in _src(reductions.reduce_tensor)
     assert "device=storage_device" in _src(reductions.rebuild_cuda_tensor)  # the handle opens on that index
+
+
+def test_expert_parallel_engine_argument():
+    """rollout/engine.py passes ``enable_expert_parallel=True`` (--vllm.enable_expert_parallel) to ``LLM(...)``:
+    EngineArgs must take it into its ParallelConfig, and with it a MoE layer must hold whole experts sharded over
+    the TP workers (EP size = TP x DP, no expert split), the layout docs/moe.md describes. vLLM refuses it for a
+    dense model itself (no check of ours) and ignores it at TP 1 (EP needs more than one worker)."""
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    assert "enable_expert_parallel" in {f.name for f in dataclasses.fields(EngineArgs)}
+    assert EngineArgs(model="m", enable_expert_parallel=True).enable_expert_parallel is True
+    assert "enable_expert_parallel=self.enable_expert_parallel" in _src(EngineArgs.create_engine_config)
+    assert ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).enable_expert_parallel
+    make = _src(FusedMoEParallelConfig.make)
+    assert "dp_size_ * pcp_size_ * tp_size_ > 1" in make and "vllm_parallel_config.enable_expert_parallel" in make
+    assert "ep_size = tp_size" in make and "tp_size=1," in make
+    assert "Number of experts in the model must be greater than 0" in _src(ModelConfig._verify_with_expert_parallelism)
