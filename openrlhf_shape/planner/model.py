@@ -96,6 +96,8 @@ class ModelShape:
                 raise NotImplementedError(
                     f"{name}: a mixture-of-experts config of model_type {mt!r}; the planner sizes qwen3_moe only "
                     "(routed experts, no shared expert: docs/moe.md); no estimate rather than a wrong one")
+            # the published configs say num_experts; transformers 5 writes num_local_experts (our HF exports too)
+            cfg = {**cfg, "num_experts": cfg.get("num_experts") or cfg.get("num_local_experts")}
             for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 if not cfg.get(key):
                     raise ValueError(f"{name}: qwen3_moe config without {key}; the planner cannot size its experts")

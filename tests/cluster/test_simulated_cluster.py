@@ -152,7 +152,7 @@ def test_preset_disaggregated(cluster, name: str) -> None:
 def test_too_few_gpus_names_flags(cluster) -> None:
     # 32B disaggregated needs 8 nodes of 8 GPUs; the cluster has 4.
     plan = plan_placement(**{**preset_shape("qwen3-32b"), "colocate": False}, gpus_per_node=GPUS)
-    with pytest.raises(ValueError, match=r"--megatron.world_size.*--vllm.num_engines"):
+    with pytest.raises(ValueError, match=r"--actor\.num_nodes x --actor\.num_gpus_per_node .*--vllm\.num_engines"):
         RayPlacement(plan, gpus=True)
     # Enough GPUs in total (32) but not of the right shape: a 16-GPU TP group needs a 16-GPU node.
     plan = plan_placement(world_size=16, tp=16, pp=1, num_engines=1, engine_tp=1, colocate=True, gpus_per_node=16)

@@ -190,8 +190,13 @@ def test_what_does_not_run_is_refused_with_the_reason(moe_dir, tiny_models):
         MegatronConfig(moe_aux_loss_coeff=0.01).validate_against_model(dense, 1)
     with pytest.raises(ValueError, match="moe_z_loss_coeff must be a number >= 0"):
         MegatronConfig(moe_z_loss_coeff=-1.0)
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        ModelShape.from_file(f"{moe_dir}/config.json")  # the planner sizes dense models only, says so
+    # The planner sizes the config transformers 5 writes (num_local_experts, not the published num_experts):
+    # every parameter of the HF model counted, the active ones two experts of eight per layer.
+    from transformers import AutoModelForCausalLM
+
+    shape = ModelShape.from_file(f"{moe_dir}/config.json")
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir)
+    assert shape.num_experts == 8 and shape.total_params() == sum(p.numel() for p in hf.parameters())
 
 
 def test_the_trainer_takes_a_moe_policy_on_megatron_only(moe_dir):
