@@ -167,14 +167,20 @@ def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platfor
         return gpu_platform(gpus_per_engine=1.0 if engine_tp == 1 else 0.0, cpus_per_rank=cpus_per_rank,
                             cpus_per_engine=cpus_per_engine, cluster_gpus=gpus, source=source)
     world = int(cfg.actor.world_size) if cfg is not None else 1
-    # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the ranks and the engines take turns
-    # (rollout, then update), so the ranks share the node's cores while they train.
+    # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors. Synchronous training on CPU: the ranks and the
+    # engines take turns (rollout, then update), so each side uses all of the node's cores while it works.
+    # Asynchronous (--train.async_enable): both sides work at once, so they split the cores. A whole number of
+    # CPUs per actor (--actor.num_cpus_per_rank 1) is its thread count, as Ray sets OMP_NUM_THREADS.
     cores = os.cpu_count() or 1
     threads = engine_threads = None
     if cfg is not None:
-        threads = max(1, cores // max(world, 1))
+        engines = max(int(cfg.vllm.num_engines), 1)
+        both = bool(getattr(cfg.train, "async_enable", False))
+        threads = (int(cpus_per_rank) if cpus_per_rank >= 1
+                   else max(1, cores // (max(world, 1) + (engines if both else 0))))
         # Likewise the engines while they generate; at engine TP > 1 each worker is bound to one core instead.
         if engine_tp == 1:
-            engine_threads = max(1, cores // max(int(cfg.vllm.num_engines), 1))
+            engine_threads = (int(cpus_per_engine) if cpus_per_engine >= 1
+                              else max(1, cores // (engines + (max(world, 1) if both else 0))))
     return cpu_platform(cpus_per_rank=cpus_per_rank, cpus_per_engine=cpus_per_engine, threads_per_rank=threads,
                         threads_per_engine=engine_threads, cluster_gpus=0.0, source=source)

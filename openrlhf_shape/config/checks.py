@@ -115,6 +115,12 @@ def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:
     _need(not check_paths or c.resume in ("auto", "none") or os.path.isdir(c.resume), "ckpt.resume",
           f"{c.resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
     _need(t.gpus_per_node >= 1, "train.gpus_per_node", "must be >= 1")
+    _need(t.max_staleness in (1, 2), "train.max_staleness",
+          f"{t.max_staleness}: 1 (generation and scoring of the next batch overlap the update) or 2 (its probes too); "
+          "a deeper queue adds staleness and hides nothing more (docs/architecture.md, 'Asynchronous training')")
+    _need(not (t.async_enable and t.colocate_all), "train.async_enable",
+          "needs a disaggregated layout: with --train.colocate_all the engines and the ranks share the GPUs, so "
+          "nothing can overlap; drop --train.colocate_all (and give the engines their own GPUs) or drop --train.async_enable")
     if cfg.reward.num_workers < 0:
         raise ValueError(f"--reward.num_workers: must be >= 1, or 0 for one per core; got {cfg.reward.num_workers}")
 

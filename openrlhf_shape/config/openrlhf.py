@@ -37,7 +37,6 @@ _NO_REF = "no reference model here (training runs without a KL term, as the pape
 _NO_KL = "no KL term here (there is no reference model; the paper trains without KL); drop it"
 _NO_RM = "no reward-model actor here; rewards come from Math-Verify or --reward.remote_url (a reward_func .py or HTTP server)"
 _DS = "not a switch of this trainer's DeepSpeed backend (--actor.backend deepspeed: ZeRO 0-3, adam offload, bf16/fp32, gradient checkpointing)"
-_NO_ASYNC = "training is synchronous here (rollout, then update); drop it"
 _NO_VLM = "text-only: vision-language models are not supported"
 _NO_LORA = "LoRA / 4-bit loading are not supported on either backend: full fine-tuning"
 _TOKEN_BUDGET = "micro-batches are packed by a token budget here (--train.max_tokens_per_gpu)"
@@ -94,11 +93,13 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.advantage.is_correction_gating", "ratio", SAME),
     _f("algo.advantage.is_correction_threshold", [0.5, 5.0], SAME),
     # ---- async
-    _f("train.async_enable", False, REFUSED, why=_NO_ASYNC),
-    _f("train.async_queue_size", 1, REFUSED, why=_NO_ASYNC),
-    _f("train.partial_rollout_enable", False, REFUSED, why=_NO_ASYNC),
+    _f("train.async_enable", False, SAME, why="one step off: the next batch is made while the ranks train (docs/architecture.md)"),
+    _f("train.async_queue_size", 1, REFUSED,
+       why="the depth of the asynchronous pipeline is --train.max_staleness (1 or 2); drop it"),
+    _f("train.partial_rollout_enable", False, REFUSED,
+       why="requests are never interrupted: new weights stream in between batches (--train.async_enable); drop it"),
     _f("rollout.vllm_generate_batch_size", None, REFUSED,
-       why="one generation batch per step (= --rollout.batch_size; over-sampling needs async training); drop it"),
+       why="one generation batch per step (= --rollout.batch_size), with or without --train.async_enable; drop it"),
     # ---- checkpoints, eval, logging
     _f("eval.steps", -1, SAME, why="-1 (OpenRLHF's off) is 0 here"),
     _f("ckpt.save_steps", -1, SAME, why="-1 (OpenRLHF's off) is 0 here (a final checkpoint is always written)"),
