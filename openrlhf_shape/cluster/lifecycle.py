@@ -84,7 +84,12 @@ class Lifecycle:
         self.phase = "update"
 
     def sync_weights(self, step: int | None = None) -> dict[str, float]:
-        """After the update of ``step`` (named if the sync fails): new weights into every engine."""
+        """After the update of ``step`` (named if the sync fails): new weights into every engine. Refused while
+        the engines work on a request batch (asynchronous training overlaps generation with the update):
+        weights stream in between batches, never under a running request."""
+        if getattr(self.engines, "busy", False):
+            raise RuntimeError(f"weight sync after step {step} requested while the engines are generating; the "
+                               "asynchronous schedule must wait for the engines' side of the step first")
         if self.colocate:
             self._do("megatron.offload(grads,optimizer)", self.actor.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])

@@ -16,6 +16,7 @@ import torch
 
 from openrlhf_shape.actor.protocol import STATE_GROUPS, RankWorker
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, pad_rows
+from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.cluster.sender import WeightSenderMixin
 from openrlhf_shape.platform import Platform
 
@@ -113,9 +114,11 @@ class RankGroup:
             placement, ray.remote(RankActor), num_cpus=platform.cpus_per_rank,
             args_for_rank=lambda r: (worker_cls, cfg, r, world_size, handed))
         ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
+        self.clock = BusyClock()  # ranks at work (a call in flight); the weight stream is timed by the sync
 
     def _all(self, method: str, *args) -> list:
-        return ray.get([a.call.remote(method, *args) for a in self.actors])
+        with self.clock.working():
+            return ray.get([a.call.remote(method, *args) for a in self.actors])
 
     def init_model(self, hf_dir: str) -> dict:
         return self._all("init_model", hf_dir)[0]

@@ -9,6 +9,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
 
@@ -107,6 +108,10 @@ class EngineGroup:
     probes of its responses (same key) land on the engine that holds their prefixes in its cache.
     The default key of a prompt is its full token tuple. The map is cleared on new weights (the
     caches are reset then anyway).
+
+    The group knows when it is working (``busy``: a ``generate`` or ``score`` in flight, from any thread)
+    and for how long it has worked (``clock.seconds()``): the colocation lifecycle refuses a weight sync
+    while the engines generate, and the trainer reports the engines' idle time per step.
     """
 
     def __init__(self, engines: Sequence):
@@ -118,6 +123,12 @@ class EngineGroup:
             raise ValueError("EngineGroup engines must be all in-process or all Ray actors, not mixed")
         self._affinity: dict[Hashable, int] = {}
         self._tokenizer = None
+        self.clock = BusyClock()  # engines at work: a generate or score in flight
+
+    @property
+    def busy(self) -> bool:
+        """A request batch (``generate`` / ``score``) is in flight on some engine."""
+        return self.clock.busy
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -154,6 +165,10 @@ class EngineGroup:
         """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list)."""
         if not prompt_token_ids:
             return []
+        with self.clock.working():
+            return self._generate(prompt_token_ids, sampling, affinity_keys)
+
+    def _generate(self, prompt_token_ids, sampling, affinity_keys) -> list[Generation]:
         assign = self.plan(prompt_token_ids, sampling.n, affinity_keys)
         per_engine: list[list[int]] = [[] for _ in self.engines]
         for i, e in enumerate(assign):
@@ -179,6 +194,25 @@ class EngineGroup:
                 merged.append(g)
         merged.sort(key=lambda g: (g.prompt_index, g.sample_index))
         return merged
+
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """What the engines COMPUTE for given sequences: for each, the log-prob (temperature 1) of every token
+        after its prefix (``L - 1`` values for ``L`` tokens; :meth:`VLLMEngine.score`). Sequence i goes to engine
+        ``i % len(self)``, so a check covers every engine when it sends at least that many sequences."""
+        per_engine = [list(range(e, len(token_ids), len(self.engines))) for e in range(len(self.engines))]
+        with self.clock.working():
+            if all(self.remote):
+                import ray
+
+                outs = ray.get([self.engines[e].score.remote([token_ids[i] for i in idxs])
+                                for e, idxs in enumerate(per_engine) if idxs])
+            else:
+                outs = [self.engines[e].score([token_ids[i] for i in idxs]) for e, idxs in enumerate(per_engine) if idxs]
+        result: list[list[float]] = [[] for _ in token_ids]
+        for idxs, out in zip([i for i in per_engine if i], outs):
+            for i, row in zip(idxs, out):
+                result[i] = row
+        return result
 
     # ---- weights ----------------------------------------------------------------------------------
     def forget_affinity(self) -> None:

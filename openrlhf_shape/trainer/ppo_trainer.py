@@ -58,24 +58,24 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
-        cfg, run, maker, cluster = self.cfg, self.run, self.run.maker, self.run.cluster
+        cfg, run, schedule, cluster = self.cfg, self.run, self.run.schedule, self.run.cluster
         start = self._resume()
         logger, steps = self._open_log(start), self._steps(start)
         if start == 0:
             self._val_before_train(logger)
         history: list[dict] = []
-        t_loop = time.perf_counter()
+        t_loop, self._busy = time.perf_counter(), self._busy_seconds()
         try:
             for step in steps:
                 rec = StepLog()
-                items = run.batcher.next_batch()
-                # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
-                cluster.engines.reseed(cfg.train.seed * 1_000_003 + step)
-                exp = maker.make_experience(items, rec)  # generate, rewards, logprobs, segment, probes, advantages
+                # generate, rewards, logprobs, segment, probes, advantages; async: made ahead, engines start the next
+                exp = schedule.experience(step, rec)
                 if len(exp):
                     run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
                     rec.phase("to_update", cluster.lifecycle.before_update)  # colocated: engines sleep, ranks onload
                     rec.phase("train", self.train, exp, step)
+                schedule.settle(rec, updated=bool(len(exp)))  # async: wait for the engines' side of the step
+                if len(exp):
                     rec.phase("sync", self.sync, step)
                     rec.phase("to_rollout", cluster.lifecycle.after_sync)  # colocated: ranks offload, engines wake
                 else:
@@ -161,7 +161,8 @@ class ShapeTrainer:
     def save(self, step: int) -> PhaseOutput:
         """Checkpoint actor + data position; keep the newest ``ckpt.max_num`` complete ones."""
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
-        extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time()}
+        extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time(),
+                 **self.run.schedule.save_pending(self.ckpt_root, step)}  # async: the batches in flight
         self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.actor.save_checkpoint, path, extra)
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.ckpt.max_num]:
@@ -181,6 +182,7 @@ class ShapeTrainer:
             return 0
         extra = self.run.cluster.actor.load_checkpoint(path)
         self.run.batcher.load_state_dict(extra["batcher"])
+        self.run.schedule.load_pending(extra, self.ckpt_root)
         step = int(extra["step"])
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.run.batcher.epoch, self.run.batcher.position)
@@ -202,7 +204,20 @@ class ShapeTrainer:
         last = min(t.num_steps, start_step + (t.stop_after_steps or t.num_steps))
         return list(range(start_step + 1, last + 1))
 
+    def _busy_seconds(self) -> tuple[float, float]:
+        """Seconds the engines and the ranks have worked so far (their groups' clocks)."""
+        return self.run.cluster.engines.clock.seconds(), self.run.cluster.actor.clock.seconds()
+
+    def _idle_shares(self, metrics: dict) -> None:
+        """``time/engine_idle_share`` and ``time/rank_idle_share`` of the step: 1 - (each side's busy seconds + the
+        weight sync, which occupies both) / the step's seconds."""
+        (eng0, rank0), self._busy = self._busy, self._busy_seconds()
+        step_s, sync = max(metrics.get("time/step", 0.0), 1e-9), metrics.get("time/sync", 0.0)
+        metrics["time/engine_idle_share"] = max(0.0, 1.0 - (self._busy[0] - eng0 + sync) / step_s)
+        metrics["time/rank_idle_share"] = max(0.0, 1.0 - (self._busy[1] - rank0 + sync) / step_s)
+
     def _report_step(self, step: int, metrics: dict, samples: list[dict], logger: MetricsLogger, eta_s: float) -> None:
+        self._idle_shares(metrics)
         self.length_alarm.update(step, metrics)  # one warning line when lengths collapse; never stops the run
         logger.log(step, metrics)
         log.info(step_line(step, self.cfg.train.num_steps, metrics, eta_s))
@@ -214,6 +229,7 @@ class ShapeTrainer:
 
         run = self.run
         if run is not None:
+            run.schedule.close()
             run.reward.close()
             run.cluster.engines.shutdown()
             run.cluster.actor.shutdown()
@@ -232,12 +248,15 @@ def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float |
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
     phases = ", ".join(f"{p} {metrics['time/' + p]:.1f}s" for p in PHASES if f"time/{p}" in metrics)
+    gap = (f"|dlogp| {get('rollout/mismatch/abs_log_ratio/mean', '.1e')}/{get('rollout/mismatch/abs_log_ratio/max', '.1e')}"
+           if "rollout/fidelity/abs_log_ratio/mean" not in metrics else  # async: the engines re-scored, and the drift
+           f"|dlogp| {get('rollout/fidelity/abs_log_ratio/mean', '.1e')}/{get('rollout/fidelity/abs_log_ratio/max', '.1e')}"
+           f" (stale {get('async/staleness', '.0f')}: {get('rollout/mismatch/abs_log_ratio/mean', '.1e')})")
     eta = f", {eta_s / 60:.1f} min left" if eta_s is not None and eta_s > 0 else ""
     return (
         f"step {step}/{num_steps}: acc {get('rollout/accuracy', '.3f')}, len {get('rollout/response_length/mean', '.0f')}, "
         f"segments {get('shape/segments_per_response/mean', '.2f')}, drop {get('shape/potential_drop_rate', '.2f')}, "
-        f"loss {get('actor/loss', '.4f')}, |dlogp| {get('rollout/mismatch/abs_log_ratio/mean', '.1e')}"
-        f"/{get('rollout/mismatch/abs_log_ratio/max', '.1e')}, {get('time/step', '.1f')} s ({phases}){eta}"
+        f"loss {get('actor/loss', '.4f')}, {gap}, {get('time/step', '.1f')} s ({phases}){eta}"
     )
 
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import LogprobGapGuard
+    from openrlhf_shape.trainer.schedule import SyncSchedule
 
 @dataclass
 class Run:
@@ -35,6 +36,7 @@ class Run:
     cluster: ClusterRuntime  # rank group, engines, weight sync, lifecycle (openrlhf_shape/cluster/runtime.py)
     reward: RewardComputer
     maker: ShapeExperienceMaker
+    schedule: SyncSchedule  # when experience is made relative to the update (trainer/schedule.py; --train.async_enable)
     gap_guard: LogprobGapGuard  # is the engine running the trained policy (every step)
     own_ray: bool
     setup_seconds: float
@@ -108,6 +110,7 @@ def build_run(cfg: TrainConfig) -> Run:
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
+    from openrlhf_shape.trainer.schedule import make_schedule
 
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(cfg.actor.model_name_or_path)
@@ -153,8 +156,9 @@ def build_run(cfg: TrainConfig) -> Run:
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range))
+    schedule = make_schedule(cfg, maker, batcher, engines)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items,
-               cluster=cluster, reward=reward, maker=maker, gap_guard=gap_guard, own_ray=own_ray, setup_seconds=seconds)
+               cluster=cluster, reward=reward, maker=maker, schedule=schedule, gap_guard=gap_guard, own_ray=own_ray, setup_seconds=seconds)

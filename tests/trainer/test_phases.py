@@ -26,24 +26,42 @@ def test_steplog_times_phases_and_takes_one_return_type() -> None:
     assert rec.finish(**{"data/epoch": 1.0})["time/step"] >= 0
 
 
-def _fit_calls() -> tuple[list[str], list[str]]:
-    """(phase names passed to rec.phase, attribute calls on the maker) in ShapeTrainer.fit's source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(ppo_trainer.ShapeTrainer.fit)))
-    phases, maker_calls = [], []
+def _calls(fn) -> tuple[list[str], dict[str, list[str]]]:
+    """(phase names passed to rec.phase, attribute calls per owner name) in ``fn``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    phases, calls = [], {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             owner = node.func.value
             if node.func.attr == "phase" and node.args and isinstance(node.args[0], ast.Constant):
                 phases.append(node.args[0].value)
-            if isinstance(owner, ast.Name) and owner.id == "maker":
-                maker_calls.append(node.func.attr)
-    return phases, maker_calls
+            if isinstance(owner, ast.Name):
+                calls.setdefault(owner.id, []).append(node.func.attr)
+            elif isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self":
+                calls.setdefault(owner.attr, []).append(node.func.attr)
+    return phases, calls
 
 
 def test_the_loop_runs_the_experience_phases_through_make_experience() -> None:
-    phases, maker_calls = _fit_calls()
-    assert maker_calls == ["make_experience"]  # not generate/rewards/... one by one: one phase list
+    from openrlhf_shape.trainer import schedule
+    from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+
+    phases, calls = _calls(ppo_trainer.ShapeTrainer.fit)
+    assert "maker" not in calls  # the loop asks the schedule for the step's batch
+    assert calls["schedule"] == ["experience", "settle"]
     assert phases == ["to_update", "train", "sync", "to_rollout", "eval", "checkpoint"]
     assert set(phases) <= set(PHASES)
     # the colocation transitions sit symmetrically around the update
     assert phases.index("to_update") + 1 == phases.index("train") and phases.index("sync") + 1 == phases.index("to_rollout")
+    # synchronous: one call, the maker's phase list
+    assert _calls(schedule.SyncSchedule.experience)[1]["maker"] == ["make_experience"]
+    # the phase list is written once: make_experience is its three stages, and the asynchronous schedule runs
+    # those stages (in other windows and threads), never a phase function by itself
+    mk_phases, mk_calls = _calls(ShapeExperienceMaker.make_experience)
+    assert mk_phases == [] and mk_calls["self"] == ["rollout", "credit", "old_policy"]
+    stage_phases = [p for stage in ("rollout", "old_policy", "credit") for p in _calls(getattr(ShapeExperienceMaker, stage))[0]]
+    assert stage_phases == ["generate", "rewards", "logprobs", "segment", "probes", "advantages"]
+    async_calls = [c for name, fn in inspect.getmembers(schedule.OneStepOffSchedule, inspect.isfunction)
+                   for c in _calls(fn)[1].get("maker", [])]
+    assert {"rollout", "old_policy", "credit"} <= set(async_calls), async_calls
+    assert not set(async_calls) & {"generate", "rewards", "logprobs", "segment", "probes", "advantages"}, async_calls

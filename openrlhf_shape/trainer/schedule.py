@@ -1,0 +1,246 @@
+"""When a step's experience is made, relative to the update that trains on it.
+
+:class:`SyncSchedule` (the default): the six experience phases, then the update, then the weight sync; the
+engines idle while the ranks train and the ranks idle while the engines generate and probe.
+
+:class:`OneStepOffSchedule` (``--train.async_enable``, a disaggregated layout): the engines make the next batch
+while the ranks train on this one. Window ``t`` (E = engines, R = ranks; the weight sync ends the window and
+needs both sides idle, so the schedule waits for the engines' side first, :meth:`settle`):
+
+* ``--train.max_staleness 1`` (one step off): R computes batch t's old log-probs and entropy, E re-scores a few
+  of its sequences (the fidelity check) and runs its probes, then {R: update(t)} || {E: generate and score batch
+  t+1}. Batch t+1 comes from the weights of update t-1 and trains from those of update t.
+  The probes cannot hide at this staleness: SHAPE's segmentation needs the trainer's entropy of the batch, which
+  exists only after the previous update.
+* ``--train.max_staleness 2``: R computes batch t+1's old log-probs and entropy first, then {R: update(t)} ||
+  {E: batch t+1's probes, then generate and score batch t+2}. Batch t+2 comes from the weights of update t-1
+  and trains from those of update t+1; its old log-probs come from update t (one behind its update's start).
+
+Which policy each quantity comes from (the docs/architecture.md table): samples and the engines' log-probs from
+the engines' weights (``policy_version``); old log-probs and entropy, hence the segments, from the ranks'
+weights when they ran (``logprob_version``); probes from the engines' weights at that time, equal to the ranks'
+(``max_staleness`` 1: after the sync of update t-1; 2: the same weights as the old log-probs). The gap between
+the engines' and the trainer's log-probs is then the policy's drift (``rollout/mismatch/*``, corrected by
+``--algo.advantage.is_correction_level``); whether the engines compute the trained policy is checked on a few
+re-scored sequences instead (``rollout/fidelity/*``, the gap guard's metric in this mode).
+
+Engines are re-seeded before every generation (by the step that trains on it, as in synchronous training) and
+before every probe round (``probe_seed``), so a batch's content depends only on (seed, step, weights). A
+checkpoint stores the batches in flight (:meth:`OneStepOffSchedule.save_pending`): a resumed run continues
+with them and repeats the uninterrupted run step for step (the weights that generated them are gone).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from openrlhf_shape.batch import SequenceBatch
+from openrlhf_shape.trainer.experience import ExperienceBatch, ShapeExperienceMaker
+from openrlhf_shape.trainer.phases import StepLog
+
+PENDING_DIR = "async_pending"  # beside the step_XXXXXX checkpoints: the batches in flight when each was written
+FIDELITY_ROWS = 2  # sequences per engine that the engines re-score each step (asynchronous training)
+
+
+def generation_seed(seed: int, step: int) -> int:
+    """The engines' seed before generating the batch that trains at ``step`` (both schedules)."""
+    return seed * 1_000_003 + step
+
+
+def probe_seed(seed: int, step: int) -> int:
+    """The engines' seed before the probes of the batch that trains at ``step`` (asynchronous schedule)."""
+    return seed * 2_000_029 + step
+
+
+class SyncSchedule:
+    """The six experience phases of the step's own batch, with the weights of the previous update."""
+
+    def __init__(self, maker: ShapeExperienceMaker, batcher, engines, seed: int):
+        self.maker, self.batcher, self.engines, self.seed = maker, batcher, engines, seed
+
+    def experience(self, step: int, rec: StepLog) -> ExperienceBatch:
+        items = self.batcher.next_batch()
+        # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
+        self.engines.reseed(generation_seed(self.seed, step))
+        return self.maker.make_experience(items, rec)  # generate, rewards, logprobs, segment, probes, advantages
+
+    def settle(self, rec: StepLog, updated: bool) -> None:
+        """Nothing runs beside the update."""
+
+    def save_pending(self, ckpt_root: str, step: int) -> dict:
+        return {}
+
+    def load_pending(self, extra: dict, ckpt_root: str) -> None:
+        if extra.get("async_pending"):
+            raise ValueError("this checkpoint was written by an asynchronous run (--train.async_enable) and holds the "
+                             "batches it had in flight; resume it with --train.async_enable and the same "
+                             f"--train.max_staleness ({extra.get('async_staleness')})")
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffSchedule(SyncSchedule):
+    """Asynchronous schedule (module doc). ``logprobs_fn`` is the maker's (ranks, through the lifecycle);
+    ``num_steps``: the run's last step (nothing is generated past it)."""
+
+    def __init__(self, maker: ShapeExperienceMaker, batcher, engines, seed: int, staleness: int, num_steps: int):
+        super().__init__(maker, batcher, engines, seed)
+        if staleness not in (1, 2):
+            raise ValueError(f"--train.max_staleness {staleness}: 1 or 2")
+        self.staleness, self.num_steps = staleness, num_steps
+        self.updates = 0  # optimizer updates the ranks have applied (= the engines', after each sync)
+        self.generated: ExperienceBatch | None = None  # generated and scored, for step `generated_step`
+        self.ready: ExperienceBatch | None = None  # staleness 2: advantages done, for the next step
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engines")
+        self._work: Future | None = None
+        self._work_seconds = 0.0
+
+    # ---- the step --------------------------------------------------------------------------------
+    def experience(self, step: int, rec: StepLog) -> ExperienceBatch:
+        """The batch that trains at ``step``, complete; the engines' share of the window starts before returning."""
+        if self.staleness == 1:
+            exp = self.generated if self.generated is not None else self._generate(step)  # first step: serial
+            self.generated = None
+            exp = self._engine_side(self._rank_side(exp), step)
+            self._start(lambda: self._keep_generated(self._generate(step + 1)) if step + 1 <= self.num_steps else None)
+        else:
+            if self.ready is None:  # first step of a run: batch `step` serially, then batch step + 1 generated
+                self.ready = self._engine_side(self._rank_side(self._generate(step)), step)
+            if self.generated is None and step + 1 <= self.num_steps:
+                self.generated = self._generate(step + 1)
+            exp, nxt = self.ready, self.generated
+            self.ready = self.generated = None
+            if nxt is not None:
+                nxt = self._rank_side(nxt)  # its old log-probs and entropy, before the update changes the weights
+
+                def engines_work() -> None:
+                    self.ready = self._engine_side(nxt, step + 1)
+                    if step + 2 <= self.num_steps:
+                        self._keep_generated(self._generate(step + 2))
+
+                self._start(engines_work)
+        rec.metrics.update(exp.metrics)
+        rec.metrics["async/staleness"] = float(self.updates - exp.policy_version)
+        rec.metrics["async/logprob_staleness"] = float(self.updates - exp.logprob_version)
+        return exp
+
+    def settle(self, rec: StepLog, updated: bool) -> None:
+        """Wait for the engines' side of the window (a weight sync may not run under a request); count the update."""
+        t0 = time.perf_counter()
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.result()  # re-raises what failed in the engines' thread
+        rec.metrics["async/wait_seconds"] = time.perf_counter() - t0  # ranks idle, waiting for the engines
+        rec.metrics["async/overlap_seconds"] = min(self._work_seconds, rec.metrics.get("time/train", 0.0))
+        self._work_seconds = 0.0
+        if updated:
+            self.updates += 1
+
+    # ---- the two sides ---------------------------------------------------------------------------
+    def _start(self, fn: Callable[[], Any]) -> None:
+        def timed() -> None:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            finally:
+                self._work_seconds = time.perf_counter() - t0
+
+        self._work = self._pool.submit(timed)
+
+    def _keep_generated(self, exp: ExperienceBatch | None) -> None:
+        self.generated = exp
+
+    def _generate(self, step: int) -> ExperienceBatch:
+        """Engines: generate and score the batch that trains at ``step``, with the weights they hold now."""
+        log = StepLog()
+        items = self.batcher.next_batch()
+        self.engines.reseed(generation_seed(self.seed, step))
+        exp = self.maker.rollout(items, log)
+        exp.metrics, exp.policy_version = log.metrics, self.updates
+        return exp
+
+    def _rank_side(self, exp: ExperienceBatch) -> ExperienceBatch:
+        """Ranks: old log-probs and entropy with the weights they hold now (the engines hold the same: the
+        fidelity check re-scores a few sequences on the engines and compares)."""
+        if not len(exp):
+            return exp
+        exp = self.maker.old_policy(exp, _log_into(exp.metrics))
+        exp.logprob_version = self.updates
+        exp.metrics.update(self._fidelity(exp))
+        return exp
+
+    def _engine_side(self, exp: ExperienceBatch, step: int) -> ExperienceBatch:
+        """Segments from the entropy, the probes (engines, re-seeded), the advantages."""
+        if not len(exp):
+            return exp
+        self.engines.reseed(probe_seed(self.seed, step))
+        return self.maker.credit(exp, _log_into(exp.metrics))
+
+    def _fidelity(self, exp: ExperienceBatch) -> dict[str, float]:
+        """``rollout/fidelity/abs_log_ratio/{mean,max}``: |engine - trainer| log-prob (temperature 1) of the response
+        tokens of the first sequences, ``FIDELITY_ROWS`` per engine, re-scored by the engines now; the trainer's side
+        is the batch's old log-probs (at temperature 1) or one more forward of those rows."""
+        rows = list(range(min(len(exp), FIDELITY_ROWS * len(self.engines))))
+        seqs, plens = [exp.sequences[i] for i in rows], [exp.prompt_lens[i] for i in rows]
+        engine_lp = self.engines.score(seqs)
+        if self.maker.sampling.temperature == 1.0:
+            trainer_lp = exp.old_log_probs[rows]
+        else:
+            trainer_lp = self.maker.logprobs_fn(SequenceBatch(sequences=seqs, prompt_lens=plens, temperature=1.0))[0]
+        gaps = []
+        for j, (seq, p) in enumerate(zip(seqs, plens)):
+            n = len(seq) - p
+            gaps.append((torch.tensor(engine_lp[j][p - 1 : p - 1 + n]) - trainer_lp[j, :n].float()).abs())
+        gap = torch.cat(gaps)
+        return {"rollout/fidelity/abs_log_ratio/mean": float(gap.mean()),
+                "rollout/fidelity/abs_log_ratio/max": float(gap.max()), "rollout/fidelity/tokens": float(gap.numel())}
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save_pending(self, ckpt_root: str, step: int) -> dict:
+        """Write the batches in flight after ``step`` (atomically, before the checkpoint that names them)."""
+        assert self._work is None, "save_pending runs after settle()"
+        folder = os.path.join(ckpt_root, PENDING_DIR)
+        os.makedirs(folder, exist_ok=True)
+        name = f"step_{step:06d}.pt"
+        tmp = os.path.join(folder, name + ".tmp")
+        torch.save({"ready": self.ready, "generated": self.generated, "updates": self.updates}, tmp)
+        os.replace(tmp, os.path.join(folder, name))
+        kept = {d for d in os.listdir(ckpt_root) if d.startswith("step_")} | {f"step_{step:06d}"}
+        for old in os.listdir(folder):  # batches of checkpoints that are gone
+            if old.endswith(".pt") and old[: -len(".pt")] not in kept:
+                os.remove(os.path.join(folder, old))
+        return {"async_pending": name, "async_staleness": self.staleness}
+
+    def load_pending(self, extra: dict, ckpt_root: str) -> None:
+        name = extra.get("async_pending")
+        if not name:
+            raise ValueError("--train.async_enable: this checkpoint was written by a synchronous run, which keeps no "
+                             "batches in flight; resume it without --train.async_enable")
+        if int(extra.get("async_staleness", 0)) != self.staleness:
+            raise ValueError(f"--train.max_staleness {self.staleness}: the checkpoint was written with "
+                             f"{extra.get('async_staleness')}, whose batches in flight are of another depth; use that")
+        state = torch.load(os.path.join(ckpt_root, PENDING_DIR, name), weights_only=False)
+        self.ready, self.generated, self.updates = state["ready"], state["generated"], int(state["updates"])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _log_into(metrics: dict) -> StepLog:
+    """A :class:`StepLog` whose phases record into ``metrics`` (a batch's own metrics, made over two windows)."""
+    log = StepLog()
+    log.metrics = metrics
+    return log
+
+
+def make_schedule(cfg, maker: ShapeExperienceMaker, batcher, engines) -> SyncSchedule:
+    """``--train.async_enable``: :class:`OneStepOffSchedule` at ``--train.max_staleness``; else :class:`SyncSchedule`."""
+    if cfg.train.async_enable:
+        return OneStepOffSchedule(maker, batcher, engines, cfg.train.seed, cfg.train.max_staleness, cfg.train.num_steps)
+    return SyncSchedule(maker, batcher, engines, cfg.train.seed)
