@@ -84,6 +84,8 @@ class TrainSection:
     max_tokens_per_gpu: int = 8192  # prompt + response tokens of one micro-batch on one data-parallel rank
     seed: int = 42
     colocate_all: bool = False  # GPU: vLLM sleeps while the actor trains on the same GPUs
+    async_enable: bool = False  # one-step-off: the engines make the next batch while the ranks train (disaggregated only)
+    max_staleness: int = 1  # async: updates between the weights that generated a batch and the weights that train on it (1 or 2)
     num_episodes: int | None = None  # passes over the prompt set; when set, num_steps = episodes x prompts // batch
     num_steps: int = 360
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)
