@@ -94,7 +94,8 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.advantage.is_correction_gating", "ratio", SAME),
     _f("algo.advantage.is_correction_threshold", [0.5, 5.0], SAME),
     # ---- async
-    _f("train.async_enable", False, REFUSED, why=_NO_ASYNC),
+    _f("train.async_enable", False, VALUES, accept={False: None, "false": None},
+       why=_NO_ASYNC),  # false is accepted: --print_config writes train.async_enable, and a preset must read back
     _f("train.async_queue_size", 1, REFUSED, why=_NO_ASYNC),
     _f("train.partial_rollout_enable", False, REFUSED, why=_NO_ASYNC),
     _f("rollout.vllm_generate_batch_size", None, REFUSED,
