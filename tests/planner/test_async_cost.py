@@ -90,8 +90,8 @@ def test_colocated_preset_is_costed_disaggregated_and_says_so(capsys) -> None:
     plan = _plan("qwen3-4b.yaml")
     a = plan.async_plan
     assert plan.placement.colocate and a.variant and a.sync_gpus == 8 and a.gpus == 16
-    # the variant's phases are the preset's but for the weight sync (no sleep-level-1 wake-up)
-    assert a.sync_grpo_variant_seconds <= a.sync_grpo_seconds
+    # the variant's phases are the preset's but for the weight sync (a second node; no sleep-level-1 wake-up)
+    assert a.sync_grpo_variant_seconds == pytest.approx(a.sync_grpo_seconds, abs=1.0)
     rc, out = _dry_run(capsys, "--config", "configs/qwen3-4b.yaml")
     assert rc == 0, out
     lines = [line for line in out.splitlines() if line.startswith("async (one-step-off")]
