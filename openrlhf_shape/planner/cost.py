@@ -1,7 +1,10 @@
 """Step-time cost model: seconds per training step by phase, from FLOPs, bytes and the printed
 assumptions of :class:`~openrlhf_shape.planner.assumptions.PlanOptions`.
 
-Phases (sequential in our trainer, nothing overlaps):
+Phases (the synchronous trainer runs them one after the other, nothing overlaps, and the step is their sum;
+with ``--train.async_enable`` on a disaggregated layout the engines' rollout decode and rewards of the next
+batch overlap the ranks' update, and at ``--train.max_staleness 2`` the probes too:
+:func:`~openrlhf_shape.planner.async_cost.async_step` composes the same phases into that schedule):
 
 * rollout decode: each engine runs ``c`` sequences at once (``min(vllm_max_num_seqs, its samples,
   KV capacity / mean sequence length)``); a decode step reads the engine's weights and the KV of
@@ -41,6 +44,9 @@ class Phase:
     name: str
     seconds: float
     how: str
+    # seconds of this phase that belong to other phases' places in the schedule (the MoE all-to-all:
+    # ("log-probs + entropy", s), ("update", s)); empty: the phase stands on its own
+    parts: tuple[tuple[str, float], ...] = ()
 
 
 def flops_per_token(model: ModelShape, seq_len: float, *, backward: bool, recompute: bool) -> float:
@@ -219,7 +225,8 @@ def step_time(
         t_upd, _ = moe_alltoall(model, passes=epochs * (3 if recompute else 2), **comm)
         phases.append(Phase("MoE all-to-all", t_lp + t_upd,
                             f"log-probs {t_lp:.0f} s + update {t_upd:.0f} s (forward, backward"
-                            f"{', recompute' if recompute else ''} x {epochs} epoch(s)); log-probs: {how_a2a}"))
+                            f"{', recompute' if recompute else ''} x {epochs} epoch(s)); log-probs: {how_a2a}",
+                            parts=(("log-probs + entropy", t_lp), ("update", t_upd))))
     w = model.total_params() * 2
     t_sync = w / (opt.pcie_gbs * 1e9) + (nodes - 1) * w / (opt.link_gbs * 1e9) + w / engine_tp / (opt.pcie_gbs * 1e9)
     wake = w / engine_tp / (opt.pcie_gbs * 1e9) if colocate and sleep_level == 1 else 0.0

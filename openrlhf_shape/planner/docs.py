@@ -51,10 +51,73 @@ def _phase(plan: Plan, name: str) -> str:
     return "-"
 
 
+def _async_cell(plan: Plan) -> str:
+    """The one-step-off step over the preset's synchronous GRPO step at max_staleness 1 and 2, with the GPUs it needs."""
+    a = plan.async_plan
+    if a is None:
+        return "-"
+    if a.error:
+        return "does not fit disaggregated"
+    where = f" ({a.gpus} GPUs, disaggregated)" if a.variant else ""
+    return f"{a.ratio(1):.2f}, {a.ratio(2):.2f}{where}"
+
+
+def async_section() -> list[str]:
+    """What the async column says, from the plans: the critical term, staleness 2, the extra GPUs, the 1.17 bar."""
+    plans = [(p.stem, _plan(p)) for p in sorted(CONFIGS.glob("*.yaml"))]
+    plans = [(n, p) for n, p in plans if p.async_plan is not None and not p.async_plan.error and p.async_plan.probes]
+    if not plans:
+        return []
+    over_sync = [f"{n} ({p.shape_over_grpo:.2f}, probes {p.probe_seconds:.0f} s)" for n, p in plans if p.shape_over_grpo > 1.17]
+    over_async = [n for n, p in plans if p.async_plan.ratio(1) > 1.17]
+    engine_bound = [n for n, p in plans if "the engines are the bottleneck" in p.async_plan.shape[0].how]
+    same = [n for n, p in plans if p.async_plan.shape[0].seconds - p.async_plan.shape[1].seconds < 0.5]
+    r1 = [p.async_plan.ratio(1) for _, p in plans]
+    idle = [p.async_plan.shape[0].rank_idle for _, p in plans]
+    variants = [(n, p) for n, p in plans if p.async_plan.variant]
+    gpu_s = [p.async_plan.shape[0].seconds * p.async_plan.gpus / (p.async_plan.sync_grpo_seconds * p.async_plan.sync_gpus)
+             for _, p in variants]
+    out = [
+        "The column *async SHAPE / sync GRPO* is the one-step-off step (`--train.async_enable`, `planner/async_cost.py`)",
+        "at `--train.max_staleness` 1 and 2 over the preset's synchronous GRPO step. The phases are the same; what",
+        "changes is what overlaps: at staleness 1 the log-probs + entropy of batch t and then its probes run serially",
+        "(SHAPE's segmentation needs that entropy), then the update of t overlaps the engines' decode + rewards of",
+        "t+1; at staleness 2 the probes of t+1 also move next to the update. Async runs only disaggregated, so a",
+        "colocated preset is costed on its disaggregated variant (same ranks, same engines on GPUs of their own; the",
+        "column names the GPU count) and the dry run prints both layouts' numbers.",
+        "",
+        f"What the column says: with async, SHAPE's step is {min(r1):.2f}-{max(r1):.2f}x the synchronous GRPO step"
+        + (f" and no preset is above the paper's 1.17" if not over_async else f"; above 1.17: {', '.join(over_async)}")
+        + (f" (synchronously {', '.join(over_sync)} {'is' if len(over_sync) == 1 else 'are'} above it: the probe term)"
+           if over_sync else "") + ".",
+    ]
+    if engine_bound:
+        out.append(
+            f"On {'every preset' if len(engine_bound) == len(plans) else ', '.join(engine_bound)} the engines are the "
+            "bottleneck: rollout decode + rewards outlast the update, so the term that sets the async step is the decode, "
+            f"and the ranks idle {100 * min(idle):.0f}-{100 * max(idle):.0f}% of the step.")
+    if same:
+        out.append(
+            f"{'Every preset' if len(same) == len(plans) else ', '.join(same)}: staleness 2 gains nothing over 1 (the "
+            "probes cannot hide behind an update that is shorter than the decode; they stay on the critical path), so "
+            "staleness 1, the fresher policy, is the one to run. What would cut the step further: more engine GPUs per "
+            "rank GPU (the variants keep the colocated split), or the probe-term cuts above.")
+    if variants:
+        out.append(
+            f"The colocated presets' async numbers use "
+            + " or ".join(sorted({f"{p.async_plan.gpus / p.async_plan.sync_gpus:g}x" for _, p in variants}))
+            + f" their GPUs: per GPU-second, async SHAPE is "
+            f"{min(gpu_s):.2f}-{max(gpu_s):.2f}x synchronous colocated GRPO, so async buys wall-clock time with hardware"
+            + (f"; only {', '.join(n for n, p in plans if not p.async_plan.variant)} (already disaggregated) compares on "
+               "the same GPUs" if len(variants) < len(plans) else "") + ".")
+    out.append("")
+    return out
+
+
 def preset_table() -> list[str]:
     rows = [
-        "| preset | model | GPUs | Megatron TP x PP x DP | vLLM engines x TP | rollout | log-probs | update | update, vLLM never asleep | smallest margin | KV tokens / engine | est. step | SHAPE/GRPO |",
-        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| preset | model | GPUs | Megatron TP x PP x DP | vLLM engines x TP | rollout | log-probs | update | update, vLLM never asleep | smallest margin | KV tokens / engine | est. step | SHAPE/GRPO | async SHAPE / sync GRPO (s=1, s=2) |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for path in sorted(CONFIGS.glob("*.yaml")):
         plan = _plan(path)
@@ -67,10 +130,10 @@ def preset_table() -> list[str]:
             f"{_phase(plan, 'rollout')} | {_phase(plan, 'log-probs')} | {_phase(plan, 'update')} | "
             f"{_phase(awake, 'update') if awake else '-'} | {free / GiB:.1f} GiB ({name}) | "
             f"{plan.vllm.kv_tokens:,} | {f'{plan.step_seconds:.0f} s' if plan.phases else 'n/a'} | "
-            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} |"
+            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} | {_async_cell(plan)} |"
             if plan.vllm else
             f"| {path.stem} | {plan.model.name} | CPU | {plan.tp} x {plan.pp} x {plan.dp} | {engines} | - | - | "
-            f"{_phase(plan, 'update')} (host RAM) | - | {free / GiB:.1f} GiB ({name}) | - | n/a | - |"
+            f"{_phase(plan, 'update')} (host RAM) | - | {free / GiB:.1f} GiB ({name}) | - | n/a | - | - |"
         )
     return rows
 
@@ -116,8 +179,8 @@ def moe_section() -> list[str]:
     """The mixture-of-experts presets: parameters, expert layout, margins, step time and its all-to-all share."""
     rows = [
         "| preset | params total / active | GPUs (training + rollout) | Megatron TP x PP x DP | experts EP x ETP x EDP | vLLM engines x TP | "
-        "smallest margin | est. step | MoE all-to-all | SHAPE/GRPO |",
-        "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
+        "smallest margin | est. step | MoE all-to-all | SHAPE/GRPO | async SHAPE / sync GRPO (s=1, s=2) |",
+        "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     moe_presets = []
     for path in sorted(CONFIGS.glob("*.yaml")):
@@ -134,7 +197,7 @@ def moe_section() -> list[str]:
             f"| {path.stem} | {m.total_params() / 1e9:.1f}B / {m.active_params() / 1e9:.2f}B | {gpus} | "
             f"{plan.tp} x {plan.pp} x {plan.dp} | {plan.ep} x {plan.etp} x {plan.edp} | {p.num_engines} x TP{p.engine_tp} | "
             f"{free / GiB:.1f} GiB ({name}) | {plan.step_seconds:.0f} s | {a2a:.0f} s | "
-            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} |")
+            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} | {_async_cell(plan)} |")
     big = next((p for p in moe_presets if "235b" in p.stem), None)
     refusal = []
     if big is not None:
@@ -232,6 +295,7 @@ def generate() -> str:
         "by a wave once (cascade / shared-prefix kernels), grouping a response's probes into one wave, or fewer",
         "probes (`--probe.adaptive`: 0.54x the probe tokens on the demo, docs/adaptive_probes.md).",
         "",
+        *async_section(),
         "## The terms",
         "",
         "Per Megatron rank (`openrlhf_shape/planner/memory.py`, one function per term): bf16 weights (2 B/param), the",

@@ -54,6 +54,29 @@ class PhaseMemory:
 
 
 @dataclass
+class AsyncPlan:
+    """The one-step-off estimates (``--train.async_enable``) of a plan, on its layout when that is disaggregated,
+    else on its disaggregated variant (same ranks, same engines, engines on GPUs of their own)."""
+
+    variant: bool  # True: computed on the disaggregated variant of a colocated layout
+    gpus: int  # GPUs of the layout the estimates are on (0: it does not fit / place)
+    sync_gpus: int  # GPUs of the plan's own layout
+    error: str | None = None  # why the disaggregated variant has no estimate (placement or memory refusal)
+    shape: list = field(default_factory=list)  # AsyncStep per staleness (1, 2) of the step as configured (probes if any)
+    grpo: list = field(default_factory=list)  # AsyncStep per staleness without the probes
+    sync_grpo_seconds: float = 0.0  # the plan's own synchronous GRPO step (the ratios' denominator)
+    sync_grpo_variant_seconds: float = 0.0  # synchronous GRPO on the layout of the estimates
+    probes: bool = False  # the configured step has SHAPE probes
+    run_async: bool = False  # the config asks for --train.async_enable
+    run_staleness: int = 1
+
+    def ratio(self, staleness: int) -> float | None:
+        """Async step (as configured) over the plan's own synchronous GRPO step."""
+        step = next((a for a in self.shape if a.staleness == staleness), None)
+        return step.seconds / self.sync_grpo_seconds if step and self.sync_grpo_seconds > 0 else None
+
+
+@dataclass
 class Plan:
     config_path: str | None
     model_path: str
@@ -83,6 +106,7 @@ class Plan:
     ep: int = 1  # expert parallel (MoE)
     etp: int = 1  # expert tensor parallel (MoE; megatron-core's default: TP)
     edp: int = 1  # expert data parallel = world / (ETP x EP x PP)
+    async_plan: AsyncPlan | None = None  # one-step-off estimates (GPU configs)
 
     @property
     def fits(self) -> bool:
@@ -409,3 +433,34 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
         gpus_per_node=plan.options.gpus_per_node,
     )
+    plan.async_plan = _async_plan(plan, cfg)
+
+
+def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:
+    """Estimates for ``--train.async_enable`` at both stalenesses: on this layout when it is disaggregated, else
+    on the disaggregated variant (its own memory plan and placement; its step differs only in the weight sync)."""
+    import dataclasses
+
+    from openrlhf_shape.planner.async_cost import STALENESS, async_step, without_probes
+
+    if not plan.phases or plan.placement is None:
+        return None
+    ap = AsyncPlan(variant=bool(cfg.train.colocate_all), gpus=plan.placement.num_bundles,
+                   sync_gpus=plan.placement.num_bundles, sync_grpo_seconds=plan.step_seconds - plan.probe_seconds,
+                   probes=plan.probe_seconds > 0, run_async=bool(getattr(cfg.train, "async_enable", False)),
+                   run_staleness=int(getattr(cfg.train, "max_staleness", 1)))
+    src = plan
+    if ap.variant:
+        disagg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, colocate_all=False))
+        src = build_plan(disagg, plan.options, plan.config_path)
+        if src.placement is None:
+            ap.gpus, ap.error = 0, src.placement_error or "no placement"
+            return ap
+        ap.gpus = src.placement.num_bundles
+        if src.refusals:
+            ap.error = src.refusals[0]
+            return ap
+    ap.shape = [async_step(src.phases, s) for s in STALENESS]
+    ap.grpo = [async_step(without_probes(src.phases), s) for s in STALENESS]
+    ap.sync_grpo_variant_seconds = src.step_seconds - src.probe_seconds
+    return ap

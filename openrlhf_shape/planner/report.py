@@ -37,6 +37,40 @@ def placement_lines(plan: Plan) -> list[str]:
     return out
 
 
+def async_lines(plan: Plan) -> list[str]:
+    """One line per ``--train.max_staleness`` with the one-step-off step (``planner/async_cost.py``), the layout it
+    is on, who idles and the critical path; the config's own mode is marked."""
+    a = plan.async_plan
+    if a is None:
+        return []
+    if a.variant:
+        where = (f"disaggregated variant: {a.gpus} GPUs, {a.gpus - a.sync_gpus} more than these {a.sync_gpus} colocated"
+                 if a.gpus else "disaggregated variant of this colocated layout")
+    else:
+        where = f"this disaggregated layout, {a.gpus} GPUs"
+    out = []
+    if a.run_async and a.variant:
+        out.append("note: this config sets --train.async_enable with --train.colocate_all true; the trainer runs "
+                   "one-step-off only disaggregated (--train.colocate_all false)")
+    for s in (1, 2):
+        head = f"async (one-step-off, --train.async_enable, max_staleness {s}; {where})"
+        if a.error:
+            out.append(f"{head}: no estimate, the disaggregated variant does not fit: {a.error}")
+            continue
+        st = next(x for x in a.shape if x.staleness == s)
+        grpo = next(x for x in a.grpo if x.staleness == s)
+        denom = (f"the sync GRPO step ({a.sync_grpo_seconds:.0f} s on the {a.sync_gpus} colocated GPUs, "
+                 f"{a.sync_grpo_variant_seconds:.0f} s on the {a.gpus})" if a.variant else
+                 f"the sync GRPO step ({a.sync_grpo_seconds:.0f} s)")
+        what = (f"SHAPE step {st.seconds:.0f} s = {a.ratio(s):.2f}x {denom}, GRPO step {grpo.seconds:.0f} s"
+                if a.probes else f"step {st.seconds:.0f} s = {a.ratio(s):.2f}x {denom}")
+        mode = (" [this run's mode: --train.async_enable true, --train.max_staleness "
+                f"{s}]") if a.run_async and not a.variant and a.run_staleness == s else ""
+        out.append(f"{head}{mode}: {what}; engines idle {100 * st.engine_idle:.0f}%, ranks idle {100 * st.rank_idle:.0f}%; "
+                   f"critical path: {st.how}")
+    return out
+
+
 def format_plan(plan: Plan) -> str:
     m = plan.model
     lines = [f"openrlhf-shape dry run: {plan.config_path or '(flags only)'}"]
@@ -88,6 +122,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"step time estimate: {plan.step_seconds:.0f} s")
     for p in plan.phases:
         lines.append(f"  {p.seconds:8.1f} s  {p.name}: {p.how}")
+    lines += async_lines(plan)
     lines.append("")
     lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
         f"{f.name}={getattr(plan.options, f.name)}" for f in dataclasses.fields(plan.options)))
@@ -100,6 +135,11 @@ def format_plan(plan: Plan) -> str:
     if plan.fits:
         name, free = plan.min_free
         est = f"estimated {plan.step_seconds:.0f} s per step" if plan.phases else "no step-time estimate on CPU"
+        a = plan.async_plan
+        if a is not None and a.run_async and not a.variant and a.shape:
+            run = next((x for x in a.shape if x.staleness == a.run_staleness), None)
+            if run is not None:
+                est = f"estimated {run.seconds:.0f} s per step (one-step-off, max_staleness {run.staleness})"
         lines.append(f"FITS: smallest margin {free / GiB:.1f} GiB in the {name} phase; {est}")
     else:
         lines.append("REFUSED:")
