@@ -100,6 +100,11 @@ class OneStepOffSchedule(SyncSchedule):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engines")
         self._work: Future | None = None
         self._work_seconds = 0.0
+        self._step, self._update_since = 0, 0.0
+        # (what, step of the batch, start, end) in perf_counter seconds: "generate", "old_policy", "credit" (the
+        # batch's stages), "update" (from experience() returning to settle(): the ranks' update of that step),
+        # "wait" (settle waiting for the engines). Tests read the overlap order from it.
+        self.events: list[tuple[str, int, float, float]] = []
 
     # ---- the step --------------------------------------------------------------------------------
     def experience(self, step: int, rec: StepLog) -> ExperienceBatch:
@@ -107,17 +112,17 @@ class OneStepOffSchedule(SyncSchedule):
         if self.staleness == 1:
             exp = self.generated if self.generated is not None else self._generate(step)  # first step: serial
             self.generated = None
-            exp = self._engine_side(self._rank_side(exp), step)
+            exp = self._engine_side(self._rank_side(exp, step), step)
             self._start(lambda: self._keep_generated(self._generate(step + 1)) if step + 1 <= self.num_steps else None)
         else:
             if self.ready is None:  # first step of a run: batch `step` serially, then batch step + 1 generated
-                self.ready = self._engine_side(self._rank_side(self._generate(step)), step)
+                self.ready = self._engine_side(self._rank_side(self._generate(step), step), step)
             if self.generated is None and step + 1 <= self.num_steps:
                 self.generated = self._generate(step + 1)
             exp, nxt = self.ready, self.generated
             self.ready = self.generated = None
             if nxt is not None:
-                nxt = self._rank_side(nxt)  # its old log-probs and entropy, before the update changes the weights
+                nxt = self._rank_side(nxt, step + 1)  # its old log-probs and entropy, before the update changes the weights
 
                 def engines_work() -> None:
                     self.ready = self._engine_side(nxt, step + 1)
@@ -128,14 +133,17 @@ class OneStepOffSchedule(SyncSchedule):
         rec.metrics.update(exp.metrics)
         rec.metrics["async/staleness"] = float(self.updates - exp.policy_version)
         rec.metrics["async/logprob_staleness"] = float(self.updates - exp.logprob_version)
+        self._step, self._update_since = step, time.perf_counter()
         return exp
 
     def settle(self, rec: StepLog, updated: bool) -> None:
         """Wait for the engines' side of the window (a weight sync may not run under a request); count the update."""
         t0 = time.perf_counter()
+        self.events.append(("update", self._step, self._update_since, t0))
         if self._work is not None:
             work, self._work = self._work, None
             work.result()  # re-raises what failed in the engines' thread
+        self.events.append(("wait", self._step, t0, time.perf_counter()))
         rec.metrics["async/wait_seconds"] = time.perf_counter() - t0  # ranks idle, waiting for the engines
         rec.metrics["async/overlap_seconds"] = min(self._work_seconds, rec.metrics.get("time/train", 0.0))
         self._work_seconds = 0.0
@@ -158,29 +166,35 @@ class OneStepOffSchedule(SyncSchedule):
 
     def _generate(self, step: int) -> ExperienceBatch:
         """Engines: generate and score the batch that trains at ``step``, with the weights they hold now."""
-        log = StepLog()
+        t0, log = time.perf_counter(), StepLog()
         items = self.batcher.next_batch()
         self.engines.reseed(generation_seed(self.seed, step))
         exp = self.maker.rollout(items, log)
         exp.metrics, exp.policy_version = log.metrics, self.updates
+        self.events.append(("generate", step, t0, time.perf_counter()))
         return exp
 
-    def _rank_side(self, exp: ExperienceBatch) -> ExperienceBatch:
+    def _rank_side(self, exp: ExperienceBatch, step: int) -> ExperienceBatch:
         """Ranks: old log-probs and entropy with the weights they hold now (the engines hold the same: the
         fidelity check re-scores a few sequences on the engines and compares)."""
         if not len(exp):
             return exp
+        t0 = time.perf_counter()
         exp = self.maker.old_policy(exp, _log_into(exp.metrics))
         exp.logprob_version = self.updates
         exp.metrics.update(self._fidelity(exp))
+        self.events.append(("old_policy", step, t0, time.perf_counter()))
         return exp
 
     def _engine_side(self, exp: ExperienceBatch, step: int) -> ExperienceBatch:
         """Segments from the entropy, the probes (engines, re-seeded), the advantages."""
         if not len(exp):
             return exp
+        t0 = time.perf_counter()
         self.engines.reseed(probe_seed(self.seed, step))
-        return self.maker.credit(exp, _log_into(exp.metrics))
+        exp = self.maker.credit(exp, _log_into(exp.metrics))
+        self.events.append(("credit", step, t0, time.perf_counter()))
+        return exp
 
     def _fidelity(self, exp: ExperienceBatch) -> dict[str, float]:
         """``rollout/fidelity/abs_log_ratio/{mean,max}``: |engine - trainer| log-prob (temperature 1) of the response
