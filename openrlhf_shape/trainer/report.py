@@ -34,6 +34,20 @@ def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dic
     for p, v in phase_tot.items():
         if v > 0:
             lines.append(f"| {p} | {v:.1f} | {100 * v / max(step_tot, 1e-9):.1f}% |")
+
+    def mean(key: str) -> float | None:
+        vals = [h[key] for h in history if isinstance(h.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else None
+
+    idle = {side: mean(f"time/{side}_idle_share") for side in ("engine", "rank")}
+    summary["idle_share"] = idle
+    if None not in idle.values():
+        lines += ["", f"Idle share of the steps' wall time: engines {100 * idle['engine']:.0f}%, ranks {100 * idle['rank']:.0f}%."]
+    if mean("async/staleness") is not None:  # --train.async_enable
+        overlap = sum(h.get("async/overlap_seconds", 0.0) for h in history)
+        summary["async_overlap_seconds"] = overlap
+        lines.append(f"Asynchronous (one step off): mean staleness {mean('async/staleness'):.2f} updates; the engines' "
+                     f"work overlapped the update for {overlap:.1f} s, so the phase shares above can sum past 100%.")
     lines += ["", "| step | accuracy | mean length | segments | drop rate | loss | held-out accuracy |",
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for h in history:
