@@ -7,15 +7,19 @@
 #   SEEDS="1 2" bash scripts/shape_vs_grpo.sh
 #
 # Everything resumes: the frontier step keeps its results (eval store), a finished run is skipped (its
-# summary.json exists) and an interrupted one resumes from its last checkpoint. Runs are interleaved by
+# archived summary.json exists) and an interrupted one resumes from its last checkpoint. Runs are interleaved by
 # seed (seed 1 of every arm before seed 2) so that a cut-off sweep leaves every arm with the same seeds.
 # Progress and the load average at each start/end go to $RUNS/progress.log.
+# A finished run's small files (metrics.jsonl, run.json, summary.json, report.md, evals/, the commit it ran) are
+# copied to $ARCHIVE, which is committed: the document is regenerated from there, and a sweep that takes several
+# sessions (a run is ~40 min on 2 cores) keeps what finished (run directories under runs/ are not kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 export RAY_memory_monitor_refresh_ms=${RAY_memory_monitor_refresh_ms:-0}  # see scripts/learning_curve.sh
 export RAY_worker_niceness=${RAY_worker_niceness:-0}
 RUNS=${RUNS:-runs/shape_vs_grpo}
+ARCHIVE=${ARCHIVE:-docs/results/shape_vs_grpo/runs}
 SEEDS=${SEEDS:-"1 2 3"}
 FRONTIER=${FRONTIER:-docs/results/shape_vs_grpo/train_frontier.jsonl}
 mkdir -p "$RUNS"
@@ -38,13 +42,21 @@ fi
 train() {  # $1 = run name, rest = flags
   local name=$1; shift
   local out="$RUNS/$name"
-  if [[ -s $out/summary.json ]]; then say "skip $name (finished)"; return; fi
+  if [[ -s $ARCHIVE/$name/summary.json ]]; then say "skip $name (finished, archived)"; return; fi
   mkdir -p "$out"
   say "start $name"
   local rc=0
   "$PY" -m openrlhf_shape.cli.main train --config configs/cpu-learn.yaml --data.prompt_dataset "$FRONTIER" \
     --ckpt.output_dir "$out" "$@" >>"$out/log.txt" 2>&1 || rc=$?
   say "end $name rc=$rc"
+  if [[ $rc -eq 0 && -s $out/summary.json ]]; then
+    mkdir -p "$ARCHIVE/$name.tmp"
+    cp "$out"/{metrics.jsonl,run.json,summary.json,report.md} "$ARCHIVE/$name.tmp/"
+    cp -r "$out/evals" "$ARCHIVE/$name.tmp/"
+    git rev-parse HEAD >"$ARCHIVE/$name.tmp/commit.txt"
+    rm -rf "${ARCHIVE:?}/$name" && mv "$ARCHIVE/$name.tmp" "$ARCHIVE/$name"
+    say "archived $name in $ARCHIVE"
+  fi
   return $rc
 }
 
@@ -61,5 +73,5 @@ train "shape-g07-s$first" --algo.advantage.estimator shape --shape.gamma_min 0.7
 
 # 4. The results document from the run directories.
 say "summarize"
-"$PY" scripts/summarize_shape_vs_grpo.py "$RUNS" --frontier "$FRONTIER" --out docs/results
+"$PY" scripts/summarize_shape_vs_grpo.py "$ARCHIVE" --frontier "$FRONTIER" --out docs/results
 say "done"
