@@ -51,8 +51,9 @@ def _overrides(model_dir: str, reward_file: str, out_dir: str, **extra) -> list[
 
 
 def _run(overrides: list[str]) -> dict:
-    """One trainer run; returns the step's metrics, the lifecycle events, the engines' weights as
-    loaded by the sync, and the exported HF weights."""
+    """One trainer run; returns the last step's metrics (and every step's, ``rows``), the lifecycle events, the
+    asynchronous schedule's timed events, the engines' weights as loaded by the last sync, and the exported HF
+    weights."""
     import sys
 
     sys.path.insert(0, HERE)
@@ -71,6 +72,7 @@ def _run(overrides: list[str]) -> dict:
         engine_weights = [read_weights(h) for h in run.cluster.engine_handles]
         states = run.cluster.engines.states()
         events = list(run.cluster.lifecycle.events)
+        schedule_events = list(getattr(run.schedule, "events", []))  # async: (what, step, start, end)
         rendezvous = dict(run.cluster.actor.rendezvous)
         profiles = {"run": run.platform.to_dict(),
                     "ranks": ray.get([a.platform_profile.remote() for a in run.cluster.actor.actors]),
@@ -84,8 +86,9 @@ def _run(overrides: list[str]) -> dict:
     for f in glob.glob(os.path.join(trainer.run_dir, "hf", "*.safetensors")):
         hf.update(load_file(f))
     with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
-        metrics = [json.loads(line) for line in f][-1]
-    return {"metrics": metrics, "events": events, "engine_weights": engine_weights, "hf": hf, "states": states,
+        rows = [json.loads(line) for line in f]
+    return {"metrics": rows[-1], "rows": {r["step"]: r for r in rows}, "events": events,
+            "schedule_events": schedule_events, "engine_weights": engine_weights, "hf": hf, "states": states,
             "rendezvous": rendezvous, "profiles": profiles}
 
 
@@ -254,3 +257,37 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     from openrlhf_shape.eval.pooling import eval_steps, read_problem_results
 
     assert eval_steps(out) == [1, 2] and len(read_problem_results(out, 2)) == 4
+
+
+def test_trainer_cluster_path_async_overlaps_generation_with_the_update(tmp_path, tiny_model_dir, parity_reward_file,
+                                                                       ray_once, dp_coll) -> None:
+    """One-step-off (``--train.async_enable``, max_staleness 1), disaggregated, DP2, 2 engines, collective sync, 2
+    steps: the engines generate batch 2 while the ranks run update 1, and are done before the step-1 sync; the
+    engines hold the exported weights bit for bit after the last sync and compute the trained policy."""
+    run = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "async"),
+                          **{"train.async_enable": "true", "train.num_steps": "2"}))
+    rows = run["rows"]
+    assert sorted(rows) == [1, 2]
+    ev = {(what, step): (start, end) for what, step, start, end in run["schedule_events"]}
+    assert [e for e in run["schedule_events"] if e[0] == "generate"][0][1] == 1  # step 1's batch: serially first
+    gen2, update1, wait1 = ev[("generate", 2)], ev[("update", 1)], ev[("wait", 1)]
+    assert ev[("generate", 1)][1] <= ev[("old_policy", 1)][0] <= ev[("credit", 1)][0] <= update1[0]
+    # the two intervals overlap: batch 2's generation starts before update 1 ends and ends after it starts
+    assert gen2[0] < update1[1] and gen2[1] > update1[0], ("batch 2's generation did not overlap update 1",
+                                                         gen2, update1)
+    assert ev[("credit", 1)][1] <= gen2[0], "batch 2's generation started before batch 1 was complete"
+    assert gen2[1] <= wait1[1], "batch 2's generation ran past the wait before the step-1 sync"
+    assert ("generate", 3) not in ev  # nothing past the last step
+    # the lifecycle: one sync per step, in order after each update; the engines never slept (not colocated)
+    assert [e for e in run["events"] if e == "sync"] == ["sync", "sync"]
+    assert not [e for e in run["events"] if "sleep" in e or "offload" in e or "wake" in e]
+    _assert_weights_exact(run)
+    for s in (1, 2):
+        assert rows[s]["rollout/fidelity/abs_log_ratio/mean"] <= 3e-5, (s, rows[s])
+        assert rows[s]["rollout/fidelity/over_expected"] == 0.0
+    assert [rows[s]["async/staleness"] for s in (1, 2)] == [0.0, 1.0]
+    assert rows[1]["async/overlap_seconds"] > 0
+    assert rows[2]["rollout/mismatch/abs_log_ratio/mean"] > 100 * 3e-5  # batch 2 came from the initial weights
+    for k in ("rollout/accuracy", "rollout/response_length/mean", "rollout/tokens",
+              "shape/segments_per_response/mean"):  # step 1 rolls out the initial weights, seeded as synchronously
+        assert rows[1][k] == dp_coll["metrics"][k], k

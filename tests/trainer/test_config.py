@@ -91,3 +91,24 @@ def test_adaptive_probe_flags():
     smoke = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), []).probe.rule()
     assert (smoke.first_round, smoke.round_size, smoke.max_probes) == (2, 2, 4)
     assert load_config(None, []).reward.num_workers == 0 and load_config(None, []).reward.fast_probe_scoring
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        # one-step-off needs the engines on their own devices: colocated, nothing could overlap
+        (["--train.async_enable", "true", "--train.colocate_all"], r"--train\.async_enable.*disaggregated layout"),
+        (["--train.max_staleness", "3"], r"--train\.max_staleness.*3: 1 .* or 2"),
+        (["--train.max_staleness", "0", "--train.async_enable", "true"], r"--train\.max_staleness"),
+        (["--train.async_queue_size", "2"], r"--train\.async_queue_size.*--train\.max_staleness"),
+        (["--train.partial_rollout_enable"], r"--train\.partial_rollout_enable.*never interrupted"),
+    ],
+)
+def test_async_flags_refused_with_their_reason(flags, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, flags)
+
+
+def test_async_flags_accepted_disaggregated():
+    cfg = load_config(None, ["--train.async_enable", "true", "--train.max_staleness", "2"])
+    assert cfg.train.async_enable is True and cfg.train.max_staleness == 2 and not cfg.train.colocate_all
