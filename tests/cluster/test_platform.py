@@ -66,6 +66,24 @@ def test_cpu_profile_on_this_machine() -> None:
         MegatronConfig(bf16=True).check_device(p)
 
 
+def test_cpu_async_splits_the_cores_between_ranks_and_engines() -> None:
+    """(Before the simulated-cluster tests of this module: their Ray declares GPUs.) Synchronous: ranks and engines take turns, each side gets every core while it works. Asynchronous
+    (--train.async_enable): both work at once, so one rank and one engine share the cores; whole CPU shares
+    (--actor.num_cpus_per_rank 1) are the thread counts in either mode. Expectations follow os.cpu_count()."""
+    cores = os.cpu_count() or 1
+    one = {"actor.num_gpus_per_node": "1", "vllm.num_engines": "1"}
+    sync = detect_platform(_cfg(**one))
+    assert (sync.threads_per_rank, sync.threads_per_engine) == (cores, cores)
+    both = detect_platform(_cfg(**one, **{"train.async_enable": "true"}))
+    assert (both.threads_per_rank, both.threads_per_engine) == (max(1, cores // 2), max(1, cores // 2))
+    if cores >= 2:  # on this 2-core machine: 1 and 1 in async, 2 and 2 in sync
+        assert both.threads_per_rank + both.threads_per_engine <= cores < sync.threads_per_rank + sync.threads_per_engine
+    whole = detect_platform(_cfg(**one, **{"actor.num_cpus_per_rank": "1", "vllm.num_cpus_per_engine": "1"}))
+    assert (whole.threads_per_rank, whole.threads_per_engine) == (1, 1)
+    two_ranks = detect_platform(_cfg(**{"actor.num_gpus_per_node": "2", "vllm.num_engines": "1", "train.async_enable": "true"}))
+    assert (two_ranks.threads_per_rank, two_ranks.threads_per_engine) == (max(1, cores // 3), max(1, cores // 3))
+
+
 def test_profile_round_trips_as_handed() -> None:
     p = gpu_platform(cpus_per_rank=1.5, cluster_gpus=16.0, source="ray")
     assert Platform.from_dict(p.to_dict()) == p and Platform.from_dict(p) is p
@@ -203,21 +221,3 @@ def test_the_profile_is_handed_not_looked_up() -> None:
 
     for fn in (MegatronRankWorker.__init__, ZeroRankWorker.__init__, VLLMEngine.__init__, create_ray_engines, start_engines):
         assert inspect.signature(fn).parameters["platform"].default is inspect.Parameter.empty, fn.__qualname__
-
-
-def test_cpu_async_splits_the_cores_between_ranks_and_engines() -> None:
-    """Synchronous: ranks and engines take turns, each side gets every core while it works. Asynchronous
-    (--train.async_enable): both work at once, so one rank and one engine share the cores; whole CPU shares
-    (--actor.num_cpus_per_rank 1) are the thread counts in either mode. Expectations follow os.cpu_count()."""
-    cores = os.cpu_count() or 1
-    one = {"actor.num_gpus_per_node": "1", "vllm.num_engines": "1"}
-    sync = detect_platform(_cfg(**one))
-    assert (sync.threads_per_rank, sync.threads_per_engine) == (cores, cores)
-    both = detect_platform(_cfg(**one, **{"train.async_enable": "true"}))
-    assert (both.threads_per_rank, both.threads_per_engine) == (max(1, cores // 2), max(1, cores // 2))
-    if cores >= 2:  # on this 2-core machine: 1 and 1 in async, 2 and 2 in sync
-        assert both.threads_per_rank + both.threads_per_engine <= cores < sync.threads_per_rank + sync.threads_per_engine
-    whole = detect_platform(_cfg(**one, **{"actor.num_cpus_per_rank": "1", "vllm.num_cpus_per_engine": "1"}))
-    assert (whole.threads_per_rank, whole.threads_per_engine) == (1, 1)
-    two_ranks = detect_platform(_cfg(**{"actor.num_gpus_per_node": "2", "vllm.num_engines": "1", "train.async_enable": "true"}))
-    assert (two_ranks.threads_per_rank, two_ranks.threads_per_engine) == (max(1, cores // 3), max(1, cores // 3))
