@@ -47,6 +47,10 @@ class Phase:
     # seconds of this phase that belong to other phases' places in the schedule (the MoE all-to-all:
     # ("log-probs + entropy", s), ("update", s)); empty: the phase stands on its own
     parts: tuple[tuple[str, float], ...] = ()
+    # SHAPE probes under --train.async_enable: seconds to prefill each response's prompt + response once more,
+    # because new weights arrive between the rollout and the probes and reset the prefix cache (the cached KV
+    # came from the old weights). Synchronous probes follow their rollout and find it cached (0 there).
+    cold_cache_seconds: float = 0.0
 
 
 def flops_per_token(model: ModelShape, seq_len: float, *, backward: bool, recompute: bool) -> float:
@@ -203,8 +207,11 @@ def step_time(
         t_probes, how_probes = probe_roofline(model, engine_tp=engine_tp, probes=per_engine * probes_per_response,
                                               suffix_tokens=probe_suffix_tokens, decode_tokens=probe_decode_tokens,
                                               context_tokens=prompt_tokens + response_tokens / 2, opt=opt)
+        # async: the new weights reset the cache between rollout and probes: every response is prefilled again
+        f_ctx = flops_per_token(model, seq / 2, backward=False, recompute=False)
+        t_cold = per_engine * seq * f_ctx / (engine_tp * opt.peak_tflops * 1e12 * opt.prefill_mfu)
         phases.append(Phase("SHAPE probes", t_probes, f"{per_engine:.0f} responses/engine x {probes_per_response} probes: "
-                                                      + how_probes))
+                                                      + how_probes, cold_cache_seconds=t_cold))
     total_tokens = samples * seq
     gpu_flops = opt.peak_tflops * 1e12 * opt.mfu
     f_lp = flops_per_token(model, seq, backward=False, recompute=False)

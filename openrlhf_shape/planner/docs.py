@@ -84,7 +84,10 @@ def async_section() -> list[str]:
         "(SHAPE's segmentation needs that entropy), then the update of t overlaps the engines' decode + rewards of",
         "t+1; at staleness 2 the probes of t+1 also move next to the update. Async runs only disaggregated, so a",
         "colocated preset is costed on its disaggregated variant (same ranks, same engines on GPUs of their own; the",
-        "column names the GPU count) and the dry run prints both layouts' numbers.",
+        "column names the GPU count) and the dry run prints both layouts' numbers. One phase grows in async: the",
+        "probes prefill each response once more, because the weights that arrive between the rollout and the probes",
+        "reset the engines' prefix cache (a compute-bound prefill of prompt + response at the prefill MFU; measured on",
+        "the CPU demo: probes 10.8 s -> 14.3 s, prefix hit rate 0.81 -> 0.71, docs/benchmarks.md).",
         "",
         f"What the column says: with async, SHAPE's step is {min(r1):.2f}-{max(r1):.2f}x the synchronous GRPO step"
         + (f" and no preset is above the paper's 1.17" if not over_async else f"; above 1.17: {', '.join(over_async)}")

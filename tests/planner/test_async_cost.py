@@ -100,7 +100,9 @@ def test_colocated_preset_is_costed_disaggregated_and_says_so(capsys) -> None:
         assert f"--train.async_enable, max_staleness {s}; disaggregated variant: 16 GPUs, 8 more than these 8 colocated" in line
         assert "x the sync GRPO step (639 s on the 8 colocated GPUs" in line
         assert "engines idle" in line and "ranks idle" in line and "critical path: " in line
-    assert "SHAPE step 626 s = 0.98x" in lines[0]  # 33 + 119 + max(132, 469 + 5) + 1 from the printed phases
+    # 33 + (119 + 23) + max(132, 469 + 5) + 1 from the printed phases; 23 s: the probes' responses prefilled again
+    # (the synced weights reset the prefix cache between the rollout and the probes)
+    assert "SHAPE step 649 s = 1.02x" in lines[0] and "probes 142 s (23 s of it re-prefilling" in lines[0]
     # the async lines follow the sync estimate and its phases
     assert out.index("step time estimate:") < out.index("  rewards:") < out.index(lines[0])
 
@@ -122,3 +124,21 @@ def test_the_runs_own_async_mode_is_marked() -> None:
     assert f"estimated {plan.async_plan.shape[1].seconds:.0f} s per step (one-step-off, max_staleness 2)" in out
     colocated = format_plan(_plan("qwen3-4b.yaml", async_enable=True))
     assert "runs one-step-off only disaggregated (--train.colocate_all false)" in colocated
+
+
+def test_async_probes_pay_the_cold_cache_prefill_and_sync_ones_do_not() -> None:
+    """The weights that arrive between the rollout and the probes reset the prefix cache: asynchronous probes
+    prefill their responses again (Phase.cold_cache_seconds); the synchronous step is the plain sum."""
+    from openrlhf_shape.planner.async_cost import async_step, without_probes
+    from openrlhf_shape.planner.cost import Phase
+
+    phases = [Phase("rollout decode", 50.0, ""), Phase("SHAPE probes", 10.0, "", cold_cache_seconds=4.0),
+              Phase("log-probs + entropy", 5.0, ""), Phase("update", 20.0, ""), Phase("weight sync", 1.0, ""),
+              Phase("rewards", 2.0, "")]
+    s1 = async_step(phases, 1)
+    assert s1.seconds == 5.0 + (10.0 + 4.0) + max(20.0, 50.0 + 2.0) + 1.0  # 72
+    assert "probes 14 s (4 s of it re-prefilling" in s1.how
+    s2 = async_step(phases, 2)
+    assert s2.seconds == 5.0 + max(20.0, 10.0 + 4.0 + 50.0 + 2.0) + 1.0  # 72: engine-bound, nothing hides
+    assert async_step(without_probes(phases), 1).seconds == 5.0 + max(20.0, 52.0) + 1.0  # GRPO: no probes, no re-prefill
+    assert sum(p.seconds for p in phases) == 88.0  # the synchronous step does not count the re-prefill
