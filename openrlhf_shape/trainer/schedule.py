@@ -95,7 +95,7 @@ class OneStepOffSchedule(SyncSchedule):
             raise ValueError(f"--train.max_staleness {staleness}: 1 or 2")
         self.staleness, self.num_steps = staleness, num_steps
         self.updates = 0  # optimizer updates the ranks have applied (= the engines', after each sync)
-        self.generated: ExperienceBatch | None = None  # generated and scored, for step `generated_step`
+        self.generated: ExperienceBatch | None = None  # generated and scored: the next step's (staleness 1) or the one after
         self.ready: ExperienceBatch | None = None  # staleness 2: advantages done, for the next step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engines")
         self._work: Future | None = None
@@ -113,7 +113,12 @@ class OneStepOffSchedule(SyncSchedule):
             exp = self.generated if self.generated is not None else self._generate(step)  # first step: serial
             self.generated = None
             exp = self._engine_side(self._rank_side(exp, step), step)
-            self._start(lambda: self._keep_generated(self._generate(step + 1)) if step + 1 <= self.num_steps else None)
+
+            def engines_work() -> None:
+                self.generated = self._generate(step + 1)
+
+            if step + 1 <= self.num_steps:
+                self._start(engines_work)
         else:
             if self.ready is None:  # first step of a run: batch `step` serially, then batch step + 1 generated
                 self.ready = self._engine_side(self._rank_side(self._generate(step), step), step)
@@ -127,7 +132,7 @@ class OneStepOffSchedule(SyncSchedule):
                 def engines_work() -> None:
                     self.ready = self._engine_side(nxt, step + 1)
                     if step + 2 <= self.num_steps:
-                        self._keep_generated(self._generate(step + 2))
+                        self.generated = self._generate(step + 2)
 
                 self._start(engines_work)
         rec.metrics.update(exp.metrics)
@@ -160,9 +165,6 @@ class OneStepOffSchedule(SyncSchedule):
                 self._work_seconds = time.perf_counter() - t0
 
         self._work = self._pool.submit(timed)
-
-    def _keep_generated(self, exp: ExperienceBatch | None) -> None:
-        self.generated = exp
 
     def _generate(self, step: int) -> ExperienceBatch:
         """Engines: generate and score the batch that trains at ``step``, with the weights they hold now."""
