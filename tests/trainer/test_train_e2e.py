@@ -79,6 +79,35 @@ def _metrics(out_dir):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
+def _kill_after_step_1_checkpoint(proc, out_dir) -> None:
+    """SIGKILL the run ``proc`` (writing to ``out_dir``) and its own Ray processes (raylet, GCS, workers are its
+    descendants; never `ray stop`, which would also end other Ray clusters on this machine) once its step-1
+    checkpoint is complete (two steps ahead of the end, so the kill always lands before the run finishes)."""
+    from openrlhf_shape.checkpoint_dir import latest_checkpoint
+
+    marker_dir, deadline = os.path.join(out_dir, "checkpoints"), time.time() + 900
+    while time.time() < deadline:
+        latest = latest_checkpoint(marker_dir)
+        if latest and latest.endswith("step_000001"):
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before it could be killed:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.05)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("no step-1 checkpoint appeared")
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
 COMPARED = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tokens", "actor/loss", "actor/grad_norm",
             "shape/segments_per_response/mean", "shape/phi/mean", "probe/tokens", "adv/token/mean"]
 
@@ -118,33 +147,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, pari
     # The crashing run: SIGKILL the whole process group once the step-1 checkpoint is complete
     # (two steps ahead of the end, so the kill always lands before the run finishes).
     crash_dir = str(tmp_path / "crash")
-    proc = _train(_flags(tiny_model_dir, parity_reward_file, crash_dir))
+    _kill_after_step_1_checkpoint(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir)), crash_dir)
     marker_dir = os.path.join(crash_dir, "checkpoints")
-    deadline = time.time() + 900
-    from openrlhf_shape.checkpoint_dir import latest_checkpoint
-
-    while time.time() < deadline:
-        latest = latest_checkpoint(marker_dir)
-        if latest and latest.endswith("step_000001"):
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be killed:\n{proc.stdout.read()[-4000:]}")
-        time.sleep(0.05)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("no step-1 checkpoint appeared")
-    # Kill the run and its own Ray processes (raylet, GCS, workers are its descendants); never
-    # `ray stop`, which would also end other Ray clusters on this machine.
-    import psutil
-
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for child in tree:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
     # A half-written newer checkpoint (what a kill during a save leaves) must be ignored.
     half = os.path.join(marker_dir, "step_000009")
     os.makedirs(half)

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from test_train_e2e import (COMPARED, MAX_GAP, _finish, _flags, _metrics, _train,  # noqa: F401 (fixture)
-                            tied_model_dir)
+from test_train_e2e import (COMPARED, MAX_GAP, _finish, _flags, _kill_after_step_1_checkpoint,  # noqa: F401
+                            _metrics, _train, tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -43,32 +43,6 @@ def _refused(flags) -> str:
         pytest.fail("a refused resume kept running")
     assert proc.returncode != 0, out[-3000:]
     return out
-
-
-def _kill_after_step_1_checkpoint(proc, out_dir) -> None:
-    from openrlhf_shape.checkpoint_dir import latest_checkpoint
-
-    marker_dir, deadline = os.path.join(out_dir, "checkpoints"), time.time() + 900
-    while time.time() < deadline:
-        latest = latest_checkpoint(marker_dir)
-        if latest and latest.endswith("step_000001"):
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be killed:\n{proc.stdout.read()[-4000:]}")
-        time.sleep(0.05)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("no step-1 checkpoint appeared")
-    import psutil
-
-    tree = psutil.Process(proc.pid).children(recursive=True)  # the run's own Ray; never `ray stop`
-    os.killpg(proc.pid, signal.SIGKILL)
-    for child in tree:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
 
 
 def test_async_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, parity_reward_file):
