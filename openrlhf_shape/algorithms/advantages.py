@@ -124,7 +124,7 @@ def outcome_baseline(rewards, kind: str = "none", eps: float = 1e-6) -> torch.Te
 
     ``none``: R as is (the paper). ``group_mean``: R - group mean. ``group_norm``: GRPO-normalised R.
     ``group_norm_scaled``: R - group mean here; the whole advantage (outcome AND shaping) is then divided
-    by the group's reward std (:func:`group_reward_scale`), so the outcome has GRPO's unit spread while
+    by the group's reward std, floored (:func:`group_reward_scale`), so the outcome has GRPO's unit spread while
     the shaping keeps its size relative to the outcome (see ``compute_token_advantages``).
     Args: rewards ``[prompts, n]``. Returns ``[prompts, n]``.
     """
@@ -140,17 +140,23 @@ def outcome_baseline(rewards, kind: str = "none", eps: float = 1e-6) -> torch.Te
     raise ValueError(f"unknown outcome baseline {kind!r}; choose one of {OUTCOME_BASELINES} (--shape.outcome_baseline)")
 
 
-def group_reward_scale(rewards, eps: float = 1e-6) -> torch.Tensor:
-    """``1 / (std_group + eps)`` per sample (GRPO's divisor: unbiased std over the n samples).
+def group_reward_scale(rewards) -> torch.Tensor:
+    """``1 / max(std_group, 1 / sqrt(n))`` per sample (GRPO's divisor, unbiased std over the n samples,
+    floored).
 
     Dividing ``R - mean + alpha * shaping`` by it keeps the paper's task-consistency bound (appendix
     A.1, alpha < 0.5) as written: within a group every return is shifted by the same mean and divided by
-    the same positive std, so the order of any two trajectories' returns, hence "every correct return
+    the same positive number, so the order of any two trajectories' returns, hence "every correct return
     exceeds every incorrect one", is that of the unscaled form. (Under ``group_norm`` only the outcome is
     divided, so the shaping weighs 1/std times more than the bound assumes.)
+    The floor, 1/sqrt(n), is the smallest spread a group of 0/1 rewards can have (one right of n), so it
+    never binds on a mixed 0/1 group; it bounds the scale by sqrt(n) where the spread is 0 or tiny. Without
+    it a group whose rewards are all equal (no outcome signal, but moving potentials) had its shaping
+    multiplied by 1/eps = 1e6 and outweighed the batch. Such a group's shaping weighs as a one-right group's.
     Args: rewards ``[prompts, n]``. Returns ``[prompts, n]``."""
     r = _as_float(rewards, "rewards")
-    return 1.0 / (r.std(-1, keepdim=True).expand_as(r) + eps)
+    floor = r.shape[-1] ** -0.5
+    return 1.0 / r.std(-1, keepdim=True).clamp_min(floor).expand_as(r)
 
 
 def segment_to_token_advantages(segment_advantages: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ def test_group_norm_moves_the_bound_and_scaled_is_group_mean_over_std():
     scaled, m = _worst_case_group(0.3, "group_norm_scaled")
     centred, _ = _worst_case_group(0.3, "group_mean")
     std = torch.tensor([1.0, 0.0]).std()
-    assert torch.allclose(scaled, centred / (std + 1e-6), atol=1e-6)
+    assert torch.allclose(scaled, centred / std, atol=1e-6)
     # the shaping keeps its size relative to the outcome: alpha * 1 / 0.5 per segment
     assert m["shape/shaping_to_outcome"] == pytest.approx(0.3 / 0.5, rel=1e-4)
 
@@ -94,3 +94,23 @@ def test_length_alarm_flags_are_validated():
         LengthCollapseAlarm(fraction=1.5)
     with pytest.raises(ValueError, match="--shape.length_alarm_window"):
         LengthCollapseAlarm(window=0)
+
+
+def test_group_norm_scaled_bounds_the_scale_of_a_uniform_group():
+    """A group whose rewards are all equal has no spread to divide by: its divisor is floored at 1/sqrt(n),
+    the spread of a group with one right answer of n, where dividing by std + eps multiplied its shaping by
+    1e6 and let one all-wrong group with moving potentials outweigh the whole batch."""
+    cfg = ShapeConfig(alpha=0.3, outcome_baseline="group_norm_scaled", tcr=False, num_segments=2)
+    centred = ShapeConfig(alpha=0.3, outcome_baseline="group_mean", tcr=False, num_segments=2)
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    kw = dict(group_size=3, max_response_len=100_000, boundaries=torch.full((6, 1), 2),
+              potentials=torch.tensor([[0.0, 0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0],     # all wrong
+                                       [0.0, 0.5, 1.0], [0.0, 1.0, 0.0], [0.0, 0.5, 0.0]]))  # one right
+    rewards = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    scaled = compute_token_advantages(cfg, mask, rewards, **kw).segment_advantages
+    plain = compute_token_advantages(centred, mask, rewards, **kw).segment_advantages
+    assert plain[:3].abs().max() > 0  # the all-wrong group's shaping: SHAPE's credit where GRPO has none
+    assert torch.allclose(scaled[:3], plain[:3] * 3**0.5)  # floored divisor 1/sqrt(3)
+    one_right = torch.tensor([1.0, 0.0, 0.0]).std()
+    assert one_right == pytest.approx(3**-0.5)  # the floor is exactly the one-right group's spread
+    assert torch.allclose(scaled[3:], plain[3:] / one_right, atol=1e-6)
