@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -25,6 +26,22 @@ def setup_console_logging(verbose: bool = False) -> None:
     handler.setLevel(logging.DEBUG if verbose else logging.INFO)
     log.setLevel(logging.DEBUG)
     log.propagate = False
+
+
+def code_version() -> dict | None:
+    """The commit of the checkout this package runs from, and whether it had uncommitted changes to
+    tracked files: ``{"commit": sha, "dirty": bool}``; None outside a git checkout (an installed wheel).
+    A result is only as good as the code that made it, so run.json records it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        status = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {"commit": sha.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
 def _jsonable(v: Any) -> Any:
@@ -56,10 +73,14 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        tmp = os.path.join(run_dir, "run.json.tmp")
+        info_path = os.path.join(run_dir, "run.json")
+        if resume_step is not None and os.path.exists(info_path):  # the code of every segment of the run
+            with open(info_path) as f:
+                run_info = {**run_info, "code": json.load(f).get("code", []) + run_info.get("code", [])}
+        tmp = info_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(run_info, f, indent=2, default=str)
-        os.replace(tmp, os.path.join(run_dir, "run.json"))
+        os.replace(tmp, info_path)
         if resume_step is not None and os.path.exists(self.path):
             self._truncate_after(resume_step)
         elif resume_step is None and os.path.exists(self.path):

@@ -21,7 +21,7 @@ import torch
 from openrlhf_shape.config import TrainConfig
 from openrlhf_shape.trainer.console import RunConsole
 from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
-from openrlhf_shape.trainer.logging_utils import MetricsLogger, log, setup_console_logging
+from openrlhf_shape.trainer.logging_utils import MetricsLogger, code_version, log, setup_console_logging
 from openrlhf_shape.trainer.phases import PHASES, PhaseOutput, StepLog
 from openrlhf_shape.trainer.report import write_report
 from openrlhf_shape.trainer.setup import Run, build_run, resolve_model_dir
@@ -193,7 +193,8 @@ class ShapeTrainer:
     def _open_log(self, start_step: int) -> MetricsLogger:
         cfg = self.cfg
         run_info = {"estimator": cfg.algo.advantage.estimator, "name": os.path.basename(self.run_dir),
-                    "model": self.run.model_dir, "config": cfg.to_dict()}
+                    "model": self.run.model_dir, "config": cfg.to_dict(),
+                    "code": [{"from_step": start_step, **(code_version() or {"commit": None})}]}
         lg, wb = cfg.logger, cfg.logger.wandb
         return MetricsLogger(self.run_dir, run_info, lg.use_tensorboard or bool(lg.tensorboard_dir), wb.project,
                              resume_step=start_step if start_step > 0 else None, tensorboard_dir=lg.tensorboard_dir,

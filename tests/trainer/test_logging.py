@@ -2,8 +2,9 @@
 
 import json
 import os
+import subprocess
 
-from openrlhf_shape.trainer.logging_utils import MetricsLogger
+from openrlhf_shape.trainer.logging_utils import MetricsLogger, code_version
 
 
 def _steps(path):
@@ -42,3 +43,22 @@ def test_resume_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
     lg.close()
     assert os.path.getsize(os.path.join(run, "metrics.jsonl")) == 0
     assert any(name.endswith(".old") for name in os.listdir(run))
+
+
+def test_run_json_records_the_code_of_every_segment_of_a_resumed_run(tmp_path):
+    """A result is tied to the commit that produced it: code_version() is this checkout's HEAD, and a
+    resumed run's run.json keeps the code of the first segment beside the resumed one's."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True)
+    code = code_version()
+    if head.returncode != 0:  # not a checkout (an sdist): nothing to record
+        assert code is None
+        return
+    assert code["commit"] == head.stdout.strip() and isinstance(code["dirty"], bool)
+    run = str(tmp_path / "run")
+    MetricsLogger(run, {"name": "r", "code": [{"from_step": 0, "commit": "aaa", "dirty": False}]}).close()
+    MetricsLogger(run, {"name": "r", "code": [{"from_step": 2, "commit": "bbb", "dirty": True}]}, resume_step=2).close()
+    info = json.load(open(os.path.join(run, "run.json")))
+    assert [(c["from_step"], c["commit"]) for c in info["code"]] == [(0, "aaa"), (2, "bbb")]
+    MetricsLogger(run, {"name": "r", "code": [{"from_step": 0, "commit": "ccc", "dirty": False}]}).close()
+    assert [c["commit"] for c in json.load(open(os.path.join(run, "run.json")))["code"]] == ["ccc"]  # a fresh run
