@@ -10,7 +10,7 @@
 # archived summary.json exists) and an interrupted one resumes from its last checkpoint. Runs are interleaved by
 # seed (seed 1 of every arm before seed 2) so that a cut-off sweep leaves every arm with the same seeds.
 # Progress and the load average at each start/end go to $RUNS/progress.log.
-# A finished run's small files (metrics.jsonl, run.json, summary.json, report.md, evals/, the commit it ran) are
+# A finished run's small files (metrics.jsonl, run.json with the commit each segment ran, summary.json, report.md, evals/) are
 # copied to $ARCHIVE, which is committed: the document is regenerated from there, and a sweep that takes several
 # sessions (a run is ~40 min on 2 cores) keeps what finished (run directories under runs/ are not kept).
 set -euo pipefail
@@ -53,7 +53,6 @@ train() {  # $1 = run name, rest = flags
     mkdir -p "$ARCHIVE/$name.tmp"
     cp "$out"/{metrics.jsonl,run.json,summary.json,report.md} "$ARCHIVE/$name.tmp/"
     cp -r "$out/evals" "$ARCHIVE/$name.tmp/"
-    git rev-parse HEAD >"$ARCHIVE/$name.tmp/commit.txt"
     rm -rf "${ARCHIVE:?}/$name" && mv "$ARCHIVE/$name.tmp" "$ARCHIVE/$name"
     say "archived $name in $ARCHIVE"
   fi

@@ -50,12 +50,18 @@ def run_status(run_dir: str) -> dict[str, Any]:
     """Steps done and planned, wall seconds, the evals it has, and the steps its alarm fired."""
     path = os.path.join(run_dir, "metrics.jsonl")
     rows = read_metrics(path) if os.path.exists(path) else []
-    planned = None
+    info: dict[str, Any] = {}
     if os.path.exists(os.path.join(run_dir, "run.json")):
         with open(os.path.join(run_dir, "run.json")) as f:
-            planned = saved_value(json.load(f).get("config", {}), "train.num_steps", "trainer.num_steps")
+            info = json.load(f)
+    planned = saved_value(info.get("config", {}), "train.num_steps", "trainer.num_steps") if info else None
+    # the commit of each segment of the run (run.json; older archives: commit.txt, written at archive time)
+    code = [c["commit"][:7] + ("+dirty" if c.get("dirty") else "") for c in info.get("code", []) if c.get("commit")]
+    if not code and os.path.exists(os.path.join(run_dir, "commit.txt")):
+        with open(os.path.join(run_dir, "commit.txt")) as f:
+            code = [f.read().strip()[:7]]
     train = [r for r in rows if r["step"] > 0 and "rollout/accuracy" in r]
-    return {"dir": run_dir, "steps": train[-1]["step"] if train else 0, "planned": planned,
+    return {"dir": run_dir, "steps": train[-1]["step"] if train else 0, "planned": planned, "code": code,
             "finished": os.path.exists(os.path.join(run_dir, "summary.json")),
             "train_seconds": round(sum(r.get("time/step", 0.0) for r in train), 1),
             "evals": eval_steps(run_dir),
@@ -124,12 +130,12 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
              f"Training set: `{frontier}`, {len(kept)} of the 400 bundled training problems whose base-policy "
              f"pass rate (8 samples at the rollouts' T 1.0) lies in [0.1, 0.7]; median pass rate "
              f"{rates[len(rates) // 2]:.3f}." if rates else "", "", "## Every run", "",
-             "| arm | seed | steps | finished | training seconds | held-out evals at | alarm fired at |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| arm | seed | steps | finished | training seconds | held-out evals at | alarm fired at | code |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, seeds in runs.items():
         for s, st in sorted(statuses[arm].items()):
             lines.append(f"| {ARMS[arm]} | {s} | {st['steps']}/{st['planned'] if st['planned'] is not None else '?'} | {'yes' if st['finished'] else 'NO'} | "
-                         f"{st['train_seconds']:.0f} | {st['evals']} | {st['alarm_steps'] or '-'} |")
+                         f"{st['train_seconds']:.0f} | {st['evals']} | {st['alarm_steps'] or '-'} | {', '.join(st['code']) or '?'} |")
 
     pooled: dict[str, list[dict]] = {}
     lines += ["", "## Held-out accuracy and length, seeds pooled", "",

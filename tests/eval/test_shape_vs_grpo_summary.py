@@ -14,11 +14,11 @@ def _load():
     return load_script("summarize_shape_vs_grpo")
 
 
-def _run(root, name, rates_by_step, lengths, finished=True, wrong_adv=-0.2, section="train"):
+def _run(root, name, rates_by_step, lengths, finished=True, wrong_adv=-0.2, section="train", code=None):
     d = root / name
     d.mkdir(parents=True)
     if section:  # run.json's config: "train" (flag = path layout) or "trainer" (run directories written before it)
-        (d / "run.json").write_text(json.dumps({"config": {section: {"num_steps": 2}}}))
+        (d / "run.json").write_text(json.dumps({"config": {section: {"num_steps": 2}}, **({"code": code} if code else {})}))
     rows = [{"step": s, "rollout/accuracy": 0.1 * s, "rollout/response_length/mean": lengths[s - 1],
              "time/step": 50.0, "adv/wrong/mean": wrong_adv, "alarm/length_collapse": float(s == 2 and lengths[1] < 20)}
             for s in (1, 2)[: len(lengths)]]
@@ -37,7 +37,8 @@ def test_every_run_listed_pooled_and_paired(tmp_path):
     root = tmp_path / "runs"
     base = np.arange(40) % 8 / 8
     for s in (1, 2):
-        _run(root, f"grpo-s{s}", {0: base, 2: np.clip(base + 0.25, 0, 1)}, [40, 35])
+        _run(root, f"grpo-s{s}", {0: base, 2: np.clip(base + 0.25, 0, 1)}, [40, 35],
+             code=[{"from_step": 0, "commit": "1234567abc", "dirty": False}] + [{"from_step": 1, "commit": "89abcdef0", "dirty": True}] * (s == 2))
         _run(root, f"shape-s{s}", {0: base, 2: base}, [30, 15], wrong_adv=0.0, section="trainer" if s == 2 else "train")
     _run(root, "shape-s3", {0: base}, [30], finished=False, wrong_adv=0.0)  # cut off: listed, its step 0 pooled, not paired
     _run(root, "shape-gn-s1", {}, [], finished=False, section=None)  # killed before it wrote run.json: listed, 0/?
@@ -48,6 +49,8 @@ def test_every_run_listed_pooled_and_paired(tmp_path):
     md = (out / "shape_vs_grpo.md").read_text()
     data = json.loads((out / "shape_vs_grpo.json").read_text())
     assert "| SHAPE (paper form) | 3 | 1/2 | NO |" in md and "| GRPO | 1 | 2/2 | yes |" in md
+    # the code each run (and each resumed segment) ran, from run.json; "?" where a run did not record it
+    assert md.count("| 1234567 |") == 1 and "| 1234567, 89abcde+dirty |" in md and md.count("| ? |") == 4
     assert "| SHAPE (paper form) | 2 | 2/2 | yes |" in md  # the older run.json layout
     assert "| SHAPE + group_norm outcome | 1 | 0/? | NO |" in md
     assert [p["runs"] for p in data["pooled"]["shape"]] == [3, 2]  # step 0: three seeds; step 2: two
