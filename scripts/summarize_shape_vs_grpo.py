@@ -3,7 +3,7 @@
     python scripts/summarize_shape_vs_grpo.py runs/shape_vs_grpo --frontier FILE --out docs/results \
         [--notes docs/results/shape_vs_grpo/notes.md]
 
-Run directories are named ``<arm>-s<seed>`` (arms: grpo, shape, shape-gn, shape-g07). Every run found is
+Run directories are named ``<arm>-s<seed>`` (arms: grpo, shape, shape-gn, shape-g07, shape-gns). Every run found is
 listed, finished or not; no seed is dropped. The pooled table takes, per arm, the runs that evaluated a
 step (the mean over seeds and held-out problems, two-level bootstrap CIs, eval/pooling.py); the
 differences pair seed i of SHAPE with seed i of GRPO, problem by problem. The instruments (shaping over
@@ -29,8 +29,9 @@ ARMS = {  # directory prefix -> label
     "shape": "SHAPE (paper form)",
     "shape-gn": "SHAPE + group_norm outcome",
     "shape-g07": "SHAPE gamma_min 0.7 (mechanism check)",
+    "shape-gns": "SHAPE + group_norm_scaled outcome (one seed)",
 }
-COMPARED = ("shape", "shape-gn")  # each against grpo
+COMPARED = ("shape", "shape-gn", "shape-gns")  # each against grpo (paired on the seeds both have)
 INSTRUMENTS = ("rollout/accuracy", "rollout/response_length/mean", "shape/shaping_to_outcome",
                "adv/wrong/mean", "adv/correct/mean", "alarm/length_collapse")
 PAPER = "the paper: SHAPE +2.6 to +3.8 points over GRPO at 23-32% fewer tokens; gamma_min 0.7: -6.3 points, -26% tokens"
@@ -86,7 +87,7 @@ def plot(runs: dict[str, dict[int, str]], statuses: dict[str, dict[int, dict]], 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"grpo": "#7f7f7f", "shape": "#d62728", "shape-gn": "#ff7f0e", "shape-g07": "#9467bd"}
+    colors = {"grpo": "#7f7f7f", "shape": "#d62728", "shape-gn": "#ff7f0e", "shape-g07": "#9467bd", "shape-gns": "#2ca02c"}
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for arm, seeds in runs.items():
         for j, (seed, d) in enumerate(sorted(seeds.items())):
