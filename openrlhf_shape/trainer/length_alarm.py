@@ -5,7 +5,9 @@ sharpened toward short guesses). It never stops a run.
 Training accuracy is noisy per step, so both quantities are compared as window means: the last ``window``
 steps against the ``window`` steps before them. It fires (one warning line, and ``alarm/length_collapse``
 = 1 in that step's metrics) when the mean length fell by more than ``fraction`` and the mean accuracy
-did not rise. Set by ``--shape.length_alarm_fraction`` (0 = off) and ``--shape.length_alarm_window``.
+did not rise; ``alarm/length_drop`` is that window-over-window drop, logged every step once two windows exist.
+Set by ``--shape.length_alarm_fraction`` (0 = off) and ``--shape.length_alarm_window``. A resumed run
+restores the windows from its logged steps (``restore``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,26 @@ class LengthCollapseAlarm:
         if self.window < 1:
             raise ValueError(f"--shape.length_alarm_window {self.window}: use >= 1 step")
 
-    def update(self, step: int, metrics: dict) -> str | None:
-        """Record this step's mean length and accuracy; returns (and logs) the alarm line or None."""
+    def _record(self, metrics: dict) -> bool:
+        """Append a step's (length, accuracy) to the history; False where the alarm is off or the step has
+        no rollout (a filtered step, the step-0 eval row)."""
         length, acc = metrics.get(LENGTH), metrics.get(ACCURACY)
         if not self.fraction or not isinstance(length, (int, float)) or not isinstance(acc, (int, float)):
-            return None
+            return False
         self.history.append((float(length), float(acc)))
+        return True
+
+    def restore(self, rows: list[dict]) -> None:
+        """The history of a resumed run from its logged steps (metrics.jsonl up to the checkpoint), so that
+        after a resume the alarm says what the uninterrupted run would have said."""
+        self.history.clear()
+        for row in rows:
+            self._record(row)
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        """Record this step's mean length and accuracy; returns (and logs) the alarm line or None."""
+        if not self._record(metrics):
+            return None
         w = self.window
         if len(self.history) < 2 * w:
             metrics["alarm/length_collapse"] = 0.0
@@ -46,6 +62,7 @@ class LengthCollapseAlarm:
         drop = 1.0 - len_recent / len_before if len_before > 0 else 0.0
         fired = drop > self.fraction and acc_recent <= acc_before
         metrics["alarm/length_collapse"] = float(fired)
+        metrics["alarm/length_drop"] = drop  # what the alarm compares with the fraction (negative: longer)
         if not fired:
             return None
         msg = (f"step {step}: length collapse? mean response length {len_before:.0f} -> {len_recent:.0f} tokens "

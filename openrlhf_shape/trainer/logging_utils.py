@@ -73,6 +73,7 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.resumed_rows: list[dict] = []  # on resume: the steps up to the checkpoint, as logged
         info_path = os.path.join(run_dir, "run.json")
         if resume_step is not None and os.path.exists(info_path):  # the code of every segment of the run
             with open(info_path) as f:
@@ -109,10 +110,12 @@ class MetricsLogger:
         kept = []
         for ln in lines:
             try:
-                if json.loads(ln).get("step", 0) <= step:
-                    kept.append(ln)
+                record = json.loads(ln)
             except json.JSONDecodeError:
                 continue  # a torn last line from a crash
+            if record.get("step", 0) <= step:
+                kept.append(ln)
+                self.resumed_rows.append(record)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)

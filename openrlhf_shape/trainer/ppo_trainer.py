@@ -196,9 +196,11 @@ class ShapeTrainer:
                     "model": self.run.model_dir, "config": cfg.to_dict(),
                     "code": [{"from_step": start_step, **(code_version() or {"commit": None})}]}
         lg, wb = cfg.logger, cfg.logger.wandb
-        return MetricsLogger(self.run_dir, run_info, lg.use_tensorboard or bool(lg.tensorboard_dir), wb.project,
-                             resume_step=start_step if start_step > 0 else None, tensorboard_dir=lg.tensorboard_dir,
-                             wandb_kwargs={"entity": wb.org, "group": wb.group, "name": wb.run_name})
+        logger = MetricsLogger(self.run_dir, run_info, lg.use_tensorboard or bool(lg.tensorboard_dir), wb.project,
+                               resume_step=start_step if start_step > 0 else None, tensorboard_dir=lg.tensorboard_dir,
+                               wandb_kwargs={"entity": wb.org, "group": wb.group, "name": wb.run_name})
+        self.length_alarm.restore(logger.resumed_rows)  # the alarm's windows span a resume
+        return logger
 
     def _steps(self, start_step: int) -> list[int]:
         t = self.cfg.train

@@ -89,6 +89,25 @@ def test_length_alarm_fires_on_a_collapse_and_not_on_grpo():
     assert _fired([60, 60, 60, 30, 30, 30], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2]) == [6]
 
 
+def test_length_alarm_windows_span_a_resume():
+    """Resumed after step 10 (its history restored from the logged steps), the alarm fires where the
+    uninterrupted run's did; with an empty history it would stay silent for two windows."""
+    rows = [{"step": 0, "eval/accuracy": 0.1}]  # the step-0 eval row has no rollout: not part of the history
+    rows += [{"step": s, "rollout/response_length/mean": n, "rollout/accuracy": a}
+             for s, (n, a) in enumerate(zip(SHAPE_LEN[:10], SHAPE_ACC[:10]), start=1)]
+    uninterrupted = LengthCollapseAlarm()
+    for row in rows[1:]:
+        uninterrupted.update(row["step"], dict(row))
+    resumed = LengthCollapseAlarm()
+    resumed.restore(rows)
+    assert resumed.history == uninterrupted.history
+    for step in (11, 12):
+        a = {"rollout/response_length/mean": SHAPE_LEN[step - 1], "rollout/accuracy": SHAPE_ACC[step - 1]}
+        b = dict(a)
+        assert resumed.update(step, a) and uninterrupted.update(step, b)
+        assert a == b and a["alarm/length_drop"] > 0.3
+
+
 def test_length_alarm_flags_are_validated():
     with pytest.raises(ValueError, match="--shape.length_alarm_fraction"):
         LengthCollapseAlarm(fraction=1.5)

@@ -35,6 +35,7 @@ def test_resume_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write('{"step": 4, "x": ')  # a crash mid-write
     lg = MetricsLogger(run, {}, resume_step=2)
+    assert [(r["step"], r["x"]) for r in lg.resumed_rows] == [(1, 1.0), (2, 2.0)]  # what a resumed run builds on
     lg.log(3, {"x": 30.0})
     lg.close()
     assert _steps(os.path.join(run, "metrics.jsonl")) == [1, 2, 3]

@@ -53,6 +53,7 @@ def _flags(model_dir, reward_file, out_dir, estimator="shape"):
         "--reward.remote_url", reward_file, "--reward.num_workers", "1",
         "--algo.advantage.estimator", estimator,
         "--shape.num_segments", "3", "--probe.num_probes", "2", "--shape.min_segment_len", "2",
+        "--shape.length_alarm_window", "1",  # the alarm's drop is logged from step 2 on: resume must restore it
     ]
 
 
@@ -109,7 +110,8 @@ def _kill_after_step_1_checkpoint(proc, out_dir) -> None:
 
 
 COMPARED = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tokens", "actor/loss", "actor/grad_norm",
-            "shape/segments_per_response/mean", "shape/phi/mean", "probe/tokens", "adv/token/mean"]
+            "shape/segments_per_response/mean", "shape/phi/mean", "probe/tokens", "adv/token/mean",
+            "alarm/length_drop", "alarm/length_collapse"]
 
 
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, parity_reward_file):

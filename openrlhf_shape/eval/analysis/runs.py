@@ -3,7 +3,8 @@ optional evaluation report of the run's final model.
 
 Run directory layout (written by the trainer)::
 
-    run.json        {"estimator": "shape"|"mrt"|"grpo", "name": str, "config": {...}}
+    run.json        {"estimator": "shape"|"mrt"|"grpo", "name": str, "config": {...},
+                     "code": [{"from_step": int, "commit": sha, "dirty": bool}, ...] (one per resumed segment)}
     metrics.jsonl   {"step": int, "time": float, "rollout/accuracy": float, ...} per step
     eval/report.json  (optional) ``openrlhf-shape eval --out_dir <run>/eval`` of the final model
 
