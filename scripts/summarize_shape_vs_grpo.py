@@ -6,7 +6,8 @@
 Run directories are named ``<arm>-s<seed>`` (arms: grpo, shape, shape-gn, shape-g07, shape-gns). Every run found is
 listed, finished or not; no seed is dropped. The pooled table takes, per arm, the runs that evaluated a
 step (the mean over seeds and held-out problems, two-level bootstrap CIs, eval/pooling.py); the
-differences pair seed i of SHAPE with seed i of GRPO, problem by problem. The instruments (shaping over
+differences pair seed i of an arm with seed i of its reference (GRPO; the paper-form SHAPE for the gamma_min 0.7
+check), problem by problem. The instruments (shaping over
 outcome, the advantage of wrong and of correct responses, the alarm) are per-step means over each arm's
 seeds from metrics.jsonl. ``--notes`` is the verdict's reasoning, written by a person after reading the
 numbers, and is included as is.
@@ -31,7 +32,9 @@ ARMS = {  # directory prefix -> label
     "shape-g07": "SHAPE gamma_min 0.7 (mechanism check)",
     "shape-gns": "SHAPE + group_norm_scaled outcome (one seed)",
 }
-COMPARED = ("shape", "shape-gn", "shape-gns")  # each against grpo (paired on the seeds both have)
+# (arm, its reference), paired on the seeds both have: every SHAPE form against GRPO, and the gamma_min 0.7
+# check against the paper-form SHAPE at 0.9 (the paper's ablation: -6.3 points, -26% tokens)
+COMPARED = (("shape", "grpo"), ("shape-gn", "grpo"), ("shape-gns", "grpo"), ("shape-g07", "shape"))
 INSTRUMENTS = ("rollout/accuracy", "rollout/response_length/mean", "shape/shaping_to_outcome",
                "adv/wrong/mean", "adv/correct/mean", "alarm/length_collapse")
 PAPER = "the paper: SHAPE +2.6 to +3.8 points over GRPO at 23-32% fewer tokens; gamma_min 0.7: -6.3 points, -26% tokens"
@@ -155,20 +158,20 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
                          f"{', '.join(f'{x:.1f}' for x in p.per_run_length)} |")
 
     diffs: dict[str, dict] = {}
-    lines += ["", "## SHAPE minus GRPO, paired by seed and problem, at the last common eval", "",
-              f"({PAPER}.)", "", "| arm | step | pairs | accuracy difference, points [95% CI] | tokens, SHAPE / GRPO [95% CI] |",
-              "| --- | --- | --- | --- | --- |"]
-    for arm in COMPARED:
-        if arm not in runs:
+    lines += ["", "## Differences, paired by seed and problem, at the last common eval", "",
+              f"({PAPER}.)", "", "| arm | minus | step | pairs | accuracy difference, points [95% CI] | tokens, arm / reference [95% CI] |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for arm, ref in COMPARED:
+        if arm not in runs or ref not in runs:
             continue
-        seeds = sorted(set(runs[arm]) & set(runs["grpo"]))
-        common = [s for s in seeds if set(eval_steps(runs[arm][s])) & set(eval_steps(runs["grpo"][s]))]
+        seeds = sorted(set(runs[arm]) & set(runs[ref]))
+        common = [s for s in seeds if set(eval_steps(runs[arm][s])) & set(eval_steps(runs[ref][s]))]
         if not common:
             continue
-        step = max(set.intersection(*(set(eval_steps(runs[a][s])) for s in common for a in (arm, "grpo"))))
-        d = paired_difference([runs["grpo"][s] for s in common], [runs[arm][s] for s in common], step)
-        diffs[arm] = {"seeds": common, **d.__dict__}
-        lines.append(f"| {ARMS[arm]} | {step} | {d.runs} | {100 * d.accuracy:+.1f} [{100 * d.accuracy_ci[0]:+.1f}, "
+        step = max(set.intersection(*(set(eval_steps(runs[a][s])) for s in common for a in (arm, ref))))
+        d = paired_difference([runs[ref][s] for s in common], [runs[arm][s] for s in common], step)
+        diffs[arm] = {"reference": ref, "seeds": common, **d.__dict__}
+        lines.append(f"| {ARMS[arm]} | {ARMS[ref]} | {step} | {d.runs} | {100 * d.accuracy:+.1f} [{100 * d.accuracy_ci[0]:+.1f}, "
                      f"{100 * d.accuracy_ci[1]:+.1f}] | {d.length_ratio:.2f} [{d.length_ratio_ci[0]:.2f}, "
                      f"{d.length_ratio_ci[1]:.2f}] |")
 

@@ -42,6 +42,7 @@ def test_every_run_listed_pooled_and_paired(tmp_path):
         _run(root, f"shape-s{s}", {0: base, 2: base}, [30, 15], wrong_adv=0.0, section="trainer" if s == 2 else "train")
     _run(root, "shape-s3", {0: base}, [30], finished=False, wrong_adv=0.0)  # cut off: listed, its step 0 pooled, not paired
     _run(root, "shape-gn-s1", {}, [], finished=False, section=None)  # killed before it wrote run.json: listed, 0/?
+    _run(root, "shape-g07-s1", {0: base, 2: np.clip(base - 0.125, 0, 1)}, [30, 10])  # vs SHAPE seed 1, not GRPO
     frontier = tmp_path / "f.jsonl"
     frontier.write_text("\n".join(json.dumps({"question": "q", "answer": "1", "pass_rate": r}) for r in (0.125, 0.5, 0.625)))
     out = tmp_path / "out"
@@ -50,13 +51,16 @@ def test_every_run_listed_pooled_and_paired(tmp_path):
     data = json.loads((out / "shape_vs_grpo.json").read_text())
     assert "| SHAPE (paper form) | 3 | 1/2 | NO |" in md and "| GRPO | 1 | 2/2 | yes |" in md
     # the code each run (and each resumed segment) ran, from run.json; "?" where a run did not record it
-    assert md.count("| 1234567 |") == 1 and "| 1234567, 89abcde+dirty |" in md and md.count("| ? |") == 4
+    assert md.count("| 1234567 |") == 1 and "| 1234567, 89abcde+dirty |" in md and md.count("| ? |") == 5
     assert "| SHAPE (paper form) | 2 | 2/2 | yes |" in md  # the older run.json layout
     assert "| SHAPE + group_norm outcome | 1 | 0/? | NO |" in md
     assert [p["runs"] for p in data["pooled"]["shape"]] == [3, 2]  # step 0: three seeds; step 2: two
     d = data["differences"]["shape"]
     assert d["seeds"] == [1, 2] and d["step"] == 2
     assert d["accuracy"] < 0 and d["accuracy_ci"][1] < 0  # GRPO gained 0.25 on most problems, SHAPE none
+    g = data["differences"]["shape-g07"]
+    assert g["reference"] == "shape" and g["seeds"] == [1] and g["accuracy"] < 0
+    assert "| SHAPE gamma_min 0.7 (mechanism check) | SHAPE (paper form) | 2 | 1 |" in md
     assert data["instruments"]["shape"]["adv/wrong/mean"] == [0.0, 0.0]
     assert data["runs"]["shape"]["1"]["alarm_steps"] == [2] and data["runs"]["grpo"]["1"]["alarm_steps"] == []
     assert "median pass rate 0.500" in md and (out / "shape_vs_grpo" / "curves.png").stat().st_size > 0
