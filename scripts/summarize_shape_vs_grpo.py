@@ -36,7 +36,8 @@ ARMS = {  # directory prefix -> label
 # check against the paper-form SHAPE at 0.9 (the paper's ablation: -6.3 points, -26% tokens)
 COMPARED = (("shape", "grpo"), ("shape-gn", "grpo"), ("shape-gns", "grpo"), ("shape-g07", "shape"))
 INSTRUMENTS = ("rollout/accuracy", "rollout/response_length/mean", "shape/shaping_to_outcome",
-               "adv/wrong/mean", "adv/correct/mean", "alarm/length_collapse")
+               "adv/wrong/mean", "adv/correct/mean", "shape/gamma/mean", "shape/length_tax/mean",
+               "shape/sign_reversal_rate", "alarm/length_collapse")
 PAPER = "the paper: SHAPE +2.6 to +3.8 points over GRPO at 23-32% fewer tokens; gamma_min 0.7: -6.3 points, -26% tokens"
 
 

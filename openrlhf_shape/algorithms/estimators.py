@@ -24,7 +24,7 @@ from openrlhf_shape.algorithms.advantages import (
     shape_segment_advantages,
 )
 from openrlhf_shape.algorithms.config import ShapeConfig
-from openrlhf_shape.algorithms.metrics import describe
+from openrlhf_shape.algorithms.metrics import describe, discount_instruments
 
 ESTIMATOR_REGISTRY: dict[str, type["AdvantageEstimator"]] = {}
 
@@ -98,7 +98,9 @@ class ShapeEstimator(AdvantageEstimator):
                                        l_ref=l_ref, fixed_gamma=cfg.fixed_gamma)
         gamma = segment_gamma(x.seg_len, cfg.gamma_min, l_ref, cfg.fixed_gamma)
         valid = torch.arange(x.seg_len.shape[1])[None, :] < x.num_segments[:, None]
-        return adv, describe(gamma[valid], "shape/gamma")
+        metrics = describe(gamma[valid], "shape/gamma")
+        metrics.update(discount_instruments(x.potentials, gamma, x.num_segments, cfg.alpha))
+        return adv, metrics
 
 
 @register("mrt")

@@ -107,3 +107,28 @@ def shaping_to_outcome(segment_advantages: torch.Tensor, outcome_term: torch.Ten
     if denom > 0:
         out["shape/shaping_to_outcome"] = out["shape/shaping_abs/mean"] / denom
     return out
+
+
+def discount_instruments(potentials: torch.Tensor, gamma: torch.Tensor, num_segments: torch.Tensor,
+                         alpha: float) -> dict[str, float]:
+    """What the length discount gamma_k does to the shaping F_k = gamma_k Phi_{k+1} - Phi_k (the mechanism
+    of the paper's gamma_min = 0.7 collapse, section 5 and appendix A.2).
+
+    ``shape/length_tax/{mean,max}``: alpha * (1 - gamma_k) * Phi_{k+1} over valid segments, in units of R
+    (before any outcome scaling): what a segment loses for its length, since
+    alpha * F_k = alpha * (Phi_{k+1} - Phi_k) - length tax.
+    ``shape/sign_reversal_rate``: among improving transitions (Phi_{k+1} > Phi_k, the last one into R
+    included), the share whose shaping is <= 0 (appendix A.2's reward-sign consistency broken: progress
+    penalised); 0 when no transition improves. It stays 0 whenever gamma_min > (m - 1) / m.
+    ``shape/improving_transitions``: how many transitions that rate is over.
+
+    Args: potentials ``[B, K+1]``; gamma ``[B, K]``; num_segments ``[B]``; alpha: the shaping weight."""
+    start, end, valid = _transitions(potentials, num_segments)
+    g = gamma.float()
+    out = describe((alpha * (1.0 - g) * end)[valid], "shape/length_tax")
+    del out["shape/length_tax/std"], out["shape/length_tax/min"]
+    improving = valid & (end > start)
+    n = int(improving.sum())
+    out["shape/improving_transitions"] = float(n)
+    out["shape/sign_reversal_rate"] = float((improving & (g * end - start <= 0)).sum()) / n if n else 0.0
+    return out

@@ -68,6 +68,7 @@ class LengthCollapseAlarm:
         msg = (f"step {step}: length collapse? mean response length {len_before:.0f} -> {len_recent:.0f} tokens "
                f"(-{100 * drop:.0f}%, over the last {w} steps vs the {w} before) while training accuracy went "
                f"{acc_before:.2f} -> {acc_recent:.2f}; see adv/wrong/mean (wrong answers near 0 advantage get no "
-               "push away) and shape/shaping_to_outcome")
+               "push away), shape/shaping_to_outcome, and shape/length_tax/mean with shape/sign_reversal_rate (what the "
+               "length discount gamma_k takes; progress penalised below gamma_min (m-1)/m)")
         log.warning(msg)
         return msg

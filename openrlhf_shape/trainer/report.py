@@ -57,8 +57,40 @@ def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dic
             f"{h.get('shape/segments_per_response/mean', float('nan')):.2f} | {h.get('shape/potential_drop_rate', float('nan')):.2f} | "
             f"{h.get('actor/loss', float('nan')):.4f} | {held_out} |"
         )
+    lines += _instrument_table(history, summary)
     with open(os.path.join(run_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
+
+
+# The advantage instruments (issue 23) as (metric, column title, format); a column shows when any step logged it.
+INSTRUMENTS = (
+    ("shape/shaping_to_outcome", "shaping / outcome", ".2f"),
+    ("adv/correct/mean", "adv correct", "+.3f"),
+    ("adv/wrong/mean", "adv wrong", "+.3f"),
+    ("adv/wrong/std", "adv wrong std", ".3f"),
+    ("shape/length_tax/mean", "length tax", ".4f"),
+    ("shape/sign_reversal_rate", "sign reversals", ".2f"),
+    ("alarm/length_drop", "length drop", "+.2f"),
+)
+
+
+def _instrument_table(history: list[dict], summary: dict[str, Any]) -> list[str]:
+    """Per step: the size of the shaping against the outcome term, the advantage of correct and of wrong
+    responses (wrong answers near 0 get no push away), what the length discount takes, and the length alarm;
+    their series go to ``summary`` too."""
+    cols = [c for c in INSTRUMENTS if any(isinstance(h.get(c[0]), (int, float)) for h in history)]
+    fired = [h["step"] for h in history if h.get("alarm/length_collapse")]
+    summary["instruments"] = {key: [h.get(key) for h in history] for key, _, _ in cols}
+    summary["length_alarm_steps"] = fired
+    if not cols:
+        return []
+    lines = ["", "Advantage instruments (README, metrics): "
+             + (f"the length alarm fired at step(s) {fired}." if fired else "the length alarm did not fire."), "",
+             "| step | " + " | ".join(title for _, title, _ in cols) + " |", "| ---: |" + " ---: |" * len(cols)]
+    for h in history:
+        cells = [format(h[key], fmt) if isinstance(h.get(key), (int, float)) else "" for key, _, fmt in cols]
+        lines.append(f"| {h['step']} | " + " | ".join(cells) + " |")
+    return lines

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from openrlhf_shape.algorithms import ShapeConfig
-from openrlhf_shape.algorithms.metrics import advantage_by_outcome, shaping_to_outcome
+from openrlhf_shape.algorithms.metrics import advantage_by_outcome, discount_instruments, shaping_to_outcome
 from openrlhf_shape.algorithms.pipeline import compute_token_advantages
 from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
 
@@ -59,6 +59,42 @@ def test_group_norm_moves_the_bound_and_scaled_is_group_mean_over_std():
     assert torch.allclose(scaled, centred / std, atol=1e-6)
     # the shaping keeps its size relative to the outcome: alpha * 1 / 0.5 per segment
     assert m["shape/shaping_to_outcome"] == pytest.approx(0.3 / 0.5, rel=1e-4)
+
+
+def test_discount_instruments_on_the_papers_gamma_bound_table():
+    """Appendix A.2's table: a positive step Phi 5/8 -> 7/8 gets F = gamma * 7/8 - 5/8, which flips sign
+    below gamma 5/7 (F = -0.0125 at 0.7). One response per gamma of the table, one segment each; a sixth
+    row whose potential falls (not an improving step) and a padded segment beyond a row's last that
+    would reverse (ignored)."""
+    gammas = [1.0, 0.9, 0.8, 0.7, 0.6, 0.7]
+    phi = torch.tensor([[5 / 8, 7 / 8, 0.0]] * 5 + [[7 / 8, 5 / 8, 0.0]])
+    phi[0, 2] = 1.0  # row 0 has a second, padded transition 7/8 -> 1
+    gamma = torch.tensor([[g, 0.1] for g in gammas])  # gamma 0.1 on the padded segment would reverse it
+    m = discount_instruments(phi, gamma, torch.ones(6, dtype=torch.long), alpha=0.3)
+    assert m["shape/improving_transitions"] == 5
+    assert m["shape/sign_reversal_rate"] == pytest.approx(2 / 5)  # gamma 0.7 and 0.6
+    taxes = [0.3 * (1 - g) * 7 / 8 for g in gammas[:5]] + [0.3 * 0.3 * 5 / 8]
+    assert m["shape/length_tax/mean"] == pytest.approx(sum(taxes) / 6)
+    assert m["shape/length_tax/max"] == pytest.approx(0.3 * 0.4 * 7 / 8)
+
+
+@pytest.mark.parametrize("gamma_min,reversed_share", [(0.9, 0.0), (0.7, 0.5)])
+def test_sign_reversal_follows_the_appendix_bound_for_m_4(gamma_min, reversed_share):
+    """With m = 4 probes the worst positive step is Phi 3/4 -> 1 (bound (m-1)/m = 0.75): a segment as long
+    as L_ref gets gamma = gamma_min, so at 0.7 that step's shaping is 0.7 - 0.75 < 0 and at 0.9 it stays
+    positive; the response's other improving step (0 -> 3/4) stays positive at both."""
+    cfg = ShapeConfig(gamma_min=gamma_min, num_segments=2, min_segment_len=1, tcr=False,
+                      allow_unsafe_hparams=gamma_min <= 0.75)
+    res = compute_token_advantages(cfg, torch.ones(1, 8, dtype=torch.bool), torch.tensor([1.0]), group_size=1,
+                                   max_response_len=8, boundaries=torch.tensor([[4]]),
+                                   potentials=torch.tensor([[0.0, 0.75, 1.0]]))
+    m = res.metrics
+    assert m["shape/gamma/mean"] == pytest.approx(gamma_min)
+    assert m["shape/improving_transitions"] == 2
+    assert m["shape/sign_reversal_rate"] == pytest.approx(reversed_share)
+    assert m["shape/length_tax/mean"] == pytest.approx(0.3 * (1 - gamma_min) * (0.75 + 1.0) / 2)
+    # the metric says what the advantage does: the reversed segment's advantage is below the outcome R
+    assert (res.segment_advantages[0, 1] < 1.0) == (reversed_share > 0)
 
 
 # Mean length and training accuracy per step of the CPU demo runs (docs/results/stale_lm_head): the
