@@ -159,7 +159,7 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
                          f"{', '.join(f'{x:.1f}' for x in p.per_run_length)} |")
 
     diffs: dict[str, dict] = {}
-    lines += ["", "## Differences, paired by seed and problem, at the last common eval", "",
+    lines += ["", "## Differences, paired by seed and problem, at every common eval after step 0", "",
               f"({PAPER}.)", "", "| arm | minus | step | pairs | accuracy difference, points [95% CI] | tokens, arm / reference [95% CI] |",
               "| --- | --- | --- | --- | --- | --- |"]
     for arm, ref in COMPARED:
@@ -169,12 +169,15 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
         common = [s for s in seeds if set(eval_steps(runs[arm][s])) & set(eval_steps(runs[ref][s]))]
         if not common:
             continue
-        step = max(set.intersection(*(set(eval_steps(runs[a][s])) for s in common for a in (arm, ref))))
-        d = paired_difference([runs[ref][s] for s in common], [runs[arm][s] for s in common], step)
-        diffs[arm] = {"reference": ref, "seeds": common, **d.__dict__}
-        lines.append(f"| {ARMS[arm]} | {ARMS[ref]} | {step} | {d.runs} | {100 * d.accuracy:+.1f} [{100 * d.accuracy_ci[0]:+.1f}, "
-                     f"{100 * d.accuracy_ci[1]:+.1f}] | {d.length_ratio:.2f} [{d.length_ratio_ci[0]:.2f}, "
-                     f"{d.length_ratio_ci[1]:.2f}] |")
+        steps = set.intersection(*(set(eval_steps(runs[a][s])) for s in common for a in (arm, ref)))
+        by_step = []
+        for step in sorted(x for x in steps if x > 0):  # the middle of training too: the last eval alone hides the path
+            d = paired_difference([runs[ref][s] for s in common], [runs[arm][s] for s in common], step)
+            by_step.append(d.__dict__)
+            diffs[arm] = {"reference": ref, "seeds": common, **d.__dict__, "by_step": by_step}  # top level: the last eval
+            lines.append(f"| {ARMS[arm]} | {ARMS[ref]} | {step} | {d.runs} | {100 * d.accuracy:+.1f} [{100 * d.accuracy_ci[0]:+.1f}, "
+                         f"{100 * d.accuracy_ci[1]:+.1f}] | {d.length_ratio:.2f} [{d.length_ratio_ci[0]:.2f}, "
+                         f"{d.length_ratio_ci[1]:.2f}] |")
 
     lines += ["", "## Instruments, per training step (mean over each arm's seeds)", ""]
     series = {arm: {k: arm_series(list(statuses[arm].values()), k) for k in INSTRUMENTS} for arm in runs}

@@ -37,9 +37,9 @@ def test_every_run_listed_pooled_and_paired(tmp_path):
     root = tmp_path / "runs"
     base = np.arange(40) % 8 / 8
     for s in (1, 2):
-        _run(root, f"grpo-s{s}", {0: base, 2: np.clip(base + 0.25, 0, 1)}, [40, 35],
+        _run(root, f"grpo-s{s}", {0: base, 1: base, 2: np.clip(base + 0.25, 0, 1)}, [40, 35],
              code=[{"from_step": 0, "commit": "1234567abc", "dirty": False}] + [{"from_step": 1, "commit": "89abcdef0", "dirty": True}] * (s == 2))
-        _run(root, f"shape-s{s}", {0: base, 2: base}, [30, 15], wrong_adv=0.0, section="trainer" if s == 2 else "train")
+        _run(root, f"shape-s{s}", {0: base, 1: np.clip(base + 0.125, 0, 1), 2: base}, [30, 15], wrong_adv=0.0, section="trainer" if s == 2 else "train")
     _run(root, "shape-s3", {0: base}, [30], finished=False, wrong_adv=0.0)  # cut off: listed, its step 0 pooled, not paired
     _run(root, "shape-gn-s1", {}, [], finished=False, section=None)  # killed before it wrote run.json: listed, 0/?
     _run(root, "shape-g07-s1", {0: base, 2: np.clip(base - 0.125, 0, 1)}, [30, 10])  # vs SHAPE seed 1, not GRPO
@@ -54,10 +54,13 @@ def test_every_run_listed_pooled_and_paired(tmp_path):
     assert md.count("| 1234567 |") == 1 and "| 1234567, 89abcde+dirty |" in md and md.count("| ? |") == 5
     assert "| SHAPE (paper form) | 2 | 2/2 | yes |" in md  # the older run.json layout
     assert "| SHAPE + group_norm outcome | 1 | 0/? | NO |" in md
-    assert [p["runs"] for p in data["pooled"]["shape"]] == [3, 2]  # step 0: three seeds; step 2: two
+    assert [p["runs"] for p in data["pooled"]["shape"]] == [3, 2, 2]  # step 0: three seeds; steps 1, 2: two
     d = data["differences"]["shape"]
     assert d["seeds"] == [1, 2] and d["step"] == 2
     assert d["accuracy"] < 0 and d["accuracy_ci"][1] < 0  # GRPO gained 0.25 on most problems, SHAPE none
+    # every common eval after step 0 is paired, the middle one too (SHAPE ahead there, behind at the end)
+    assert [x["step"] for x in d["by_step"]] == [1, 2] and d["by_step"][0]["accuracy"] > 0
+    assert "| SHAPE (paper form) | GRPO | 1 | 2 | +" in md and "| SHAPE (paper form) | GRPO | 2 | 2 | -" in md
     g = data["differences"]["shape-g07"]
     assert g["reference"] == "shape" and g["seeds"] == [1] and g["accuracy"] < 0
     assert "| SHAPE gamma_min 0.7 (mechanism check) | SHAPE (paper form) | 2 | 1 |" in md
