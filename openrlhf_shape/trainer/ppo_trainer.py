@@ -86,9 +86,9 @@ class ShapeTrainer:
                 if _due(step, cfg.ckpt.save_steps) or step == cfg.train.num_steps:
                     rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
-                history.append({"step": step, **metrics})
                 eta = (time.perf_counter() - t_loop) / (step - start) * (steps[-1] - step)
-                self._report_step(step, metrics, exp.samples, logger, eta)
+                self._report_step(step, metrics, exp.samples, logger, eta)  # adds the idle shares and the alarm
+                history.append({"step": step, **metrics})  # after: the report shows what metrics.jsonl holds
         finally:
             logger.close()
         if cfg.ckpt.save_hf and history and history[-1]["step"] == cfg.train.num_steps:

@@ -126,7 +126,16 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, pari
         for phase in ("generate", "logprobs", "probes", "train", "sync"):
             assert r[f"time/{phase}"] > 0
     assert os.path.isfile(os.path.join(ref_dir, "hf", "config.json"))  # HF export at the end
-    assert os.path.isfile(os.path.join(ref_dir, "report.md"))
+    # the run report shows what metrics.jsonl holds, the metrics added after a step's phases too (it once
+    # copied each step before the idle shares and the length alarm were added, and never showed either)
+    with open(os.path.join(ref_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["instruments"]["alarm/length_drop"] == [ref[s].get("alarm/length_drop") for s in (1, 2, 3)]
+    assert summary["length_alarm_steps"] == [s for s in (1, 2, 3) if ref[s].get("alarm/length_collapse")]
+    assert summary["idle_share"]["engine"] is not None
+    with open(os.path.join(ref_dir, "report.md")) as f:
+        report = f.read()
+    assert "Idle share of the steps' wall time" in report and "| length drop |" in report
 
     # Offline export of the final checkpoint (convert megatron) equals the trainer's own HF export.
     conv = str(tmp_path / "converted")
