@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from openrlhf_shape.eval.analysis.runs import read_metrics, saved_value
-from openrlhf_shape.eval.pooling import eval_steps, paired_difference, pool_runs
+from openrlhf_shape.eval.pooling import eval_steps, paired_difference, pool_runs, read_problem_results
 
 ARMS = {  # directory prefix -> label
     "grpo": "GRPO",
@@ -70,8 +70,15 @@ def run_status(run_dir: str) -> dict[str, Any]:
             "finished": os.path.exists(os.path.join(run_dir, "summary.json")),
             "train_seconds": round(sum(r.get("time/step", 0.0) for r in train), 1),
             "evals": eval_steps(run_dir),
+            "heldout": {step: _mean_pass_rate(run_dir, step) for step in eval_steps(run_dir)},
             "alarm_steps": [r["step"] for r in train if r.get("alarm/length_collapse")],
             "series": {k: [r.get(k) for r in train] for k in INSTRUMENTS}}
+
+
+def _mean_pass_rate(run_dir: str, step: int) -> float:
+    """The run's held-out avg@N at ``step`` (mean over problems of each problem's pass rate)."""
+    rows = read_problem_results(run_dir, step).values()
+    return sum(r["pass_rate"] for r in rows) / max(len(rows), 1)
 
 
 def arm_series(statuses: list[dict[str, Any]], key: str) -> list[float | None]:
@@ -115,6 +122,11 @@ def plot(runs: dict[str, dict[int, str]], statuses: dict[str, dict[int, dict]], 
     plt.close(fig)
 
 
+def _heldout_cell(heldout: dict[int, float]) -> str:
+    """``step 0: 15.8%, 6: 27.3%, 12: 20.9%`` (the alarm's column beside it says whether lengths collapsed)."""
+    return ", ".join(f"{'step ' if i == 0 else ''}{step}: {100 * acc:.1f}%" for i, (step, acc) in enumerate(sorted(heldout.items()))) or "-"
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -135,12 +147,12 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
              f"Training set: `{frontier}`, {len(kept)} of the 400 bundled training problems whose base-policy "
              f"pass rate (8 samples at the rollouts' T 1.0) lies in [0.1, 0.7]; median pass rate "
              f"{rates[len(rates) // 2]:.3f}." if rates else "", "", "## Every run", "",
-             "| arm | seed | steps | finished | training seconds | held-out evals at | alarm fired at | code |",
+             "| arm | seed | steps | finished | training seconds | held-out avg@8 at each eval | alarm fired at | code |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, seeds in runs.items():
         for s, st in sorted(statuses[arm].items()):
             lines.append(f"| {ARMS[arm]} | {s} | {st['steps']}/{st['planned'] if st['planned'] is not None else '?'} | {'yes' if st['finished'] else 'NO'} | "
-                         f"{st['train_seconds']:.0f} | {st['evals']} | {st['alarm_steps'] or '-'} | {', '.join(st['code']) or '?'} |")
+                         f"{st['train_seconds']:.0f} | {_heldout_cell(st['heldout'])} | {st['alarm_steps'] or '-'} | {', '.join(st['code']) or '?'} |")
 
     pooled: dict[str, list[dict]] = {}
     lines += ["", "## Held-out accuracy and length, seeds pooled", "",
@@ -186,7 +198,8 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
                   "| --- |" + " --- |" * 12]
         for arm in runs:
             vals = series[arm][k]
-            lines.append(f"| {ARMS[arm]} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in vals[:12]) + " |")
+            fmt = ".3f" if k == "shape/length_tax/mean" else ".2f"  # in units of R: about 0.01
+            lines.append(f"| {ARMS[arm]} | " + " | ".join("-" if v is None else format(v, fmt) for v in vals[:12]) + " |")
         lines.append("")
     lines += ["![curves](shape_vs_grpo/curves.png)", ""]
     if notes:

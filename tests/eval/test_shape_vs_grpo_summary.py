@@ -50,6 +50,7 @@ def test_every_run_listed_pooled_and_paired(tmp_path):
     md = (out / "shape_vs_grpo.md").read_text()
     data = json.loads((out / "shape_vs_grpo.json").read_text())
     assert "| SHAPE (paper form) | 3 | 1/2 | NO |" in md and "| GRPO | 1 | 2/2 | yes |" in md
+    assert "| step 0: 43.8%, 1: 43.8%, 2: 67.2% |" in md  # each run's held-out avg@8 at each of its evals
     # the code each run (and each resumed segment) ran, from run.json; "?" where a run did not record it
     assert md.count("| 1234567 |") == 1 and "| 1234567, 89abcde+dirty |" in md and md.count("| ? |") == 5
     assert "| SHAPE (paper form) | 2 | 2/2 | yes |" in md  # the older run.json layout
