@@ -66,11 +66,12 @@ def run_status(run_dir: str) -> dict[str, Any]:
         with open(os.path.join(run_dir, "commit.txt")) as f:
             code = [f.read().strip()[:7]]
     train = [r for r in rows if r["step"] > 0 and "rollout/accuracy" in r]
+    heldout = {step: _mean_pass_rate(run_dir, step) for step in eval_steps(run_dir)}
     return {"dir": run_dir, "steps": train[-1]["step"] if train else 0, "planned": planned, "code": code,
             "finished": os.path.exists(os.path.join(run_dir, "summary.json")),
             "train_seconds": round(sum(r.get("time/step", 0.0) for r in train), 1),
-            "evals": eval_steps(run_dir),
-            "heldout": {step: _mean_pass_rate(run_dir, step) for step in eval_steps(run_dir)},
+            "evals": sorted(heldout),
+            "heldout": heldout,
             "alarm_steps": [r["step"] for r in train if r.get("alarm/length_collapse")],
             "series": {k: [r.get(k) for r in train] for k in INSTRUMENTS}}
 
@@ -186,10 +187,11 @@ def build(root: str, frontier: str, out: str, notes: str | None) -> dict[str, An
         for step in sorted(x for x in steps if x > 0):  # the middle of training too: the last eval alone hides the path
             d = paired_difference([runs[ref][s] for s in common], [runs[arm][s] for s in common], step)
             by_step.append(d.__dict__)
-            diffs[arm] = {"reference": ref, "seeds": common, **d.__dict__, "by_step": by_step}  # top level: the last eval
             lines.append(f"| {ARMS[arm]} | {ARMS[ref]} | {step} | {d.runs} | {100 * d.accuracy:+.1f} [{100 * d.accuracy_ci[0]:+.1f}, "
                          f"{100 * d.accuracy_ci[1]:+.1f}] | {d.length_ratio:.2f} [{d.length_ratio_ci[0]:.2f}, "
                          f"{d.length_ratio_ci[1]:.2f}] |")
+        if by_step:  # top level: the last common eval
+            diffs[arm] = {"reference": ref, "seeds": common, **by_step[-1], "by_step": by_step}
 
     lines += ["", "## Instruments, per training step (mean over each arm's seeds)", ""]
     series = {arm: {k: arm_series(list(statuses[arm].values()), k) for k in INSTRUMENTS} for arm in runs}
