@@ -47,6 +47,18 @@ def set_cpu_accelerator(platform: Platform) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def skip_cpu_shm_comm_op() -> None:
+    """Keep DeepSpeed's CPU communication backend from g++-compiling its shared-memory all-reduce op.
+
+    On the CPU accelerator, starting DeepSpeed's process group builds ``deepspeed_shm_comm`` (g++, measured 57 s on a busy
+    2-core machine; once per ``~/.cache/torch_extensions``, so on every fresh machine and CI run). Only DeepSpeed's
+    ``inference_all_reduce`` uses that op; ZeRO training reduces through ``torch.distributed`` (gloo here) and
+    never calls it, so marking the op incompatible changes no number and saves the compile."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class ZeroRankWorker:
     """Owns one DeepSpeed rank (plain class; :class:`openrlhf_shape.cluster.rank_group.RankActor` hosts it in
     a Ray actor). Its engine, optimizer and counters live in one :class:`~openrlhf_shape.zero.state.ZeroState`,
@@ -76,6 +88,8 @@ class ZeroRankWorker:
                                     world_size=world_size, timeout=timedelta(minutes=30))
         import deepspeed
 
+        if self.on_cpu:
+            skip_cpu_shm_comm_op()
         # DeepSpeed's communication layer adopts the existing torch.distributed group.
         deepspeed.init_distributed(dist_backend=self.platform.collective_backend, auto_mpi_discovery=False)
         self.dp_size = world_size

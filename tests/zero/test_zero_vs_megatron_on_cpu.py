@@ -141,6 +141,12 @@ def test_resume_equals_uninterrupted(ds_runs, ragged_batch):
         assert max_abs_diff(a, b) == 0.0, stage
 
 
+def test_no_deepspeed_op_compiled_for_communication(ds_runs):
+    """DeepSpeed's CPU backend would g++-compile its shared-memory all-reduce op (~1 min on a fresh machine) for
+    its inference all-reduce, which training never calls; the ranks start without it."""
+    assert [r["shm_comm_op_built"] for r in ds_runs["first"] + ds_runs["resumed"]] == [False] * 4
+
+
 def test_nonfinite_loss_skips_the_update(ds_runs, ragged_batch):
     n = len(ragged_batch["sequences"])
     for stage in STAGES:

@@ -94,5 +94,9 @@ def zero_run(*, rank: int, world_size: int, master_addr: str, master_port: int, 
                          save_at=save_at, ckpt_root=sub(ckpt_root), resume_from=sub(resume_from),
                          export_dir=sub(export_dir), bucket_bytes=bucket_bytes, nan_step=nan_step,
                          offload_check=offload_check)
+    from deepspeed.comm import comm as ds_comm
+
+    # the training process group never compiled DeepSpeed's shared-memory op (zero/worker.py: skip_cpu_shm_comm_op)
+    out["shm_comm_op_built"] = ds_comm.cdb.shm_comm_op is not None
     worker.shutdown()
     return out
