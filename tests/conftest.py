@@ -3,6 +3,9 @@ with a 1 GiB KV cache, and the session fixtures several test folders use (a tiny
 cross-checks' tiny models and ragged batch)."""
 
 import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -21,6 +24,53 @@ def reward_func(queries, prompts, labels, **kw):
     r = torch.tensor([float((len(q) - len(p)) % 2 == 0) for q, p in zip(queries, prompts)])
     return {"rewards": r, "scores": r, "extra_logs": {"parity/mean": r.mean()}}
 '''
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--reverse-order", action="store_true",
+                     help="run the collected tests in reverse order (the suite must not depend on its order)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if config.getoption("--reverse-order"):
+        items.reverse()
+
+
+class SharedResults:
+    """Expensive results made once per test session and read by every module (and pytest-xdist worker) that needs
+    them: ``get(name, make)`` runs ``make(folder)`` in the first process that asks, under a file lock, and pickles its
+    value; later callers wait for the lock and load the pickle. ``folder`` is the result's own directory for the
+    files it writes (checkpoints, exports); readers copy before changing anything there. A ``make`` that raises
+    leaves nothing behind, so the next caller tries again and fails in its own test."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def get(self, name: str, make: Callable[[Path], Any]) -> Any:
+        from filelock import FileLock
+
+        done = self.root / f"{name}.pkl"
+        with FileLock(str(self.root / f"{name}.lock")):
+            if not done.exists():
+                folder = self.root / name
+                folder.mkdir(parents=True, exist_ok=True)
+                value = make(folder)
+                part = self.root / f"{name}.pkl.part"
+                with open(part, "wb") as f:
+                    pickle.dump(value, f)
+                os.replace(part, done)
+        with open(done, "rb") as f:
+            return pickle.load(f)
+
+
+@pytest.fixture(scope="session")
+def shared_results(tmp_path_factory) -> SharedResults:
+    """Results shared across modules; under pytest-xdist the workers' common temporary folder holds them."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / "shared_results"
+    folder.mkdir(exist_ok=True)
+    return SharedResults(folder)
 
 
 @pytest.fixture(scope="session")
@@ -51,14 +101,16 @@ BACKEND_ARCHS = ("qwen3", "qwen2", "llama")
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, str]:
+def tiny_models(shared_results) -> dict[str, str]:
     """arch -> directory of a tiny random model (2 layers, vocabulary 1024, seed 3) for each of
-    ``BACKEND_ARCHS``."""
+    ``BACKEND_ARCHS``; one set per session, so backend results shared across modules come from the same files."""
     from openrlhf_shape.testing import make_tiny_model
 
-    root = tmp_path_factory.mktemp("backend_models")
-    return {arch: str(make_tiny_model(root / arch, arch=arch, seed=3, num_layers=2, vocab_size=1024))
-            for arch in BACKEND_ARCHS}
+    def make(root: Path) -> dict[str, str]:
+        return {arch: str(make_tiny_model(root / arch, arch=arch, seed=3, num_layers=2, vocab_size=1024))
+                for arch in BACKEND_ARCHS}
+
+    return shared_results.get("backend_models", make)
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,23 @@
-"""Helpers shared by the Megatron tests (HF references, launching layouts)."""
+"""Helpers shared by the Megatron tests (HF references, launching layouts) and the Megatron runs that the
+DeepSpeed cross-checks (tests/zero) compare against: made once per session (``SharedResults``)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+TRAIN_STEPS = 5
+SAVE_AT = 3
+# lr high enough that 5 steps visibly move the tiny model; warmup + cosine exercise the schedule
+TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_decay_style="cosine", total_steps=TRAIN_STEPS,
+                 micro_batch_max_tokens=96, clip_grad=1.0, entropy_chunk_size=16)
+# Attention and activation switches are TransformerConfig settings, not process groups: the same ranks rebuild the
+# models with each switch on (mg_scenarios.layout_run's ``variants``) instead of launching again.
+SDPA = {"local_attention": "sdpa"}
 
 
 def hf_logprobs_entropy(model_dir: str, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -40,3 +51,33 @@ def run_layout(world_size: int, timeout: float = 420, **kwargs) -> list[dict]:
 
     return run_ranks("mg_scenarios:layout_run", world_size, kwargs=kwargs, timeout=timeout, extra_pythonpath=[HERE])
 
+
+
+def shared_world1(shared_results, tiny_models: dict, batch: dict) -> dict:
+    """Megatron world 1 on the backend models: parity forward (with the flat-q/k/v negative control), 5 updates of
+    ``TRAIN_CFG`` with a checkpoint after ``SAVE_AT``, a NaN step, the HF export and weight buckets, then the same
+    parity and updates with activation recompute and with SDPA attention. ``root`` holds ``ckpt/`` and ``hf/``
+    (read-only: copy before changing anything)."""
+
+    def make(folder: Path) -> dict:
+        res = run_layout(1, cfg=TRAIN_CFG, model_dirs=tiny_models, batch=batch, train_dir=tiny_models["qwen3"],
+                         train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(folder / "ckpt"),
+                         export_dir=str(folder / "hf"), bucket_bytes=200_000, wrong_qkv_arch="qwen3", nan_step=True,
+                         variants={"recompute": {"recompute_activations": True}, "sdpa": SDPA})
+        return {"res": res, "root": str(folder)}
+
+    out = shared_results.get("megatron_world1", make)
+    return {"res": out["res"], "root": Path(out["root"])}
+
+
+def shared_tp2(shared_results, tiny_models: dict, batch: dict) -> list[dict]:
+    """Megatron TP2 on the backend models: parity forward and the 5 updates of ``TRAIN_CFG``, then again with
+    sequence parallel, SDPA attention (2 query heads and 1 KV group per rank: GQA inside SDPA), and both."""
+
+    def make(folder: Path) -> list[dict]:
+        return run_layout(2, cfg={**TRAIN_CFG, "tensor_model_parallel_size": 2}, model_dirs=tiny_models, batch=batch,
+                          train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS,
+                          variants={"sp": {"sequence_parallel": True}, "sdpa": SDPA,
+                                    "sdpa_sp": {**SDPA, "sequence_parallel": True}})
+
+    return shared_results.get("megatron_tp2", make)

@@ -1,32 +1,26 @@
-"""Megatron actor on CPU/gloo: HF parity, layout-invariant training, resume, export.
+"""Megatron actor on CPU/gloo: HF parity, layout-invariant training, resume, export, SDPA attention.
 
 Each layout is one subprocess launch (world 1 or 2) that checks several things at once; the
-assertions here compare its results against Hugging Face and against the other layouts.
+assertions here compare its results against Hugging Face and against the other layouts. The world-1
+and TP2 launches are shared with the DeepSpeed cross-checks (tests/zero) through ``mg_helpers``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 
-from mg_helpers import hf_logprobs_entropy, max_abs_diff, run_layout
+from mg_helpers import (SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, run_layout,
+                        shared_tp2, shared_world1)
 from openrlhf_shape.cluster.rank_group import merge_rank_outputs
 from openrlhf_shape.megatron.worker import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 PARITY_TOL = 1e-4
-TRAIN_STEPS = 5
-SAVE_AT = 3
-# lr high enough that 5 steps visibly move the tiny model; warmup + cosine exercise the schedule
-TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_decay_style="cosine", total_steps=TRAIN_STEPS,
-                 micro_batch_max_tokens=96, clip_grad=1.0, entropy_chunk_size=16)
-LAYOUTS = {
-    "tp2": dict(tensor_model_parallel_size=2),
-    "pp2": dict(pipeline_model_parallel_size=2),
-}
 ALL_LAYOUTS = ["tp2", "pp2", "tp2_sp"]  # tp2_sp runs inside the tp2 processes (SP is a config switch)
 
 
@@ -36,24 +30,15 @@ def hf_refs(tiny_models, ragged_batch):
 
 
 @pytest.fixture(scope="module")
-def world1(tiny_models, ragged_batch, tmp_path_factory):
-    root = tmp_path_factory.mktemp("w1")
-    res = run_layout(
-        1, cfg=TRAIN_CFG, model_dirs=tiny_models, batch=ragged_batch, train_dir=tiny_models["qwen3"],
-        train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(root / "ckpt"), export_dir=str(root / "hf"),
-        bucket_bytes=200_000, wrong_qkv_arch="qwen3", nan_step=True,
-        variants={"recompute": {"recompute_activations": True}},
-    )
-    return {"res": res, "root": root}
+def world1(shared_results, tiny_models, ragged_batch):
+    return shared_world1(shared_results, tiny_models, ragged_batch)
 
 
 @pytest.fixture(scope="module")
-def layouts(tiny_models, ragged_batch):
-    out = {}
-    for name, extra in LAYOUTS.items():
-        out[name] = run_layout(2, cfg={**TRAIN_CFG, **extra}, model_dirs=tiny_models, batch=ragged_batch,
-                               train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS,
-                               variants={"sp": {"sequence_parallel": True}} if name == "tp2" else None)
+def layouts(shared_results, tiny_models, ragged_batch):
+    out = {"tp2": shared_tp2(shared_results, tiny_models, ragged_batch),
+           "pp2": run_layout(2, cfg={**TRAIN_CFG, "pipeline_model_parallel_size": 2}, model_dirs=tiny_models,
+                             batch=ragged_batch, train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS)}
     out["tp2_sp"] = [r["variants"]["sp"] for r in out["tp2"]]
     return out
 
@@ -146,8 +131,9 @@ def test_nonfinite_loss_skips_the_update_on_cpu(world1, ragged_batch):
     assert max_abs_diff(before, after) == 0.0
 
 
-def test_resume_equals_uninterrupted_world1_on_cpu(world1, tiny_models, ragged_batch):
-    ckpt_root = world1["root"] / "ckpt"
+def test_resume_equals_uninterrupted_world1_on_cpu(world1, tiny_models, ragged_batch, tmp_path):
+    ckpt_root = tmp_path / "ckpt"  # a copy: the world-1 run is shared
+    shutil.copytree(world1["root"] / "ckpt", ckpt_root)
     # a half-written checkpoint and a directory without the marker are ignored
     (ckpt_root / "step_9.tmp" / "dist").mkdir(parents=True)
     (ckpt_root / "step_8").mkdir()
@@ -245,3 +231,45 @@ def test_export_loads_in_vllm_with_same_logprobs_on_cpu(world1, monkeypatch):
         logp = torch.log_softmax(model(torch.tensor([prompt + list(out.token_ids)])).logits[0].float(), -1)
     for j, tok in enumerate(out.token_ids):
         assert out.logprobs[j][tok].logprob == pytest.approx(logp[len(prompt) - 1 + j, tok].item(), abs=1e-4)
+
+
+# ---- SDPA core attention (``local_attention='sdpa'``) against Megatron's DotProductAttention and Hugging Face:
+# same log-probs, entropies and training steps. SDPA is what lets 8k/16k-token micro-batches fit without
+# transformer-engine (Megatron's local attention keeps [batch*heads, s, s] scores); on GPU the GPU kit
+# (scripts/gpu_check.sh) measures the memory. Here the arithmetic is checked: same model, same batch, both
+# attentions, as variants of the world-1 and TP2 launches.
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_sdpa_matches_megatron_attention_and_hf_on_cpu(world1, hf_refs, ragged_batch, arch):
+    n = len(ragged_batch["sequences"])
+    res = world1["res"][0]
+    base = merge_rank_outputs([res["logprobs"][arch]], n)
+    sdpa = merge_rank_outputs([res["variants"]["sdpa"]["logprobs"][arch]], n)
+    ref_lp, ref_ent = hf_refs[arch]
+    assert max_abs_diff(sdpa["log_probs"], base["log_probs"]) <= 1e-5
+    assert max_abs_diff(sdpa["entropy"], base["entropy"]) <= 1e-5
+    assert max_abs_diff(sdpa["log_probs"], ref_lp) <= PARITY_TOL
+    assert max_abs_diff(sdpa["entropy"], ref_ent) <= PARITY_TOL
+
+
+def test_sdpa_training_steps_match_megatron_attention_on_cpu(world1, layouts):
+    res = world1["res"][0]
+    ref = [m["loss"] for m in res["metrics"]]
+    assert max(ref) - min(ref) > 1e-3  # the model moves, so equal trajectories mean something
+    runs = [("world1_sdpa", res["variants"]["sdpa"]["metrics"])]
+    for variant in ("sdpa", "sdpa_sp"):
+        runs += [(f"tp2_{variant}_rank{r}", rr["variants"][variant]["metrics"]) for r, rr in enumerate(layouts["tp2"])]
+    for name, metrics in runs:
+        assert [m["loss"] for m in metrics] == pytest.approx(ref, abs=2e-5), name
+        assert [m["grad_norm"] for m in metrics] == pytest.approx([m["grad_norm"] for m in res["metrics"]], rel=1e-4), name
+
+
+@pytest.mark.parametrize("variant", ["sdpa", "sdpa_sp"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_sdpa_tp2_parity_with_hf_on_cpu(layouts, hf_refs, ragged_batch, variant, arch):
+    n = len(ragged_batch["sequences"])
+    got = merge_rank_outputs([r["variants"][variant]["logprobs"][arch] for r in layouts["tp2"]], n)
+    ref_lp, ref_ent = hf_refs[arch]
+    assert max_abs_diff(got["log_probs"], ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got["entropy"], ref_ent) <= PARITY_TOL

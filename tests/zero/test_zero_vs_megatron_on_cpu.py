@@ -1,11 +1,10 @@
 """The DeepSpeed ZeRO actor backend against the Megatron backend on CPU/gloo, from the same HF weights
 and the same batches.
 
-Four process launches: DeepSpeed world 2 running ZeRO-2, ZeRO-3 and ZeRO-2 + Adam offload one after the
-other in the same process group
-(parity forward on three architectures, 5 updates with a checkpoint after 3, NaN step, offload round
-trip, export, weight buckets), DeepSpeed world 2 resuming both from step 3, Megatron world 1 and
-Megatron TP2 (parity forward, the same 5 updates).
+Two process launches here: DeepSpeed world 2 running ZeRO-2, ZeRO-3 and ZeRO-2 + Adam offload one after the
+other in the same process group (parity forward on three architectures, 5 updates with a checkpoint after 3, NaN
+step, offload round trip, export, weight buckets), and DeepSpeed world 2 resuming both from step 3. The Megatron
+world-1 and TP2 runs (parity forward, the same 5 updates) are the ones tests/megatron makes, shared per session.
 
 Tolerances: log-probs and entropy (fp32) within 1e-5 of each other and of Hugging Face (measured: 1.9e-6
 log-prob, 2.4e-6 entropy vs HF, 9.5e-7 entropy vs Megatron). The 5-update trajectory compares loss
@@ -24,23 +23,19 @@ import os
 import pytest
 import torch
 
-from mg_helpers import hf_logprobs_entropy, max_abs_diff
+from mg_helpers import SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, shared_tp2, shared_world1
 from openrlhf_shape.actor.launch import run_ranks
 from openrlhf_shape.cluster.rank_group import merge_rank_outputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
-MEGATRON_TESTS = os.path.join(os.path.dirname(HERE), "megatron")
 
 PARITY_TOL = 1e-5
 TRAJ_LOSS_TOL = 5e-5  # measured <= 5.4e-6 (ZeRO-2/3/offload vs Megatron world 1 and TP2)
 TRAJ_GNORM_RTOL = 2e-4  # measured <= 1.9e-5
 Z2_Z3_LOSS_TOL = 2e-5
-TRAIN_STEPS = 5
-SAVE_AT = 3
-# the Megatron layout tests' schedule: warmup + cosine, clipping, several micro-batches per rank
-TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_decay_style="cosine", total_steps=TRAIN_STEPS,
-                 micro_batch_max_tokens=96, clip_grad=1.0, entropy_chunk_size=16)
+# TRAIN_CFG, TRAIN_STEPS, SAVE_AT: the Megatron layout tests' schedule (warmup + cosine, clipping, several
+# micro-batches per rank), so the Megatron runs those tests make are the reference here too
 # ZeRO-3 with no persistence threshold: every tensor of the tiny model is really partitioned; ZeRO-2 with the
 # Adam states on the host (DeepSpeedCPUAdam: g++-compiled into ~/.cache/torch_extensions on a machine's first run)
 STAGES = {"zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3, "zero3_param_persistence_threshold": 0},
@@ -50,11 +45,6 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
 def _ds(**kwargs) -> list[dict]:
     return run_ranks("zero_scenarios:zero_run", 2, kwargs=kwargs, timeout=600, env=DS_ENV, extra_pythonpath=[HERE])
-
-
-def _mg(world_size: int, cfg: dict, **kwargs) -> list[dict]:
-    return run_ranks("mg_scenarios:layout_run", world_size, kwargs=dict(cfg=cfg, **kwargs), timeout=600,
-                     extra_pythonpath=[MEGATRON_TESTS])
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +59,10 @@ def ds_runs(tiny_models, ragged_batch, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mg_runs(tiny_models, ragged_batch):
-    kw = dict(model_dirs=tiny_models, batch=ragged_batch, train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS)
-    return {"world1": _mg(1, TRAIN_CFG, **kw), "tp2": _mg(2, {**TRAIN_CFG, "tensor_model_parallel_size": 2}, **kw)}
+def mg_runs(shared_results, tiny_models, ragged_batch):
+    """Megatron world 1 and TP2 on the same models, batch and schedule (the launches tests/megatron makes too)."""
+    return {"world1": shared_world1(shared_results, tiny_models, ragged_batch)["res"],
+            "tp2": shared_tp2(shared_results, tiny_models, ragged_batch)}
 
 
 @pytest.fixture(scope="module")
