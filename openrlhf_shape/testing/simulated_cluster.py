@@ -9,6 +9,10 @@ import os
 from typing import Iterator
 
 BOOTSTRAP_FILE = "/tmp/ray/ray_current_cluster"
+# Ray ends a worker process idle for 1 s when its node holds more workers than a soft limit; here that
+# restarted nearly every probe's process (measured: a second pass over the 32-GPU preset started 24 new
+# worker processes, ~1 s of CPU each). Idle workers live as long as the simulated cluster instead.
+SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 3_600_000}
 
 
 def forget_bootstrap_address(address: str) -> None:
@@ -25,11 +29,13 @@ def forget_bootstrap_address(address: str) -> None:
 @contextlib.contextmanager
 def simulated_gpu_cluster(nodes: int, gpus_per_node: int, cpus_per_node: int) -> Iterator[object]:
     """A head without GPUs and ``nodes`` nodes declaring ``gpus_per_node`` GPUs; this process joins
-    it (workers get this PYTHONPATH) and leaves, shutting it down, on exit. Yields the Cluster."""
+    it (workers get this PYTHONPATH) and leaves, shutting it down, on exit. Idle worker processes are
+    kept for the cluster's life (``SYSTEM_CONFIG``). Yields the Cluster."""
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False,
+                                                          _system_config=SYSTEM_CONFIG))
     forget_bootstrap_address(c.address)
     for _ in range(nodes):
         c.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node)

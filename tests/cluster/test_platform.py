@@ -4,7 +4,8 @@ the ranks.
 * On this machine (no CUDA, no Ray GPUs) the profile is the CPU twin's, shaped by the config.
 * On a simulated cluster whose nodes declare 8 GPUs (``ray.cluster_utils.Cluster``) the driver's
   profile is the GPU path's, and a Megatron rank actor placed on a GPU bundle runs under the profile
-  it was handed, although ``torch.cuda.is_available()`` is False in its process.
+  it was handed, although ``torch.cuda.is_available()`` is False in its process: checked on the
+  simulated cluster of test_simulated_cluster.py (one cluster start for both modules' checks).
 * Only platform.py decides: no other module of the package asks torch, vLLM or Ray whether there
   are GPUs.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_shape.platform import Platform, cpu_platform, detect_platform, gpu_platform
+from openrlhf_shape.platform import Platform, detect_platform, gpu_platform
 from openrlhf_shape.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +68,7 @@ def test_cpu_profile_on_this_machine() -> None:
 
 
 def test_cpu_async_splits_the_cores_between_ranks_and_engines() -> None:
-    """(Before the simulated-cluster tests of this module: their Ray declares GPUs.) Synchronous: ranks and engines take turns, each side gets every core while it works. Asynchronous
+    """Synchronous: ranks and engines take turns, each side gets every core while it works. Asynchronous
     (--train.async_enable): both work at once, so one rank and one engine share the cores; whole CPU shares
     (--actor.num_cpus_per_rank 1) are the thread counts in either mode. Expectations follow os.cpu_count()."""
     cores = os.cpu_count() or 1
@@ -94,73 +95,6 @@ def test_profile_round_trips_as_handed() -> None:
     assert gpu_platform().engine_env(4.0, 2) == {}  # vLLM's GPU platform needs neither variable
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.device = "cpu"  # type: ignore[misc]
-
-
-@pytest.fixture(scope="module")
-def gpu_cluster():
-    pytest.importorskip("ray")
-    from openrlhf_shape.testing.simulated_cluster import simulated_gpu_cluster
-
-    with simulated_gpu_cluster(nodes=2, gpus_per_node=8, cpus_per_node=2) as c:
-        yield c
-
-
-def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(gpu_cluster) -> None:
-    import ray
-    import torch
-
-    from openrlhf_shape.cluster.placement import plan_placement
-    from openrlhf_shape.cluster.ray_placement import RayPlacement, spawn_rank_actors
-    from openrlhf_shape.cluster.rank_group import RankActor
-    from openrlhf_shape.megatron.worker import MegatronRankWorker
-
-    cfg = _cfg(**{"actor.num_gpus_per_node": "2", "vllm.tensor_parallel_size": "2"})
-    p = detect_platform(cfg)
-    assert not torch.cuda.is_available()  # the driver itself has no GPU: the cluster decides
-    assert (p.device, p.source, p.cluster_gpus) == ("cuda", "ray", 16.0)
-    assert (p.megatron_dtype, p.collective_backend, p.layer_spec) == ("bfloat16", "nccl", "te")
-    assert (p.engine_dtype, p.engine_block_size, p.engine_enforce_eager, p.engine_sleep_mode) == ("auto", None, False, True)
-    assert p.engine_tp_executor == "ray" and p.pin_memory and p.threads_per_rank is None and p.threads_per_engine is None
-    assert (p.gpus_per_bundle, p.gpus_per_engine) == (1.0, 0.0)  # engine TP 2: vLLM's Ray workers hold the GPUs
-    assert detect_platform(_cfg()).gpus_per_engine == 1.0  # engine TP 1: the engine actor is the worker
-
-    plan = plan_placement(world_size=2, tp=1, pp=1, num_engines=1, engine_tp=2, colocate=False, gpus_per_node=8)
-    placement = RayPlacement(plan, cpus_per_bundle=0.5, gpus=p.gpus_per_bundle > 0, timeout_s=120)
-    try:
-        mcfg = cfg.megatron_config()
-        actors, _ = spawn_rank_actors(placement, ray.remote(RankActor), num_cpus=0.25,
-                                      args_for_rank=lambda r: (MegatronRankWorker, mcfg, r, 2, p.to_dict()))
-        got = ray.get([a.platform_profile.remote() for a in actors])
-        for g in got:
-            g.pop("torch_threads")
-            assert Platform.from_dict(g) == p  # handed, not re-detected (torch sees no CUDA in the actor)
-
-        @ray.remote(num_cpus=0)
-        def cuda_in_actor_process() -> bool:
-            import torch
-
-            return torch.cuda.is_available()
-
-        assert ray.get(cuda_in_actor_process.remote()) is False
-        for a in actors:
-            ray.kill(a)
-    finally:
-        placement.remove()
-
-
-def test_cpu_rank_actor_sets_the_handed_threads(gpu_cluster) -> None:
-    """A CPU profile handed to a rank: its torch threads come from the profile."""
-    import ray
-
-    from openrlhf_shape.megatron.config import MegatronConfig
-    from openrlhf_shape.cluster.rank_group import RankActor
-    from openrlhf_shape.megatron.worker import MegatronRankWorker
-
-    handed = cpu_platform(threads_per_rank=2)
-    a = ray.remote(RankActor).options(num_cpus=0.25).remote(MegatronRankWorker, MegatronConfig(), 0, 1, handed.to_dict())
-    got = ray.get(a.platform_profile.remote())
-    assert got.pop("torch_threads") == 2 and Platform.from_dict(got) == handed
-    ray.kill(a)
 
 
 # Modules that may ask torch/vLLM/Ray about devices for something other than the CPU/GPU decision.

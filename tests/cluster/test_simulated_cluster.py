@@ -4,9 +4,15 @@ merely declare): one head without GPUs and four nodes of 8 GPUs, one cluster for
 Light probes stand in the rank and engine slots, placed with the options the trainer uses
 (``RayPlacement.rank_options`` / ``engine_options``); at engine TP > 1 the engine probe does what
 vLLM's Ray executor does with the environment it is given (current placement group,
-``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``). Probes are tasks, run in small waves so
-Ray reuses worker processes (64 actors for the 32B preset would cost ~8 GB here); one test holds
-real actors for the rendezvous.
+``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``). Probes are tasks, run one at a time: a
+slot's GPU is fixed by its bundle when the group is placed, so one at a time reports what all at once
+would, while each node needs only a couple of worker processes, kept for the module
+(``simulated_cluster.SYSTEM_CONFIG``). Concurrent probes started a worker process per probe in flight
+(64 actors for the 32B preset would cost ~8 GB here); one test holds real actors for the rendezvous.
+
+The driver's platform decision on this cluster (openrlhf_shape/platform.py) is checked here too: the
+profile is the GPU path's, and Megatron rank actors placed on GPU bundles run under the profile they
+were handed.
 """
 
 from __future__ import annotations
@@ -47,25 +53,16 @@ def cluster():
         yield c
 
 
-def _waves(refs_fns: list, width: int = 6) -> list:
-    out = []
-    for i in range(0, len(refs_fns), width):
-        out += ray.get([f() for f in refs_fns[i : i + width]])
-    return out
-
-
 def place_and_probe(shape: dict) -> tuple:
+    """Place the preset's groups; probe every rank slot, then every engine, one at a time (module docstring)."""
     plan = plan_placement(**shape, gpus_per_node=GPUS)
     placement = RayPlacement(plan, cpus_per_bundle=1.0, gpus=True, timeout_s=120)
     try:
-        ranks = _waves([lambda r=r: probe_slot.options(**placement.rank_options(r, 0.5)).remote()
-                        for r in range(len(plan.ranks))])
-
-        def engine_call(e: int):
+        ranks = [ray.get(probe_slot.options(**placement.rank_options(r, 0.5)).remote()) for r in range(len(plan.ranks))]
+        engines = []
+        for e in range(plan.num_engines):
             o = placement.engine_options(e, 0.5)
-            return probe_engine.options(**o["options"], runtime_env={"env_vars": o["env"]}).remote()
-
-        engines = _waves([lambda e=e: engine_call(e) for e in range(plan.num_engines)])
+            engines.append(ray.get(probe_engine.options(**o["options"]).remote(o["env"])))
     finally:
         placement.remove()
     return plan, ranks, engines
@@ -234,3 +231,70 @@ def test_startup_checks_the_output_is_shared_with_the_rank_nodes(cluster, tmp_pa
             check_shared_output(_doctor_cfg("qwen3-4b", str(tmp_path / "f" / "out"), str(tmp_path)), nodes)
     finally:
         placement.remove()
+
+
+# ---- the platform profile on this cluster (openrlhf_shape/platform.py; moved from test_platform.py, which ran
+# a second simulated cluster for them)
+def _platform_cfg(**flags: str):
+    """A trainer config from the defaults plus ``--key value`` flags (the demo model; no preset)."""
+    from openrlhf_shape.config import load_config
+
+    args: list[str] = []
+    for k, v in flags.items():
+        args += [f"--{k}", v]
+    return load_config(None, ["--actor.model_name_or_path", "demo", *args], check_paths=False)
+
+
+def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(cluster) -> None:
+    import torch
+
+    from openrlhf_shape.cluster.rank_group import RankActor
+    from openrlhf_shape.megatron.worker import MegatronRankWorker
+    from openrlhf_shape.platform import Platform, detect_platform
+
+    cfg = _platform_cfg(**{"actor.num_gpus_per_node": "2", "vllm.tensor_parallel_size": "2"})
+    p = detect_platform(cfg)
+    assert not torch.cuda.is_available()  # the driver itself has no GPU: the cluster decides
+    assert (p.device, p.source, p.cluster_gpus) == ("cuda", "ray", float(NODES * GPUS))
+    assert (p.megatron_dtype, p.collective_backend, p.layer_spec) == ("bfloat16", "nccl", "te")
+    assert (p.engine_dtype, p.engine_block_size, p.engine_enforce_eager, p.engine_sleep_mode) == ("auto", None, False, True)
+    assert p.engine_tp_executor == "ray" and p.pin_memory and p.threads_per_rank is None and p.threads_per_engine is None
+    assert (p.gpus_per_bundle, p.gpus_per_engine) == (1.0, 0.0)  # engine TP 2: vLLM's Ray workers hold the GPUs
+    assert detect_platform(_platform_cfg()).gpus_per_engine == 1.0  # engine TP 1: the engine actor is the worker
+
+    plan = plan_placement(world_size=2, tp=1, pp=1, num_engines=1, engine_tp=2, colocate=False, gpus_per_node=8)
+    placement = RayPlacement(plan, cpus_per_bundle=0.5, gpus=p.gpus_per_bundle > 0, timeout_s=120)
+    try:
+        mcfg = cfg.megatron_config()
+        actors, _ = spawn_rank_actors(placement, ray.remote(RankActor), num_cpus=0.25,
+                                      args_for_rank=lambda r: (MegatronRankWorker, mcfg, r, 2, p.to_dict()))
+        got = ray.get([a.platform_profile.remote() for a in actors])
+        for g in got:
+            g.pop("torch_threads")
+            assert Platform.from_dict(g) == p  # handed, not re-detected (torch sees no CUDA in the actor)
+
+        @ray.remote(num_cpus=0)
+        def cuda_in_actor_process() -> bool:
+            import torch
+
+            return torch.cuda.is_available()
+
+        assert ray.get(cuda_in_actor_process.remote()) is False
+        for a in actors:
+            ray.kill(a)
+    finally:
+        placement.remove()
+
+
+def test_cpu_rank_actor_sets_the_handed_threads(cluster) -> None:
+    """A CPU profile handed to a rank: its torch threads come from the profile."""
+    from openrlhf_shape.cluster.rank_group import RankActor
+    from openrlhf_shape.megatron.config import MegatronConfig
+    from openrlhf_shape.megatron.worker import MegatronRankWorker
+    from openrlhf_shape.platform import Platform, cpu_platform
+
+    handed = cpu_platform(threads_per_rank=2)
+    a = ray.remote(RankActor).options(num_cpus=0.25).remote(MegatronRankWorker, MegatronConfig(), 0, 1, handed.to_dict())
+    got = ray.get(a.platform_profile.remote())
+    assert got.pop("torch_threads") == 2 and Platform.from_dict(got) == handed
+    ray.kill(a)
