@@ -14,15 +14,21 @@ What is measured, per rank process, in bytes of resident memory (``/proc/self/st
 The launcher sets ``MALLOC_MMAP_THRESHOLD_`` so every tensor of 64 KiB or more is its own mmap and
 goes back to the OS when freed, and ``malloc_trim(0)`` runs before each RSS reading: RSS then
 follows live tensor bytes instead of what glibc keeps cached.
+
+:func:`measure_scenarios` runs several layouts one after another in the same rank processes (each with
+a new worker, process group and warm-up, so each has its own ``base``): the layouts share one launch
+instead of importing Megatron in fresh processes for each.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+from typing import Optional
 
 import torch
 
+from openrlhf_shape.actor.launch import free_port
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
@@ -90,4 +96,41 @@ def measure_update_peaks(
         assert metrics["skipped"] == 0.0
     out["after_steps"] = _rss()
     worker.shutdown()
+    return out
+
+
+def _agree_ports(rank: int, world_size: int, master_addr: str, master_port: int, n: int) -> list[int]:
+    """``n`` fresh rendezvous ports picked by rank 0 and told to every rank over a short-lived gloo group on the
+    launch's port (a process group made again on the port of a destroyed one finds the old group's addresses)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
+    ports: list = [free_port() for _ in range(n)] if rank == 0 else [None] * n
+    dist.broadcast_object_list(ports, src=0)
+    dist.destroy_process_group()
+    return [int(p) for p in ports]
+
+
+def measure_scenarios(
+    *, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str, warmup_dir: str, vocab: int,
+    seq_len: int, scenarios: list[dict],
+) -> list[Optional[dict]]:
+    """:func:`measure_update_peaks` for each ``{"world": w, "cfg": {...}, "rows": [...]}`` in turn, in this process,
+    each on a process group of its own (its worker makes it, as in a launch of its own).
+
+    A scenario of the launch's world size runs on every rank; a world-1 scenario on rank 0 alone (the other ranks
+    return None for it). Run the full-world scenarios first: a rank that skipped one has nobody to wait for it."""
+    ports = _agree_ports(rank, world_size, master_addr, master_port, len(scenarios))
+    out: list[Optional[dict]] = []
+    for sc, port in zip(scenarios, ports):
+        world = sc["world"]
+        if world not in (1, world_size):
+            raise ValueError(f"a scenario of world {world} in a launch of world {world_size}: only {world_size} or 1")
+        if rank >= world:
+            out.append(None)
+            continue
+        out.append(measure_update_peaks(rank=rank, world_size=world, master_addr=master_addr, master_port=port,
+                                        model_dir=model_dir, cfg=sc["cfg"], warmup_dir=warmup_dir, vocab=vocab,
+                                        seq_len=seq_len, rows_list=sc["rows"]))
+        gc.collect()  # the scenario's worker (model, optimizer) is gone before the next one reads its base
     return out

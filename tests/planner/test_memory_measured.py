@@ -2,7 +2,8 @@
 
 A tiny random Qwen3 (hidden 512, 4 layers, vocab 8192, 21M parameters, fp32 on CPU) runs through
 the real :class:`MegatronRankWorker` (local spec, gloo) in rank subprocesses (world 1; world 2 as
-TP2 + sequence parallel and as DP2 with the distributed optimizer); each rank reports
+TP2 + sequence parallel and as DP2 with the distributed optimizer; all three in one launch of two
+processes, one layout after another, each from its own warmed-up baseline); each rank reports
 its resident memory above a warmed-up baseline (see ``planner_scenarios.py`` for exactly what is
 read and when). The planner's terms, computed from the model's config.json alone, must be within
 25% of: weights + grads (after init), the optimizer state (created by the first step), the
@@ -19,6 +20,7 @@ import pytest
 from openrlhf_shape.actor.launch import run_ranks
 from openrlhf_shape.planner.memory import megatron_update_peak_bytes
 
+pytestmark = pytest.mark.slow  # one launch of two Megatron ranks (~25 s)
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ_LEN = 256
 ROWS = [2, 6]  # micro-batches of 512 and 1536 tokens
@@ -44,25 +46,40 @@ def _close(pred: float, meas: float, what: str) -> None:
     assert abs(rel) <= TOL, f"{what}: planner {pred / 2**20:.1f} MiB vs measured {meas / 2**20:.1f} MiB ({rel:+.0%})"
 
 
-@pytest.mark.parametrize(
-    "world,cfg,rows",
-    [
-        (1, {"entropy_chunk_size": 512}, ROWS),
-        (2, {"entropy_chunk_size": 512, "tensor_model_parallel_size": 2, "sequence_parallel": True}, ROWS),
-        # DP2: Adam state sharded by the distributed optimizer; one size (each rank trains on 3 rows).
-        (2, {"entropy_chunk_size": 512, "use_distributed_optimizer": True}, [6]),
-    ],
-    ids=["world1", "tp2-sp", "dp2-distopt"],
-)
-def test_planner_terms_match_measured_rank_memory(models, world, cfg, rows):
-    model_dir, warmup_dir, hf_cfg = models
+SCENARIOS = {
+    "world1": (1, {"entropy_chunk_size": 512}, ROWS),
+    "tp2-sp": (2, {"entropy_chunk_size": 512, "tensor_model_parallel_size": 2, "sequence_parallel": True}, ROWS),
+    # DP2: Adam state sharded by the distributed optimizer; one size (each rank trains on 3 rows).
+    "dp2-distopt": (2, {"entropy_chunk_size": 512, "use_distributed_optimizer": True}, [6]),
+}
+# The world-2 layouts first, then world 1 on rank 0 (planner_scenarios.measure_scenarios).
+LAUNCH_ORDER = ["tp2-sp", "dp2-distopt", "world1"]
+
+
+@pytest.fixture(scope="module")
+def measured(models) -> dict[str, list[dict]]:
+    """Every scenario measured in ONE launch of two rank processes (each scenario with its own worker, process
+    group, warm-up and baseline): scenario id -> the results of the ranks that ran it."""
+    model_dir, warmup_dir, _ = models
+    scenarios = [dict(zip(("world", "cfg", "rows"), SCENARIOS[name])) for name in LAUNCH_ORDER]
     results = run_ranks(
-        "planner_scenarios:measure_update_peaks", world,
-        kwargs=dict(model_dir=model_dir, warmup_dir=warmup_dir, cfg=cfg, vocab=8192, seq_len=SEQ_LEN, rows_list=rows),
-        timeout=400, env=MALLOC_ENV, extra_pythonpath=[HERE],
+        "planner_scenarios:measure_scenarios", 2,
+        kwargs=dict(model_dir=model_dir, warmup_dir=warmup_dir, vocab=8192, seq_len=SEQ_LEN, scenarios=scenarios),
+        timeout=600, env=MALLOC_ENV, extra_pythonpath=[HERE],
     )
+    return {name: [r[i] for r in results if r[i] is not None] for i, name in enumerate(LAUNCH_ORDER)}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_planner_terms_match_measured_rank_memory(models, measured, scenario):
+    _, _, hf_cfg = models
+    world, cfg, rows = SCENARIOS[scenario]
+    results = measured[scenario]
     tp = cfg.get("tensor_model_parallel_size", 1)
     distopt = cfg.get("use_distributed_optimizer", False)
+    assert len(results) == world, "every rank of the layout reports"
+    for r in results:  # a peak for each micro-batch size (this rank's DP shard of the rows, one micro-batch)
+        assert sorted(r["peaks"]) == [n // (world // tp) * SEQ_LEN for n in rows], r["peaks"]
     for rank, r in enumerate(results):
         base = r["base"]
         for tokens, peak in r["peaks"].items():
