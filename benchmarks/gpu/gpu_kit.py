@@ -20,7 +20,8 @@ in the JSON and the next one still runs):
   parameters and the planner's predicted peak next to the measured one.
 
 ``--smoke`` runs the same code on CPU (gloo, float32, tiny model, two training steps, a tiny
-throughput case) so the kit cannot rot between GPU runs (tests/gpu_kit/).
+throughput case) so the kit cannot rot between GPU runs (tests/gpu_kit/); ``--jobs N`` (smoke only) runs N
+sections at a time, each in its own fresh processes as always.
 
 Writes ``OUTDIR/gpu_kit.json`` (after every section) and ``OUTDIR/gpu_kit.md``.
 """
@@ -28,6 +29,7 @@ Writes ``OUTDIR/gpu_kit.json`` (after every section) and ``OUTDIR/gpu_kit.md``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import math
@@ -37,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -108,10 +111,16 @@ def _has_cuda() -> bool:
 
 
 def _versions() -> dict:
+    # Versions from the installed distributions' metadata: importing transformers and megatron.core only to read
+    # __version__ cost ~4 s of CPU (megatron.core imports torch's compiler stack); megatron.core is imported only
+    # when no distribution metadata names it (a source checkout on PYTHONPATH).
     code = (
-        "import json, sys, torch, transformers, megatron.core, importlib.metadata as md\n"
+        "import json, sys, torch, importlib.metadata as md\n"
         "v = {'python': sys.version.split()[0], 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
-        "     'transformers': transformers.__version__, 'megatron-core': megatron.core.__version__}\n"
+        "     'transformers': md.version('transformers')}\n"
+        "try: v['megatron-core'] = md.version('megatron-core')\n"
+        "except md.PackageNotFoundError:\n"
+        "    import megatron.core; v['megatron-core'] = megatron.core.__version__\n"
         "for name in ('mbridge', 'transformer-engine', 'flash-attn'):\n"
         "    try: v[name] = md.version(name)\n"
         "    except md.PackageNotFoundError: v[name] = None\n"
@@ -181,6 +190,10 @@ class SkipSection(Exception):
 
 
 ALL_SECTIONS = ("parity", "train", "throughput", "offload", "cuda_ipc", "zero2", "te_spec", "moe")
+# The recorded sections in the order they are reported (``train`` records ``train_resume`` and ``export``).
+RECORD_ORDER = ("parity", "train_resume", "export", "throughput", "offload", "cuda_ipc", "zero2", "te_spec", "moe")
+# --jobs > 1 (smoke only) starts the sections that launch two rank processes first, so the lanes end together.
+TWO_PROCESS_SECTIONS = ("moe", "train")
 
 
 class Kit:
@@ -200,6 +213,7 @@ class Kit:
         if not smoke and not self.gpu:
             raise SystemExit("gpu_kit: no CUDA device visible; run with --smoke for the CPU check")
         self.base_cfg: dict[str, Any] = {"layer_spec": "local", "seed": 1234}
+        self._lock = threading.Lock()  # sections may record from several threads (--jobs, smoke only)
 
     def _run(self, target: str, kwargs: dict, module: str = "kit_sections") -> Any:
         from openrlhf_shape.actor.launch import RankFailure, run_ranks
@@ -226,11 +240,13 @@ class Kit:
             rec = {"passed": False, "error": f"{type(exc).__name__}: {str(exc)[-6000:]}",
                    "traceback": traceback.format_exc()[-3000:]}
         rec["wall_seconds"] = time.time() - t0
-        self.result["sections"][name] = rec
         verdict = "SKIPPED: " + rec["skip_reason"] if "skip_reason" in rec else ("PASSED" if rec.get("passed") else "FAILED")
         print(f"[gpu_kit] section {name}: {verdict} "
               f"({rec['wall_seconds']:.0f}s){' ' + rec['error'][:2000] if 'error' in rec else ''}", flush=True)
-        self.write()
+        with self._lock:
+            sections = {**self.result["sections"], name: rec}
+            self.result["sections"] = {k: sections[k] for k in sorted(sections, key=RECORD_ORDER.index)}
+            self.write()
 
     def _batch(self, n: int, lo: int, hi: int, vocab: int, seed: int) -> dict:
         from kit_sections import ragged_batch
@@ -657,9 +673,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="throughput cases to keep, MODEL:MODE:TOKENS[:ATTENTION], e.g. Qwen3-8B:logprob:16384 (comma list)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per section process")
     ap.add_argument("--workdir", default=None, help="scratch dir for models and checkpoints (default: a temp dir)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="with --smoke: run this many sections at a time (each in its own processes, as always)")
     ap.add_argument("--replan", action="store_true",
                     help="OUT_DIR holds a finished gpu_kit.json: only recompute its planner predictions (no GPU)")
     args = ap.parse_args(argv)
+    if args.jobs > 1 and not args.smoke:
+        ap.error("--jobs > 1 is for --smoke only: on a GPU the sections share the device and measure its memory")
     if args.replan:
         path = os.path.join(args.out_dir, "gpu_kit.json")
         with open(path) as f:
@@ -678,18 +698,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(ALL_SECTIONS)
     if unknown:
         ap.error(f"unknown --sections {sorted(unknown)}; choose from {', '.join(ALL_SECTIONS)}")
+    only = [c.strip() for c in args.cases.split(",") if c.strip()] or None
+    jobs = {"parity": lambda: kit._record("parity", kit.parity), "train": kit.train,
+            "throughput": lambda: kit._record("throughput", lambda: kit.throughput(only))}
+    for name in ("offload", "cuda_ipc", "zero2", "te_spec", "moe"):
+        jobs[name] = lambda name=name: kit._record(name, getattr(kit, name))
+    order = [name for name in ALL_SECTIONS if name in sections]
     kit.write()
     try:
-        if "parity" in sections:
-            kit._record("parity", kit.parity)
-        if "train" in sections:
-            kit.train()
-        if "throughput" in sections:
-            only = [c.strip() for c in args.cases.split(",") if c.strip()] or None
-            kit._record("throughput", lambda: kit.throughput(only))
-        for name in ("offload", "cuda_ipc", "zero2", "te_spec", "moe"):
-            if name in sections:
-                kit._record(name, getattr(kit, name))
+        if args.jobs <= 1:
+            for name in order:
+                jobs[name]()
+        else:
+            # Each section still runs in its own fresh rank processes, ``--jobs`` sections at a time (a smoke rank
+            # runs one thread, so on a 2-core machine the second core would otherwise idle).
+            order.sort(key=lambda name: name not in TWO_PROCESS_SECTIONS)
+            with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+                for fut in [pool.submit(jobs[name]) for name in order]:
+                    fut.result()
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
