@@ -29,6 +29,9 @@ from openrlhf_shape.cluster.ray_placement import RayPlacement, spawn_rank_actors
 from openrlhf_shape.testing.placement_probes import RankProbe, probe_engine, probe_slot  # noqa: E402
 from openrlhf_shape.testing.simulated_cluster import simulated_gpu_cluster  # noqa: E402
 
+# A 5-node Ray cluster for the module (~5 s to start); most tests then take well under 2 s, the rank-actor ones
+# (Megatron imports in the actors) and the doctor a few seconds.
+pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NODES, GPUS = 4, 8
 # presets whose layout needs more than the simulated NODES x GPUS (test_too_big_presets_are_refused_naming_flags)
