@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.network]
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import check_gpu_requirements as chk  # noqa: E402
 
 
+@pytest.mark.slow
+@pytest.mark.network
 def test_gpu_requirements_resolve_and_match_the_lock(tmp_path):
     lock = tmp_path / "gpu.lock.txt"
     committed_path = os.path.join(REPO, "requirements", "gpu.lock.txt")
