@@ -7,8 +7,9 @@ vLLM's Ray executor does with the environment it is given (current placement gro
 ``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``). Probes are tasks, run one at a time: a
 slot's GPU is fixed by its bundle when the group is placed, so one at a time reports what all at once
 would, while each node needs only a couple of worker processes, kept for the module
-(``simulated_cluster.SYSTEM_CONFIG``). Concurrent probes started a worker process per probe in flight
-(64 actors for the 32B preset would cost ~8 GB here); one test holds real actors for the rendezvous.
+(``simulated_cluster.SYSTEM_CONFIG``); concurrent probes started a worker process per probe in flight.
+(Actors, a process each, would cost ~8 GB for the 32B preset's 64 slots.) One test holds real actors for
+the rendezvous.
 
 The driver's platform decision on this cluster (openrlhf_shape/platform.py) is checked here too: the
 profile is the GPU path's, and Megatron rank actors placed on GPU bundles run under the profile they
