@@ -3,7 +3,10 @@ with tied embeddings (Qwen3-0.6B/1.7B/4B's layout, the demo model's too), synchr
 asynchronous (``--train.async_enable``; trainer/schedule.py).
 
 Two reference runs (module fixtures, 3 steps each), read by several tests; a test that needs to change a run
-directory works on a copy (``shutil.copytree``), so no test depends on another:
+directory works on a copy (``shutil.copytree``), so no test depends on another. Runs whose command line adds
+nothing run in this process on one Ray for the module (``run_in_process``: the command's own code after its
+flag parsing); the SIGKILLed run and the synchronous resume run as a user runs them, ``openrlhf-shape train``
+in a process (and Ray) of its own:
 
 * synchronous: the run report and the HF export; ``convert megatron`` of its last checkpoint equals that
   export; a run SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with
@@ -188,23 +191,57 @@ def _computed_keys(row: dict) -> list[str]:
             and not any(w in k for w in ("per_s", "time", "seconds"))]
 
 
-def _run(flags) -> dict:
-    """One uninterrupted run: its output directory, console output and metrics by step."""
-    out_dir = flags[flags.index("--ckpt.output_dir") + 1]
-    out = _finish(_train(flags))
+@pytest.fixture(scope="module")
+def ray_once():
+    """One local Ray for the module's in-process runs (a run leaves a Ray it did not start running); the command-line
+    runs (the SIGKILLed one, the resumes) start their own, as a user's do."""
+    import ray
+
+    for attempt in range(3):  # a loaded shared machine can miss Ray's fixed 30 s raylet start-up window
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                                               "TOKENIZERS_PARALLELISM": "false"}})
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
+    yield
+    ray.shutdown()
+
+
+def run_in_process(flags) -> dict:
+    """One run inside this process, on the module's Ray (``ray_once``): what ``openrlhf-shape train`` runs after
+    parsing its flags (:func:`~openrlhf_shape.trainer.ppo_trainer.run_training`), without a new interpreter's
+    imports and a Ray start per run. Returns its output directory, the lines it added to ``train.log`` (``out``)
+    and its metrics by step."""
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.trainer.console import LOG_FILE
+    from openrlhf_shape.trainer.ppo_trainer import run_training
+
+    cfg = load_config(None, flags)
+    out_dir = os.path.abspath(cfg.ckpt.output_dir)
+    log_path = os.path.join(out_dir, LOG_FILE)
+    start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    run_training(cfg)
+    with open(log_path) as f:
+        f.seek(start)
+        out = f.read()
     return {"dir": out_dir, "out": out, "metrics": _metrics(out_dir)}
 
 
 @pytest.fixture(scope="module")
-def sync_ref(tmp_path_factory, tied_model_dir, parity_reward_file) -> dict:
+def sync_ref(tmp_path_factory, tied_model_dir, parity_reward_file, ray_once) -> dict:
     """The synchronous reference: 3 steps, a checkpoint after each, the HF export at the end."""
-    return _run(_flags(tied_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("sync_ref") / "run")))
+    return run_in_process(_flags(tied_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("sync_ref") / "run")))
 
 
 @pytest.fixture(scope="module")
-def async_ref(tmp_path_factory, tied_model_dir, parity_reward_file) -> dict:
+def async_ref(tmp_path_factory, tied_model_dir, parity_reward_file, ray_once) -> dict:
     """The asynchronous reference (max_staleness 1, token-level correction): 3 steps, a checkpoint after each."""
-    return _run(_async_flags(tied_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("async_ref") / "run")))
+    return run_in_process(_async_flags(tied_model_dir, parity_reward_file,
+                                       str(tmp_path_factory.mktemp("async_ref") / "run")))
 
 
 # ---------------------------------------------------------------------------------------------- synchronous
@@ -307,7 +344,7 @@ def test_async_reference_run_overlaps_and_corrects_the_drift(async_ref):
 
 def test_async_interrupted_during_step_2s_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, async_ref,
                                                                                       tied_model_dir,
-                                                                                      parity_reward_file):
+                                                                                      parity_reward_file, ray_once):
     """The asynchronous reference's directory as a run killed while writing its step-2 checkpoint leaves it (the
     batches in flight after step 2 written, the checkpoint naming them half-written), resumed: it continues from
     step 1 with the batch step 1 left in flight and repeats steps 2-3. (The SIGKILL itself: the synchronous test.)"""
@@ -315,7 +352,7 @@ def test_async_interrupted_during_step_2s_checkpoint_resumes_to_the_uninterrupte
     crash_dir = _copy_run(async_ref, tmp_path / "crash")
     cut_at = cut_back_to_step_1(crash_dir, half_written_step_2=True)
     assert os.path.isfile(os.path.join(crash_dir, "checkpoints", "async_pending", "step_000002.pt"))
-    out = _finish(_train(_async_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"]))
+    out = run_in_process(_async_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
     assert "resumed from" in out and "step_000001" in out, out[-3000:]
     resumed = _metrics(crash_dir)
     assert sorted(resumed) == [1, 2, 3]
@@ -327,13 +364,13 @@ def test_async_interrupted_during_step_2s_checkpoint_resumes_to_the_uninterrupte
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
-def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file):
+def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file, ray_once):
     run_dir = str(tmp_path / "s2")
     flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC + [
         "--train.max_staleness", "2", "--train.num_steps", "4",
         "--ckpt.save_steps", "0", "--ckpt.save_hf", "false"]  # no test reads its checkpoints or its export
-    out = _finish(_train(flags))
-    m = _metrics(run_dir)
+    run = run_in_process(flags)
+    m, out = run["metrics"], run["out"]
     assert sorted(m) == [1, 2, 3, 4], out[-3000:]
     _assert_engines_compute_trained_policy(m)
     assert [m[s]["async/staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from test_train_e2e import (COMPARED, _finish, _flags, _metrics, _train, assert_engine_ran_trained_policy,  # noqa: F401
-                            cut_back_to_step_1, tied_model_dir)
+                            cut_back_to_step_1, ray_once, run_in_process, tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -27,11 +27,11 @@ def _ds_flags(model_dir, reward_file, out_dir):
     return flags
 
 
-def test_deepspeed_backend_trains_and_resumes(tmp_path, tied_model_dir, parity_reward_file):
+def test_deepspeed_backend_trains_and_resumes(tmp_path, tied_model_dir, parity_reward_file, ray_once):
     tiny_model_dir = tied_model_dir
     ref_dir = str(tmp_path / "ref")
-    out = _finish(_train(_ds_flags(tiny_model_dir, parity_reward_file, ref_dir)))
-    ref = _metrics(ref_dir)
+    run = run_in_process(_ds_flags(tiny_model_dir, parity_reward_file, ref_dir))  # the resume: on the command line
+    ref, out = run["metrics"], run["out"]
     assert sorted(ref) == [1, 2], out[-3000:]
     assert_engine_ran_trained_policy(ref)
     for r in ref.values():

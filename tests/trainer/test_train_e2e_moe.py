@@ -21,7 +21,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train_e2e import _finish, _flags, _metrics, _train, assert_engine_ran_trained_policy  # noqa: E402
+from test_train_e2e import _flags, assert_engine_ran_trained_policy, ray_once, run_in_process  # noqa: E402,F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -37,7 +37,7 @@ def moe_model_dir(tmp_path_factory) -> str:
 # update must get them back through the experiences (train_step refuses a batch without them under r2). Plain
 # disaggregated (no replay) was a third run: its layout is this one's, its update without replay the colocated one's.
 @pytest.mark.parametrize("layout", ["colocated", "disaggregated-r2"])
-def test_shape_steps_on_a_moe_policy(tmp_path, moe_model_dir, parity_reward_file, layout) -> None:
+def test_shape_steps_on_a_moe_policy(tmp_path, moe_model_dir, parity_reward_file, ray_once, layout) -> None:
     out_dir = str(tmp_path / layout)
     flags = _flags(moe_model_dir, parity_reward_file, out_dir) + [
         "--train.num_steps", "2", "--ckpt.save_steps", "0", "--actor.backend", "megatron",
@@ -46,8 +46,8 @@ def test_shape_steps_on_a_moe_policy(tmp_path, moe_model_dir, parity_reward_file
         flags.append("--train.colocate_all")
     if layout.endswith("-r2"):
         flags += ["--megatron.routing_replay", "r2", "--train.num_steps", "3", "--train.stop_after_steps", "2"]
-    out = _finish(_train(flags))
-    metrics = _metrics(out_dir)
+    run = run_in_process(flags)  # in this process, on the module's Ray (its log lines: ``out``)
+    metrics, out = run["metrics"], run["out"]
     assert sorted(metrics) == [1, 2], out[-3000:]
     for step, row in sorted(metrics.items()):
         print(f"{layout} step {step}: rollout/trainer mean |dlogp| {row['rollout/mismatch/abs_log_ratio/mean']:.2e}")
