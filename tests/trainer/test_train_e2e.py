@@ -171,8 +171,8 @@ def cut_back_to_step_1(run_dir: str, half_written_step_2: bool = False) -> float
             os.rename(path, path + TMP_SUFFIX)
         else:
             shutil.rmtree(path)
-    pending, kept = os.path.join(root, "async_pending"), {"step_000001.pt"} | ({"step_000002.pt"} if half_written_step_2
-                                                                                 else set())
+    pending = os.path.join(root, "async_pending")
+    kept = {"step_000001.pt", "step_000002.pt"} if half_written_step_2 else {"step_000001.pt"}
     for name in os.listdir(pending) if os.path.isdir(pending) else []:
         if name not in kept:
             os.remove(os.path.join(pending, name))
@@ -194,7 +194,7 @@ def _computed_keys(row: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def ray_once():
     """One local Ray for the module's in-process runs (a run leaves a Ray it did not start running); the command-line
-    runs (the SIGKILLed one, the resumes) start their own, as a user's do."""
+    runs (the SIGKILLed one, the synchronous resume) start their own, as a user's do."""
     import ray
 
     for attempt in range(3):  # a loaded shared machine can miss Ray's fixed 30 s raylet start-up window
