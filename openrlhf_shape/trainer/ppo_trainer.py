@@ -50,10 +50,14 @@ class ShapeTrainer:
         self.run_dir = os.path.abspath(cfg.ckpt.output_dir)
         self.ckpt_root = checkpoint_root(cfg)
         self.run: Run | None = None
+        self._ray_was_up: bool | None = None  # at set-up, before build_run (None: set-up stopped before that)
         self.length_alarm = LengthCollapseAlarm(cfg.shape.length_alarm_fraction, cfg.shape.length_alarm_window)
 
     def setup(self) -> None:
         check_resume(self.cfg)  # a checkpoint this run cannot continue is refused before Ray and the engines start
+        import ray
+
+        self._ray_was_up = ray.is_initialized()
         self.run = build_run(self.cfg)
 
     # ------------------------------------------------------------------ the loop
@@ -226,8 +230,8 @@ class ShapeTrainer:
             log.debug("  sample (R=%.0f, label %s): %s", s["reward"], s["label"], s["response"][-300:].replace("\n", " "))
 
     def shutdown(self) -> None:
-        import ray
-
+        """Stop what set-up started; a Ray this trainer did not start (a notebook's, a test's) is left running,
+        also when set-up stopped early (a refused resume, a refused configuration)."""
         run = self.run
         if run is not None:
             run.schedule.close()
@@ -235,9 +239,13 @@ class ShapeTrainer:
             run.cluster.engines.shutdown()
             run.cluster.actor.shutdown()
             run.cluster.shutdown()
-        own_ray = run.own_ray if run is not None else not self.cfg.train.ray_address
-        if ray.is_initialized() and own_ray:
-            ray.shutdown()
+        # without a Run, set-up failed: it started Ray only if Ray was down when it reached build_run
+        own_ray = run.own_ray if run is not None else (self._ray_was_up is False and not self.cfg.train.ray_address)
+        if own_ray:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
 
 
 def checkpoint_root(cfg: TrainConfig) -> str:

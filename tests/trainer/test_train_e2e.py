@@ -401,7 +401,7 @@ def _refused_before_start(flags, want: str) -> None:
 
 @pytest.mark.parametrize("case", ["async_as_sync", "async_at_another_depth", "sync_as_async"])
 def test_resume_of_another_mode_or_depth_is_refused_before_anything_starts(case, request, tmp_path, tied_model_dir,
-                                                                           parity_reward_file):
+                                                                           parity_reward_file, ray_once):
     """A checkpoint the run cannot continue is refused with the flag to change, from its meta.json alone:
     on a real cluster, in seconds instead of after minutes of engine and rank start-up."""
     run_dir = str(tmp_path / "run")
@@ -419,6 +419,18 @@ def test_resume_of_another_mode_or_depth_is_refused_before_anything_starts(case,
         want = "--train.async_enable: this checkpoint was written by a synchronous run"
     flags = flags + ["--ckpt.resume", "auto"]
     _refused_before_start(flags, want)
+    if case == "sync_as_async":
+        # the command's own code in a process whose Ray is up (a notebook's, this module's): refused, that Ray
+        # left running (the trainer's shutdown once stopped any Ray when set-up had not built the run)
+        import ray
+
+        from openrlhf_shape.config import load_config
+        from openrlhf_shape.trainer.ppo_trainer import run_training
+
+        assert ray.is_initialized()
+        with pytest.raises(ValueError, match=re.escape(want)):
+            run_training(load_config(None, flags))
+        assert ray.is_initialized()
     if case != "async_as_sync":
         return
     # the command line says it in one line and exits before Ray, the engines and the ranks start
