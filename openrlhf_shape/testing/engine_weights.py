@@ -35,3 +35,15 @@ def read_weights(engine) -> list[dict[str, torch.Tensor]]:
     import ray
 
     return ray.get(engine.collective_rpc.remote("shape_read_weights"))
+
+
+def skip_moe_repack(worker, skip: bool) -> None:
+    """Runs inside an engine worker (``VLLMEngine.collective_rpc(skip_moe_repack, (skip,))``): mark the MoE
+    re-pack (``worker_ext.repack_moe_experts_on_reload``) as installed (``skip``), so the next load is vLLM's
+    own reload, or let the next load install it. The negative control of the MoE sync tests. A callable gets
+    vLLM's worker wrapper; the extension lives on ``.worker``."""
+    worker = getattr(worker, "worker", worker)
+    if skip:
+        worker._shape_moe_repacked = 0
+    else:
+        worker.__dict__.pop("_shape_moe_repacked", None)

