@@ -16,8 +16,15 @@ def _snapshot(worker) -> dict[str, list[torch.Tensor]]:
     return {g: [t.detach().clone() for t in ts] for g, ts in state_tensors([worker.model], worker.optimizer).items()}
 
 
+def run_both(**kw) -> dict:
+    """The plain run, then the run with the round trips on a fresh worker, in the same rank processes (one
+    launch). The plain run goes first so the reference runs in pristine processes; between the two only the
+    model-parallel state is destroyed (the default process group stays)."""
+    return {"plain": run(**kw, offload=False, keep_group=True), "offload": run(**kw, offload=True)}
+
+
 def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model_dir: str,
-        batches: list[dict], offload: bool) -> dict:
+        batches: list[dict], offload: bool, keep_group: bool = False) -> dict:
     w = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                            master_port=master_port, platform=detect_platform())
     w.init_model(model_dir)
@@ -60,5 +67,11 @@ def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: 
         out["restored_bitwise_again"] = all(
             all(torch.equal(a, b) for a, b in zip(before[g], _snapshot(w)[g])) for g in GROUPS)
     out["metrics"].append(w.train_step(batches[1]))
-    w.shutdown()
+    if keep_group:  # another worker follows in this process: free this one, keep the process group
+        from megatron.core import parallel_state as mpu
+
+        w.model = w.optimizer = w.scheduler = None
+        mpu.destroy_model_parallel()
+    else:
+        w.shutdown()
     return out

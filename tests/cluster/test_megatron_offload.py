@@ -34,9 +34,9 @@ def test_offload_onload_round_trip(tmp_path) -> None:
     model_dir = str(make_tiny_model(tmp_path / "m", arch="qwen3", seed=1, num_layers=2, vocab_size=1024))
     cfg = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_distributed_optimizer=True,
                lr=1e-3, total_steps=10, micro_batch_max_tokens=64)
-    kw = dict(cfg=cfg, model_dir=model_dir, batches=_batches())
-    with_rt = run_ranks("offload_scenario:run", 2, kwargs={**kw, "offload": True}, extra_pythonpath=[HERE])
-    plain = run_ranks("offload_scenario:run", 2, kwargs={**kw, "offload": False}, extra_pythonpath=[HERE])
+    both = run_ranks("offload_scenario:run_both", 2, kwargs=dict(cfg=cfg, model_dir=model_dir, batches=_batches()),
+                     extra_pythonpath=[HERE])
+    with_rt, plain = [r["offload"] for r in both], [r["plain"] for r in both]
     for r in with_rt:
         assert r["offloaded_bytes"] > 0 and r["empty_after_offload"]
         assert all(e and "offloaded" in e for e in r["errors_while_offloaded"]), r["errors_while_offloaded"]
