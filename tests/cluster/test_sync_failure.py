@@ -24,19 +24,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TIMEOUT_S = 120.0  # the sync's own limit: a kill must be reported long before it
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from openrlhf_shape.testing import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("fail_qwen3"), arch="qwen3", seed=0, num_layers=2))
-
-
 @pytest.mark.parametrize("transport", ["collective", "object_store"])
-def test_engine_killed_mid_sync_raises_naming_engine_and_step(ray_local, model_dir, transport) -> None:
-    cfg = EngineConfig(model_path=model_dir, max_model_len=256, kv_cache_gib=0.25, dtype="float32")
+def test_engine_killed_mid_sync_raises_naming_engine_and_step(ray_local, tiny_model_dir, transport) -> None:
+    cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=256, kv_cache_gib=0.25, dtype="float32")
     handles = create_ray_engines(2, cfg, num_cpus_per_engine=0.5, platform=detect_platform(engine_tp=cfg.tensor_parallel_size))
     group = EngineGroup(handles)
-    holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(model_dir)
+    holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(tiny_model_dir)
     sync = EngineWeightSync(handles, engine_tp=1, transport=transport, backend="gloo", timeout_s=TIMEOUT_S)
     try:
         sync.connect(holder)
