@@ -5,8 +5,8 @@
 #   bash scripts/gpu_check.sh OUTDIR --smoke    # CPU: same code, tiny model (tests/gpu_kit/)
 #   extra flags go to benchmarks/gpu/gpu_kit.py (--sections, --cases, --timeout, --workdir; --jobs N with --smoke)
 #
-# Packages: if megatron.core / mbridge are not importable, the wheels carried in .whl/ (see
-# docs/gpu_results.md for the exact download command) are installed with --no-index --no-deps
+# Packages: if megatron.core / mbridge are not importable, the wheels carried in .whl/ (made by
+# scripts/fetch_gpu_wheels.sh: megatron-core, mbridge, DeepSpeed's Python and its small dependencies) are installed with --no-index --no-deps
 # into a scratch directory ($SHAPE_KIT_SITE, default /tmp/shape_kit_site) that goes on PYTHONPATH.
 # The repository root goes on PYTHONPATH only when openrlhf_shape is not installed.
 # Python: $PYTHON, else python3. Results: OUTDIR/gpu_kit.json, OUTDIR/gpu_kit.md.
@@ -27,10 +27,12 @@ export PYTHONUNBUFFERED=1
 installed=0
 if ! (cd / && "$PY" -c "import megatron.core, mbridge") >/dev/null 2>&1; then
     shopt -s nullglob
-    wheels=("$WHEELS"/*.whl)
+    # .whl/*.whl, .whl/common/*.whl (pure Python) and .whl/cpXY/*.whl for this Python (scripts/fetch_gpu_wheels.sh)
+    pyver="$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
+    wheels=("$WHEELS"/*.whl "$WHEELS"/common/*.whl "$WHEELS/$pyver"/*.whl)
     if [[ ${#wheels[@]} -eq 0 ]]; then
         echo "gpu_check: megatron.core/mbridge not importable and no wheels in $WHEELS;" \
-             "download megatron-core==0.16.1 and mbridge==0.15.1 wheels there (docs/gpu_results.md)" >&2
+             "run: bash scripts/fetch_gpu_wheels.sh (docs/gpu_results.md)" >&2
         exit 3
     fi
     echo "gpu_check: installing ${#wheels[@]} carried wheel(s) into $SITE"

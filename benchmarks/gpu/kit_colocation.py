@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from typing import Any
 
@@ -114,7 +115,8 @@ def _ipc_receiver(queue, ack, result, timeout_s: float) -> None:
         rank, device = 0, torch.device("cuda", 0)
 
         def __init__(self) -> None:
-            self._shape_tied = None  # no vLLM model to inspect
+            self._shape_tied = None  # no vLLM model to inspect: no tied head,
+            self._shape_moe_repacked = 0  # no CPU-packed MoE experts to re-pack
             self._shape_expected = frozenset(_ipc_tensor(i)[0] for i in range(N_IPC_TENSORS))
             self.mismatched: list[str] = []
 
@@ -142,7 +144,18 @@ def cuda_ipc(bucket_bytes: int = 32 << 20, timeout_s: float = 120.0) -> dict:
     t0 = time.perf_counter()
     for p in procs:
         p.start()
-    reports = [result.get(timeout=timeout_s + 60) for _ in procs]
+    reports: list[dict] = []
+    deadline = time.monotonic() + timeout_s + 60
+    while len(reports) < len(procs):  # stop at once when a side dies (its partner would wait its whole timeout)
+        try:
+            reports.append(result.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"cuda_ipc: {'a side exited with ' + str(dead) if dead else 'no report in time'}; "
+                                   "its traceback is in the log above") from None
     for p in procs:
         p.join(timeout=60)
     seconds = time.perf_counter() - t0
@@ -164,7 +177,7 @@ def zero2_vs_megatron(*, rank: int, world_size: int, master_addr: str, master_po
     from kit_sections import _make_model, _megatron_logprobs, _train_batch, _worker
 
     from openrlhf_shape.megatron.config import MegatronConfig
-    from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+    from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
     from openrlhf_shape.zero.config import ZeroConfig
     from openrlhf_shape.zero.worker import ZeroRankWorker
 

@@ -19,7 +19,7 @@ import kit_models
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.megatron.config import MegatronConfig
-from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
 

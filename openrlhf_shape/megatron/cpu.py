@@ -333,9 +333,11 @@ def _patch_moe_alltoall_dispatcher() -> None:
 
 def apply_cpu_patches(platform: "Platform") -> bool:
     """Apply all CPU patches once, only under a CPU profile (``platform``: the rank's, as handed).
-    Returns True if active."""
+    Returns True if active. The MoE router patch, which any machine without transformer-engine needs, is
+    applied under every profile (found on an H200 without TE: every Qwen3-MoE forward raised NameError)."""
     global _APPLIED
 
+    _patch_moe_router_gemm()  # not CPU-only: any machine without transformer-engine needs it (a no-op with TE)
     if not platform.on_cpu:
         return False
     with _LOCK:

@@ -100,9 +100,8 @@ class MegatronRankWorker:
         self.state = ActorState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size,
                                 dp_size=cfg.data_parallel_size(world_size))
         self.routing: RoutingReplay | None = None  # MoE routing replay (--megatron.routing_replay), set by init_model
-        if self.on_cpu:
-            cpu_compat.apply_cpu_patches(self.platform)
-        else:
+        cpu_compat.apply_cpu_patches(self.platform)  # on GPU only the no-transformer-engine MoE router patch
+        if not self.on_cpu:
             n_dev = torch.cuda.device_count()
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(n_dev, 1))) if n_dev > 1 else 0)
         with self._mode():
@@ -446,7 +445,7 @@ class MegatronRankWorker:
         """Forward only. Returns results on the last PP stage / TP rank 0, ``{}`` elsewhere.
 
         ``batch``: a :class:`~openrlhf_shape.batch.SequenceBatch` (or the same fields as a mapping).
-        Output (gathered by :func:`openrlhf_shape.cluster.rank_group.merge_rank_outputs`): ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
+        Output (gathered by :func:`openrlhf_shape.actor.rank_outputs.merge_rank_outputs`): ``{"indices": [i], "log_probs": [Tensor[T_i] f32 cpu], "entropy": [...]}`` where
         position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
         With ``--megatron.routing_replay`` r2 (recorded here) or r3 (``batch.routed_experts`` replayed) the output
         also carries ``"routed_experts"``: per sample ``[L_i, layers, top_k]``, to hand to :meth:`train_step`.

@@ -261,7 +261,9 @@ class ZeroRankWorker:
             # DeepSpeed averages gradients over the DP ranks; the loss is already a global token mean.
             self.state.engine.backward(loss * self.dp_size)
         self.state.engine.step()
+        sums = sums.to(self.device)  # NCCL reduces device tensors only (gloo: this is the CPU already)
         dist.all_reduce(sums)
+        sums = sums.cpu()
         # DeepSpeed skips the update itself when the global gradient norm is not finite (a non-finite
         # loss gives non-finite gradients): the step counter and the LR schedule then stay put.
         overflow = bool(getattr(self.state.engine.optimizer, "overflow", False))

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.routing_replay import moe_routers
 from openrlhf_shape.megatron.worker import MegatronRankWorker

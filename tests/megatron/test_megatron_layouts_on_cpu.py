@@ -15,7 +15,7 @@ import torch
 
 from mg_helpers import (SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, run_layout,
                         shared_tp2, shared_world1)
-from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.megatron.worker import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

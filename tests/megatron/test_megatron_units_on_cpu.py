@@ -12,7 +12,7 @@ from openrlhf_shape.actor.batching import build_micro_batch, plan_micro_batches,
 from openrlhf_shape.checkpoint_dir import COMPLETE_MARKER, latest_checkpoint
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
-from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.platform import cpu_platform, gpu_platform
 
 
@@ -159,3 +159,30 @@ def test_merge_rank_outputs_orders_and_checks_on_cpu():
     assert [float(x) for x in out["log_probs"]] == [0.0, 1.0, 2.0]
     with pytest.raises(ValueError, match="indices"):
         merge_rank_outputs([a], 3)
+
+
+# ---------------------------------------------------------------- compatibility patches
+def test_moe_router_gating_runs_without_transformer_engine_under_a_gpu_profile():
+    """megatron-core 0.16.1 binds ``moe_utils.te_general_gemm`` only when transformer-engine imports, so every
+    Qwen3-MoE forward on a GPU without TE raised NameError (the GPU kit's moe section on an H200, 2026-11-26).
+    The worker applies the patch under every profile; a GPU profile gets only that one. Run in a fresh process:
+    the patches are process-wide and another test may have applied them here already."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from megatron.core.transformer.moe import moe_utils\n"
+        "from openrlhf_shape.megatron import cpu\n"
+        "from openrlhf_shape.platform import gpu_platform\n"
+        "assert not hasattr(moe_utils, 'te_general_gemm')\n"
+        "assert cpu.apply_cpu_patches(gpu_platform()) is False\n"
+        "assert torch.cuda.synchronize is not None and not cpu._APPLIED\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x, w = torch.randn(5, 8, generator=g), torch.randn(4, 8, generator=g)\n"
+        "out = moe_utils.router_gating_linear(x, w, None, torch.float32)\n"
+        "print(float((out - x @ w.T).abs().max()))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-6

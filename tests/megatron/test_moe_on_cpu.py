@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mg_helpers import hf_logprobs_entropy, max_abs_diff, run_layout
-from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -25,7 +25,7 @@ import torch
 
 from mg_helpers import SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, shared_tp2, shared_world1
 from openrlhf_shape.actor.launch import run_ranks
-from openrlhf_shape.cluster.rank_group import merge_rank_outputs
+from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
