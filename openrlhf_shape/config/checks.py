@@ -73,8 +73,8 @@ def _check_batches(cfg: "TrainConfig") -> None:
           f"{t.batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
           f"(e.g. --train.batch_size {samples})")
     _need(t.max_epochs >= 1, "train.max_epochs", "must be >= 1")
-    _need(isinstance(t.max_tokens_per_gpu, int) and t.max_tokens_per_gpu >= 1, "train.max_tokens_per_gpu",
-          f"must be an integer >= 1 (tokens of one micro-batch on one rank), got {t.max_tokens_per_gpu!r}")
+    if not isinstance(t.max_tokens_per_gpu, int) or t.max_tokens_per_gpu < 1:
+        raise ValueError(f"--train.max_tokens_per_gpu must be an integer >= 1, got {t.max_tokens_per_gpu!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
     mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
