@@ -377,7 +377,7 @@ class Kit:
             bucket_bytes = 64 << 20
         steps, save_at = TRAIN_STEPS[k], SAVE_AT[k]
         cfg.update(use_distributed_optimizer=True, local_attention="sdpa", lr_warmup_steps=1 if self.smoke else 2,
-                   lr_decay_style="cosine", total_steps=steps, min_lr=cfg["lr"] / 10, clip_grad=1.0)
+                   lr_scheduler="cosine", total_steps=steps, min_lr=cfg["lr"] / 10, max_norm=1.0)
         state: dict[str, Any] = {}
 
         def train_section() -> dict:
@@ -440,7 +440,7 @@ class Kit:
         cases = cases or (SMOKE_CASES if self.smoke else GPU_CASES)
         if only:
             cases = [c for c in cases if _case_id(c) in only]
-        cfg = {**self.base_cfg, "local_attention": "sdpa", "recompute_activations": True,
+        cfg = {**self.base_cfg, "local_attention": "sdpa", "gradient_checkpointing_enable": True,
                "use_distributed_optimizer": True, "lr": 1e-6, "entropy_chunk_size": 16 if self.smoke else 1024}
         n_mb = 2 if self.smoke else 4
         by_model: dict[tuple, list[dict]] = {}

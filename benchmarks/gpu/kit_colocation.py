@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from typing import Any
@@ -176,9 +177,9 @@ def zero2_vs_megatron(*, rank: int, world_size: int, master_addr: str, master_po
     """Megatron first, then DeepSpeed ZeRO-2 in the same process group, from the same HF weights."""
     from kit_sections import _make_model, _megatron_logprobs, _train_batch, _worker
 
-    from openrlhf_shape.megatron.config import MegatronConfig
     from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
-    from openrlhf_shape.zero.config import ZeroConfig
+    from openrlhf_shape.megatron.config import MegatronSettings
+    from openrlhf_shape.testing.rank_configs import zero_config
     from openrlhf_shape.zero.worker import ZeroRankWorker
 
     model_dir = _make_model(model, workdir)
@@ -189,7 +190,9 @@ def zero2_vs_megatron(*, rank: int, world_size: int, master_addr: str, master_po
     out: dict[str, Any] = {"megatron": {"metrics": mg.train_step(tb)}}
     out["megatron"]["after"] = _megatron_logprobs(mg, batch)["log_probs"]
     mg.shutdown()
-    ds = ZeroRankWorker(ZeroConfig(train=MegatronConfig(**cfg), zero_stage=2), rank=rank, world_size=world_size,
+    megatron_only = {f.name for f in dataclasses.fields(MegatronSettings)}  # the Megatron rank's layout and switches
+    ds = ZeroRankWorker(zero_config({k: v for k, v in cfg.items() if k not in megatron_only}, zero_stage=2),
+                        rank=rank, world_size=world_size,
                         master_addr=master_addr, master_port=master_port, platform=detect_platform())
     ds.init_model(model_dir)
     out["deepspeed"] = {"metrics": ds.train_step(tb)}

@@ -18,7 +18,7 @@ import torch
 import kit_models
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
-from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.testing.rank_configs import megatron_config
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
@@ -34,7 +34,7 @@ def _sync() -> None:
 
 
 def _worker(cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> MegatronRankWorker:
-    return MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size,
+    return MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size,
                               master_addr=master_addr, master_port=master_port, platform=detect_platform())
 
 
@@ -296,7 +296,7 @@ def _throughput_case(worker: MegatronRankWorker, model_dir: str, hf_cfg: dict, c
     import dataclasses
 
     tokens, n_mb, update = int(case["micro_batch_tokens"]), int(case["num_micro_batches"]), case["mode"] == "update"
-    worker.cfg = dataclasses.replace(worker.cfg, micro_batch_max_tokens=tokens,
+    worker.cfg = dataclasses.replace(worker.cfg, optim=dataclasses.replace(worker.cfg.optim, micro_batch_max_tokens=tokens),
                                      local_attention=case.get("attention", worker.cfg.local_attention))
     if _cuda():
         torch.cuda.empty_cache()
@@ -333,7 +333,7 @@ def _throughput_case(worker: MegatronRankWorker, model_dir: str, hf_cfg: dict, c
         if i >= warmup:
             times.append(time.time() - t0)
     sec = sum(times) / len(times)
-    fl = kit_models.step_flops(hf_cfg, [tokens] * n_mb, resp, update=update, recompute=bool(worker.cfg.recompute_activations))
+    fl = kit_models.step_flops(hf_cfg, [tokens] * n_mb, resp, update=update, recompute=bool(worker.cfg.optim.gradient_checkpointing_enable))
     peak = int(torch.cuda.max_memory_allocated()) if _cuda() else None
     res: dict[str, Any] = {
         "num_parameters": info["num_parameters"],

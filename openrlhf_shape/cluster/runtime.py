@@ -50,10 +50,9 @@ def make_rank_group(cfg, mcfg, placement, platform: Platform) -> RankGroup:
     from openrlhf_shape.cluster.rank_group import RankGroup
 
     if cfg.actor.backend == "deepspeed":
-        from openrlhf_shape.zero.config import zero_config_from
         from openrlhf_shape.zero.worker import ZeroRankWorker
 
-        return RankGroup(ZeroRankWorker, zero_config_from(mcfg, cfg.ds), cfg.actor.world_size, placement, platform)
+        return RankGroup(ZeroRankWorker, cfg.zero_config(), cfg.actor.world_size, placement, platform)
     from openrlhf_shape.megatron.worker import MegatronRankWorker
 
     return RankGroup(MegatronRankWorker, mcfg, cfg.actor.world_size, placement, platform)

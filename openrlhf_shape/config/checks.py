@@ -73,6 +73,8 @@ def _check_batches(cfg: "TrainConfig") -> None:
           f"{t.batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
           f"(e.g. --train.batch_size {samples})")
     _need(t.max_epochs >= 1, "train.max_epochs", "must be >= 1")
+    if not isinstance(t.max_tokens_per_gpu, int) or t.max_tokens_per_gpu < 1:
+        raise ValueError(f"--train.max_tokens_per_gpu must be an integer >= 1, got {t.max_tokens_per_gpu!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
     mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
@@ -88,17 +90,20 @@ def _check_backend(cfg: "TrainConfig") -> None:
     a, ds = cfg.actor, cfg.ds
     if a.backend not in ("megatron", "deepspeed"):
         raise ValueError(f"--actor.backend: {a.backend!r}; use megatron or deepspeed")
-    if ds.param_dtype == "fp16":
-        raise ValueError("--ds.param_dtype: fp16 needs dynamic loss scaling, which this trainer does not run; "
-                         "use bf16 (or fp32 on CPU)")
-    reworded(cfg.megatron_config, "MegatronConfig", cfg.megatron_flag)  # the layout and the training settings
+    reworded(cfg.optim_config, "OptimConfig", lambda f: f"actor.{f}")  # the settings against the schedule's length
+    reworded(cfg.megatron_config, "MegatronConfig", lambda f: f"megatron.{f}")  # the layout
     if a.backend == "megatron":
         if ds.zero_stage == 3 or ds.adam_offload:
             raise ValueError(
                 "--ds.zero_stage 3 / --ds.adam_offload configure the DeepSpeed backend; add --actor.backend "
                 "deepspeed, or shard on Megatron with --megatron.use_distributed_optimizer")
         return
-    reworded(cfg.zero_config, "ZeroConfig", lambda f: f"ds.{f}")  # its own errors name the flags
+    m = cfg.megatron
+    if m.tensor_model_parallel_size != 1 or m.pipeline_model_parallel_size != 1:
+        raise ValueError("--actor.backend deepspeed shards over data parallelism only: set "
+                         "--megatron.tensor_model_parallel_size 1 and --megatron.pipeline_model_parallel_size 1 "
+                         "(or use --actor.backend megatron for TP/PP)")
+    cfg.zero_config()  # its own errors name the flags (--megatron.use_distributed_optimizer is Megatron's: unread here)
 
 
 def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:

@@ -10,7 +10,7 @@ import yaml
 from openrlhf_shape.config.checks import validate
 from openrlhf_shape.config.compat import DEPRECATED, OLD_DERIVED, translate
 from openrlhf_shape.config.flags import FlagSpace, flatten_mapping, parse_overrides
-from openrlhf_shape.config.tree import RANK_SOURCE, TrainConfig
+from openrlhf_shape.config.tree import TrainConfig
 
 # Fields decided at set-up, never flags (the value names the flag to use instead).
 DERIVED: dict[str, str] = {
@@ -21,7 +21,6 @@ DERIVED: dict[str, str] = {
     "shape.estimator": "--algo.advantage.estimator",
 }
 FLAGS = FlagSpace(TrainConfig, derived=DERIVED)
-assert not set(RANK_SOURCE) & {p.split(".", 1)[1] for p in FLAGS.types if p.startswith("megatron.")}
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

@@ -5,23 +5,25 @@
 (``data``, ``rollout``, ``vllm``, ``train``, ``actor``, ``algo``, ``eval``, ``ckpt``, ``logger``)
 plus ours (``shape``, ``probe``, ``megatron``, ``ds``, ``reward``). A YAML preset uses the same
 names nested by dots. Components keep their own config types (:class:`EngineConfig`,
-:class:`SamplingConfig`, :class:`MegatronConfig`, ...): the ``*_config()`` methods build them
-from the sections, in one place each.
+:class:`SamplingConfig`, :class:`OptimConfig`, :class:`MegatronConfig`, ...); a section that feeds one
+extends the component's settings class, so its fields are the component's, by name. The
+``*_config()`` methods build the components from the sections, in one place each.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional  # noqa: F401 (Optional: the generated sections' field types)
+from typing import Any
 
+from openrlhf_shape.actor.optim import OptimConfig, OptimSettings
 from openrlhf_shape.algorithms.config import ShapeConfig
 from openrlhf_shape.data.prompts import PromptDataConfig
-from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.megatron.config import MegatronConfig, MegatronSettings
 from openrlhf_shape.rewards.computer import RewardConfig
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
-from openrlhf_shape.zero.config import ZeroConfig
+from openrlhf_shape.zero.config import ZeroConfig, ZeroSettings
 
 DEFAULT_MAX_PROMPT_LEN = 1024  # --data.max_prompt_len's default (OpenRLHF's --data.max_len subtracts it)
 
@@ -95,18 +97,9 @@ class TrainSection:
 
 
 @dataclass
-class AdamSection:
-    """Adam(W), as both backends run it."""
-
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
-@dataclass
-class ActorSection:
-    """The policy, its ranks, and the backend-neutral optimiser, schedule and policy-loss settings."""
+class ActorSection(OptimSettings):
+    """The policy and its ranks, plus :class:`OptimSettings`: the backend-neutral optimiser (``adam.*``),
+    schedule, clipping and policy-loss settings both backends train with (validated when set)."""
 
     model_name_or_path: str = "demo"  # an HF model directory, or "demo" for the bundled SmolLM2-135M-Instruct
     backend: str = "megatron"  # megatron (TP/PP/DP, openrlhf_shape/megatron) | deepspeed (ZeRO DP, openrlhf_shape/zero)
@@ -114,17 +107,6 @@ class ActorSection:
     num_nodes: int | None = None
     num_gpus_per_node: int | None = None
     num_cpus_per_rank: float = 0.5
-    adam: AdamSection = field(default_factory=AdamSection)
-    lr_scheduler: str = "constant"  # constant | cosine | linear
-    lr_warmup_ratio: float = 0.0  # of the optimizer steps
-    lr_warmup_steps: int | None = None  # wins over lr_warmup_ratio
-    min_lr: float = 0.0  # absolute
-    min_lr_ratio: float | None = None  # min lr = ratio x lr; wins over min_lr
-    max_norm: float = 1.0  # gradient clipping (0 off)
-    eps_clip_low_high: tuple[float, float] = (0.2, 0.28)  # DAPO clip-higher
-    dual_clip: float | None = None
-    entropy_chunk_size: int = 1024  # tokens per chunk of the log-prob / entropy computation
-    gradient_checkpointing_enable: bool = False  # activation recompute
 
     @property
     def world_size(self) -> int:
@@ -195,37 +177,11 @@ class LoggerSection:
     wandb: WandbSection = field(default_factory=WandbSection)
 
 
-# MegatronConfig fields that are backend-neutral settings of the public tree: rank field -> flag path
-# (``[i]``: an element of a pair). The rank-side MegatronConfig and ZeroConfig are built from these;
-# every other MegatronConfig field is ``--megatron.<field>`` (the parallel layout and Megatron switches).
-RANK_SOURCE: dict[str, str] = {
-    "lr": "actor.adam.lr", "adam_beta1": "actor.adam.betas[0]", "adam_beta2": "actor.adam.betas[1]",
-    "adam_eps": "actor.adam.eps", "weight_decay": "actor.adam.weight_decay", "lr_decay_style": "actor.lr_scheduler",
-    "lr_warmup_fraction": "actor.lr_warmup_ratio", "lr_warmup_steps": "actor.lr_warmup_steps",
-    "min_lr": "actor.min_lr", "clip_grad": "actor.max_norm", "eps_clip_low": "actor.eps_clip_low_high[0]",
-    "eps_clip_high": "actor.eps_clip_low_high[1]", "dual_clip": "actor.dual_clip",
-    "entropy_chunk_size": "actor.entropy_chunk_size", "recompute_activations": "actor.gradient_checkpointing_enable",
-    "micro_batch_max_tokens": "train.max_tokens_per_gpu", "seed": "train.seed",
-    "total_steps": "train.num_steps (with the batch sizes and --train.max_epochs)",
-}
+@dataclass
+class MegatronSection(MegatronSettings):
+    """``--megatron.*``: the parallel layout and Megatron's own switches, plus the GPUs per rank."""
 
-
-def _section_of(component: type, name: str, skip: set[str], extra: list[tuple]) -> type:
-    """A section holding ``component``'s fields minus ``skip`` plus ``extra``: fields a component adds
-    (an MoE coefficient in MegatronConfig, say) become flags with no edit here."""
-    own = [(f.name, f.type, field(default=f.default) if f.default_factory is dataclasses.MISSING
-            else field(default_factory=f.default_factory))
-           for f in dataclasses.fields(component) if f.name not in skip and f.name != "extra"]
-    cls = dataclasses.make_dataclass(name, own + extra)
-    cls.__module__ = __name__  # pickled by reference (Ray); its field types resolve in this module
-    return cls
-
-
-# ``--megatron.*``: the parallel layout and Megatron's own switches, plus the GPUs per rank.
-MegatronSection = _section_of(MegatronConfig, "MegatronSection", set(RANK_SOURCE),
-                              [("gpus_per_rank", "float", field(default=1.0))])
-# ``--ds.*``: what only the DeepSpeed backend has (its training settings are ``actor.*`` / ``train.*``).
-DeepSpeedSection = _section_of(ZeroConfig, "DeepSpeedSection", {"train"}, [])
+    gpus_per_rank: float = 1.0
 
 
 def _train_data() -> PromptDataConfig:
@@ -248,8 +204,8 @@ class TrainConfig:
     logger: LoggerSection = field(default_factory=LoggerSection)
     shape: ShapeConfig = field(default_factory=ShapeConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
-    megatron: MegatronSection = field(default_factory=MegatronSection)  # type: ignore[valid-type]
-    ds: DeepSpeedSection = field(default_factory=DeepSpeedSection)  # type: ignore[valid-type]
+    megatron: MegatronSection = field(default_factory=MegatronSection)
+    ds: ZeroSettings = field(default_factory=ZeroSettings)  # --ds.*: what only the DeepSpeed backend has
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
@@ -276,27 +232,22 @@ class TrainConfig:
         per_rollout = max(1, (self.rollout.batch_size * self.rollout.n_samples_per_prompt) // self.train.batch_size)
         return max(1, self.train.num_steps * per_rollout * self.train.max_epochs)
 
-    @staticmethod
-    def megatron_flag(name: str) -> str:
-        """The flag (without ``--``) that sets MegatronConfig field ``name``: ``actor.*`` / ``train.*`` for the
-        backend-neutral settings (:data:`RANK_SOURCE`), ``megatron.<name>`` for the rest."""
-        return RANK_SOURCE[name].split("[")[0] if name in RANK_SOURCE else f"megatron.{name}"
+    def optim_config(self) -> OptimConfig:
+        """What both backends train with: the ``actor.*`` settings (same names) plus what the run decides:
+        the schedule's length, ``--train.max_tokens_per_gpu`` and ``--train.seed``."""
+        own = {f.name: getattr(self.actor, f.name) for f in dataclasses.fields(OptimSettings)}
+        return OptimConfig(**own, total_steps=self.total_optimizer_steps(),
+                           micro_batch_max_tokens=self.train.max_tokens_per_gpu, seed=self.train.seed)
 
     def megatron_config(self) -> MegatronConfig:
-        """What each actor rank gets: ``megatron.*`` plus the backend-neutral ``actor.*`` / ``train.*``
-        settings (:data:`RANK_SOURCE`), the schedule length and the seed."""
-        own = {f.name: getattr(self.megatron, f.name) for f in dataclasses.fields(MegatronConfig)
-               if f.name not in RANK_SOURCE and f.name != "extra"}
-        neutral = {name: self.get(path) for name, path in RANK_SOURCE.items() if name != "total_steps"}
-        if self.actor.min_lr_ratio is not None:
-            neutral["min_lr"] = self.actor.min_lr_ratio * self.actor.adam.lr
-        return MegatronConfig(**own, **neutral, total_steps=self.total_optimizer_steps())
+        """What each Megatron rank gets: ``megatron.*`` (same names) and :meth:`optim_config`."""
+        own = {f.name: getattr(self.megatron, f.name) for f in dataclasses.fields(MegatronSettings)}
+        return MegatronConfig(**own, optim=self.optim_config())
 
     def zero_config(self) -> ZeroConfig:
-        """What each DeepSpeed rank gets: ``ds.*`` plus the same training settings as Megatron's."""
-        from openrlhf_shape.zero.config import zero_config_from
-
-        return zero_config_from(self.megatron_config(), self.ds)
+        """What each DeepSpeed rank gets: ``ds.*`` (same names) and :meth:`optim_config`."""
+        own = {f.name: getattr(self.ds, f.name) for f in dataclasses.fields(ZeroSettings)}
+        return ZeroConfig(**own, optim=self.optim_config())
 
     def rollout_correction(self):
         """``--algo.advantage.is_correction_*`` as a :class:`RolloutCorrectionConfig`."""

@@ -51,7 +51,7 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spe
         "attention_dropout": 0.0,
         "batch_p2p_comm": False,
     }
-    if cfg.recompute_activations:
+    if cfg.optim.gradient_checkpointing_enable:
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if local_spec or on_cpu:
         overrides.update(

@@ -1,4 +1,9 @@
-"""Configuration of the Megatron actor backend, validated at construction."""
+"""Configuration of the Megatron actor backend, validated at construction.
+
+:class:`MegatronSettings` is the parallel layout and Megatron's own switches (the flag tree's
+``megatron`` section extends it: ``--megatron.<field>``); :class:`MegatronConfig` is what a rank is
+handed: those plus the backend-neutral training settings, ``optim`` (:mod:`openrlhf_shape.actor.optim`).
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,23 @@ from typing import Any, Optional
 
 import torch
 
+from openrlhf_shape.actor.optim import OptimConfig
 from openrlhf_shape.platform import Platform
 
-_DECAY_STYLES = ("constant", "cosine", "linear")
 _LAYER_SPECS = ("auto", "local", "te")
 _LOCAL_ATTENTIONS = ("megatron", "sdpa")
+_CKPT_FORMATS = ("dp_reshardable", "fully_reshardable")
+_REPLAY_NOT_BUILT = {  # layouts routing replay does not cover yet, and why
+    "pipeline_model_parallel_size": "the routing of every stage would have to be gathered, and 1F1B with "
+                                    "recompute needs a backward replay queue",
+    "expert_model_parallel_size": "expert parallelism tops ranks up with filler micro-batches that carry no "
+                                  "recorded routing",
+}
 
 
 @dataclass
-class MegatronConfig:
-    """Parallel layout, optimiser, schedule and policy-loss settings of the actor.
-
-    Units: learning rates are absolute; ``micro_batch_max_tokens`` counts prompt+response tokens
-    of one micro-batch on one DP rank (dynamic batching); ``entropy_chunk_size`` counts tokens
-    per chunk of the vocab-parallel log-prob/entropy computation.
-    """
+class MegatronSettings:
+    """The parallel layout and the Megatron switches (what ``--megatron.*`` sets)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -37,7 +44,6 @@ class MegatronConfig:
     moe_z_loss_coeff: float = 0.0
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
-    recompute_activations: bool = False
     # Megatron layer spec: "te" (transformer-engine modules and key names), "local" (Megatron's
     # torch modules), "auto" = te on GPU ranks, local on CPU (resolved in the rank process).
     layer_spec: str = "auto"
@@ -45,123 +51,68 @@ class MegatronConfig:
     # [batch*heads, s, s] scores in a persistent buffer) or "sdpa" (torch scaled_dot_product_attention,
     # causal; flash / memory-efficient kernels on GPU). Ignored under the TE spec.
     local_attention: str = "megatron"
-    # optimiser and schedule
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_fraction: float = 0.0
-    lr_warmup_steps: Optional[int] = None
-    lr_decay_style: str = "constant"
-    total_steps: int = 1000
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
     bf16: Optional[bool] = None  # None = auto: True on GPU ranks, False on CPU
-    seed: int = 42
-    # batching
-    micro_batch_max_tokens: int = 8192
-    # policy loss
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.28
-    dual_clip: Optional[float] = None
-    entropy_chunk_size: int = 1024
     # checkpoint format for the distributed optimizer: "dp_reshardable" (same layout) or
     # "fully_reshardable" (the layout may change between save and load)
     dist_optimizer_ckpt_format: str = "fully_reshardable"
     # MoE routing replay (megatron/routing_replay.py): "none"; "r2" = the old-log-prob pass records each token's
     # experts and the update replays them; "r3" = the rollout engine's experts are replayed in both passes
     routing_replay: str = "none"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size", "total_steps",
-                     "micro_batch_max_tokens", "entropy_chunk_size"):
-            value = getattr(self, name)
+        self._check_layout()
+        self._check_spec()
+        self._check_moe()
+
+    def _check_layout(self) -> None:
+        name = type(self).__name__
+        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            value = getattr(self, size)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MegatronConfig.{name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{name}.{size} must be an integer >= 1, got {value!r}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError(
-                "MegatronConfig.sequence_parallel=True needs tensor_model_parallel_size > 1; "
-                "set sequence_parallel=False or raise the TP size"
-            )
-        if self.lr <= 0:
-            raise ValueError(f"MegatronConfig.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"MegatronConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
-        if not 0.0 <= self.lr_warmup_fraction < 1.0:
-            raise ValueError(
-                f"MegatronConfig.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}"
-            )
-        if self.lr_warmup_steps is not None and not 0 <= self.lr_warmup_steps < self.total_steps:
-            raise ValueError(
-                f"MegatronConfig.lr_warmup_steps must be in [0, total_steps={self.total_steps}), "
-                f"got {self.lr_warmup_steps}"
-            )
-        if self.lr_decay_style not in _DECAY_STYLES:
-            raise ValueError(
-                f"MegatronConfig.lr_decay_style must be one of {_DECAY_STYLES}, got {self.lr_decay_style!r}"
-            )
-        if self.weight_decay < 0:
-            raise ValueError(f"MegatronConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"MegatronConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.adam_eps <= 0:
-            raise ValueError(f"MegatronConfig.adam_eps must be > 0, got {self.adam_eps}")
-        if self.clip_grad < 0:
-            raise ValueError(f"MegatronConfig.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
-        if not 0 <= self.eps_clip_low < 1 or self.eps_clip_high < 0:
-            raise ValueError(
-                "MegatronConfig.eps_clip_low must be in [0, 1) and eps_clip_high >= 0, got "
-                f"{self.eps_clip_low}, {self.eps_clip_high}"
-            )
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"MegatronConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"MegatronConfig.{name} must be a number >= 0 (0 turns the loss off), got {value!r}")
+            raise ValueError(f"{name}.sequence_parallel=True needs tensor_model_parallel_size > 1; "
+                             "set sequence_parallel=False or raise the TP size")
+        if self.dist_optimizer_ckpt_format not in _CKPT_FORMATS:
+            raise ValueError(f"{name}.dist_optimizer_ckpt_format must be 'dp_reshardable' or "
+                             f"'fully_reshardable', got {self.dist_optimizer_ckpt_format!r}")
+
+    def _check_spec(self) -> None:
+        name = type(self).__name__
         if self.layer_spec not in _LAYER_SPECS:
-            raise ValueError(f"MegatronConfig.layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
+            raise ValueError(f"{name}.layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
         if self.local_attention not in _LOCAL_ATTENTIONS:
-            raise ValueError(
-                f"MegatronConfig.local_attention must be one of {_LOCAL_ATTENTIONS}, got {self.local_attention!r}"
-            )
+            raise ValueError(f"{name}.local_attention must be one of {_LOCAL_ATTENTIONS}, got {self.local_attention!r}")
         if self.layer_spec == "te" and self.local_attention != "megatron":
-            raise ValueError(
-                "MegatronConfig.local_attention applies to the local layer spec only; with layer_spec='te' "
-                "leave local_attention='megatron' (TE brings its own fused attention)"
-            )
+            raise ValueError(f"{name}.local_attention applies to the local layer spec only; with layer_spec='te' "
+                             "leave local_attention='megatron' (TE brings its own fused attention)")
+
+    def _check_moe(self) -> None:
         from openrlhf_shape.megatron.routing_replay import ROUTING_REPLAY_MODES
 
+        name = type(self).__name__
+        for coeff in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, coeff)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name}.{coeff} must be a number >= 0 (0 turns the loss off), got {value!r}")
         if self.routing_replay not in ROUTING_REPLAY_MODES:
-            raise ValueError(f"MegatronConfig.routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}")
-        not_built = {  # layouts routing replay does not cover yet, and why
-            "pipeline_model_parallel_size": "the routing of every stage would have to be gathered, and 1F1B with "
-                                            "recompute needs a backward replay queue",
-            "expert_model_parallel_size": "expert parallelism tops ranks up with filler micro-batches that carry no "
-                                          "recorded routing",
-        }
-        for name, why in not_built.items():
-            if self.routing_replay != "none" and getattr(self, name) > 1:
-                raise ValueError(f"MegatronConfig.routing_replay={self.routing_replay!r} with {name}={getattr(self, name)} "
-                                 f"is not built ({why}); use {name}=1 or routing_replay='none' (docs/moe.md)")
-        if self.dist_optimizer_ckpt_format not in ("dp_reshardable", "fully_reshardable"):
-            raise ValueError(
-                "MegatronConfig.dist_optimizer_ckpt_format must be 'dp_reshardable' or "
-                f"'fully_reshardable', got {self.dist_optimizer_ckpt_format!r}"
-            )
+            raise ValueError(f"{name}.routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}")
+        for size, why in _REPLAY_NOT_BUILT.items():
+            if self.routing_replay != "none" and getattr(self, size) > 1:
+                raise ValueError(f"{name}.routing_replay={self.routing_replay!r} with {size}={getattr(self, size)} "
+                                 f"is not built ({why}); use {size}=1 or routing_replay='none' (docs/moe.md)")
+
+
+@dataclass
+class MegatronConfig(MegatronSettings):
+    """One Megatron rank's settings: the layout and switches, and ``optim``, the training settings
+    both backends share (Adam, LR schedule, clipping, policy-loss clip, micro-batch budget, seed)."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
 
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-
-    @property
-    def warmup_steps(self) -> int:
-        if self.lr_warmup_steps is not None:
-            return self.lr_warmup_steps
-        return int(self.lr_warmup_fraction * self.total_steps)
 
     @property
     def use_bf16(self) -> bool:

@@ -121,8 +121,8 @@ class MegatronRankWorker:
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                 expert_model_parallel_size=cfg.expert_model_parallel_size,
             )
-            seed_all(cfg.seed)
-            tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+            seed_all(cfg.optim.seed)
+            tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed)
         self.mpu = mpu
         from openrlhf_shape.actor.offload import StateOffloader
 
@@ -230,33 +230,34 @@ class MegatronRankWorker:
             tconfig.finalize_model_grads_func = _finalize_without_token_scaling(finalize_model_grads)
             tconfig.no_sync_func = model.no_sync
             tconfig.grad_scale_func = None
+            optim, adam = cfg.optim, cfg.optim.adam
             opt_config = OptimizerConfig(
                 optimizer="adam",
-                lr=cfg.lr,
-                min_lr=cfg.min_lr,
-                weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.adam_beta1,
-                adam_beta2=cfg.adam_beta2,
-                adam_eps=cfg.adam_eps,
-                clip_grad=cfg.clip_grad,
+                lr=adam.lr,
+                min_lr=optim.final_lr,
+                weight_decay=adam.weight_decay,
+                adam_beta1=adam.betas[0],
+                adam_beta2=adam.betas[1],
+                adam_eps=adam.eps,
+                clip_grad=optim.max_norm,
                 bf16=cfg.use_bf16,
                 params_dtype=cfg.params_dtype,
                 use_distributed_optimizer=cfg.use_distributed_optimizer,
             )
             optimizer = get_megatron_optimizer(opt_config, [model])
-            warmup = cfg.warmup_steps
+            warmup = optim.warmup_steps
             scheduler = OptimizerParamScheduler(
                 optimizer,
                 # step k < warmup uses lr * (k + 1) / (warmup + 1): no wasted zero-lr first step
-                init_lr=cfg.lr / (warmup + 1),
-                max_lr=cfg.lr,
-                min_lr=cfg.min_lr,
+                init_lr=adam.lr / (warmup + 1),
+                max_lr=adam.lr,
+                min_lr=optim.final_lr,
                 lr_warmup_steps=warmup,
-                lr_decay_steps=cfg.total_steps,
-                lr_decay_style=cfg.lr_decay_style,
-                start_wd=cfg.weight_decay,
-                end_wd=cfg.weight_decay,
-                wd_incr_steps=cfg.total_steps,
+                lr_decay_steps=optim.total_steps,
+                lr_decay_style=optim.lr_scheduler,
+                start_wd=adam.weight_decay,
+                end_wd=adam.weight_decay,
+                wd_incr_steps=optim.total_steps,
                 wd_incr_style="constant",
             )
         self.bridge, self.hf_config, self.hf_dir = bridge, hf_config, hf_dir
@@ -304,7 +305,7 @@ class MegatronRankWorker:
         shard = shards[self.mpu.get_data_parallel_rank()]
         pad_multiple = self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1
         pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        budget = self.cfg.micro_batch_max_tokens
+        budget = self.cfg.optim.micro_batch_max_tokens
         groups = plan_micro_batches([lengths[i] for i in shard], budget, pad_multiple=pad_multiple) if shard else []
         mbs = [
             build_micro_batch(seqs, plens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
@@ -346,7 +347,7 @@ class MegatronRankWorker:
             vocab_start=vocab_start,
             temperature=temperature,
             tp_group=self.mpu.get_tensor_model_parallel_group(),
-            chunk_size=self.cfg.entropy_chunk_size,
+            chunk_size=self.cfg.optim.entropy_chunk_size,
             with_entropy=with_entropy,
         )
 
@@ -496,7 +497,8 @@ class MegatronRankWorker:
         self._require_onloaded(("params", "grads", "optimizer"), "train_step")
         self._require_model()
         self._require_optimizer("train_step")
-        cfg = self.cfg
+        optim = self.cfg.optim
+        eps_low, eps_high = optim.eps_clip_low_high
         if not isinstance(batch, TrainBatch):
             raise TypeError(f"train_step needs an openrlhf_shape.batch.TrainBatch, got {type(batch).__name__}")
         batch.validate()
@@ -506,8 +508,8 @@ class MegatronRankWorker:
 
         def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
             lp, en = self._response_logprobs(hidden, mb, temperature, with_entropy=True)
-            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=cfg.eps_clip_low,
-                                           eps_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip)
+            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
+                                           eps_high=eps_high, dual_clip=optim.dual_clip)
             return loss, torch.tensor(int(stats["num_tokens"]), dtype=torch.int), stats
 
         with self._mode():
@@ -532,8 +534,8 @@ class MegatronRankWorker:
             grad_norm = float(self.optimizer.get_grad_norm()) if not found_inf else float("nan")
             ok = loss_finite and not found_inf and math.isfinite(grad_norm)
             if ok:
-                if cfg.clip_grad > 0:
-                    _clip_to_total_norm(self.optimizer, cfg.clip_grad, grad_norm)
+                if optim.max_norm > 0:
+                    _clip_to_total_norm(self.optimizer, optim.max_norm, grad_norm)
                 ok = bool(self.optimizer.step_with_ready_grads())
             if ok:
                 self.scheduler.step(increment=1)

@@ -1,43 +1,39 @@
 """Configuration of the DeepSpeed ZeRO actor backend and the DeepSpeed JSON it produces.
 
-The optimiser, LR schedule, micro-batching and policy-loss settings are the ones the Megatron
-backend reads (:class:`~openrlhf_shape.megatron.config.MegatronConfig`: ``lr``, ``min_lr``,
-warmup, decay style, Adam betas/eps, weight decay, ``clip_grad``, ``eps_clip_*``,
-``micro_batch_max_tokens``, ``entropy_chunk_size``, ``recompute_activations``, ``seed``), built from
-the backend-neutral flags ``--actor.*`` / ``--train.max_tokens_per_gpu`` (``TrainConfig.zero_config``),
-so one flag set drives either backend. :class:`ZeroConfig` adds what only DeepSpeed has (``--ds.*``).
+:class:`ZeroSettings` is what only DeepSpeed has (the flag tree's ``ds`` section: ``--ds.*``);
+:class:`ZeroConfig` is what a rank is handed: those plus ``optim``, the training settings both
+backends share (:class:`~openrlhf_shape.actor.optim.OptimConfig`: Adam, LR schedule, clipping,
+policy-loss clip, micro-batch budget, seed), so one flag set drives either backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.actor.optim import OptimConfig
 
 _ZERO_STAGES = (0, 1, 2, 3)
 _PARAM_DTYPES = ("auto", "bf16", "fp32")
 
 
 @dataclass
-class ZeroConfig:
-    """One DeepSpeed actor rank's settings.
+class ZeroSettings:
+    """DeepSpeed's own settings (``--ds.*``).
 
-    ``train``: the backend-neutral training settings (a :class:`MegatronConfig`; its TP/PP must be
-    1: ZeRO shards over data parallelism only). ``zero_stage``: 0 (plain DP), 1 (optimizer states
-    sharded), 2 (+ gradients), 3 (+ parameters). ``adam_offload``: Adam moments and fp32 master
-    weights live in host memory and are updated by ``DeepSpeedCPUAdam``. ``param_dtype``: ``auto``
-    is bf16 on GPU ranks and fp32 on CPU ranks. ``zero3_param_persistence_threshold``: ZeRO-3 keeps
-    parameters with fewer elements than this unpartitioned (DeepSpeed's default 1e5; tests use 0
-    so that every tensor of a tiny model is really sharded). ``reduce_bucket_elems``: gradient
-    reduce bucket in elements. ``attn_implementation``: the Hugging Face attention kernel
-    (``sdpa``; ``flash_attention_2`` on GPU when installed; ``eager``).
+    ``zero_stage``: 0 (plain DP), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters).
+    ``adam_offload``: Adam moments and fp32 master weights live in host memory and are updated by
+    ``DeepSpeedCPUAdam``. ``param_dtype``: ``auto`` is bf16 on GPU ranks and fp32 on CPU ranks.
+    ``zero3_param_persistence_threshold``: ZeRO-3 keeps parameters with fewer elements than this
+    unpartitioned (DeepSpeed's default 1e5; tests use 0 so that every tensor of a tiny model is
+    really sharded). ``reduce_bucket_elems``: gradient reduce bucket in elements.
+    ``attn_implementation``: the Hugging Face attention kernel (``sdpa``; ``flash_attention_2`` on
+    GPU when installed; ``eager``).
     """
 
-    train: MegatronConfig = field(default_factory=MegatronConfig)
     zero_stage: int = 2
     adam_offload: bool = False
     param_dtype: str = "auto"
@@ -46,6 +42,9 @@ class ZeroConfig:
     attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
+        if self.param_dtype == "fp16":
+            raise ValueError("--ds.param_dtype: fp16 needs dynamic loss scaling, which this trainer does not run; "
+                             "use bf16 (or fp32 on CPU)")
         if self.zero_stage not in _ZERO_STAGES:
             raise ValueError(f"--ds.zero_stage must be one of {_ZERO_STAGES}, got {self.zero_stage!r}")
         if self.param_dtype not in _PARAM_DTYPES:
@@ -53,17 +52,16 @@ class ZeroConfig:
         if self.adam_offload and self.zero_stage == 0:
             raise ValueError("--ds.adam_offload needs --ds.zero_stage 1, 2 or 3 (ZeRO-Offload moves the sharded "
                              "optimizer states to host memory)")
-        t = self.train
-        if t.tensor_model_parallel_size != 1 or t.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                "--actor.backend deepspeed shards over data parallelism only: set "
-                "--megatron.tensor_model_parallel_size 1 and --megatron.pipeline_model_parallel_size 1 "
-                "(or use --actor.backend megatron for TP/PP)")
-        if t.use_distributed_optimizer:
-            raise ValueError("--megatron.use_distributed_optimizer is a Megatron switch; with --actor.backend "
-                             "deepspeed use --ds.zero_stage to shard")
         if self.zero3_param_persistence_threshold < 0 or self.reduce_bucket_elems < 1:
             raise ValueError("zero3_param_persistence_threshold must be >= 0 and reduce_bucket_elems >= 1")
+
+
+@dataclass
+class ZeroConfig(ZeroSettings):
+    """One DeepSpeed actor rank's settings: :class:`ZeroSettings` and ``optim``. ZeRO shards over data
+    parallelism only (the trainer refuses ``--megatron.*`` TP/PP > 1 with this backend)."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -91,7 +89,6 @@ class ZeroConfig:
         """The DeepSpeed JSON. One optimizer step = one ``engine.step()`` after the last micro-batch's
         backward (the trainer marks the accumulation boundary itself), so DeepSpeed's own batch sizes
         are 1 x 1 and gradients are reduced once per step."""
-        t = self.train
         zero: dict[str, Any] = {
             "stage": self.zero_stage,
             "reduce_bucket_size": self.reduce_bucket_elems,
@@ -110,7 +107,7 @@ class ZeroConfig:
         return {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": float(t.clip_grad),
+            "gradient_clipping": float(self.optim.max_norm),
             "zero_optimization": zero,
             "bf16": {"enabled": self.use_bf16},
             "fp16": {"enabled": False},
@@ -119,15 +116,3 @@ class ZeroConfig:
             "wall_clock_breakdown": False,
         }
 
-
-def zero_config_from(train: MegatronConfig, ds: Optional[Any] = None) -> ZeroConfig:
-    """``ds``: the trainer's ``ds`` section (zero_stage, adam_offload, param_dtype, ...) or None.
-
-    ``--megatron.use_distributed_optimizer`` is Megatron's way to shard the optimizer; a preset that
-    sets it runs on DeepSpeed with ``--actor.backend deepspeed`` alone (ZeRO shards by its stage), so
-    it is dropped here. TP/PP > 1 still refuse (DeepSpeed here is data-parallel only)."""
-    train = dataclasses.replace(train, use_distributed_optimizer=False)
-    if ds is None:
-        return ZeroConfig(train=train)
-    own = {f.name: getattr(ds, f.name) for f in dataclasses.fields(ZeroConfig) if f.name != "train" and hasattr(ds, f.name)}
-    return ZeroConfig(train=train, **own)

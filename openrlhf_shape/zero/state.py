@@ -44,7 +44,7 @@ class ZeroState:
 
     def apply_lr(self) -> float:
         """Set the optimizer's learning rate to the schedule's value at ``step``; returns it."""
-        lr = lr_at(self.cfg.train, self.step)
+        lr = lr_at(self.cfg.optim, self.step)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         return lr

@@ -94,7 +94,7 @@ class ZeroRankWorker:
         deepspeed.init_distributed(dist_backend=self.platform.collective_backend, auto_mpi_discovery=False)
         self.dp_size = world_size
         self.dp_rank = rank
-        seed_all(cfg.train.seed)
+        seed_all(cfg.optim.seed)
         from openrlhf_shape.actor.offload import StateOffloader
 
         self.offloader = StateOffloader(on_gpu=self.platform.on_gpu)
@@ -136,13 +136,13 @@ class ZeroRankWorker:
 
         from openrlhf_shape.zero.model import PolicyModule, load_hf_model, register_head_weight
 
-        cfg, t = self.cfg, self.cfg.train
+        cfg, o = self.cfg, self.cfg.optim
         self._release_engine()
         hf_config = AutoConfig.from_pretrained(hf_dir)
         hf = load_hf_model(hf_dir, dtype=cfg.params_dtype, attn_implementation=cfg.attn_implementation,
-                           gradient_checkpointing=t.recompute_activations)
+                           gradient_checkpointing=o.gradient_checkpointing_enable)
         n_params = sum(p.numel() for p in hf.parameters())
-        policy = PolicyModule(hf, t.entropy_chunk_size)
+        policy = PolicyModule(hf, o.entropy_chunk_size)
         optimizer = self._make_optimizer(policy)
         engine, _, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                                config=cfg.ds_config(on_gpu=not self.on_cpu),
@@ -166,13 +166,13 @@ class ZeroRankWorker:
     def _make_optimizer(self, policy) -> torch.optim.Optimizer:
         """AdamW (decoupled weight decay, as Megatron's CPU/GPU Adam) with Megatron's grouping: no weight
         decay on biases and 1-D (norm) weights. ``DeepSpeedCPUAdam`` under ``--ds.adam_offload``."""
-        t = self.cfg.train
+        adam = self.cfg.optim.adam
         decay, no_decay = [], []
         for name, p in policy.named_parameters():
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-        groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
+        groups = [g for g in ({"params": decay, "weight_decay": adam.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        kw = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+        kw = dict(lr=adam.lr, betas=tuple(adam.betas), eps=adam.eps)
         if self.cfg.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -191,7 +191,7 @@ class ZeroRankWorker:
         lengths = [len(s) for s in batch.sequences]
         pad_id = int(getattr(self.state.hf_config, "pad_token_id", None) or 0)
         shards = shard_for_dp(lengths, self.dp_size)
-        budget = self.cfg.train.micro_batch_max_tokens
+        budget = self.cfg.optim.micro_batch_max_tokens
         counts = [len(plan_micro_batches([lengths[i] for i in s], budget)) if s else 0 for s in shards]
         shard = shards[self.dp_rank]
         mbs = []
@@ -248,14 +248,14 @@ class ZeroRankWorker:
         self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
         shard, mbs = self._plans(batch)
         lr_used = self.state.apply_lr()
-        t = self.cfg.train
+        eps_low, eps_high = self.cfg.optim.eps_clip_low_high
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
         self.state.engine.train()
         for k, mb in enumerate(mbs):
             self.state.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
             lp, en = self._forward(mb)
-            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=t.eps_clip_low,
-                                           eps_high=t.eps_clip_high, dual_clip=t.dual_clip)
+            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
+                                           eps_high=eps_high, dual_clip=self.cfg.optim.dual_clip)
             for j, key in enumerate(METRIC_KEYS):
                 sums[j] += float(stats[key])
             # DeepSpeed averages gradients over the DP ranks; the loss is already a global token mean.

@@ -6,7 +6,7 @@ import torch
 
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
-from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.testing.rank_configs import megatron_config
 from openrlhf_shape.actor.offload import GROUPS
 from openrlhf_shape.megatron.offload import state_tensors
 from openrlhf_shape.megatron.worker import MegatronRankWorker
@@ -25,7 +25,7 @@ def run_both(**kw) -> dict:
 
 def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model_dir: str,
         batches: list[dict], offload: bool, keep_group: bool = False) -> dict:
-    w = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
+    w = MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                            master_port=master_port, platform=detect_platform())
     w.init_model(model_dir)
     batches = [TrainBatch.from_ragged(b["sequences"], b["prompt_lens"], b["old_log_probs"], b["advantages"],

@@ -1,6 +1,7 @@
 """Flag name = attribute path: every flag sets the attribute of its name, the old names still work
 with one notice, an old run's saved config reads through them, and the backends train with ``actor.*``."""
 
+import dataclasses
 import json
 import os
 import typing
@@ -11,7 +12,7 @@ import yaml
 
 from openrlhf_shape.config import DERIVED, FLAGS, TrainConfig, config_from_dict, flag_view, load_config
 from openrlhf_shape.config.compat import DEPRECATED
-from openrlhf_shape.config.tree import RANK_SOURCE
+from openrlhf_shape.actor.optim import OptimConfig, OptimSettings
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -35,6 +36,12 @@ def _other_value(value, tp):
     return None
 
 
+# Flags whose sections refuse the generic other value (a string, a bound): a valid other value each.
+_VALID_OTHER = {"actor.lr_scheduler": "cosine", "actor.min_lr": 1e-7, "actor.dual_clip": 3.0,
+                "megatron.layer_spec": "local", "megatron.local_attention": "sdpa", "megatron.routing_replay": "r2",
+                "megatron.dist_optimizer_ckpt_format": "dp_reshardable", "ds.param_dtype": "bf16"}
+
+
 def test_every_flag_sets_the_attribute_of_its_name():
     """For each numeric/boolean flag: ``--a.b.c V`` changes ``cfg.a.b.c`` to V and nothing else."""
     base = TrainConfig()
@@ -43,7 +50,7 @@ def test_every_flag_sets_the_attribute_of_its_name():
     for path, tp in FLAGS.types.items():
         if path in DERIVED:
             continue
-        new = _other_value(base.get(path), tp)
+        new = _VALID_OTHER.get(path, _other_value(base.get(path), tp))
         if new is None:
             continue
         try:
@@ -84,7 +91,7 @@ def test_old_name_sets_the_new_field_with_one_notice(old):
              "engine.dtype": "bfloat16", "engine.logprobs_mode": "raw_logprobs", "engine.block_size": 64,  # old-names
              "rollout.is_correction_level": "token", "rollout.is_correction_mode": "clip",  # old-names
              "rollout.is_correction_gating": "tv", "engine.max_model_len": 4096, "rollout.max_model_len": 4096,  # old-names
-             "rollout.block_size": 64}.get(old) or _other_value(current, tp if not index else float)  # old-names
+             "rollout.block_size": 64, "megatron.dual_clip": 3.0, "megatron.min_lr": 1e-7}.get(old) or _other_value(current, tp if not index else float)  # old-names
     if value is None:
         pytest.skip(f"{old}: a tuple or list (checked by the tests of its section)")
     notices = []
@@ -106,12 +113,16 @@ def test_backends_train_with_the_actor_settings():
              "--train.max_tokens_per_gpu", "4096", "--actor.min_lr_ratio", "0.1", "--actor.max_norm", "0.5"]
     for backend in ("megatron", "deepspeed"):
         cfg = load_config(None, flags + ["--actor.backend", backend])
-        rank = cfg.megatron_config() if backend == "megatron" else cfg.zero_config().train
-        assert (rank.lr, rank.adam_beta1, rank.adam_beta2) == (3e-6, 0.9, 0.95)
-        assert (rank.eps_clip_low, rank.eps_clip_high, rank.micro_batch_max_tokens) == (0.1, 0.3, 4096)
-        assert rank.min_lr == pytest.approx(3e-7) and rank.clip_grad == 0.5
+        rank = (cfg.megatron_config() if backend == "megatron" else cfg.zero_config()).optim
+        assert (rank.adam.lr, *rank.adam.betas) == (3e-6, 0.9, 0.95)
+        assert (*rank.eps_clip_low_high, rank.micro_batch_max_tokens) == (0.1, 0.3, 4096)
+        assert rank.final_lr == pytest.approx(3e-7) and rank.max_norm == 0.5
         assert rank.total_steps == cfg.total_optimizer_steps() and rank.seed == cfg.train.seed
-    assert all(f"megatron.{name}" not in FLAGS.types for name in RANK_SOURCE)  # one flag per setting
+        for f in dataclasses.fields(OptimSettings):  # the ranks' settings are the actor section's, by name
+            assert getattr(rank, f.name) == getattr(cfg.actor, f.name), f.name
+    neutral = {f.name for f in dataclasses.fields(OptimConfig)} | {f"adam.{f}" for f in ("lr", "betas", "eps", "weight_decay")}
+    for section in ("megatron", "ds"):  # one flag per setting: no backend section repeats a backend-neutral one
+        assert not {f"{section}.{name}" for name in neutral} & set(FLAGS.types), section
 
 
 def test_rank_errors_name_the_flag_users_type():

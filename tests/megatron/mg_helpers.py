@@ -13,8 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_STEPS = 5
 SAVE_AT = 3
 # lr high enough that 5 steps visibly move the tiny model; warmup + cosine exercise the schedule
-TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_decay_style="cosine", total_steps=TRAIN_STEPS,
-                 micro_batch_max_tokens=96, clip_grad=1.0, entropy_chunk_size=16)
+TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_scheduler="cosine", total_steps=TRAIN_STEPS,
+                 micro_batch_max_tokens=96, max_norm=1.0, entropy_chunk_size=16)
 # Attention and activation switches are TransformerConfig settings, not process groups: the same ranks rebuild the
 # models with each switch on (mg_scenarios.layout_run's ``variants``) instead of launching again.
 SDPA = {"local_attention": "sdpa"}
@@ -63,7 +63,7 @@ def shared_world1(shared_results, tiny_models: dict, batch: dict) -> dict:
         res = run_layout(1, cfg=TRAIN_CFG, model_dirs=tiny_models, batch=batch, train_dir=tiny_models["qwen3"],
                          train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(folder / "ckpt"),
                          export_dir=str(folder / "hf"), bucket_bytes=200_000, wrong_qkv_arch="qwen3", nan_step=True,
-                         variants={"recompute": {"recompute_activations": True}, "sdpa": SDPA})
+                         variants={"recompute": {"gradient_checkpointing_enable": True}, "sdpa": SDPA})
         return {"res": res, "root": str(folder)}
 
     out = shared_results.get("megatron_world1", make)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.testing.rank_configs import megatron_config
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
@@ -42,7 +42,7 @@ def layout_run(
 ) -> dict:
     """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export of ``train_dir``."""
     t0 = time.time()
-    worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, platform=detect_platform())
+    worker = MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, platform=detect_platform())
     res: dict = {"logprobs": {}, "timing": {}}
     for arch, path in model_dirs.items():
         worker.init_model(path)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
-from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.testing.rank_configs import megatron_config
 from openrlhf_shape.megatron.routing_replay import moe_routers
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.platform import detect_platform
@@ -45,7 +45,7 @@ def _routing_seen(worker, store: list):
 
 def replay_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, moe_dir: str,
                perturbed_dir: str, batch: dict, layer0_drop: int = 7) -> dict:
-    worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
+    worker = MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                                 master_port=master_port, platform=detect_platform())
     n, seqs = len(batch["sequences"]), batch["sequences"]
     res: dict = {}
@@ -106,7 +106,7 @@ def r3_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cf
            engine_routed: list) -> dict:
     """The trainer's passes on an engine's samples: free (R2 records it; R3 refuses without the engine's routing)
     and with the engine's routing replayed, with what the routers actually routed each token to."""
-    worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size, master_addr=master_addr,
+    worker = MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                                 master_port=master_port, platform=detect_platform())
     n = len(batch["sequences"])
     worker.init_model(moe_dir)

@@ -31,7 +31,7 @@ import torch
 from openrlhf_shape.actor.launch import free_port
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
-from openrlhf_shape.megatron.config import MegatronConfig
+from openrlhf_shape.testing.rank_configs import megatron_config
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -74,21 +74,21 @@ def measure_update_peaks(
     *, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str, cfg: dict,
     warmup_dir: str, vocab: int, seq_len: int, rows_list: list[int],
 ) -> dict:
-    worker = MegatronRankWorker(MegatronConfig(**cfg), rank=rank, world_size=world_size,
+    worker = MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size,
                                 master_addr=master_addr, master_port=master_port, platform=detect_platform())
     worker.init_model(warmup_dir)
-    worker.cfg.micro_batch_max_tokens = 2 * 16
+    worker.cfg.optim.micro_batch_max_tokens = 2 * 16
     worker.train_step(_batch(2, 16, 1000, seed=0))
     out: dict = {"base": _rss()}
     worker.init_model(model_dir)
     out["after_init"] = _rss()
-    worker.cfg.micro_batch_max_tokens = 2 * 16
+    worker.cfg.optim.micro_batch_max_tokens = 2 * 16
     worker.train_step(_batch(2, 16, vocab, seed=1))
     out["after_warmup"] = _rss()
     out["peaks"] = {}
     for k, rows in enumerate(rows_list):
         tokens = rows // worker.dp_size * seq_len  # this rank's DP shard is one micro-batch
-        worker.cfg.micro_batch_max_tokens = tokens
+        worker.cfg.optim.micro_batch_max_tokens = tokens
         batch = _batch(rows, seq_len, vocab, seed=10 + k)
         _reset_peak()
         metrics = worker.train_step(batch)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openrlhf_shape.megatron.config import MegatronConfig
-from openrlhf_shape.zero.config import ZeroConfig, zero_config_from
+from openrlhf_shape.actor.optim import AdamConfig, OptimConfig
+from openrlhf_shape.zero.config import ZeroConfig
 from openrlhf_shape.zero.export import plan_buckets
 from openrlhf_shape.zero.schedule import lr_at
 from openrlhf_shape.platform import cpu_platform, gpu_platform
@@ -17,9 +17,9 @@ from openrlhf_shape.platform import cpu_platform, gpu_platform
 def test_lr_schedule_is_megatrons(style, warmup):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    cfg = MegatronConfig(lr=2e-3, min_lr=2e-4, lr_warmup_steps=warmup, lr_decay_style=style, total_steps=7)
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    sched = OptimizerParamScheduler(opt, init_lr=cfg.lr / (warmup + 1), max_lr=cfg.lr, min_lr=cfg.min_lr,
+    cfg = OptimConfig(adam=AdamConfig(lr=2e-3), min_lr=2e-4, lr_warmup_steps=warmup, lr_scheduler=style, total_steps=7)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.adam.lr)
+    sched = OptimizerParamScheduler(opt, init_lr=cfg.adam.lr / (warmup + 1), max_lr=cfg.adam.lr, min_lr=cfg.min_lr,
                                     lr_warmup_steps=warmup, lr_decay_steps=cfg.total_steps, lr_decay_style=style,
                                     start_wd=0.0, end_wd=0.0, wd_incr_steps=cfg.total_steps, wd_incr_style="constant")
     for step in range(9):  # past the end: min_lr
@@ -32,16 +32,15 @@ def test_config_refusals_name_the_flag():
         ZeroConfig(zero_stage=4)
     with pytest.raises(ValueError, match="--ds.adam_offload"):
         ZeroConfig(zero_stage=0, adam_offload=True)
-    with pytest.raises(ValueError, match="tensor_model_parallel_size 1"):
-        ZeroConfig(train=MegatronConfig(tensor_model_parallel_size=2))
-    with pytest.raises(ValueError, match="--ds.param_dtype"):
+    with pytest.raises(ValueError, match="--ds.param_dtype: fp16 needs dynamic loss scaling"):
         ZeroConfig(param_dtype="fp16")
-    # a preset's Megatron optimizer sharding is dropped when the trainer switches backends
-    assert zero_config_from(MegatronConfig(use_distributed_optimizer=True)).train.use_distributed_optimizer is False
+    # TP/PP > 1 is refused by the trainer's checks (test_trainer_flags_reach_the_backend); a preset's Megatron
+    # optimizer sharding is Megatron's switch, which a DeepSpeed rank's config does not hold
+    assert not hasattr(ZeroConfig(), "use_distributed_optimizer") and not hasattr(ZeroConfig(), "tensor_model_parallel_size")
 
 
 def test_ds_config():
-    z3 = ZeroConfig(train=MegatronConfig(clip_grad=0.5), zero_stage=3, adam_offload=True, param_dtype="bf16",
+    z3 = ZeroConfig(optim=OptimConfig(max_norm=0.5), zero_stage=3, adam_offload=True, param_dtype="bf16",
                     zero3_param_persistence_threshold=0).ds_config(on_gpu=True)
     assert z3["zero_optimization"]["stage"] == 3 and z3["zero_optimization"]["stage3_param_persistence_threshold"] == 0
     assert z3["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
@@ -68,9 +67,12 @@ def test_trainer_flags_reach_the_backend():
 
     cfg = load_config("configs/deepseek-r1-distill-qwen-1.5b.yaml",
                       ["--actor.backend", "deepspeed", "--ds.zero_stage", "3", "--ds.adam_offload"], check_paths=False)
-    z = zero_config_from(cfg.megatron_config(), cfg.ds)
-    assert (z.zero_stage, z.adam_offload, z.train.recompute_activations) == (3, True, True)  # + gradient checkpointing
-    assert z.train.lr == cfg.actor.adam.lr and z.train.micro_batch_max_tokens == cfg.train.max_tokens_per_gpu
+    z = cfg.zero_config()
+    assert (z.zero_stage, z.adam_offload, z.optim.gradient_checkpointing_enable) == (3, True, True)  # + gradient checkpointing
+    assert z.optim.adam.lr == cfg.actor.adam.lr and z.optim.micro_batch_max_tokens == cfg.train.max_tokens_per_gpu
+    assert z.optim == cfg.megatron_config().optim  # one optimiser config, whichever backend
+    # a preset's Megatron optimizer sharding does not stop it running on DeepSpeed (ZeRO shards by its stage)
+    load_config(None, ["--megatron.use_distributed_optimizer", "true", "--actor.backend", "deepspeed"]).zero_config()
     with pytest.raises(ValueError, match="--actor.backend deepspeed"):
         load_config("configs/qwen3-4b.yaml", ["--ds.zero_stage", "3"], check_paths=False)
     with pytest.raises(ValueError, match="tensor_model_parallel_size 1"):

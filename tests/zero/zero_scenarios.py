@@ -14,9 +14,8 @@ import time
 import torch
 
 from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.testing.batches import train_batches
-from openrlhf_shape.zero.config import ZeroConfig
+from openrlhf_shape.testing.rank_configs import zero_config
 
 
 def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_steps: int, save_at: int | None,
@@ -84,7 +83,7 @@ def zero_run(*, rank: int, world_size: int, master_addr: str, master_port: int, 
     out = {}
     worker = None
     for name, overrides in stages.items():
-        zcfg = ZeroConfig(train=MegatronConfig(**train_cfg), **overrides)
+        zcfg = zero_config(train_cfg, **overrides)
         if worker is None:
             worker = ZeroRankWorker(zcfg, rank=rank, world_size=world_size, master_addr=master_addr,
                                     master_port=master_port, platform=detect_platform())

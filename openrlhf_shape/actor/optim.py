@@ -1,0 +1,126 @@
+"""What both actor backends train with: Adam(W), the LR schedule, gradient clipping, the policy loss's
+clip range, micro-batching and the seed, validated at construction.
+
+The field names are the flag names: :class:`OptimSettings` is the ``--actor.*`` part a user sets
+(the flag tree's ``actor`` section extends it, so ``--actor.adam.lr`` sets ``cfg.actor.adam.lr``, which is
+``OptimConfig.adam.lr`` on the ranks); :class:`OptimConfig` adds what the run decides from ``--train.*``
+(the schedule's length, the micro-batch token budget, the seed). The Megatron backend
+(``MegatronConfig.optim``) and the DeepSpeed backend (``ZeroConfig.optim``) read the same object.
+
+Units: learning rates are absolute (``min_lr_ratio`` is a fraction of ``adam.lr``); steps count
+optimizer steps; ``micro_batch_max_tokens`` counts prompt+response tokens of one micro-batch on one
+data-parallel rank; ``entropy_chunk_size`` counts tokens per chunk of the log-prob/entropy computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+LR_SCHEDULERS = ("constant", "cosine", "linear")
+
+
+def _int_at_least_one(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class AdamConfig:
+    """Adam(W) with decoupled weight decay (no decay on biases and norm weights), as both backends run it."""
+
+    lr: float = 1e-6  # the peak learning rate (after warmup)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not self.lr > 0:
+            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"{name}.betas must be in [0, 1), got {tuple(self.betas)}")
+        if not self.eps > 0:
+            raise ValueError(f"{name}.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"{name}.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class OptimSettings:
+    """The ``--actor.*`` training settings both backends share (a field's name is its flag under ``actor.``)."""
+
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    lr_scheduler: str = "constant"  # constant | cosine | linear (decay after warmup to the minimum LR)
+    lr_warmup_ratio: float = 0.0  # of the optimizer steps
+    lr_warmup_steps: Optional[int] = None  # wins over lr_warmup_ratio
+    min_lr: float = 0.0  # absolute
+    min_lr_ratio: Optional[float] = None  # min lr = ratio x adam.lr; wins over min_lr
+    max_norm: float = 1.0  # gradient clipping by the global L2 norm (0 off)
+    eps_clip_low_high: tuple[float, float] = (0.2, 0.28)  # PPO ratio clip [1 - low, 1 + high] (DAPO clip-higher)
+    dual_clip: Optional[float] = None  # dual-clip PPO's bound on negative-advantage ratios (> 1), None off
+    entropy_chunk_size: int = 1024  # tokens per chunk of the log-prob / entropy computation
+    gradient_checkpointing_enable: bool = False  # activation recompute in the backward pass
+
+    def __post_init__(self) -> None:
+        self._check_schedule()
+        self._check_loss()
+
+    def _check_schedule(self) -> None:
+        name = type(self).__name__
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ValueError(f"{name}.lr_scheduler must be one of {LR_SCHEDULERS}, got {self.lr_scheduler!r}")
+        if not 0.0 <= self.lr_warmup_ratio < 1.0:
+            raise ValueError(f"{name}.lr_warmup_ratio must be in [0, 1), got {self.lr_warmup_ratio}")
+        if self.lr_warmup_steps is not None and self.lr_warmup_steps < 0:
+            raise ValueError(f"{name}.lr_warmup_steps must be >= 0 (or None), got {self.lr_warmup_steps}")
+        if self.min_lr_ratio is not None and not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.min_lr_ratio is None and not 0 <= self.min_lr <= self.adam.lr:
+            raise ValueError(f"{name}.min_lr must be in [0, adam.lr={self.adam.lr}], got {self.min_lr}")
+        if self.max_norm < 0:
+            raise ValueError(f"{name}.max_norm must be >= 0 (0 disables), got {self.max_norm}")
+
+    def _check_loss(self) -> None:
+        name = type(self).__name__
+        low, high = self.eps_clip_low_high
+        if not 0 <= low < 1 or high < 0:
+            raise ValueError(f"{name}.eps_clip_low_high must be in [0, 1) and >= 0, got {tuple(self.eps_clip_low_high)}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"{name}.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        _int_at_least_one(self, "entropy_chunk_size")
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate the decay ends at (absolute): ``min_lr_ratio x adam.lr`` when set, else ``min_lr``."""
+        return self.min_lr_ratio * self.adam.lr if self.min_lr_ratio is not None else self.min_lr
+
+
+@dataclass
+class OptimConfig(OptimSettings):
+    """What a rank trains with: the ``--actor.*`` settings plus what the run decides.
+
+    ``total_steps``: optimizer steps of the whole run (the schedule's length; the trainer derives it
+    from ``--train.num_steps``, the batch sizes and ``--train.max_epochs``). ``micro_batch_max_tokens``:
+    ``--train.max_tokens_per_gpu``. ``seed``: ``--train.seed``.
+    """
+
+    total_steps: int = 1000
+    micro_batch_max_tokens: int = 8192
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int_at_least_one(self, "total_steps")
+        _int_at_least_one(self, "micro_batch_max_tokens")
+        if self.lr_warmup_steps is not None and self.lr_warmup_steps >= self.total_steps:
+            raise ValueError(f"OptimConfig.lr_warmup_steps must be in [0, total_steps={self.total_steps}), "
+                             f"got {self.lr_warmup_steps}")
+
+    @property
+    def warmup_steps(self) -> int:
+        """Optimizer steps of linear warmup: ``lr_warmup_steps``, else ``lr_warmup_ratio x total_steps``."""
+        if self.lr_warmup_steps is not None:
+            return self.lr_warmup_steps
+        return int(self.lr_warmup_ratio * self.total_steps)

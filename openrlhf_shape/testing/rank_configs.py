@@ -1,0 +1,49 @@
+"""Rank configs from one flat mapping of field names, as the multi-process scenarios hand them on.
+
+A scenario's settings travel as a flat dict (``{"tensor_model_parallel_size": 2, "lr": 2e-3,
+"micro_batch_max_tokens": 96}``) so that a variant is one ``{**cfg, **variant}``. Each key is the name of
+a field of the backend's settings class, of :class:`OptimConfig` or of its :class:`AdamConfig`, and goes
+to the class that owns it: there is no table of names. (The trainer builds rank configs from the flag
+tree instead: ``TrainConfig.megatron_config()`` / ``zero_config()``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from openrlhf_shape.actor.optim import AdamConfig, OptimConfig
+from openrlhf_shape.megatron.config import MegatronConfig, MegatronSettings
+from openrlhf_shape.zero.config import ZeroConfig, ZeroSettings
+
+
+def _names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _split(leaves: Mapping[str, Any], settings: type) -> tuple[dict[str, Any], OptimConfig]:
+    """``leaves`` -> (the ``settings`` class's keyword arguments, the :class:`OptimConfig`)."""
+    own, optim, adam = {}, {}, {}
+    for key, value in leaves.items():
+        if key in _names(settings):
+            own[key] = value
+        elif key in _names(AdamConfig):
+            adam[key] = value
+        elif key in _names(OptimConfig) and key != "adam":
+            optim[key] = value
+        else:
+            raise TypeError(f"{key!r} is a field of neither {settings.__name__}, OptimConfig nor AdamConfig")
+    return own, OptimConfig(adam=AdamConfig(**adam), **optim)
+
+
+def megatron_config(leaves: Mapping[str, Any]) -> MegatronConfig:
+    """A :class:`MegatronConfig` from layout, switch, optimiser and Adam field names in one mapping."""
+    own, optim = _split(leaves, MegatronSettings)
+    return MegatronConfig(**own, optim=optim)
+
+
+def zero_config(leaves: Mapping[str, Any], **zero: Any) -> ZeroConfig:
+    """A :class:`ZeroConfig` from optimiser and Adam field names in ``leaves`` and DeepSpeed's own in ``zero``
+    (``leaves`` may hold DeepSpeed's too)."""
+    own, optim = _split({**leaves, **zero}, ZeroSettings)
+    return ZeroConfig(**own, optim=optim)

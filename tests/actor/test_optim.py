@@ -1,0 +1,65 @@
+"""The backend-neutral training settings (``openrlhf_shape/actor/optim.py``): defaults, the refusals that name
+the field, the schedule's derived values, and that both backends hold the same class."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from openrlhf_shape.actor.optim import AdamConfig, OptimConfig, OptimSettings
+
+
+def test_defaults():
+    cfg = OptimConfig()
+    assert cfg.eps_clip_low_high == (0.2, 0.28) and cfg.adam == AdamConfig(lr=1e-6, betas=(0.9, 0.999))
+    assert (cfg.max_norm, cfg.final_lr, cfg.warmup_steps, cfg.total_steps) == (1.0, 0.0, 0, 1000)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"lr_scheduler": "exp"}, "lr_scheduler"),
+        ({"min_lr": 1.0, "adam": AdamConfig(lr=1e-3)}, "min_lr"),
+        ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
+        ({"dual_clip": 0.5}, "dual_clip"),
+        ({"lr_warmup_steps": 10, "total_steps": 5}, "lr_warmup_steps"),
+        ({"lr_warmup_ratio": 1.0}, "lr_warmup_ratio"),
+        ({"micro_batch_max_tokens": 0}, "micro_batch_max_tokens"),
+        ({"entropy_chunk_size": 0}, "entropy_chunk_size"),
+        ({"total_steps": 0}, "total_steps"),
+        ({"max_norm": -1.0}, "max_norm"),
+        ({"eps_clip_low_high": (1.0, 0.28)}, "eps_clip_low_high"),
+    ],
+)
+def test_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"OptimConfig\.{field}"):
+        OptimConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"lr": 0.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"),
+                                           ({"eps": 0.0}, "eps"), ({"weight_decay": -0.1}, "weight_decay")])
+def test_adam_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"AdamConfig\.{field}"):
+        AdamConfig(**kwargs)
+
+
+def test_schedule_values():
+    cfg = OptimConfig(adam=AdamConfig(lr=1e-3), min_lr=1e-4, lr_warmup_ratio=0.25, total_steps=8)
+    assert cfg.warmup_steps == 2 and cfg.final_lr == 1e-4
+    assert dataclasses.replace(cfg, lr_warmup_steps=3).warmup_steps == 3  # steps win over the ratio
+    assert dataclasses.replace(cfg, min_lr_ratio=0.5).final_lr == pytest.approx(5e-4)  # the ratio wins over min_lr
+    # a min_lr past the peak is not checked while the ratio decides (the old rank config saw the resolved value only)
+    assert OptimConfig(min_lr=1.0, min_lr_ratio=0.1).final_lr == pytest.approx(1e-7)
+
+
+def test_both_backends_hold_the_one_optimiser_config():
+    from openrlhf_shape.megatron.config import MegatronConfig
+    from openrlhf_shape.zero.config import ZeroConfig
+
+    for rank_cfg in (MegatronConfig, ZeroConfig):
+        optim = {f.name: f for f in dataclasses.fields(rank_cfg)}["optim"]
+        assert optim.type in (OptimConfig, "OptimConfig"), rank_cfg
+        own = {f.name for f in dataclasses.fields(rank_cfg)} - {"optim"}
+        assert not own & {f.name for f in dataclasses.fields(OptimConfig)}, rank_cfg  # no setting in two places
+    assert issubclass(OptimConfig, OptimSettings)
