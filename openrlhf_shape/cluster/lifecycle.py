@@ -71,8 +71,8 @@ class Lifecycle:
                 self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
 
     def logprobs(self, batch) -> Any:
-        """The rank group's old log-probs and entropy of ``batch``, inside :meth:`forward` (the experience
-        maker's ``logprobs_fn``)."""
+        """The rank group's old log-probs and entropy of ``batch`` (a :class:`~openrlhf_shape.batch.LogProbs`),
+        inside :meth:`forward` (the experience maker's ``logprobs_fn``)."""
         return self.forward(self.actor.compute_logprobs_and_entropy, batch)
 
     # ---- update -------------------------------------------------------------------------------------

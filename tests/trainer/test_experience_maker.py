@@ -10,7 +10,8 @@ from openrlhf_shape.algorithms import RolloutCorrectionConfig, ShapeConfig, grpo
 from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
-from openrlhf_shape.trainer.experience import HFActor, ShapeExperienceMaker
+from openrlhf_shape.testing.hf_actor import HFActor
+from openrlhf_shape.trainer.experience import ShapeExperienceMaker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -76,10 +77,10 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
         assert (exp.old_log_probs[i, :t] <= 0).all()
         assert (exp.advantages[i, t:] == 0).all() and (exp.old_log_probs[i, t:] == 0).all()  # padding
     # old log-probs are the actor's own, recomputed for the same sequences
-    again, _ = actor.compute_logprobs_and_entropy(
-        SequenceBatch(sequences=exp.sequences[:2], prompt_lens=exp.prompt_lens[:2], temperature=1.0))
+    again = actor.compute_logprobs_and_entropy(
+        SequenceBatch(sequences=exp.sequences[:2], prompt_lens=exp.prompt_lens[:2], temperature=1.0)).log_probs
     t0 = int(exp.response_mask[0].sum())
-    assert torch.allclose(again[0, :t0], exp.old_log_probs[0, :t0], atol=1e-5)
+    assert torch.allclose(again[0][:t0], exp.old_log_probs[0, :t0], atol=1e-5)
     assert 1.0 <= m["shape/segments_per_response/mean"] <= m["shape/segments_per_response/max"] <= 4
     assert m["shape/segment_length/min"] >= 1
     assert 0.0 <= m["shape/potential_drop_rate"] <= 1.0
