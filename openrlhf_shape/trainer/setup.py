@@ -145,8 +145,8 @@ def build_run(cfg: TrainConfig) -> Run:
              mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.actor.world_size))
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
     cluster = start_cluster(cfg, mcfg, engine_cfg, platform)
-    actor, engines, lifecycle = cluster.actor, cluster.engines, cluster.lifecycle
-    log.info("actor: %s", actor.init_model(model_dir))
+    engines, lifecycle = cluster.engines, cluster.lifecycle
+    log.info("actor: %s", cluster.ranks.init_model(model_dir))
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
