@@ -87,7 +87,7 @@ class Lifecycle:
         """After the update of ``step`` (named if the sync fails): new weights into every engine. Refused while
         the engines work on a request batch (asynchronous training overlaps generation with the update):
         weights stream in between batches, never under a running request."""
-        if getattr(self.engines, "busy", False):
+        if self.engines.busy:
             raise RuntimeError(f"weight sync after step {step} requested while the engines are generating; the "
                                "asynchronous schedule must wait for the engines' side of the step first")
         if self.colocate:
