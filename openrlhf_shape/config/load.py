@@ -18,7 +18,6 @@ DERIVED: dict[str, str] = {
     "vllm.seed": "--train.seed",
     "vllm.enable_sleep_mode": "--train.colocate_all",
     "vllm.return_routed_experts": "--megatron.routing_replay r3",
-    "shape.estimator": "--algo.advantage.estimator",
 }
 FLAGS = FlagSpace(TrainConfig, derived=DERIVED)
 assert not set(RANK_SOURCE) & {p.split(".", 1)[1] for p in FLAGS.types if p.startswith("megatron.")}
@@ -38,8 +37,6 @@ def _resolved(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for flag, value in translate(pairs):
         values.update(FLAGS.resolve(flag, value))
-    if "algo.advantage.estimator" in values:  # ShapeConfig validates alpha for its estimator: give it first
-        values["shape.estimator"] = values["algo.advantage.estimator"]
     return values
 
 
@@ -69,8 +66,6 @@ def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
     for path, value in _flat(saved):
         if path not in DERIVED:
             values.update(FLAGS.resolve(path, value))
-    if "algo.advantage.estimator" in values:
-        values["shape.estimator"] = values["algo.advantage.estimator"]
     return FLAGS.build(TrainConfig(), values)
 
 

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from openrlhf_shape.algorithms import ShapeConfig, boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
-from openrlhf_shape.algorithms.estimators import get_estimator
+from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
@@ -54,7 +54,8 @@ class ShapeExperienceMaker:
     """Phase functions that turn a batch of prompt items into an :class:`ExperienceBatch`.
 
     Args:
-        shape: the estimator settings (``--shape.*``).
+        estimator: the advantage estimator (``--algo.advantage.estimator``) bound to its settings (``--shape.*``):
+            :func:`~openrlhf_shape.algorithms.estimators.get_estimator`.
         sampling: rollout sampling (``--sampling.*``; ``n`` samples per prompt).
         probe: ``--probe.*`` (m, the probe length, adaptive rounds).
         engines: an :class:`~openrlhf_shape.rollout.group.EngineGroup` (rollouts and probes).
@@ -70,7 +71,7 @@ class ShapeExperienceMaker:
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
     """
 
-    def __init__(self, shape: ShapeConfig, sampling: SamplingConfig, probe: ProbeConfig, engines, logprobs_fn: LogProbFn,
+    def __init__(self, estimator: AdvantageEstimator, sampling: SamplingConfig, probe: ProbeConfig, engines, logprobs_fn: LogProbFn,
                  reward, tokenizer, dynamic_filtering: bool = False,
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
@@ -87,12 +88,12 @@ class ShapeExperienceMaker:
             sampling = dataclasses.replace(sampling, logprobs=True)
         self.dynamic_filtering_range = tuple(dynamic_filtering_range)
         self.reward_clip_range = tuple(reward_clip_range)
-        self.shape, self.sampling, self.probe_cfg = shape, sampling, probe
+        self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
-        self.estimator = get_estimator(shape)
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
-        self._delims = delimiter_token_ids(tokenizer, shape.delimiter) if shape.segmentation == "delimiter" else None
+        self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
+                        else None)
 
     def make_experience(self, items: Sequence, log: StepLog | None = None) -> ExperienceBatch:
         """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label), timed
@@ -240,7 +241,7 @@ class ShapeExperienceMaker:
                    potentials: torch.Tensor | None) -> PhaseOutput:
         """Token advantages ``[B, T]`` from the registered estimator (and TCR)."""
         res = compute_token_advantages(
-            self.shape, exp.response_mask, exp.rewards,
+            self.estimator, exp.response_mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
             max_response_len=self.sampling.max_tokens, entropy=exp.entropy, boundaries=boundaries,
             potentials=potentials,

@@ -108,6 +108,7 @@ def build_run(cfg: TrainConfig) -> Run:
 
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
+    from openrlhf_shape.algorithms.estimators import get_estimator
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
     from openrlhf_shape.trainer.schedule import make_schedule
@@ -150,7 +151,8 @@ def build_run(cfg: TrainConfig) -> Run:
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    maker = ShapeExperienceMaker(cfg.shape, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
+    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # --algo.advantage.estimator over --shape.*
+    maker = ShapeExperienceMaker(estimator, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
                                  reward, tokenizer,
                                  dynamic_filtering=cfg.algo.dynamic_filtering_enable,
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),

@@ -103,10 +103,14 @@ def test_probe_count_is_owned_by_the_probe_section_and_checked_once():
 
 
 def test_estimator_flag_is_the_one_source_of_the_algorithms_estimator():
+    """One field holds the estimator's name (``--algo.advantage.estimator``); ``--shape.*`` holds its settings
+    (no copy of the name), and the paper's bounds are checked for the estimator that field names."""
     cfg = load_config(None, ["--algo.advantage.estimator", "group_norm", "--shape.alpha", "0.6"])  # OpenRLHF's name
-    assert cfg.algo.advantage.estimator == "grpo" and cfg.shape.estimator == "grpo"  # grpo ignores alpha's bound
-    with pytest.raises(ValueError, match="--shape.estimator is derived .* use --algo.advantage.estimator"):
-        load_config(None, ["--shape.estimator", "mrt"])
+    assert cfg.algo.advantage.estimator == "grpo" and cfg.shape.alpha == 0.6  # grpo ignores alpha's bound
+    assert "estimator" not in cfg.to_dict()["shape"] and "shape.estimator" not in FLAGS.types
+    for estimator in ("shape", "mrt"):
+        with pytest.raises(ValueError, match=r"--shape\.alpha: alpha=0\.6 >= 0\.5 .* A\.1"):
+            load_config(None, ["--algo.advantage.estimator", estimator, "--shape.alpha", "0.6"])
 
 
 def test_derived_fields_are_refused_naming_the_flag():
@@ -131,7 +135,7 @@ def test_saved_config_reads_back():
         "--eval.top_p", "0.9", "--actor.adam.betas", "0.9", "0.98", "--probe.num_probes", "2",
         "--algo.advantage.estimator", "mrt", "--algo.advantage.is_correction_level", "token"], check_paths=False)
     again = config_from_dict(json.loads(json.dumps(cfg.to_dict())))
-    assert again.to_dict() == cfg.to_dict() and again.shape.estimator == "mrt"
+    assert again.to_dict() == cfg.to_dict() and again.algo.advantage.estimator == "mrt"
     assert again.megatron_config() == cfg.megatron_config()
 
 
