@@ -167,9 +167,9 @@ def print_frontier(gt_states: torch.Tensor, jac: torch.Tensor, max_cap: int) -> 
 
 
 def advantages(st, potentials: list[torch.Tensor]) -> torch.Tensor:
-    from openrlhf_shape.algorithms import compute_token_advantages, pad_potentials
+    from openrlhf_shape.algorithms import compute_token_advantages, get_estimator, pad_potentials
 
-    res = compute_token_advantages(st.shape, st.mask, st.rewards, st.n_samples, st.max_new_tokens,
+    res = compute_token_advantages(get_estimator("shape", st.shape), st.mask, st.rewards, st.n_samples, st.max_new_tokens,
                                    entropy=st.entropy, boundaries=st.boundaries,
                                    potentials=pad_potentials(potentials, st.shape.num_segments))
     return res.token_advantages[st.mask].double()

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from openrlhf_shape.algorithms import ShapeConfig, compute_token_advantages, segment_batch, token_entropy
+from openrlhf_shape.algorithms import ShapeConfig, compute_token_advantages, get_estimator, segment_batch, token_entropy
 
 
 def bench_pipeline(batch: int, tokens: int, repeats: int) -> dict[str, float]:
@@ -24,6 +24,7 @@ def bench_pipeline(batch: int, tokens: int, repeats: int) -> dict[str, float]:
     ent = torch.rand(batch, tokens, generator=g) * 3
     rewards = (torch.rand(batch, generator=g) > 0.5).float()
     cfg = ShapeConfig(num_segments=8, min_segment_len=8)
+    estimator = get_estimator("shape", cfg)
     best = {"segment": float("inf"), "advantages+tcr": float("inf"), "cpu": float("inf")}
     for _ in range(repeats):
         c0 = time.process_time()
@@ -34,7 +35,7 @@ def bench_pipeline(batch: int, tokens: int, repeats: int) -> dict[str, float]:
         phi = (torch.randint(0, 9, (batch, cfg.num_segments + 1), generator=g).float() / 8)
         phi.scatter_(1, n_seg[:, None], rewards[:, None])
         t2 = time.perf_counter()
-        compute_token_advantages(cfg, mask, rewards, 8, tokens, ent, bnd, phi)
+        compute_token_advantages(estimator, mask, rewards, 8, tokens, ent, bnd, phi)
         t3 = time.perf_counter()
         best["cpu"] = min(best["cpu"], time.process_time() - c0)
         best["segment"] = min(best["segment"], t1 - t0)

@@ -55,10 +55,10 @@ def measure(model_dir: str, samples: list[dict]) -> dict:
     eng = torch.cat([torch.tensor(s["logprobs"]) for s in samples])
     row = {}
     for name in ("free", "replayed"):
-        d = (torch.cat(res[name]["log_probs"]) - eng).abs()
+        d = (torch.cat(res[name].log_probs) - eng).abs()
         row[name] = {"mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max())}
     flips = total = 0
-    for free, r in zip(res["free"]["routed_experts"], routed):
+    for free, r in zip(res["free"].routed_experts, routed):
         n = r.shape[0]
         a, b = torch.sort(free[:n].long(), -1)[0], torch.sort(r.long(), -1)[0]
         flips += int((a != b).any(-1).sum())

@@ -47,7 +47,7 @@ def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=No
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.rollout import EngineConfig, EngineGroup, SamplingConfig, VLLMEngine
     from openrlhf_shape.config import load_config
-    from openrlhf_shape.trainer.experience import HFActor
+    from openrlhf_shape.testing.hf_actor import HFActor
     from openrlhf_shape.trainer.setup import _prompt_source
 
     cfg = load_config(os.path.join(ROOT, "configs", "cpu-smoke.yaml"), [])
@@ -81,7 +81,7 @@ def build_demo_states(num_prompts: int, n_samples: int, seed: int = 0, reward=No
     actor = HFActor(model_dir)
     seqs = [list(it.prompt_ids) + resp for it, resp in zip(sample_items, responses)]
     _, ent = actor.compute_logprobs_and_entropy(
-        SequenceBatch(sequences=seqs, prompt_lens=[len(it.prompt_ids) for it in sample_items], temperature=r.temperature))
+        SequenceBatch(sequences=seqs, prompt_lens=[len(it.prompt_ids) for it in sample_items], temperature=r.temperature)).padded()
     del actor
     mask = length_mask([len(x) for x in responses], ent.shape[1])
     bounds = segment_batch(ent, mask, cfg.shape)

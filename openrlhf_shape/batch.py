@@ -1,4 +1,7 @@
-"""Typed batches between the experience maker and the actor (the policy loss).
+"""Typed batches between the experience maker and the actor (the policy loss), and what the actor returns.
+
+:class:`SequenceBatch` goes into a forward, :class:`LogProbs` comes back from it, :class:`ExperienceBatch`
+is one step's experiences (filled phase by phase), :class:`TrainBatch` goes into an optimizer step.
 
 Rows are samples in prompt-major order (the n samples of one prompt are contiguous). Token ids stay
 ragged (``list[list[int]]``) because the actor re-packs them into micro-batches by a token budget;
@@ -9,7 +12,8 @@ response token j of row i sits at column j (``sequences[i][prompt_lens[i] + j]``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -129,3 +133,102 @@ class TrainBatch(SequenceBatch):
             t = getattr(self, name)
             if tuple(t.shape[:1]) != shape[:1] or t.dim() != 2 or t.shape[1] < shape[1]:
                 raise ValueError(f"batch.{name} must be [B, T] = [{shape[0]}, >= {shape[1]}], got {tuple(t.shape)}")
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """Log-probs and entropy of a :class:`SequenceBatch`'s responses, per sample in batch order.
+
+    ``log_probs`` / ``entropy``: B float32 tensors ``[T_i]`` (T_i = sample i's response length), the
+    sampled tokens' log-probs and the full distribution's entropy (nats) at the batch's temperature.
+    ``routed_experts``: MoE routing replay (``--megatron.routing_replay``): per sample ``[L_i, layers,
+    top_k]`` the experts this pass routed each token to (recorded, R2, or replayed); None without replay.
+    """
+
+    log_probs: list[torch.Tensor]
+    entropy: list[torch.Tensor]
+    routed_experts: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.log_probs)
+
+    def padded(self, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_probs, entropy)``, each float32 ``[B, width]`` (0-padded; width defaults to the longest)."""
+        return pad_rows(self.log_probs, width), pad_rows(self.entropy, width)
+
+
+@dataclass
+class ExperienceBatch:
+    """One step's experiences, filled phase by phase. B samples (prompt-major), T = longest response.
+
+    ``items``: each sample's prompt item (prompt text and ids, label, dataset ``index``);
+    ``sequences`` prompt + response ids; ``texts`` decoded responses; ``response_mask`` ``[B, T]``
+    bool; ``rollout_log_probs`` ``[B, T]`` vLLM's sampled-token log-probs (when sampled with
+    ``logprobs``); ``rewards`` / ``scores`` ``[B]``; ``old_log_probs`` / ``entropy`` /
+    ``advantages`` ``[B, T]`` float32, 0 at padding; ``is_weights`` ``[B, T]`` the rollout-correction
+    weights (None when the correction is off).
+    """
+
+    items: list[Any]
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    texts: list[str]
+    response_mask: torch.Tensor
+    rollout_log_probs: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
+    # MoE routing replay (--megatron.routing_replay): per sample [L_i, layers, top_k] expert ids, from the engine
+    # (R3) or recorded by the old-log-prob pass (R2); handed to every train_batch
+    routed_experts: list[torch.Tensor] | None = None
+    # Updates held by the weights that generated the batch (the engines') and by those that computed its old
+    # log-probs and entropy (the ranks'): equal in synchronous training; --train.async_enable reads the gap
+    policy_version: int = 0
+    logprob_version: int = 0
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def responses(self) -> list[list[int]]:
+        return [s[p:] for s, p in zip(self.sequences, self.prompt_lens)]
+
+    def response_ids(self) -> torch.Tensor:
+        """``[B, T]`` long response token ids (0-padded)."""
+        return pad_rows([torch.tensor(r, dtype=torch.long) for r in self.responses], self.response_mask.shape[1],
+                        torch.long)
+
+    def select(self, rows: Sequence[int]) -> "ExperienceBatch":
+        """The samples at ``rows`` (tensors indexed, lists picked); metrics and samples kept."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        take = lambda t: None if t is None else t[idx]  # noqa: E731
+        return dataclasses.replace(
+            self, items=pick(self.items), sequences=pick(self.sequences), prompt_lens=pick(self.prompt_lens),
+            texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
+            rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
+            entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
+            routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
+        )
+
+    def sequence_batch(self, temperature: float) -> SequenceBatch:
+        return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature,
+                             routed_experts=self.routed_experts)
+
+    def train_batch(self, rows: Sequence[int], temperature: float) -> TrainBatch:
+        """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        mask = self.response_mask[idx]
+        width = max(int(mask.sum(-1).max()), 0) if len(idx) else 0
+        return TrainBatch(
+            sequences=[self.sequences[i] for i in rows], prompt_lens=[self.prompt_lens[i] for i in rows],
+            temperature=temperature, old_log_probs=self.old_log_probs[idx, :width],
+            advantages=self.advantages[idx, :width], loss_mask=mask[:, :width],
+            is_weights=None if self.is_weights is None else self.is_weights[idx, :width],
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
+        )

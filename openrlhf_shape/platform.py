@@ -175,7 +175,7 @@ def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platfor
     threads = engine_threads = None
     if cfg is not None:
         engines = max(int(cfg.vllm.num_engines), 1)
-        both = bool(getattr(cfg.train, "async_enable", False))
+        both = bool(cfg.train.async_enable)
         threads = (int(cpus_per_rank) if cpus_per_rank >= 1
                    else max(1, cores // (max(world, 1) + (engines if both else 0))))
         # Likewise the engines while they generate; at engine TP > 1 each worker is bound to one core instead.

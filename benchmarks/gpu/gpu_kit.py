@@ -158,16 +158,17 @@ def _err(a: list, b: list) -> dict:
     return {"max": float(d.max()) if d.numel() else 0.0, "mean": float(d.mean()) if d.numel() else 0.0}
 
 
-def _compare(mg: dict, hf: dict, *, gpu: bool) -> dict:
-    """Megatron vs HF references for log_probs and entropy; verdict per the tolerance rules above."""
+def _compare(mg, hf: dict, *, gpu: bool) -> dict:
+    """Megatron vs HF references (``LogProbs``; HF's by dtype) for log_probs and entropy; verdict per the
+    tolerance rules above."""
     out: dict[str, Any] = {"passed": True}
     for key in ("log_probs", "entropy"):
-        e32 = _err(mg[key], hf["float32"][key])
+        e32 = _err(getattr(mg, key), getattr(hf["float32"], key))
         rec: dict[str, Any] = {"megatron_vs_hf_fp32": e32}
         if gpu:
-            floor = _err(hf["bfloat16"][key], hf["float32"][key])
+            floor = _err(getattr(hf["bfloat16"], key), getattr(hf["float32"], key))
             rec["hf_bf16_vs_hf_fp32"] = floor
-            rec["megatron_vs_hf_bf16"] = _err(mg[key], hf["bfloat16"][key])
+            rec["megatron_vs_hf_bf16"] = _err(getattr(mg, key), getattr(hf["bfloat16"], key))
             tol = {"max": BF16_FACTOR * floor["max"] + BF16_MAX_FLOOR, "mean": BF16_FACTOR * floor["mean"] + BF16_MEAN_FLOOR}
         else:
             tol = {"max": FP32_TOL, "mean": FP32_TOL}
@@ -175,8 +176,8 @@ def _compare(mg: dict, hf: dict, *, gpu: bool) -> dict:
         rec["passed"] = e32["max"] <= tol["max"] and e32["mean"] <= tol["mean"]
         out[key] = rec
         out["passed"] = out["passed"] and rec["passed"]
-    out["mean_entropy_hf_fp32"] = float(_flat(hf["float32"]["entropy"]).mean())
-    out["num_response_tokens"] = int(_flat(hf["float32"]["log_probs"]).numel())
+    out["mean_entropy_hf_fp32"] = float(_flat(hf["float32"].entropy).mean())
+    out["num_response_tokens"] = int(_flat(hf["float32"].log_probs).numel())
     return out
 
 
@@ -395,7 +396,7 @@ class Kit:
             ref = first["metrics"][save_at:]
             got = resumed["metrics"]
             diffs = {key: [abs(a[key] - b[key]) for a, b in zip(ref, got)] for key in ("loss", "grad_norm", "lr", "entropy")}
-            final_diff = _err(resumed["final"]["log_probs"], first["final"]["log_probs"])
+            final_diff = _err(resumed["final"].log_probs, first["final"].log_probs)
             tol = RESUME_TOL[k]
             resume_ok = (len(got) == len(ref) == steps - save_at and int(resumed["extra"]["step"]) == save_at
                          and max(diffs["loss"]) <= tol and max(diffs["lr"]) <= 1e-12)

@@ -43,9 +43,9 @@ def offload(*, rank: int, world_size: int, master_addr: str, master_port: int, c
     model_dir = _make_model(model, workdir)
     w = _worker(cfg, rank, world_size, master_addr, master_port)
     w.init_model(model_dir)
-    old = _megatron_logprobs(w, batch)["log_probs"]
+    old = _megatron_logprobs(w, batch).log_probs
     w.train_step(_train_batch(batch, old, seed=11))  # optimizer states exist from here on
-    before = _megatron_logprobs(w, batch)["log_probs"]
+    before = _megatron_logprobs(w, batch).log_probs
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     out: dict[str, Any] = {"reserved_before": _reserved()}
     t0 = time.perf_counter()
@@ -61,7 +61,7 @@ def offload(*, rank: int, world_size: int, master_addr: str, master_port: int, c
     w.offload_states()
     w.onload_states()
     out["host_bytes_second_round"] = w.offloader.host_bytes_allocated
-    after = _megatron_logprobs(w, batch)["log_probs"]
+    after = _megatron_logprobs(w, batch).log_probs
     out["logprobs_max_abs_change"] = _max_abs(before, after)
     out["pinned"] = bool(w.offloader.pin_memory)
     w.shutdown()
@@ -185,10 +185,10 @@ def zero2_vs_megatron(*, rank: int, world_size: int, master_addr: str, master_po
     model_dir = _make_model(model, workdir)
     mg = _worker(cfg, rank, world_size, master_addr, master_port)
     mg.init_model(model_dir)
-    old = _megatron_logprobs(mg, batch)["log_probs"]
+    old = _megatron_logprobs(mg, batch).log_probs
     tb = _train_batch(batch, old, seed=21)
     out: dict[str, Any] = {"megatron": {"metrics": mg.train_step(tb)}}
-    out["megatron"]["after"] = _megatron_logprobs(mg, batch)["log_probs"]
+    out["megatron"]["after"] = _megatron_logprobs(mg, batch).log_probs
     mg.shutdown()
     megatron_only = {f.name for f in dataclasses.fields(MegatronSettings)}  # the Megatron rank's layout and switches
     ds = ZeroRankWorker(zero_config({k: v for k, v in cfg.items() if k not in megatron_only}, zero_stage=2),
@@ -197,7 +197,7 @@ def zero2_vs_megatron(*, rank: int, world_size: int, master_addr: str, master_po
     ds.init_model(model_dir)
     out["deepspeed"] = {"metrics": ds.train_step(tb)}
     out["deepspeed"]["after"] = merge_rank_outputs([ds.compute_logprobs_and_entropy(batch)],
-                                                   len(batch["sequences"]))["log_probs"]
+                                                   len(batch["sequences"])).log_probs
     out["dtype"] = str(ds.cfg.param_dtype)
     ds.shutdown()
     return out

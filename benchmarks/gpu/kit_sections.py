@@ -20,6 +20,7 @@ from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.batch import TrainBatch
 from openrlhf_shape.testing.rank_configs import megatron_config
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
+from openrlhf_shape.batch import LogProbs
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
 
@@ -71,7 +72,7 @@ def hf_logprobs_entropy(model_dir: str, batch: dict, dtype: torch.dtype) -> tupl
     return lps, ents
 
 
-def _megatron_logprobs(worker: MegatronRankWorker, batch: dict) -> dict:
+def _megatron_logprobs(worker: MegatronRankWorker, batch: dict) -> LogProbs:
     return merge_rank_outputs([worker.compute_logprobs_and_entropy(batch)], len(batch["sequences"]))
 
 
@@ -79,7 +80,7 @@ def _hf_refs(model_dir: str, batch: dict) -> dict:
     refs = {"float32": hf_logprobs_entropy(model_dir, batch, torch.float32)}
     if _cuda():
         refs["bfloat16"] = hf_logprobs_entropy(model_dir, batch, torch.bfloat16)
-    return {k: {"log_probs": v[0], "entropy": v[1]} for k, v in refs.items()}
+    return {k: LogProbs(log_probs=v[0], entropy=v[1]) for k, v in refs.items()}
 
 
 # ---------------------------------------------------------------------------------------- parity
@@ -154,7 +155,7 @@ def swap_experts_pairwise(gpt: torch.nn.Module) -> int:
     return moved
 
 
-def _wrong_qkv_logprobs(worker: MegatronRankWorker, model_dir: str, batch: dict) -> dict:
+def _wrong_qkv_logprobs(worker: MegatronRankWorker, model_dir: str, batch: dict) -> LogProbs:
     """Negative control: q/k/v loaded flat-concatenated (no per-KV-group interleave), same batch.
 
     Shows the parity tolerance is not vacuous: a real conversion bug must land far outside it.
@@ -192,7 +193,7 @@ def train_first(*, rank: int, world_size: int, master_addr: str, master_port: in
     model_dir = _make_model(model, os.path.join(workdir, "train_model"))
     worker = _worker(cfg, rank, world_size, master_addr, master_port)
     info = worker.init_model(model_dir)
-    old = _megatron_logprobs(worker, batch)["log_probs"]
+    old = _megatron_logprobs(worker, batch).log_probs
     tb = _train_batch(batch, old, seed=7)
     metrics, step_s = [], []
     ckpt = os.path.join(workdir, "ckpt", f"step_{save_at}")

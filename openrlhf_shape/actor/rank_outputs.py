@@ -9,13 +9,15 @@ from typing import Optional
 
 import torch
 
+from openrlhf_shape.batch import LogProbs
 
-def merge_rank_outputs(outputs: list[dict], n: int) -> dict:
+
+def merge_rank_outputs(outputs: list[dict], n: int) -> LogProbs:
     """Merge per-rank ``compute_logprobs_and_entropy`` outputs into batch order.
 
-    ``outputs``: one dict per rank (``{}`` for ranks without results). Returns
-    ``{"log_probs": [Tensor[T_i]] * n, "entropy": [...]}`` (and ``"routed_experts"``: [Tensor[L_i, layers,
-    top_k]] * n under MoE routing replay); raises if a sample is missing.
+    ``outputs``: one dict per rank (``{}`` for ranks without results), each ``{"indices": [i], "log_probs":
+    [Tensor[T_i]], "entropy": [...]}`` (and ``"routed_experts"``: [Tensor[L_i, layers, top_k]] under MoE
+    routing replay). Returns the n samples' :class:`~openrlhf_shape.batch.LogProbs`; raises if one is missing.
     """
     log_probs: list[Optional[torch.Tensor]] = [None] * n
     entropy: list[Optional[torch.Tensor]] = [None] * n
@@ -29,11 +31,10 @@ def merge_rank_outputs(outputs: list[dict], n: int) -> dict:
     missing = [i for i in range(n) if log_probs[i] is None]
     if missing:
         raise ValueError(f"no rank returned results for batch indices {missing[:10]} (of {len(missing)})")
-    merged = {"log_probs": log_probs, "entropy": entropy}
+    routed: Optional[list[Optional[torch.Tensor]]] = None
     if any("routed_experts" in out for out in outputs if out):  # MoE routing replay (megatron/routing_replay.py)
-        routed: list[Optional[torch.Tensor]] = [None] * n
+        routed = [None] * n
         for out in outputs:
             for idx, r in zip(out.get("indices", []), out.get("routed_experts", [])):
                 routed[idx] = r
-        merged["routed_experts"] = routed
-    return merged
+    return LogProbs(log_probs=log_probs, entropy=entropy, routed_experts=routed)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-ESTIMATORS = ("shape", "mrt", "grpo")  # registered in algorithms/estimators.py
 SEGMENTATIONS = ("entropy", "uniform", "delimiter")
 OUTCOME_BASELINES = ("none", "group_mean", "group_norm", "group_norm_scaled")
 
@@ -21,14 +20,14 @@ def gamma_min_bound(num_probes: int) -> float:
 
 @dataclass
 class ShapeConfig:
-    """Settings of the advantage estimator (``--algo.advantage.estimator`` and ``--shape.*``).
+    """Settings of the advantage estimators (``--shape.*``); which estimator reads them is
+    ``--algo.advantage.estimator`` (:func:`openrlhf_shape.algorithms.estimators.get_estimator` binds the two).
 
     Defaults follow the paper (alpha 0.3, gamma_min 0.9, K 8); TCR
     defaults (beta 0.5, delta 0.5..1.5) are ours (the paper is silent). ``l_ref`` None means
     ``max_response_len / num_segments`` (resolved by :meth:`resolved_l_ref`).
     """
 
-    estimator: str = "shape"
     alpha: float = 0.3
     gamma_min: float = 0.9
     l_ref: float | None = None
@@ -58,10 +57,6 @@ class ShapeConfig:
         def bad(flag: str, msg: str) -> ValueError:
             return ValueError(f"--shape.{flag}: {msg}")
 
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(
-                f"--algo.advantage.estimator: unknown estimator {self.estimator!r}; choose one of {ESTIMATORS}"
-            )
         if self.segmentation not in SEGMENTATIONS:
             raise bad("segmentation", f"unknown segmentation {self.segmentation!r}; choose one of {SEGMENTATIONS}")
         if self.outcome_baseline not in OUTCOME_BASELINES:
@@ -72,14 +67,6 @@ class ShapeConfig:
             raise bad("gamma_min", f"must lie in (0, 1], got {self.gamma_min}")
         if self.fixed_gamma is not None and not 0.0 < self.fixed_gamma <= 1.0:
             raise bad("fixed_gamma", f"must lie in (0, 1], got {self.fixed_gamma}")
-        if self.estimator in ("shape", "mrt") and not self.allow_unsafe_hparams:
-            if self.alpha >= ALPHA_BOUND:
-                raise bad(
-                    "alpha",
-                    f"alpha={self.alpha} >= {ALPHA_BOUND} breaks strong task consistency (paper appendix A.1: "
-                    "a correct trajectory's total reward is only guaranteed to exceed every incorrect one's "
-                    f"when alpha < 0.5). Use alpha < 0.5, or pass --shape.allow_unsafe_hparams to run anyway.",
-                )
         if self.l_ref is not None and not self.l_ref > 0:
             raise bad("l_ref", f"must be > 0 tokens (or unset for max_response_len / K), got {self.l_ref}")
         if not 1 <= self.num_segments <= 256:
@@ -101,10 +88,20 @@ class ShapeConfig:
         if not self.delimiter:
             raise bad("delimiter", "must be a non-empty string")
 
+    def check_task_consistency(self) -> None:
+        """Appendix A.1 (alpha < 0.5), for the estimators whose shaping alpha scales (SHAPE, MRT)."""
+        if self.alpha >= ALPHA_BOUND and not self.allow_unsafe_hparams:
+            raise ValueError(
+                f"--shape.alpha: alpha={self.alpha} >= {ALPHA_BOUND} breaks strong task consistency (paper appendix "
+                "A.1: a correct trajectory's total reward is only guaranteed to exceed every incorrect one's "
+                f"when alpha < 0.5). Use alpha < 0.5, or pass --shape.allow_unsafe_hparams to run anyway."
+            )
+
     def check_reward_sign(self, m: int, probes_flag: str = "--probe.num_probes") -> None:
-        """Appendix A.2 for SHAPE with up to ``m`` probes per state (the one place it is checked; m is
-        owned by :class:`~openrlhf_shape.rollout.probes.ProbeConfig`, named by ``probes_flag``)."""
-        if self.estimator != "shape" or self.allow_unsafe_hparams:
+        """Appendix A.2 with up to ``m`` probes per state, for the estimator that discounts by gamma (SHAPE; the
+        one place it is checked; m is owned by :class:`~openrlhf_shape.rollout.probes.ProbeConfig`, named by
+        ``probes_flag``)."""
+        if self.allow_unsafe_hparams:
             return
         name, g = ("gamma_min", self.gamma_min) if self.fixed_gamma is None else ("fixed_gamma", self.fixed_gamma)
         bound = gamma_min_bound(m)

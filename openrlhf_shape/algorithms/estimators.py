@@ -6,8 +6,8 @@ sequences and needs neither. The paper's ablations are options of :class:`ShapeC
 estimators: ``fixed_gamma`` (constant gamma_k), ``tcr off`` (no token credit redistribution),
 ``segmentation uniform|delimiter`` (instead of entropy-based segmentation).
 
-A new estimator: subclass :class:`AdvantageEstimator`, decorate with ``@register("name")``, add
-the name to :data:`openrlhf_shape.algorithms.config.ESTIMATORS`.
+A new estimator: subclass :class:`AdvantageEstimator` and decorate it with ``@register("name")``; the
+registry is the one list of names (``--algo.advantage.estimator`` accepts exactly its keys).
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ def register(name: str) -> Callable[[type["AdvantageEstimator"]], type["Advantag
     return wrap
 
 
-def get_estimator(cfg: ShapeConfig) -> "AdvantageEstimator":
-    """The estimator named by ``cfg.estimator``, bound to ``cfg``."""
-    try:
-        return ESTIMATOR_REGISTRY[cfg.estimator](cfg)
-    except KeyError:
+def get_estimator(name: str, cfg: ShapeConfig) -> "AdvantageEstimator":
+    """The estimator registered as ``name`` (``--algo.advantage.estimator``), bound to ``cfg`` and checked
+    against the paper's bounds that apply to it."""
+    if name not in ESTIMATOR_REGISTRY:
         raise ValueError(
-            f"--algo.advantage.estimator: unknown estimator {cfg.estimator!r}; choose one of {sorted(ESTIMATOR_REGISTRY)}"
-        ) from None
+            f"--algo.advantage.estimator: unknown estimator {name!r}; choose one of {tuple(ESTIMATOR_REGISTRY)}"
+        )
+    return ESTIMATOR_REGISTRY[name](cfg)
 
 
 @dataclass
@@ -70,13 +70,24 @@ class SegmentInputs:
 
 
 class AdvantageEstimator:
-    """Base class. ``needs_segments``: the estimator needs segmentation and probe potentials."""
+    """Base class. ``needs_segments``: the estimator needs segmentation and probe potentials.
+    ``shaped``: alpha scales its shaping term (appendix A.1's bound applies); ``discounted``: it discounts
+    by gamma_k (appendix A.2's bound against the probe count applies)."""
 
     name: ClassVar[str] = ""
     needs_segments: ClassVar[bool] = True
+    shaped: ClassVar[bool] = False
+    discounted: ClassVar[bool] = False
 
     def __init__(self, cfg: ShapeConfig):
         self.cfg = cfg
+        if self.shaped:
+            cfg.check_task_consistency()
+
+    def check_reward_sign(self, m: int, probes_flag: str = "--probe.num_probes") -> None:
+        """Appendix A.2 for up to ``m`` probes per state, where it applies (:meth:`ShapeConfig.check_reward_sign`)."""
+        if self.discounted:
+            self.cfg.check_reward_sign(m, probes_flag)
 
     def segment_advantages(self, x: SegmentInputs) -> tuple[torch.Tensor, dict[str, float]]:
         """``[B, K]`` segment advantages (values at absent segments are ignored) and metrics."""
@@ -90,6 +101,8 @@ class AdvantageEstimator:
 @register("shape")
 class ShapeEstimator(AdvantageEstimator):
     """SHAPE (eq. 9): ``A_k = R + alpha * (gamma_k * Phi_{k+1} - Phi_k)``, gamma_k from eq. 8."""
+
+    shaped = discounted = True
 
     def segment_advantages(self, x: SegmentInputs) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.cfg
@@ -106,6 +119,8 @@ class ShapeEstimator(AdvantageEstimator):
 @register("mrt")
 class MrtEstimator(AdvantageEstimator):
     """MRT (eq. 2): ``A_k = R' + alpha * (R - Phi_k)`` (R' = R after the outcome baseline)."""
+
+    shaped = True
 
     def segment_advantages(self, x: SegmentInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return mrt_segment_advantages(x.potentials, x.rewards, self.cfg.alpha, outcome_term=x.outcome), {}

@@ -17,7 +17,7 @@ import torch
 
 from openrlhf_shape.algorithms.advantages import group_reward_scale, outcome_baseline, segment_to_token_advantages
 from openrlhf_shape.algorithms.config import ShapeConfig
-from openrlhf_shape.algorithms.estimators import SegmentInputs, get_estimator
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator, SegmentInputs
 from openrlhf_shape.algorithms.metrics import (
     advantage_by_outcome,
     describe,
@@ -79,7 +79,7 @@ class AdvantageResult:
 
 
 def compute_token_advantages(
-    cfg: ShapeConfig,
+    estimator: AdvantageEstimator,
     mask: torch.Tensor,
     rewards: torch.Tensor,
     group_size: int,
@@ -88,7 +88,8 @@ def compute_token_advantages(
     boundaries: torch.Tensor | None = None,
     potentials: torch.Tensor | None = None,
 ) -> AdvantageResult:
-    """Token advantages for ``cfg.estimator`` over a padded batch.
+    """Token advantages from ``estimator`` (:func:`~openrlhf_shape.algorithms.estimators.get_estimator`: the
+    registered name bound to its :class:`ShapeConfig`) over a padded batch.
 
     Args:
         mask: ``[B, T]`` bool; rewards: ``[B]`` outcomes R (B = prompts * group_size, samples of
@@ -104,7 +105,7 @@ def compute_token_advantages(
         raise ValueError(f"batch {batch} is not a multiple of group_size {group_size} (--rollout.n_samples_per_prompt)")
     grouped = rewards.view(-1, group_size)
     metrics: dict[str, float] = {}
-    estimator = get_estimator(cfg)
+    cfg = estimator.cfg
     if not estimator.needs_segments:
         adv = estimator.sequence_advantages(grouped).reshape(-1)
         tok = torch.where(mask, adv[:, None].expand_as(mask).to(torch.float32), torch.zeros(mask.shape))
@@ -113,7 +114,7 @@ def compute_token_advantages(
         return AdvantageResult(tok, None, None, metrics)
 
     if boundaries is None or potentials is None:
-        raise ValueError(f"estimator {cfg.estimator!r} needs boundaries and potentials")
+        raise ValueError(f"estimator {estimator.name!r} needs boundaries and potentials")
     lengths = _valid_lengths(mask)
     seg_len, n_seg = segment_lengths(boundaries, lengths)  # [B, K], [B]
     kmax = seg_len.shape[1]

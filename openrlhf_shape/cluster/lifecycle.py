@@ -33,15 +33,15 @@ SLEEP_LEVEL = 2
 
 class Lifecycle:
     """Args:
-        actor: the ``RankGroup`` (offload_states / onload_states / start_weight_stream).
+        ranks: the ``RankGroup`` (offload_states / onload_states / start_weight_stream).
         engines: the trainer's ``EngineGroup``.
         sync: ``EngineWeightSync`` over those engines (connected).
         bucket_bytes: weight-sync bucket size.
         colocate: engines share the ranks' GPUs.
     """
 
-    def __init__(self, actor, engines, sync, bucket_bytes: int, colocate: bool):
-        self.actor = actor
+    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool):
+        self.ranks = ranks
         self.engines = engines
         self.sync = sync
         self.bucket_bytes = int(bucket_bytes)
@@ -56,52 +56,52 @@ class Lifecycle:
     def start(self) -> None:
         """After start-up: engines loaded the initial weights themselves; Megatron to host."""
         if self.colocate:
-            self._do("megatron.offload(all)", self.actor.offload_states, ALL_STATES)
+            self._do("megatron.offload(all)", self.ranks.offload_states, ALL_STATES)
         self.phase = "rollout"
 
     # ---- forward for old log-probs ----------------------------------------------------------------
     def forward(self, fn, *args) -> Any:
         """Run a Megatron forward (``fn(*args)``) inside the rollout phase."""
         if self.colocate:
-            self._do("megatron.onload(params)", self.actor.onload_states, ("params",))
+            self._do("megatron.onload(params)", self.ranks.onload_states, ("params",))
         try:
             return self._do("megatron.forward", fn, *args)
         finally:
             if self.colocate:
-                self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
+                self._do("megatron.offload(params)", self.ranks.offload_states, ("params",))
 
     def logprobs(self, batch) -> Any:
-        """The rank group's old log-probs and entropy of ``batch``, inside :meth:`forward` (the experience
-        maker's ``logprobs_fn``)."""
-        return self.forward(self.actor.compute_logprobs_and_entropy, batch)
+        """The rank group's old log-probs and entropy of ``batch`` (a :class:`~openrlhf_shape.batch.LogProbs`),
+        inside :meth:`forward` (the experience maker's ``logprobs_fn``)."""
+        return self.forward(self.ranks.compute_logprobs_and_entropy, batch)
 
     # ---- update -------------------------------------------------------------------------------------
     def before_update(self) -> None:
         """Rollout -> update: colocated engines sleep, the ranks bring every state back."""
         if self.colocate:
             self._do(f"engines.sleep({SLEEP_LEVEL})", self.engines.sleep, SLEEP_LEVEL)
-            self._do("megatron.onload(all)", self.actor.onload_states, ALL_STATES)
+            self._do("megatron.onload(all)", self.ranks.onload_states, ALL_STATES)
         self.phase = "update"
 
     def sync_weights(self, step: int | None = None) -> dict[str, float]:
         """After the update of ``step`` (named if the sync fails): new weights into every engine. Refused while
         the engines work on a request batch (asynchronous training overlaps generation with the update):
         weights stream in between batches, never under a running request."""
-        if getattr(self.engines, "busy", False):
+        if self.engines.busy:
             raise RuntimeError(f"weight sync after step {step} requested while the engines are generating; the "
                                "asynchronous schedule must wait for the engines' side of the step first")
         if self.colocate:
-            self._do("megatron.offload(grads,optimizer)", self.actor.offload_states, ("grads", "optimizer"))
+            self._do("megatron.offload(grads,optimizer)", self.ranks.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
         return self._do("sync", self.sync.sync,
-                        lambda sync_id: self.actor.start_weight_stream(sync_id, self.bucket_bytes), step)
+                        lambda sync_id: self.ranks.start_weight_stream(sync_id, self.bucket_bytes), step)
 
     def after_sync(self) -> None:
         """Update -> rollout, the mirror of :meth:`before_update`: colocated ranks put their parameters
         back on host, engines wake their KV cache; the group forgets its prefix affinity (every engine
         reset its prefix cache when it loaded the weights)."""
         if self.colocate:
-            self._do("megatron.offload(params)", self.actor.offload_states, ("params",))
+            self._do("megatron.offload(params)", self.ranks.offload_states, ("params",))
             self._do("engines.wake(kv_cache)", self.engines.wake_up, ["kv_cache"])
         self.engines.forget_affinity()
         self.phase = "rollout"
@@ -109,10 +109,10 @@ class Lifecycle:
     def around_checkpoint(self, fn, *args) -> Any:
         """Checkpoints need every state on the device (the distributed checkpoint writes from it)."""
         if self.colocate and self.phase == "rollout":
-            self._do("megatron.onload(all)", self.actor.onload_states, ALL_STATES)
+            self._do("megatron.onload(all)", self.ranks.onload_states, ALL_STATES)
             try:
                 return self._do("megatron.checkpoint", fn, *args)
             finally:
-                self._do("megatron.offload(all)", self.actor.offload_states, ALL_STATES)
+                self._do("megatron.offload(all)", self.ranks.offload_states, ALL_STATES)
         return self._do("megatron.checkpoint", fn, *args)
 

@@ -16,7 +16,7 @@ import torch
 
 from openrlhf_shape.actor.protocol import STATE_GROUPS, RankWorker
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
-from openrlhf_shape.batch import SequenceBatch, TrainBatch, pad_rows
+from openrlhf_shape.batch import LogProbs, SequenceBatch, TrainBatch
 from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.cluster.sender import WeightSenderMixin
 from openrlhf_shape.platform import Platform
@@ -95,13 +95,10 @@ class RankGroup:
     def init_model(self, hf_dir: str) -> dict:
         return self._all("init_model", hf_dir)[0]
 
-    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, ...]:
-        """``[B, T]`` float32 log-probs and entropy of every response token (0-padded), batch order; with MoE
-        routing replay (``--megatron.routing_replay``) a third element, per sample ``[L_i, layers, top_k]``."""
-        merged = merge_rank_outputs(self._all("compute_logprobs_and_entropy", batch), len(batch))
-        width = batch.response_width
-        out = (pad_rows(merged["log_probs"], width), pad_rows(merged["entropy"], width))
-        return out + (merged["routed_experts"],) if "routed_experts" in merged else out
+    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> LogProbs:
+        """Float32 log-probs and entropy of every response token, per sample in batch order (with MoE routing
+        replay, ``--megatron.routing_replay``, the routing per sample ``[L_i, layers, top_k]``)."""
+        return merge_rank_outputs(self._all("compute_logprobs_and_entropy", batch), len(batch))
 
     def train_step(self, batch: TrainBatch) -> dict:
         return self._all("train_step", batch)[0]

@@ -31,8 +31,7 @@ class ClusterRuntime:
     plan: PlacementPlan
     placement: RayPlacement
     platform: Platform  # the run's CPU/GPU profile, as handed to every rank and engine
-    actor: RankGroup
-    engine_handles: list  # the engines' Ray actor handles
+    ranks: RankGroup  # the policy's training ranks (--actor.*: either backend)
     engines: EngineGroup
     sync: EngineWeightSync
     lifecycle: Lifecycle
@@ -80,7 +79,7 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
         engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False)
-        actor = make_rank_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
+        ranks = make_rank_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
         ray.get([h.ready.remote() for h in engines.engines])
         transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
         log.info("weight sync: %s (%s)", transport, why)
@@ -89,10 +88,10 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     except BaseException:
         placement.remove()
         raise
-    lifecycle = Lifecycle(actor, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate)
-    return ClusterRuntime(plan, placement, platform, actor, list(engines.engines), engines, sync, lifecycle)
+    lifecycle = Lifecycle(ranks, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate)
+    return ClusterRuntime(plan, placement, platform, ranks, engines, sync, lifecycle)
 
 
 def connect_sync(rt: ClusterRuntime) -> None:
     """After the Megatron model exists: form the sync group (rank 0 sends)."""
-    rt.sync.connect(rt.actor.actors[0])
+    rt.sync.connect(rt.ranks.actors[0])

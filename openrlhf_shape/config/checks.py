@@ -11,6 +11,8 @@ import os
 import re
 from typing import TYPE_CHECKING, Callable
 
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator, get_estimator
+
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.config.tree import TrainConfig
 
@@ -31,12 +33,13 @@ def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
 
 def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
+    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # a known name; the paper's bounds for it
     cfg.data.validate()
     _check_rollout(cfg)
     _check_batches(cfg)
     _check_backend(cfg)
     _check_loop(cfg, check_paths)
-    _check_probes(cfg)
+    _check_probes(cfg, estimator)
     _check_paths(cfg, check_paths)
 
 
@@ -130,14 +133,14 @@ def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:
         raise ValueError(f"--reward.num_workers: must be >= 1, or 0 for one per core; got {cfg.reward.num_workers}")
 
 
-def _check_probes(cfg: "TrainConfig") -> None:
+def _check_probes(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
     """Appendix A.2 against the most probes a state can get: m, or the adaptive cap."""
     p = cfg.probe
     rule = p.rule()
     if rule is None:
-        cfg.shape.check_reward_sign(p.num_probes, "--probe.num_probes")
+        estimator.check_reward_sign(p.num_probes, "--probe.num_probes")
     else:
-        cfg.shape.check_reward_sign(rule.max_probes, "--probe.max_probes" if p.max_probes else "--probe.num_probes")
+        estimator.check_reward_sign(rule.max_probes, "--probe.max_probes" if p.max_probes else "--probe.num_probes")
 
 
 def _check_paths(cfg: "TrainConfig", check_paths: bool) -> None:

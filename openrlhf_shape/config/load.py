@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from openrlhf_shape.config.checks import validate
-from openrlhf_shape.config.compat import DEPRECATED, OLD_DERIVED, translate
+from openrlhf_shape.config.compat import translate
 from openrlhf_shape.config.flags import FlagSpace, flatten_mapping, parse_overrides
 from openrlhf_shape.config.tree import TrainConfig
 
@@ -18,7 +18,6 @@ DERIVED: dict[str, str] = {
     "vllm.seed": "--train.seed",
     "vllm.enable_sleep_mode": "--train.colocate_all",
     "vllm.return_routed_experts": "--megatron.routing_replay r3",
-    "shape.estimator": "--algo.advantage.estimator",
 }
 FLAGS = FlagSpace(TrainConfig, derived=DERIVED)
 
@@ -33,12 +32,10 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def _resolved(pairs: list[tuple[str, Any]], notify=None) -> dict[str, Any]:
+def _resolved(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for flag, value in translate(pairs, notify):
+    for flag, value in translate(pairs):
         values.update(FLAGS.resolve(flag, value))
-    if "algo.advantage.estimator" in values:  # ShapeConfig validates alpha for its estimator: give it first
-        values["shape.estimator"] = values["algo.advantage.estimator"]
     return values
 
 
@@ -47,8 +44,8 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
     """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`.
 
     Flags and YAML keys go through :func:`~openrlhf_shape.config.compat.translate` first: OpenRLHF
-    flags for parts this trainer does not have are refused (all of them, one line each), old names
-    print a deprecation line, OpenRLHF's value encodings are translated. ``check_paths=False`` (the
+    flags for parts this trainer does not have are refused (all of them, one line each), OpenRLHF's
+    value encodings are translated. ``check_paths=False`` (the
     dry run) skips the checks that the data and model paths exist on this machine."""
     values: dict[str, Any] = {}
     if yaml_path:
@@ -63,16 +60,11 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
 
 
 def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
-    """A saved config (``run.json``'s ``config``: ``to_dict()`` of this tree or of the old one, whose
-    paths are read through :data:`~openrlhf_shape.config.compat.DEPRECATED`), not validated."""
-    old = "trainer" in saved or "sampling" in saved  # the tree before flag = path
+    """A saved config (``run.json``'s ``config``: ``to_dict()`` of this tree), not validated."""
     values: dict[str, Any] = {}
     for path, value in _flat(saved):
-        if (old and path in OLD_DERIVED) or path in DERIVED:
-            continue
-        values.update(FLAGS.resolve(DEPRECATED.get(path, path) if old else path, value))
-    if "algo.advantage.estimator" in values:
-        values["shape.estimator"] = values["algo.advantage.estimator"]
+        if path not in DERIVED:
+            values.update(FLAGS.resolve(path, value))
     return FLAGS.build(TrainConfig(), values)
 
 

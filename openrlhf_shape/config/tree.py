@@ -208,11 +208,6 @@ class TrainConfig:
     ds: ZeroSettings = field(default_factory=ZeroSettings)  # --ds.*: what only the DeepSpeed backend has
     reward: RewardConfig = field(default_factory=RewardConfig)
 
-    def __post_init__(self) -> None:
-        # ShapeConfig (the algorithms' input) carries the estimator; its one source is --algo.advantage.estimator.
-        if self.shape.estimator != self.algo.advantage.estimator:
-            self.shape = dataclasses.replace(self.shape, estimator=self.algo.advantage.estimator)
-
     def get(self, path: str) -> Any:
         """The value at a dotted flag path (``actor.adam.betas[1]`` for an element)."""
         path, _, index = path.partition("[")

@@ -447,8 +447,8 @@ def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:
         return None
     ap = AsyncPlan(variant=bool(cfg.train.colocate_all), gpus=plan.placement.num_bundles,
                    sync_gpus=plan.placement.num_bundles, sync_grpo_seconds=plan.step_seconds - plan.probe_seconds,
-                   probes=plan.probe_seconds > 0, run_async=bool(getattr(cfg.train, "async_enable", False)),
-                   run_staleness=int(getattr(cfg.train, "max_staleness", 1)))
+                   probes=plan.probe_seconds > 0, run_async=bool(cfg.train.async_enable),
+                   run_staleness=int(cfg.train.max_staleness))
     src = plan
     if ap.variant:
         disagg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, colocate_all=False))

@@ -9,114 +9,34 @@ Phases of one step (docs/architecture.md, "One step"): :meth:`~ShapeExperienceMa
 them through :class:`~openrlhf_shape.trainer.phases.StepLog` in :meth:`make_experience`, the one phase list
 (the trainer's loop and the tests call it alike).
 
-The old log-probs come from a function ``SequenceBatch -> (log_probs, entropy)``, both float32 ``[B, T]``
-(0-padded): in training the rank group's ``compute_logprobs_and_entropy`` run inside the colocation
-lifecycle (``Lifecycle.forward``), in light tests and tools a plain Hugging Face forward (:class:`HFActor`).
+The old log-probs come from a function ``SequenceBatch -> LogProbs`` (:class:`~openrlhf_shape.batch.LogProbs`:
+per sample ``[T_i]``, MoE routing optional): in training the rank group's ``compute_logprobs_and_entropy`` run
+inside the colocation lifecycle (``Lifecycle.forward``), in light tests and tools a plain Hugging Face forward
+(:class:`openrlhf_shape.testing.hf_actor.HFActor`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from openrlhf_shape.algorithms import ShapeConfig, boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
-from openrlhf_shape.algorithms.entropy import token_log_probs_and_entropy
-from openrlhf_shape.algorithms.estimators import get_estimator
+from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
     rollout_mismatch_metrics,
 )
-from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask, pad_rows
+from openrlhf_shape.batch import ExperienceBatch, LogProbs, SequenceBatch, length_mask, pad_rows
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_potentials
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 
-# Old log-probs and entropy of a SequenceBatch: ``(log_probs, entropy)``, both float32 ``[B, T]`` (0-padded).
-# With MoE routing replay the actor group adds a third element: per sample [L_i, layers, top_k] expert ids.
-LogProbFn = Callable[[SequenceBatch], tuple[torch.Tensor, ...]]
-
-
-@dataclass
-class ExperienceBatch:
-    """One step's experiences, filled phase by phase. B samples (prompt-major), T = longest response.
-
-    ``items``: each sample's prompt item (prompt text and ids, label, dataset ``index``);
-    ``sequences`` prompt + response ids; ``texts`` decoded responses; ``response_mask`` ``[B, T]``
-    bool; ``rollout_log_probs`` ``[B, T]`` vLLM's sampled-token log-probs (when sampled with
-    ``logprobs``); ``rewards`` / ``scores`` ``[B]``; ``old_log_probs`` / ``entropy`` /
-    ``advantages`` ``[B, T]`` float32, 0 at padding; ``is_weights`` ``[B, T]`` the rollout-correction
-    weights (None when the correction is off).
-    """
-
-    items: list[Any]
-    sequences: list[list[int]]
-    prompt_lens: list[int]
-    texts: list[str]
-    response_mask: torch.Tensor
-    rollout_log_probs: torch.Tensor | None = None
-    rewards: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-    old_log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    is_weights: torch.Tensor | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
-    # MoE routing replay (--megatron.routing_replay): per sample [L_i, layers, top_k] expert ids, from the engine
-    # (R3) or recorded by the old-log-prob pass (R2); handed to every train_batch
-    routed_experts: list[torch.Tensor] | None = None
-    # Updates held by the weights that generated the batch (the engines') and by those that computed its old
-    # log-probs and entropy (the ranks'): equal in synchronous training; --train.async_enable reads the gap
-    policy_version: int = 0
-    logprob_version: int = 0
-
-    def __len__(self) -> int:
-        return len(self.sequences)
-
-    @property
-    def responses(self) -> list[list[int]]:
-        return [s[p:] for s, p in zip(self.sequences, self.prompt_lens)]
-
-
-    def response_ids(self) -> torch.Tensor:
-        """``[B, T]`` long response token ids (0-padded)."""
-        return pad_rows([torch.tensor(r, dtype=torch.long) for r in self.responses], self.response_mask.shape[1],
-                        torch.long)
-
-    def select(self, rows: Sequence[int]) -> "ExperienceBatch":
-        """The samples at ``rows`` (tensors indexed, lists picked); metrics and samples kept."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
-        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
-        take = lambda t: None if t is None else t[idx]  # noqa: E731
-        return dataclasses.replace(
-            self, items=pick(self.items), sequences=pick(self.sequences), prompt_lens=pick(self.prompt_lens),
-            texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
-            rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
-            entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
-            routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
-        )
-
-    def sequence_batch(self, temperature: float) -> SequenceBatch:
-        return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature,
-                             routed_experts=self.routed_experts)
-
-    def train_batch(self, rows: Sequence[int], temperature: float) -> TrainBatch:
-        """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch)."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
-        mask = self.response_mask[idx]
-        width = max(int(mask.sum(-1).max()), 0) if len(idx) else 0
-        return TrainBatch(
-            sequences=[self.sequences[i] for i in rows], prompt_lens=[self.prompt_lens[i] for i in rows],
-            temperature=temperature, old_log_probs=self.old_log_probs[idx, :width],
-            advantages=self.advantages[idx, :width], loss_mask=mask[:, :width],
-            is_weights=None if self.is_weights is None else self.is_weights[idx, :width],
-            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
-        )
+# Old log-probs and entropy of a SequenceBatch, per sample (and the MoE routing this pass used, under replay).
+LogProbFn = Callable[[SequenceBatch], LogProbs]
 
 
 def delimiter_token_ids(tokenizer, delimiter: str) -> set[int]:
@@ -134,7 +54,8 @@ class ShapeExperienceMaker:
     """Phase functions that turn a batch of prompt items into an :class:`ExperienceBatch`.
 
     Args:
-        shape: the estimator settings (``--shape.*``).
+        estimator: the advantage estimator (``--algo.advantage.estimator``) bound to its settings (``--shape.*``):
+            :func:`~openrlhf_shape.algorithms.estimators.get_estimator`.
         sampling: rollout sampling (``--sampling.*``; ``n`` samples per prompt).
         probe: ``--probe.*`` (m, the probe length, adaptive rounds).
         engines: an :class:`~openrlhf_shape.rollout.group.EngineGroup` (rollouts and probes).
@@ -150,7 +71,7 @@ class ShapeExperienceMaker:
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
     """
 
-    def __init__(self, shape: ShapeConfig, sampling: SamplingConfig, probe: ProbeConfig, engines, logprobs_fn: LogProbFn,
+    def __init__(self, estimator: AdvantageEstimator, sampling: SamplingConfig, probe: ProbeConfig, engines, logprobs_fn: LogProbFn,
                  reward, tokenizer, dynamic_filtering: bool = False,
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
@@ -167,12 +88,12 @@ class ShapeExperienceMaker:
             sampling = dataclasses.replace(sampling, logprobs=True)
         self.dynamic_filtering_range = tuple(dynamic_filtering_range)
         self.reward_clip_range = tuple(reward_clip_range)
-        self.shape, self.sampling, self.probe_cfg = shape, sampling, probe
+        self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
-        self.estimator = get_estimator(shape)
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
-        self._delims = delimiter_token_ids(tokenizer, shape.delimiter) if shape.segmentation == "delimiter" else None
+        self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
+                        else None)
 
     def make_experience(self, items: Sequence, log: StepLog | None = None) -> ExperienceBatch:
         """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label), timed
@@ -273,13 +194,15 @@ class ShapeExperienceMaker:
     def logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
         """Old-policy log-probs and entropy ``[B, T]`` at the sampling temperature (the actor)."""
         out = self.logprobs_fn(exp.sequence_batch(self.sampling.temperature))
-        lp, ent = out[0], out[1]
-        if len(out) > 2 and out[2] is not None:  # MoE routing replay: the routing this pass recorded (R2) or replayed
-            exp.routed_experts = list(out[2])
+        if out.routed_experts is not None:  # MoE routing replay: the routing this pass recorded (R2) or replayed
+            exp.routed_experts = list(out.routed_experts)
         mask = exp.response_mask
-        if lp.shape != mask.shape or ent.shape != mask.shape:
-            raise RuntimeError(f"actor returned log-probs {tuple(lp.shape)} / entropy {tuple(ent.shape)} for "
-                               f"responses {tuple(mask.shape)}")
+        got = [(int(lp.numel()), int(en.numel())) for lp, en in zip(out.log_probs, out.entropy)]
+        want = [(n, n) for n in mask.sum(-1).tolist()]
+        if got != want:
+            raise RuntimeError(f"actor returned (log-probs, entropy) lengths {got[:8]} for responses of {want[:8]} "
+                               f"tokens ({len(got)} vs {len(want)} samples)")
+        lp, ent = out.padded(mask.shape[1])
         exp.old_log_probs = torch.where(mask, lp.float(), torch.zeros_like(lp, dtype=torch.float32))
         exp.entropy = torch.where(mask, ent.float(), torch.zeros_like(ent, dtype=torch.float32))
         metrics: dict[str, Any] = {"actor/old_entropy/mean": float(exp.entropy[mask].mean())}
@@ -318,36 +241,10 @@ class ShapeExperienceMaker:
                    potentials: torch.Tensor | None) -> PhaseOutput:
         """Token advantages ``[B, T]`` from the registered estimator (and TCR)."""
         res = compute_token_advantages(
-            self.shape, exp.response_mask, exp.rewards,
+            self.estimator, exp.response_mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
             max_response_len=self.sampling.max_tokens, entropy=exp.entropy, boundaries=boundaries,
             potentials=potentials,
         )
         exp.advantages = res.token_advantages
         return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(res.token_advantages[exp.response_mask].mean())})
-
-
-class HFActor:
-    """A plain Hugging Face forward as the log-prob/entropy actor (tools and light tests).
-
-    Same contract as the Megatron actor group's ``compute_logprobs_and_entropy`` at world size 1.
-    """
-
-    def __init__(self, model_dir: str, chunk_size: int = 256):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.chunk_size = chunk_size
-
-    @torch.no_grad()
-    def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T]`` log-probs and entropy (0-padded) of each response token at ``batch.temperature``."""
-        batch = SequenceBatch.coerce(batch)
-        log_probs, entropy = [], []
-        for seq, plen in zip(batch.sequences, batch.prompt_lens):
-            ids = torch.tensor(seq)[None]
-            logits = self.model(ids).logits[0, plen - 1 : len(seq) - 1]
-            lp, ent = token_log_probs_and_entropy(logits, ids[0, plen:], float(batch.temperature), self.chunk_size)
-            log_probs.append(lp)
-            entropy.append(ent)
-        return pad_rows(log_probs), pad_rows(entropy)

@@ -96,7 +96,7 @@ class ShapeTrainer:
         finally:
             logger.close()
         if cfg.ckpt.save_hf and history and history[-1]["step"] == cfg.train.num_steps:
-            cluster.lifecycle.around_checkpoint(cluster.actor.export_hf, os.path.join(self.run_dir, "hf"))
+            cluster.lifecycle.around_checkpoint(cluster.ranks.export_hf, os.path.join(self.run_dir, "hf"))
             log.info("exported the trained policy to %s", os.path.join(self.run_dir, "hf"))
         return write_report(self.run_dir, history, run.setup_seconds)
 
@@ -111,7 +111,7 @@ class ShapeTrainer:
         for _epoch in range(cfg.train.max_epochs):
             order = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, mb):  # a short last mini-batch (after DAPO filtering) still trains
-                rows.append(self.run.cluster.actor.train_step(exp.train_batch(order[start : start + mb], cfg.rollout.temperature)))
+                rows.append(self.run.cluster.ranks.train_step(exp.train_batch(order[start : start + mb], cfg.rollout.temperature)))
         out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
         out["actor/updates"] = float(len(rows))
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
@@ -167,7 +167,7 @@ class ShapeTrainer:
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time(),
                  **self.run.schedule.save_pending(self.ckpt_root, step)}  # async: the batches in flight
-        self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.actor.save_checkpoint, path, extra)
+        self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.ranks.save_checkpoint, path, extra)
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.ckpt.max_num]:
             shutil.rmtree(os.path.join(self.ckpt_root, old), ignore_errors=True)
@@ -182,7 +182,7 @@ class ShapeTrainer:
                 log.info("no complete checkpoint under %s: starting from step 0", self.ckpt_root)
             self.run.cluster.lifecycle.start()
             return 0
-        extra = self.run.cluster.actor.load_checkpoint(path)
+        extra = self.run.cluster.ranks.load_checkpoint(path)
         self.run.batcher.load_state_dict(extra["batcher"])
         self.run.schedule.load_pending(extra, self.ckpt_root)
         step = int(extra["step"])
@@ -211,7 +211,7 @@ class ShapeTrainer:
 
     def _busy_seconds(self) -> tuple[float, float]:
         """Seconds the engines and the ranks have worked so far (their groups' clocks)."""
-        return self.run.cluster.engines.clock.seconds(), self.run.cluster.actor.clock.seconds()
+        return self.run.cluster.engines.clock.seconds(), self.run.cluster.ranks.clock.seconds()
 
     def _idle_shares(self, metrics: dict) -> None:
         """``time/engine_idle_share`` and ``time/rank_idle_share`` of the step: 1 - (each side's busy seconds + the
@@ -237,7 +237,7 @@ class ShapeTrainer:
             run.schedule.close()
             run.reward.close()
             run.cluster.engines.shutdown()
-            run.cluster.actor.shutdown()
+            run.cluster.ranks.shutdown()
             run.cluster.shutdown()
         # without a Run, set-up failed: it started Ray only if Ray was down when it reached build_run
         own_ray = run.own_ray if run is not None else (self._ray_was_up is False and not self.cfg.train.ray_address)

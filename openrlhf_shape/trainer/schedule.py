@@ -39,8 +39,8 @@ from typing import Any, Callable
 
 import torch
 
-from openrlhf_shape.batch import SequenceBatch
-from openrlhf_shape.trainer.experience import ExperienceBatch, ShapeExperienceMaker
+from openrlhf_shape.batch import ExperienceBatch, SequenceBatch
+from openrlhf_shape.trainer.experience import ShapeExperienceMaker
 from openrlhf_shape.trainer.phases import StepLog
 
 PENDING_DIR = "async_pending"  # beside the step_XXXXXX checkpoints: the batches in flight when each was written
@@ -225,11 +225,11 @@ class OneStepOffSchedule(SyncSchedule):
         if self.maker.sampling.temperature == 1.0:
             trainer_lp = exp.old_log_probs[rows]
         else:
-            trainer_lp = self.maker.logprobs_fn(SequenceBatch(sequences=seqs, prompt_lens=plens, temperature=1.0))[0]
+            trainer_lp = self.maker.logprobs_fn(SequenceBatch(sequences=seqs, prompt_lens=plens, temperature=1.0)).log_probs
         gaps = []
         for j, (seq, p) in enumerate(zip(seqs, plens)):
             n = len(seq) - p
-            gaps.append((torch.tensor(engine_lp[j][p - 1 : p - 1 + n]) - trainer_lp[j, :n].float()).abs())
+            gaps.append((torch.tensor(engine_lp[j][p - 1 : p - 1 + n]) - trainer_lp[j][:n].float()).abs())
         gap = torch.cat(gaps)
         return {"rollout/fidelity/abs_log_ratio/mean": float(gap.mean()),
                 "rollout/fidelity/abs_log_ratio/max": float(gap.max()), "rollout/fidelity/tokens": float(gap.numel())}

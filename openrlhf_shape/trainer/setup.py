@@ -108,6 +108,7 @@ def build_run(cfg: TrainConfig) -> Run:
 
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
+    from openrlhf_shape.algorithms.estimators import get_estimator
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
     from openrlhf_shape.trainer.schedule import make_schedule
@@ -145,12 +146,13 @@ def build_run(cfg: TrainConfig) -> Run:
              mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.actor.world_size))
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
     cluster = start_cluster(cfg, mcfg, engine_cfg, platform)
-    actor, engines, lifecycle = cluster.actor, cluster.engines, cluster.lifecycle
-    log.info("actor: %s", actor.init_model(model_dir))
+    engines, lifecycle = cluster.engines, cluster.lifecycle
+    log.info("actor: %s", cluster.ranks.init_model(model_dir))
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    maker = ShapeExperienceMaker(cfg.shape, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
+    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # --algo.advantage.estimator over --shape.*
+    maker = ShapeExperienceMaker(estimator, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
                                  reward, tokenizer,
                                  dynamic_filtering=cfg.algo.dynamic_filtering_enable,
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),

@@ -4,7 +4,7 @@ group-std-scaled outcome term that keeps the paper's task-consistency bound, the
 import pytest
 import torch
 
-from openrlhf_shape.algorithms import ShapeConfig
+from openrlhf_shape.algorithms import ShapeConfig, get_estimator
 from openrlhf_shape.algorithms.metrics import advantage_by_outcome, discount_instruments, shaping_to_outcome
 from openrlhf_shape.algorithms.pipeline import compute_token_advantages
 from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
@@ -34,7 +34,7 @@ def _worst_case_group(alpha: float, baseline: str):
     cfg = ShapeConfig(alpha=alpha, outcome_baseline=baseline, tcr=False, num_segments=2,
                       allow_unsafe_hparams=alpha >= 0.5)
     mask = torch.ones(2, 4, dtype=torch.bool)
-    res = compute_token_advantages(cfg, mask, torch.tensor([1.0, 0.0]), group_size=2, max_response_len=100_000,
+    res = compute_token_advantages(get_estimator("shape", cfg), mask, torch.tensor([1.0, 0.0]), group_size=2, max_response_len=100_000,
                                    boundaries=torch.tensor([[2], [2]]),
                                    potentials=torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]))
     return res.segment_advantages, res.metrics
@@ -85,7 +85,7 @@ def test_sign_reversal_follows_the_appendix_bound_for_m_4(gamma_min, reversed_sh
     positive; the response's other improving step (0 -> 3/4) stays positive at both."""
     cfg = ShapeConfig(gamma_min=gamma_min, num_segments=2, min_segment_len=1, tcr=False,
                       allow_unsafe_hparams=gamma_min <= 0.75)
-    res = compute_token_advantages(cfg, torch.ones(1, 8, dtype=torch.bool), torch.tensor([1.0]), group_size=1,
+    res = compute_token_advantages(get_estimator("shape", cfg), torch.ones(1, 8, dtype=torch.bool), torch.tensor([1.0]), group_size=1,
                                    max_response_len=8, boundaries=torch.tensor([[4]]),
                                    potentials=torch.tensor([[0.0, 0.75, 1.0]]))
     m = res.metrics
@@ -162,8 +162,8 @@ def test_group_norm_scaled_bounds_the_scale_of_a_uniform_group():
               potentials=torch.tensor([[0.0, 0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0],     # all wrong
                                        [0.0, 0.5, 1.0], [0.0, 1.0, 0.0], [0.0, 0.5, 0.0]]))  # one right
     rewards = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
-    scaled = compute_token_advantages(cfg, mask, rewards, **kw).segment_advantages
-    plain = compute_token_advantages(centred, mask, rewards, **kw).segment_advantages
+    scaled = compute_token_advantages(get_estimator("shape", cfg), mask, rewards, **kw).segment_advantages
+    plain = compute_token_advantages(get_estimator("shape", centred), mask, rewards, **kw).segment_advantages
     assert plain[:3].abs().max() > 0  # the all-wrong group's shaping: SHAPE's credit where GRPO has none
     assert torch.allclose(scaled[:3], plain[:3] * 3**0.5)  # floored divisor 1/sqrt(3)
     one_right = torch.tensor([1.0, 0.0, 0.0]).std()

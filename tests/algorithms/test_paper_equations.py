@@ -9,6 +9,7 @@ import torch
 from openrlhf_shape.algorithms import (
     ShapeConfig,
     dynamic_gamma,
+    get_estimator,
     grpo_advantages,
     mrt_segment_advantages,
     shape_segment_advantages,
@@ -143,15 +144,16 @@ def test_appendix_a3_monotone_in_start_potential_and_length():
 
 
 def test_shape_config_refuses_unsafe_hparams_and_cites_appendix():
-    with pytest.raises(ValueError, match=r"--shape.alpha.*A\.1"):
-        ShapeConfig(alpha=0.5)
+    for estimator in ("shape", "mrt"):  # alpha scales their shaping term
+        with pytest.raises(ValueError, match=r"--shape.alpha.*A\.1"):
+            get_estimator(estimator, ShapeConfig(alpha=0.5))
     with pytest.raises(ValueError, match=r"--shape.gamma_min.*A\.2"):
         ShapeConfig(gamma_min=0.875).check_reward_sign(8)  # m = 8 probes (ProbeConfig owns m)
     with pytest.raises(ValueError, match=r"--shape.fixed_gamma.*A\.2"):
         ShapeConfig(fixed_gamma=0.7).check_reward_sign(8)
     cfg = ShapeConfig(alpha=0.6, gamma_min=0.7, allow_unsafe_hparams=True)
-    assert cfg.alpha == 0.6
-    assert ShapeConfig(estimator="grpo", alpha=0.9).estimator == "grpo"  # GRPO ignores alpha
+    assert get_estimator("shape", cfg).cfg.alpha == 0.6
+    assert get_estimator("grpo", ShapeConfig(alpha=0.9)).name == "grpo"  # GRPO ignores alpha
 
 
 @pytest.mark.parametrize("m", [4, 8, 16])
@@ -171,7 +173,9 @@ def test_a2_bound_follows_num_probes(m):
         assert f"--shape.{name}" in msg and "--probe.num_probes" in msg and "--shape.allow_unsafe_hparams" in msg
         assert "A.2" in msg and f"{m - 1}/{m}" in msg
     ShapeConfig(gamma_min=at, allow_unsafe_hparams=True).check_reward_sign(m)
-    ShapeConfig(estimator="mrt", gamma_min=at).check_reward_sign(m)  # MRT has no gamma
+    get_estimator("mrt", ShapeConfig(gamma_min=at)).check_reward_sign(m)  # MRT has no gamma
+    with pytest.raises(ValueError, match=r"--shape.gamma_min.*A\.2"):
+        get_estimator("shape", ShapeConfig(gamma_min=at)).check_reward_sign(m)  # SHAPE discounts: the bound holds
 
 
 def test_gamma_min_0_9_is_refused_with_16_probes():
@@ -188,7 +192,6 @@ def test_gamma_min_0_9_is_refused_with_16_probes():
         ({"tcr_delta_min": 1.2}, "tcr_delta_min"),
         ({"tcr_delta_max": 0.9}, "tcr_delta_min"),
         ({"segmentation": "commas"}, "segmentation"),
-        ({"estimator": "ppo"}, "estimator"),
         ({"entropy_quantile": 1.5}, "entropy_quantile"),
         ({"l_ref": 0}, "l_ref"),
     ],

@@ -9,6 +9,7 @@ from openrlhf_shape.algorithms import (
     boundaries_to_segment_ids,
     compute_token_advantages,
     gain_contribution_percent,
+    get_estimator,
     grpo_advantages,
     mrt_segment_advantages,
     pad_potentials,
@@ -40,11 +41,11 @@ def _potentials(boundaries, rewards, seed=0):
 @pytest.mark.parametrize("estimator", ["shape", "mrt"])
 @pytest.mark.parametrize("tcr", [True, False])
 def test_batched_equals_per_response(estimator, tcr):
-    cfg = ShapeConfig(estimator=estimator, num_segments=5, min_segment_len=4, tcr=tcr)
+    cfg = ShapeConfig(num_segments=5, min_segment_len=4, tcr=tcr)
     mask, ent, rewards, lengths = _batch()
     bnd = segment_batch(ent, mask, cfg)
     per = _potentials(bnd, rewards)
-    res = compute_token_advantages(cfg, mask, rewards, 4, max_response_len=60, entropy=ent, boundaries=bnd,
+    res = compute_token_advantages(get_estimator(estimator, cfg), mask, rewards, 4, max_response_len=60, entropy=ent, boundaries=bnd,
                                    potentials=pad_potentials(per, cfg.num_segments))
     l_ref = 60 / 5
     for i, row in enumerate(boundaries_as_lists(bnd)):
@@ -72,15 +73,15 @@ def test_batched_equals_per_response(estimator, tcr):
 
 def test_grpo_broadcast_and_outcome_baselines():
     mask, ent, rewards, _ = _batch(seed=3)
-    res = compute_token_advantages(ShapeConfig(estimator="grpo"), mask, rewards, 4, max_response_len=60)
+    res = compute_token_advantages(get_estimator("grpo", ShapeConfig()), mask, rewards, 4, max_response_len=60)
     seq = grpo_advantages(rewards.view(-1, 4)).reshape(-1)
     assert torch.allclose(res.token_advantages, torch.where(mask, seq[:, None].expand_as(mask), torch.zeros(())))
     cfg = ShapeConfig(outcome_baseline="group_mean", tcr=False, num_segments=3)
     bnd = segment_batch(ent, mask, cfg)
     per = _potentials(bnd, rewards)
-    res_gm = compute_token_advantages(cfg, mask, rewards, 4, 60, ent, bnd, pad_potentials(per, 3))
+    res_gm = compute_token_advantages(get_estimator("shape", cfg), mask, rewards, 4, 60, ent, bnd, pad_potentials(per, 3))
     cfg_none = ShapeConfig(outcome_baseline="none", tcr=False, num_segments=3)
-    res_none = compute_token_advantages(cfg_none, mask, rewards, 4, 60, ent, bnd, pad_potentials(per, 3))
+    res_none = compute_token_advantages(get_estimator("shape", cfg_none), mask, rewards, 4, 60, ent, bnd, pad_potentials(per, 3))
     shift = rewards.view(-1, 4).mean(-1, keepdim=True).expand(-1, 4).reshape(-1)
     assert torch.allclose(res_gm.token_advantages, torch.where(mask, res_none.token_advantages - shift[:, None], 0.0),
                           atol=1e-6)
@@ -93,14 +94,14 @@ def test_pipeline_rejects_inconsistent_inputs():
     per = _potentials(bnd, rewards)
     phi = pad_potentials(per, 3)
     with pytest.raises(ValueError, match="group_size"):
-        compute_token_advantages(cfg, mask, rewards, 5, 60, ent, bnd, phi)
+        compute_token_advantages(get_estimator("shape", cfg), mask, rewards, 5, 60, ent, bnd, phi)
     bad = phi.clone()
     bad[:, 0] = 1.5
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        compute_token_advantages(cfg, mask, rewards, 4, 60, ent, bnd, bad)
+        compute_token_advantages(get_estimator("shape", cfg), mask, rewards, 4, 60, ent, bnd, bad)
     wrong_final = pad_potentials([torch.cat([p[:-1], 1 - p[-1:]]) for p in per], 3)
     with pytest.raises(ValueError, match="outcome"):
-        compute_token_advantages(cfg, mask, rewards, 4, 60, ent, bnd, wrong_final)
+        compute_token_advantages(get_estimator("shape", cfg), mask, rewards, 4, 60, ent, bnd, wrong_final)
     with pytest.raises(ValueError, match="empty"):
         segment_batch(ent, torch.zeros_like(mask), cfg)
 
@@ -115,21 +116,26 @@ def test_gain_contribution_normalisation_appendix_b3():
 
 
 def test_estimators_are_registered_objects():
-    from openrlhf_shape.algorithms import ESTIMATOR_REGISTRY, get_estimator
-    from openrlhf_shape.algorithms.config import ESTIMATORS
+    """The registry is the one list of names: no copy of it elsewhere, every name bound by ``get_estimator``."""
+    import openrlhf_shape.algorithms.config as algo_config
+    from openrlhf_shape.algorithms import ESTIMATOR_REGISTRY
 
-    assert sorted(ESTIMATOR_REGISTRY) == sorted(ESTIMATORS)
-    assert get_estimator(ShapeConfig(estimator="grpo")).needs_segments is False
-    assert get_estimator(ShapeConfig(estimator="shape")).needs_segments is True
-    assert get_estimator(ShapeConfig(estimator="mrt")).name == "mrt"
+    assert tuple(ESTIMATOR_REGISTRY) == ("shape", "mrt", "grpo")
+    assert not hasattr(algo_config, "ESTIMATORS") and "estimator" not in ShapeConfig.__dataclass_fields__
+    assert get_estimator("grpo", ShapeConfig()).needs_segments is False
+    assert get_estimator("shape", ShapeConfig()).needs_segments is True
+    assert get_estimator("mrt", ShapeConfig()).name == "mrt"
+    with pytest.raises(ValueError, match=r"--algo.advantage.estimator: unknown estimator 'ppo'; choose one of "
+                                         r"\('shape', 'mrt', 'grpo'\)"):
+        get_estimator("ppo", ShapeConfig())
 
 
 def test_mrt_with_group_baseline_uses_baselined_lead_term_and_raw_outcome():
-    cfg = ShapeConfig(estimator="mrt", num_segments=3, min_segment_len=4, tcr=False, outcome_baseline="group_mean")
+    cfg = ShapeConfig(num_segments=3, min_segment_len=4, tcr=False, outcome_baseline="group_mean")
     mask, ent, rewards, lengths = _batch(seed=3)
     bnd = segment_batch(ent, mask, cfg)
     per = _potentials(bnd, rewards, seed=3)
-    res = compute_token_advantages(cfg, mask, rewards, 4, 60, ent, bnd, pad_potentials(per, 3))
+    res = compute_token_advantages(get_estimator("mrt", cfg), mask, rewards, 4, 60, ent, bnd, pad_potentials(per, 3))
     lead = rewards.view(-1, 4) - rewards.view(-1, 4).mean(-1, keepdim=True)
     for i, row in enumerate(boundaries_as_lists(bnd)):
         want = mrt_segment_advantages(per[i], rewards[i], alpha=0.3, outcome_term=lead.reshape(-1)[i])

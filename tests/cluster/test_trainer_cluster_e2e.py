@@ -72,17 +72,17 @@ def _run(overrides: list[str]) -> dict:
     try:
         trainer.setup()
         run = trainer.run  # the components set-up built (trainer/setup.py)
-        ray.get([capture_loaded_weights(h) for h in run.cluster.engine_handles])
+        ray.get([capture_loaded_weights(h) for h in run.cluster.engines.engines])
         trainer.fit()
-        engine_weights = [read_weights(h) for h in run.cluster.engine_handles]
+        engine_weights = [read_weights(h) for h in run.cluster.engines.engines]
         states = run.cluster.engines.states()
         events = list(run.cluster.lifecycle.events)
         schedule_events = list(getattr(run.schedule, "events", []))  # async: (what, step, start, end)
-        rendezvous = dict(run.cluster.actor.rendezvous)
+        rendezvous = dict(run.cluster.ranks.rendezvous)
         transport = run.cluster.sync.transport
         profiles = {"run": run.platform.to_dict(),
-                    "ranks": ray.get([a.platform_profile.remote() for a in run.cluster.actor.actors]),
-                    "engines": ray.get([h.platform_profile.remote() for h in run.cluster.engine_handles])}
+                    "ranks": ray.get([a.platform_profile.remote() for a in run.cluster.ranks.actors]),
+                    "engines": ray.get([h.platform_profile.remote() for h in run.cluster.engines.engines])}
     finally:
         trainer.shutdown()
     import glob
@@ -166,8 +166,8 @@ def _run_killing_engine_1_in_step_2s_sync(overrides: list[str]) -> dict:
     trainer, error = ShapeTrainer(load_config(None, overrides)), None
     try:
         trainer.setup()
-        actor, engine_1 = trainer.run.cluster.lifecycle.actor, trainer.run.cluster.engine_handles[1]
-        real_stream, calls = actor.start_weight_stream, []
+        ranks, engine_1 = trainer.run.cluster.lifecycle.ranks, trainer.run.cluster.engines.engines[1]
+        real_stream, calls = ranks.start_weight_stream, []
 
         def stream_but_kill_engine_1_at_step_2(payload, bucket_bytes):  # fault injection around the real sync
             calls.append(1)
@@ -175,7 +175,7 @@ def _run_killing_engine_1_in_step_2s_sync(overrides: list[str]) -> dict:
                 ray.kill(engine_1)
             return real_stream(payload, bucket_bytes)
 
-        actor.start_weight_stream = stream_but_kill_engine_1_at_step_2
+        ranks.start_weight_stream = stream_but_kill_engine_1_at_step_2
         t0 = time.monotonic()
         try:
             trainer.fit()

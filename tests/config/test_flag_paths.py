@@ -1,5 +1,5 @@
-"""Flag name = attribute path: every flag sets the attribute of its name, the old names still work
-with one notice, an old run's saved config reads through them, and the backends train with ``actor.*``."""
+"""Flag name = attribute path: every flag sets the attribute of its name, a saved config reads back, only
+OpenRLHF's names are translated, and the backends train with ``actor.*``."""
 
 import dataclasses
 import json
@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from openrlhf_shape.config import DERIVED, FLAGS, TrainConfig, config_from_dict, flag_view, load_config
-from openrlhf_shape.config.compat import DEPRECATED
 from openrlhf_shape.actor.optim import OptimConfig, OptimSettings
 
 HERE = Path(__file__).resolve().parent
@@ -74,38 +73,6 @@ def _flat(d, prefix=""):
     return out
 
 
-def test_no_flag_path_is_also_an_old_name():
-    assert not set(DEPRECATED) & (set(FLAGS.types) - set(DERIVED))  # shape.estimator: derived, and an old name
-    for new in DEPRECATED.values():
-        assert new.split("[")[0] in FLAGS.types, new
-
-
-@pytest.mark.parametrize("old", sorted(DEPRECATED))
-def test_old_name_sets_the_new_field_with_one_notice(old):
-    new = DEPRECATED[old]
-    path, _, index = new.partition("[")
-    tp = FLAGS.types[path]
-    base = TrainConfig()
-    current = base.get(new)
-    value = {"shape.estimator": "mrt", "megatron.lr_decay_style": "cosine", "actor.lr_decay_style": "cosine",  # old-names
-             "engine.dtype": "bfloat16", "engine.logprobs_mode": "raw_logprobs", "engine.block_size": 64,  # old-names
-             "rollout.is_correction_level": "token", "rollout.is_correction_mode": "clip",  # old-names
-             "rollout.is_correction_gating": "tv", "engine.max_model_len": 4096, "rollout.max_model_len": 4096,  # old-names
-             "rollout.block_size": 64, "megatron.dual_clip": 3.0, "megatron.min_lr": 1e-7}.get(old) or _other_value(current, tp if not index else float)  # old-names
-    if value is None:
-        pytest.skip(f"{old}: a tuple or list (checked by the tests of its section)")
-    notices = []
-    from openrlhf_shape.config.compat import translate
-
-    pairs = translate([(old, str(value)), (old, str(value))], notices.append)
-    assert len(notices) == 1 and f"use --{path}" in notices[0]
-    resolved = {}
-    for flag, v in pairs:
-        resolved.update(FLAGS.resolve(flag, v))
-    got = FLAGS.build(base, resolved).get(new)
-    assert got == (pytest.approx(value) if isinstance(value, float) else value), old
-
-
 def test_backends_train_with_the_actor_settings():
     """``--actor.adam.*`` / ``--actor.eps_clip_low_high`` / ``--train.max_tokens_per_gpu`` reach what both the
     Megatron ranks and the DeepSpeed ranks are handed."""
@@ -147,11 +114,14 @@ def test_probe_count_is_owned_by_the_probe_section_and_checked_once():
 
 
 def test_estimator_flag_is_the_one_source_of_the_algorithms_estimator():
+    """One field holds the estimator's name (``--algo.advantage.estimator``); ``--shape.*`` holds its settings
+    (no copy of the name), and the paper's bounds are checked for the estimator that field names."""
     cfg = load_config(None, ["--algo.advantage.estimator", "group_norm", "--shape.alpha", "0.6"])  # OpenRLHF's name
-    assert cfg.algo.advantage.estimator == "grpo" and cfg.shape.estimator == "grpo"  # grpo ignores alpha's bound (old-names)
-    with pytest.raises(ValueError, match="--shape.estimator is derived .* use --algo.advantage.estimator"):  # old-names
-        FLAGS.resolve("shape.estimator", "mrt")  # (typed by a user, the old name is renamed before: one notice) (old-names)
-    assert load_config(None, ["--shape.estimator", "mrt"]).algo.advantage.estimator == "mrt"  # old-names
+    assert cfg.algo.advantage.estimator == "grpo" and cfg.shape.alpha == 0.6  # grpo ignores alpha's bound
+    assert "estimator" not in cfg.to_dict()["shape"] and "shape.estimator" not in FLAGS.types
+    for estimator in ("shape", "mrt"):
+        with pytest.raises(ValueError, match=r"--shape\.alpha: alpha=0\.6 >= 0\.5 .* A\.1"):
+            load_config(None, ["--algo.advantage.estimator", estimator, "--shape.alpha", "0.6"])
 
 
 def test_derived_fields_are_refused_naming_the_flag():
@@ -170,22 +140,30 @@ def test_print_config_is_a_preset_of_current_names(tmp_path, capsys):
     assert flag_view(again) == flag_view(cfg) and again.megatron_config() == cfg.megatron_config()
 
 
-def test_old_run_config_reads_through_the_alias_table():
-    """``run.json`` written by the old tree (generated with main at a796cd6: cpu-smoke plus eval top-p 0.9,
-    Adam beta2 0.98, a log-prob gap, a W&B project, m = 2 and token-level correction) reads into the new one."""
-    saved = json.loads((HERE / "old_layout_run.json").read_text())["config"]
-    assert "trainer" in saved and "sampling" in saved  # the old layout
-    cfg = config_from_dict(saved)
-    fresh = load_config(str(ROOT / "configs" / "cpu-smoke.yaml"), [
-        "--eval.top_p", "0.9", "--actor.adam.betas", "0.9", "0.98", "--rollout.max_logprob_gap", "0.01",
-        "--logger.wandb.project", "p", "--probe.num_probes", "2", "--probe.max_probes", "0",
-        "--algo.advantage.is_correction_level", "token"], check_paths=False)
-    assert cfg.actor.world_size == fresh.actor.world_size == 1  # old megatron.world_size: ranks on one node
-    for c in (cfg, fresh):
-        c.actor.num_nodes, c.actor.num_gpus_per_node = None, None
-    assert flag_view(cfg) == flag_view(fresh)
-    assert cfg.megatron_config() == fresh.megatron_config()
-    assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()  # the new layout round-trips
+def test_saved_config_reads_back():
+    """``run.json``'s ``config`` (``to_dict()``) reads back into the same tree, derived fields included."""
+    cfg = load_config(str(ROOT / "configs" / "cpu-smoke.yaml"), [
+        "--eval.top_p", "0.9", "--actor.adam.betas", "0.9", "0.98", "--probe.num_probes", "2",
+        "--algo.advantage.estimator", "mrt", "--algo.advantage.is_correction_level", "token"], check_paths=False)
+    again = config_from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again.to_dict() == cfg.to_dict() and again.algo.advantage.estimator == "mrt"
+    assert again.megatron_config() == cfg.megatron_config()
+
+
+def test_only_openrlhf_names_are_translated():
+    """Compatibility is for names an OpenRLHF user types: this project's earlier names (never in a release) are
+    unknown options, and ``translate`` passes every name that is not OpenRLHF's through untouched."""
+    from openrlhf_shape.config import compat
+    from openrlhf_shape.config.openrlhf import BY_NAME
+
+    assert not hasattr(compat, "DEPRECATED") and not hasattr(compat, "OLD_DERIVED")
+    earlier = ["trainer.num_steps", "sampling.n", "engine.block_size", "megatron.lr", "actor.pretrain",
+               "rollout.rollout_batch_size", "shape.num_probes", "data.prompt_data"]
+    assert not set(earlier) & set(BY_NAME)
+    assert compat.translate([(name, "4") for name in earlier]) == [(name, "4") for name in earlier]
+    for name in earlier:
+        with pytest.raises(ValueError, match=rf"unknown option --{name}\b"):
+            load_config(None, [f"--{name}", "4"])
 
 
 def test_one_package_holds_the_configuration():

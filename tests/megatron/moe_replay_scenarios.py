@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
+from openrlhf_shape.batch import LogProbs
 from openrlhf_shape.testing.rank_configs import megatron_config
 from openrlhf_shape.megatron.routing_replay import moe_routers
 from openrlhf_shape.megatron.worker import MegatronRankWorker
@@ -17,7 +18,7 @@ from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.batches import train_batches
 
 
-def _shared(worker, out: dict, n: int) -> dict:
+def _shared(worker, out: dict, n: int) -> LogProbs:
     """The merged per-sample outputs, the same on every rank (the driver's role: gather, then send to all)."""
     objs = [None] * dist.get_world_size()
     dist.all_gather_object(objs, out)
@@ -52,7 +53,7 @@ def replay_run(*, rank: int, world_size: int, master_addr: str, master_port: int
     # 1. R2's old-log-prob pass: free routing, recorded
     worker.init_model(moe_dir)
     rec = _shared(worker, worker.compute_logprobs_and_entropy(batch), n)
-    routed = rec["routed_experts"]
+    routed = rec.routed_experts
     res["recorded"] = rec
     # 2. the same weights, the recorded routing replayed: the recorded log-probs (token alignment of the replay)
     res["replay_same"] = _shared(worker, worker.compute_logprobs_and_entropy({**batch, "routed_experts": routed}), n)
@@ -81,7 +82,7 @@ def replay_run(*, rank: int, world_size: int, master_addr: str, master_port: int
                     l0[t, j] = next(e for e in range(8) if e != layer0_drop and e not in l0[t].tolist())
         dropped.append(r)
     res["trained"] = {}
-    for name, routing in (("dropped", dropped), ("free", res["free_perturbed"]["routed_experts"])):
+    for name, routing in (("dropped", dropped), ("free", res["free_perturbed"].routed_experts)):
         worker.init_model(perturbed_dir)
         gpt = worker._gpt()
         router0 = moe_routers(gpt)[0]

@@ -16,6 +16,7 @@ import torch
 from mg_helpers import (SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, run_layout,
                         shared_tp2, shared_world1)
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
+from openrlhf_shape.batch import LogProbs
 from openrlhf_shape.megatron.worker import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -55,7 +56,7 @@ def dp2_distopt(tiny_models, ragged_batch, tmp_path_factory):
     return {"first": first, "resumed": resumed}
 
 
-def _merged(results: list[dict], key: str, n: int, arch: str | None = None) -> dict:
+def _merged(results: list[dict], key: str, n: int, arch: str | None = None) -> LogProbs:
     outs = [r[key][arch] if arch else r[key] for r in results]
     return merge_rank_outputs(outs, n)
 
@@ -65,9 +66,9 @@ def test_world1_logprob_entropy_parity_with_hf_on_cpu(world1, hf_refs, ragged_ba
     n = len(ragged_batch["sequences"])
     got = _merged(world1["res"], "logprobs", n, arch)
     ref_lp, ref_ent = hf_refs[arch]
-    assert max_abs_diff(got["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(got["entropy"], ref_ent) <= PARITY_TOL
-    assert got["log_probs"][3].numel() == 0  # empty response stays empty, in batch order
+    assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got.entropy, ref_ent) <= PARITY_TOL
+    assert got.log_probs[3].numel() == 0  # empty response stays empty, in batch order
 
 
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
@@ -76,8 +77,8 @@ def test_parallel_logprob_entropy_parity_with_hf_on_cpu(layouts, hf_refs, ragged
     n = len(ragged_batch["sequences"])
     got = _merged(layouts[layout], "logprobs", n, arch)
     ref_lp, ref_ent = hf_refs[arch]
-    assert max_abs_diff(got["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(got["entropy"], ref_ent) <= PARITY_TOL
+    assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got.entropy, ref_ent) <= PARITY_TOL
     # only the last PP stage / TP rank 0 returns results
     assert sum(bool(r["logprobs"][arch]) for r in layouts[layout]) == 1
 
@@ -85,7 +86,7 @@ def test_parallel_logprob_entropy_parity_with_hf_on_cpu(layouts, hf_refs, ragged
 def test_wrong_qkv_layout_is_caught_by_parity_on_cpu(world1, hf_refs, ragged_batch):
     n = len(ragged_batch["sequences"])
     wrong = merge_rank_outputs([r["wrong_qkv"] for r in world1["res"]], n)
-    assert max_abs_diff(wrong["log_probs"], hf_refs["qwen3"][0]) > 100 * PARITY_TOL
+    assert max_abs_diff(wrong.log_probs, hf_refs["qwen3"][0]) > 100 * PARITY_TOL
 
 
 def _losses(results: list[dict]) -> list[float]:
@@ -126,8 +127,8 @@ def test_nonfinite_loss_skips_the_update_on_cpu(world1, ragged_batch):
     res = world1["res"][0]
     assert res["nan_metrics"]["skipped"] == 1.0
     n = len(ragged_batch["sequences"])
-    before = merge_rank_outputs([res["after_train"]], n)["log_probs"]
-    after = merge_rank_outputs([res["after_nan"]], n)["log_probs"]
+    before = merge_rank_outputs([res["after_train"]], n).log_probs
+    after = merge_rank_outputs([res["after_nan"]], n).log_probs
     assert max_abs_diff(before, after) == 0.0
 
 
@@ -146,8 +147,8 @@ def test_resume_equals_uninterrupted_world1_on_cpu(world1, tiny_models, ragged_b
     got = [m["loss"] for m in resumed[0]["metrics"]]
     assert got == pytest.approx(ref, abs=1e-6)
     n = len(ragged_batch["sequences"])
-    a = merge_rank_outputs([world1["res"][0]["after_train"]], n)["log_probs"]
-    b = merge_rank_outputs([resumed[0]["after_train"]], n)["log_probs"]
+    a = merge_rank_outputs([world1["res"][0]["after_train"]], n).log_probs
+    b = merge_rank_outputs([resumed[0]["after_train"]], n).log_probs
     assert max_abs_diff(a, b) <= 1e-6
 
 
@@ -164,11 +165,11 @@ def test_resume_equals_uninterrupted_dp2_distributed_optimizer_on_cpu(dp2_distop
 def test_fewer_sequences_than_dp_ranks_on_cpu(dp2_distopt, ragged_batch):
     resumed = dp2_distopt["resumed"]
     merged = merge_rank_outputs([r["single_logprobs"] for r in resumed], 1)
-    assert merged["log_probs"][0].numel() == len(ragged_batch["sequences"][0]) - ragged_batch["prompt_lens"][0]
+    assert merged.log_probs[0].numel() == len(ragged_batch["sequences"][0]) - ragged_batch["prompt_lens"][0]
     assert sum(bool(r["single_logprobs"]) for r in resumed) == 1
     for r in resumed:
         m = r["single_metrics"]
-        assert m["skipped"] == 0.0 and 0 < m["num_tokens"] <= merged["log_probs"][0].numel()
+        assert m["skipped"] == 0.0 and 0 < m["num_tokens"] <= merged.log_probs[0].numel()
     assert resumed[0]["single_metrics"] == resumed[1]["single_metrics"]
 
 
@@ -180,8 +181,8 @@ def test_export_loads_in_transformers_with_same_logprobs_on_cpu(world1, ragged_b
     n = len(ragged_batch["sequences"])
     trained = merge_rank_outputs([world1["res"][0]["after_train"]], n)
     ref_lp, ref_ent = hf_logprobs_entropy(str(export_dir), ragged_batch)
-    assert max_abs_diff(trained["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(trained["entropy"], ref_ent) <= PARITY_TOL
+    assert max_abs_diff(trained.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(trained.entropy, ref_ent) <= PARITY_TOL
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(export_dir))
@@ -247,10 +248,10 @@ def test_sdpa_matches_megatron_attention_and_hf_on_cpu(world1, hf_refs, ragged_b
     base = merge_rank_outputs([res["logprobs"][arch]], n)
     sdpa = merge_rank_outputs([res["variants"]["sdpa"]["logprobs"][arch]], n)
     ref_lp, ref_ent = hf_refs[arch]
-    assert max_abs_diff(sdpa["log_probs"], base["log_probs"]) <= 1e-5
-    assert max_abs_diff(sdpa["entropy"], base["entropy"]) <= 1e-5
-    assert max_abs_diff(sdpa["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(sdpa["entropy"], ref_ent) <= PARITY_TOL
+    assert max_abs_diff(sdpa.log_probs, base.log_probs) <= 1e-5
+    assert max_abs_diff(sdpa.entropy, base.entropy) <= 1e-5
+    assert max_abs_diff(sdpa.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(sdpa.entropy, ref_ent) <= PARITY_TOL
 
 
 def test_sdpa_training_steps_match_megatron_attention_on_cpu(world1, layouts):
@@ -271,5 +272,5 @@ def test_sdpa_tp2_parity_with_hf_on_cpu(layouts, hf_refs, ragged_batch, variant,
     n = len(ragged_batch["sequences"])
     got = merge_rank_outputs([r["variants"][variant]["logprobs"][arch] for r in layouts["tp2"]], n)
     ref_lp, ref_ent = hf_refs[arch]
-    assert max_abs_diff(got["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(got["entropy"], ref_ent) <= PARITY_TOL
+    assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got.entropy, ref_ent) <= PARITY_TOL

@@ -154,7 +154,13 @@ def test_merge_rank_outputs_orders_and_checks_on_cpu():
     a = {"indices": [2, 0], "log_probs": [torch.tensor([2.0]), torch.tensor([0.0])], "entropy": [torch.tensor([2.0]), torch.tensor([0.0])]}
     b = {"indices": [1], "log_probs": [torch.tensor([1.0])], "entropy": [torch.tensor([1.0])]}
     out = merge_rank_outputs([a, {}, b], 3)
-    assert [float(x) for x in out["log_probs"]] == [0.0, 1.0, 2.0]
+    assert [float(x) for x in out.log_probs] == [0.0, 1.0, 2.0]
+    assert [float(x) for x in out.entropy] == [0.0, 1.0, 2.0] and out.routed_experts is None  # no MoE replay
+    lp, ent = out.padded(2)  # [B, T] for the experience maker, 0 past each response
+    assert lp.tolist() == [[0.0, 0.0], [1.0, 0.0], [2.0, 0.0]] and ent.shape == (3, 2)
+    routed = [torch.full((2, 1, 1), i) for i in range(3)]
+    with_routing = merge_rank_outputs([{**a, "routed_experts": [routed[2], routed[0]]}, {**b, "routed_experts": [routed[1]]}], 3)
+    assert [int(r[0, 0, 0]) for r in with_routing.routed_experts] == [0, 1, 2]  # routing in batch order too
     with pytest.raises(ValueError, match="indices"):
         merge_rank_outputs([a], 3)
 

@@ -58,22 +58,22 @@ def test_qwen3_moe_parity_training_and_export_on_cpu(world1, moe_dir, ragged_bat
     ref_lp, ref_ent = hf_logprobs_entropy(moe_dir, ragged_batch)
     w1 = world1["res"]
     got = merge_rank_outputs([r["logprobs"]["moe"] for r in w1], n)
-    assert max_abs_diff(got["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(got["entropy"], ref_ent) <= PARITY_TOL
+    assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got.entropy, ref_ent) <= PARITY_TOL
     assert w1[0]["info"]["model_type"] == "qwen3_moe"
     metrics = w1[0]["metrics"]
     assert len(metrics) == 3 and all(m["skipped"] == 0.0 and m["grad_norm"] > 0 for m in metrics)
     trained = merge_rank_outputs([r["after_train"] for r in w1], n)
-    assert max_abs_diff(trained["log_probs"], got["log_probs"]) > 1e-3  # the steps moved the experts and router
+    assert max_abs_diff(trained.log_probs, got.log_probs) > 1e-3  # the steps moved the experts and router
     exported_lp, _ = hf_logprobs_entropy(str(world1["root"] / "hf"), ragged_batch)
-    assert max_abs_diff(trained["log_probs"], exported_lp) <= PARITY_TOL  # every expert came back out under its HF name
+    assert max_abs_diff(trained.log_probs, exported_lp) <= PARITY_TOL  # every expert came back out under its HF name
 
     # TP2 + sequence parallel (megatron-core's MoE layer trains under TP only with SP)
     tp2 = run_layout(2, cfg={**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True},
                      model_dirs={"moe": moe_dir}, batch=ragged_batch)
     got2 = merge_rank_outputs([r["logprobs"]["moe"] for r in tp2], n)
-    assert max_abs_diff(got2["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(got2["entropy"], ref_ent) <= PARITY_TOL
+    assert max_abs_diff(got2.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got2.entropy, ref_ent) <= PARITY_TOL
 
 
 def test_ep2_parity_and_trajectory_equal_world1_on_cpu(ep2, world1, moe_dir, ragged_batch):
@@ -82,8 +82,8 @@ def test_ep2_parity_and_trajectory_equal_world1_on_cpu(ep2, world1, moe_dir, rag
     first = ep2["first"]
     assert all(r["logprobs"]["moe"] for r in first)  # each DP rank scored its own shard
     got = merge_rank_outputs([r["logprobs"]["moe"] for r in first], n)
-    assert max_abs_diff(got["log_probs"], ref_lp) <= PARITY_TOL
-    assert max_abs_diff(got["entropy"], ref_ent) <= PARITY_TOL
+    assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got.entropy, ref_ent) <= PARITY_TOL
     info = first[0]["info"]
     assert info["dp"] == 2 and info["moe"]["ep"] == 2 and info["moe"]["token_dispatcher"] == "alltoall"
     assert info["num_parameters"] == world1["res"][0]["info"]["num_parameters"]  # experts split, none lost
@@ -94,8 +94,8 @@ def test_ep2_parity_and_trajectory_equal_world1_on_cpu(ep2, world1, moe_dir, rag
         assert [m["loss"] for m in ms] == pytest.approx([m["loss"] for m in ref], abs=2e-5)
         assert [m["grad_norm"] for m in ms] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4)
         assert [m["num_tokens"] for m in ms] == [m["num_tokens"] for m in ref]
-    a = merge_rank_outputs([r["after_train"] for r in first], n)["log_probs"]
-    b = merge_rank_outputs([r["after_train"] for r in world1["res"]], n)["log_probs"]
+    a = merge_rank_outputs([r["after_train"] for r in first], n).log_probs
+    b = merge_rank_outputs([r["after_train"] for r in world1["res"]], n).log_probs
     assert max_abs_diff(a, b) <= PARITY_TOL
 
 
@@ -111,7 +111,7 @@ def test_ep2_with_unequal_micro_batch_counts_per_rank_on_cpu(ep2, moe_dir, ragge
     ref_lp, _ = hf_logprobs_entropy(moe_dir, ragged_batch)
     var = [r["variants"]["uneven"] for r in ep2["first"]]
     got = merge_rank_outputs([v["logprobs"]["moe"] for v in var], n)
-    assert max_abs_diff(got["log_probs"], ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL
     ref = ep2["first"][0]["metrics"]
     for v in var:
         assert [m["loss"] for m in v["metrics"]] == pytest.approx([m["loss"] for m in ref], abs=2e-5)
@@ -128,8 +128,8 @@ def test_ep2_resume_equals_uninterrupted_on_cpu(ep2, ragged_batch):
         assert len(got) == len(ref) == 1
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in ref], abs=1e-6)
         assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-5)
-    a = merge_rank_outputs([r["after_train"] for r in first], n)["log_probs"]
-    b = merge_rank_outputs([r["after_train"] for r in resumed], n)["log_probs"]
+    a = merge_rank_outputs([r["after_train"] for r in first], n).log_probs
+    b = merge_rank_outputs([r["after_train"] for r in resumed], n).log_probs
     assert max_abs_diff(a, b) <= 1e-6
 
 
@@ -152,7 +152,7 @@ def test_ep2_export_gathers_every_expert_under_its_hf_name_on_cpu(ep2, world1, r
     n = len(ragged_batch["sequences"])
     trained = merge_rank_outputs([r["after_train"] for r in ep2["first"]], n)
     exported_lp, _ = hf_logprobs_entropy(str(ep2["root"] / "hf"), ragged_batch)
-    assert max_abs_diff(trained["log_probs"], exported_lp) <= PARITY_TOL
+    assert max_abs_diff(trained.log_probs, exported_lp) <= PARITY_TOL
 
 
 def test_router_losses_reach_megatron_and_change_the_gradient_on_cpu(ep2):

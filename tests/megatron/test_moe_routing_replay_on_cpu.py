@@ -129,41 +129,41 @@ def test_r2_records_and_replays_the_routing_in_old_logprob_and_update_passes(moe
     base, moved = moe_dirs
     out = _run(1, CFG, moe_dirs, ragged_batch)
     rec = out["recorded"]
-    routed = rec["routed_experts"]
+    routed = rec.routed_experts
     seqs = ragged_batch["sequences"]
     assert [tuple(r.shape) for r in routed] == [(len(s), 2, 2) for s in seqs] and routed[0].dtype == torch.uint8
     # the recorded routing is the model's own: HF routes every token to the same experts
     _, hf_free = hf_forced_routing_logprobs(base, ragged_batch, None)
     assert all(bool(_same_sets(a, b).all()) for a, b in zip(routed, hf_free))
     # replayed at the same weights: the recorded log-probs exactly; another routing replayed: other log-probs
-    assert max_abs_diff(out["replay_same"]["log_probs"], rec["log_probs"]) == 0.0
-    assert max_abs_diff(out["replay_other"]["log_probs"], rec["log_probs"]) > 0.1
+    assert max_abs_diff(out["replay_same"].log_probs, rec.log_probs) == 0.0
+    assert max_abs_diff(out["replay_other"].log_probs, rec.log_probs) > 0.1
 
     # the router moved: free routing flips some tokens, the replayed pass routes as recorded and computes HF's
     # forward with the recorded experts forced
     free = out["free_perturbed"]
-    flipped = sum(int((~_same_sets(a, b)).sum()) for a, b in zip(free["routed_experts"], routed))
+    flipped = sum(int((~_same_sets(a, b)).sum()) for a, b in zip(free.routed_experts, routed))
     assert flipped > 10
     ref_forced, _ = hf_forced_routing_logprobs(moved, ragged_batch, routed)
     ref_free, _ = hf_forced_routing_logprobs(moved, ragged_batch, None)
-    assert max_abs_diff(out["replay_perturbed"]["log_probs"], ref_forced) <= TOL
-    assert max_abs_diff(free["log_probs"], ref_free) <= TOL
-    assert max_abs_diff(free["log_probs"], out["replay_perturbed"]["log_probs"]) > 0.1
+    assert max_abs_diff(out["replay_perturbed"].log_probs, ref_forced) <= TOL
+    assert max_abs_diff(free.log_probs, ref_free) <= TOL
+    assert max_abs_diff(free.log_probs, out["replay_perturbed"].log_probs) > 0.1
 
     # update passes: without the recorded routing R2 refuses, naming the flag
     assert "--megatron.routing_replay r2" in out["train_without_routing"]
     dropped, free_run = out["trained"]["dropped"], out["trained"]["free"]
-    for run, routing in ((dropped, None), (free_run, free["routed_experts"])):
+    for run, routing in ((dropped, None), (free_run, free.routed_experts)):
         assert run["metrics"]["skipped"] == 0.0 and run["metrics"]["grad_norm"] > 0
     # the update's forward routes exactly as replayed (layer 0 never to expert 7 in "dropped")
     seen = _seen_as_per_sample(dropped["seen_routing"], ragged_batch, 2)
     assert not any(bool(m[:, 0, 7].any()) for m in seen)
-    assert _routes_as(_seen_as_per_sample(free_run["seen_routing"], ragged_batch, 2), free["routed_experts"])
+    assert _routes_as(_seen_as_per_sample(free_run["seen_routing"], ragged_batch, 2), free.routed_experts)
     # gradients reach the gate rows (and experts) of the replayed experts only: expert 7's gate row and weights
     # stay put when no token is replayed to it, and move when the replayed routing uses it
     assert float(dropped["router_row_moved"][7]) == 0.0 and dropped["expert_fc1_moved"] == 0.0
     assert bool((dropped["router_row_moved"][:7] > 0).all())
-    assert any(bool((r[:, 0] == 7).any()) for r in free["routed_experts"])
+    assert any(bool((r[:, 0] == 7).any()) for r in free.routed_experts)
     assert float(free_run["router_row_moved"][7]) > 0 and free_run["expert_fc1_moved"] > 0
 
 
@@ -171,11 +171,11 @@ def test_r2_at_tp2_with_sequence_parallel(moe_dirs, ragged_batch):
     """TP2 + SP: each rank's router sees its slice of the sequence; recording gathers it, replay slices it."""
     w1 = _run(1, CFG, moe_dirs, ragged_batch)
     tp2 = _run(2, {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True}, moe_dirs, ragged_batch)
-    assert all(bool(_same_sets(a, b).all()) for a, b in zip(tp2["recorded"]["routed_experts"],
-                                                                w1["recorded"]["routed_experts"]))
-    assert max_abs_diff(tp2["replay_same"]["log_probs"], tp2["recorded"]["log_probs"]) <= 1e-6
-    assert max_abs_diff(tp2["replay_perturbed"]["log_probs"], w1["replay_perturbed"]["log_probs"]) <= TOL
-    assert max_abs_diff(tp2["replay_other"]["log_probs"], w1["replay_other"]["log_probs"]) <= TOL
+    assert all(bool(_same_sets(a, b).all()) for a, b in zip(tp2["recorded"].routed_experts,
+                                                                w1["recorded"].routed_experts))
+    assert max_abs_diff(tp2["replay_same"].log_probs, tp2["recorded"].log_probs) <= 1e-6
+    assert max_abs_diff(tp2["replay_perturbed"].log_probs, w1["replay_perturbed"].log_probs) <= TOL
+    assert max_abs_diff(tp2["replay_other"].log_probs, w1["replay_other"].log_probs) <= TOL
     assert float(tp2["trained"]["dropped"]["router_row_moved"][7]) == 0.0
 
 
@@ -228,16 +228,15 @@ def test_r3_replays_the_experts_a_real_engine_chose(moe_dirs):
     assert _routes_as(_seen_as_per_sample(out["seen_train"], batch, 2), routed)
     assert out["train_metrics"]["skipped"] == 0.0 and out["train_metrics"]["grad_norm"] > 0
     ref, _ = hf_forced_routing_logprobs(base, batch, routed)
-    assert max_abs_diff(out["replayed"]["log_probs"], ref) <= TOL
+    assert max_abs_diff(out["replayed"].log_probs, ref) <= TOL
     engine_lp = [torch.tensor(x.logprobs) for x in gens]
-    assert max_abs_diff(out["replayed"]["log_probs"], engine_lp) < max_abs_diff(free_lp, engine_lp)
+    assert max_abs_diff(out["replayed"].log_probs, engine_lp) < max_abs_diff(free_lp, engine_lp)
 
 
 def test_experiences_carry_the_routing_to_every_mini_batch():
     """The routing of a step (engine's for R3, recorded by the old-log-prob pass for R2) reaches the actor's
     old-log-prob batch and each mini-batch's TrainBatch, row for row."""
-    from openrlhf_shape.batch import length_mask
-    from openrlhf_shape.trainer.experience import ExperienceBatch
+    from openrlhf_shape.batch import ExperienceBatch, length_mask
 
     seqs = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
     plens = [2, 1, 3]

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.algorithms import RolloutCorrectionConfig, ShapeConfig, grpo_advantages
+from openrlhf_shape.algorithms import AdvantageEstimator, RolloutCorrectionConfig, ShapeConfig, get_estimator, grpo_advantages
 from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
-from openrlhf_shape.trainer.experience import HFActor, ShapeExperienceMaker
+from openrlhf_shape.testing.hf_actor import HFActor
+from openrlhf_shape.trainer.experience import ShapeExperienceMaker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -46,17 +47,17 @@ def parts(tiny_model_dir, parity_reward_file):
     reward.close()
 
 
-def _build(engines, logprobs_fn, reward, tok, shape: ShapeConfig, max_tokens: int, dynamic_filtering: bool = False,
-           num_probes: int = 8):
+def _build(engines, logprobs_fn, reward, tok, estimator: AdvantageEstimator, max_tokens: int,
+           dynamic_filtering: bool = False, num_probes: int = 8):
     probe = ProbeConfig(num_probes=num_probes, max_tokens=16)
-    return ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, logprobs_fn, reward, tok,
+    return ShapeExperienceMaker(estimator, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, logprobs_fn, reward, tok,
                                 dynamic_filtering=dynamic_filtering)
 
 
-def _maker(engines, parts, dynamic_filtering=False, num_probes=8, **shape_kw):
+def _maker(engines, parts, estimator="shape", dynamic_filtering=False, num_probes=8, **shape_kw):
     tok, items, actor, reward = parts
-    return _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(**shape_kw), 48, dynamic_filtering,
-                  num_probes), items, actor
+    return _build(engines, actor.compute_logprobs_and_entropy, reward, tok, get_estimator(estimator, ShapeConfig(**shape_kw)),
+                  48, dynamic_filtering, num_probes), items, actor
 
 
 @pytest.mark.parametrize("estimator", ["shape", "mrt"])
@@ -76,10 +77,10 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
         assert (exp.old_log_probs[i, :t] <= 0).all()
         assert (exp.advantages[i, t:] == 0).all() and (exp.old_log_probs[i, t:] == 0).all()  # padding
     # old log-probs are the actor's own, recomputed for the same sequences
-    again, _ = actor.compute_logprobs_and_entropy(
-        SequenceBatch(sequences=exp.sequences[:2], prompt_lens=exp.prompt_lens[:2], temperature=1.0))
+    again = actor.compute_logprobs_and_entropy(
+        SequenceBatch(sequences=exp.sequences[:2], prompt_lens=exp.prompt_lens[:2], temperature=1.0)).log_probs
     t0 = int(exp.response_mask[0].sum())
-    assert torch.allclose(again[0, :t0], exp.old_log_probs[0, :t0], atol=1e-5)
+    assert torch.allclose(again[0][:t0], exp.old_log_probs[0, :t0], atol=1e-5)
     assert 1.0 <= m["shape/segments_per_response/mean"] <= m["shape/segments_per_response/max"] <= 4
     assert m["shape/segment_length/min"] >= 1
     assert 0.0 <= m["shape/potential_drop_rate"] <= 1.0
@@ -103,7 +104,7 @@ def test_adaptive_probes_in_the_step(engines, parts):
     shape = ShapeConfig(num_segments=4, min_segment_len=4)
     probe = ProbeConfig(num_probes=4, max_tokens=16, adaptive=True,
                         adaptive_tol=0.2, adaptive_first_round=2, adaptive_round_size=2, max_probes=4)
-    exp = ShapeExperienceMaker(shape, SamplingConfig(n=N, max_tokens=48), probe, engines, actor.compute_logprobs_and_entropy, reward,
+    exp = ShapeExperienceMaker(get_estimator("shape", shape), SamplingConfig(n=N, max_tokens=48), probe, engines, actor.compute_logprobs_and_entropy, reward,
                                tok).make_experience(items)
     m = exp.metrics
     assert 1 <= m["probe/rounds"] <= 2
@@ -155,7 +156,7 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     tok, items, actor, reward = parts
     tis = RolloutCorrectionConfig("token", "clip", "ratio", (0.5, 5.0))
     probe = ProbeConfig(num_probes=1, max_tokens=4)
-    maker = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=32, temperature=0.7),
+    maker = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=32, temperature=0.7),
                                  probe, engines, actor.compute_logprobs_and_entropy, reward, tok, rollout_correction=tis)
     exp = maker.make_experience(items[:2])
     m, mask = exp.metrics, exp.response_mask
@@ -172,10 +173,10 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     assert batch.is_weights is not None and batch.is_weights.shape == batch.advantages.shape
     batch.validate()
     with pytest.raises(ValueError, match="needs --rollout.top_p 1 and --rollout.top_k -1"):
-        ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, top_p=0.9), probe, engines, actor.compute_logprobs_and_entropy,
+        ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, top_p=0.9), probe, engines, actor.compute_logprobs_and_entropy,
                              reward, tok, rollout_correction=tis)
     # without a correction the metrics are still logged (untruncated sampling)
-    off = ShapeExperienceMaker(ShapeConfig(estimator="grpo"), SamplingConfig(n=N, max_tokens=16), probe, engines,
+    off = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=16), probe, engines,
                                actor.compute_logprobs_and_entropy, reward, tok).make_experience(items[:1])
     assert off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in off.metrics
 
@@ -193,7 +194,7 @@ def test_openrlhf_style_reward_files_through_a_step(engines, parts, reward_file)
                         reward_file)
     tok, items, actor, _ = parts
     with RewardComputer(RewardConfig(remote_url=path, num_workers=1)) as reward:
-        exp = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(estimator="grpo"), 16).make_experience(items[:2])
+        exp = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, get_estimator("grpo", ShapeConfig()), 16).make_experience(items[:2])
     assert exp.rewards.shape == (2 * N,) and ((exp.rewards >= 0) & (exp.rewards <= 1)).all()
     extra = {k: v for k, v in exp.metrics.items() if k.startswith("reward/")}
     want = {"tensor_reward.py": {"reward/response_chars", "reward/even"}, "list_reward.py": set(),

@@ -26,6 +26,7 @@ import torch
 from mg_helpers import SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, shared_tp2, shared_world1
 from openrlhf_shape.actor.launch import run_ranks
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
+from openrlhf_shape.batch import LogProbs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,7 +71,7 @@ def hf_refs(tiny_models, ragged_batch):
     return {arch: hf_logprobs_entropy(path, ragged_batch) for arch, path in tiny_models.items()}
 
 
-def _ds_merged(ds_runs, stage: str, key: str, n: int, arch: str | None = None) -> dict:
+def _ds_merged(ds_runs, stage: str, key: str, n: int, arch: str | None = None) -> LogProbs:
     outs = [r[stage][key][arch] if arch else r[stage][key] for r in ds_runs["first"]]
     return merge_rank_outputs(outs, n)
 
@@ -82,13 +83,13 @@ def test_logprob_entropy_parity_with_megatron_and_hf(ds_runs, mg_runs, hf_refs, 
     got = _ds_merged(ds_runs, stage, "logprobs", n, arch)
     # both DP ranks return their own shard
     assert all(r[stage]["logprobs"][arch] for r in ds_runs["first"])
-    assert got["log_probs"][3].numel() == 0  # the empty response stays empty, in batch order
-    refs = {"hf": {"log_probs": hf_refs[arch][0], "entropy": hf_refs[arch][1]}}
+    assert got.log_probs[3].numel() == 0  # the empty response stays empty, in batch order
+    refs = {"hf": LogProbs(log_probs=hf_refs[arch][0], entropy=hf_refs[arch][1])}
     for layout, res in mg_runs.items():
         refs[f"megatron_{layout}"] = merge_rank_outputs([r["logprobs"][arch] for r in res], n)
     for name, ref in refs.items():
-        assert max_abs_diff(got["log_probs"], ref["log_probs"]) <= PARITY_TOL, name
-        assert max_abs_diff(got["entropy"], ref["entropy"]) <= PARITY_TOL, name
+        assert max_abs_diff(got.log_probs, ref.log_probs) <= PARITY_TOL, name
+        assert max_abs_diff(got.entropy, ref.entropy) <= PARITY_TOL, name
 
 
 def _traj(metrics: list[dict], key: str) -> list[float]:
@@ -127,8 +128,8 @@ def test_resume_equals_uninterrupted(ds_runs, ragged_batch):
             assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want], stage
             assert [m["lr"] for m in got] == [m["lr"] for m in want], stage
             assert [m["step"] for m in got] == [m["step"] for m in want], stage
-        a = merge_rank_outputs([r[stage]["after_train"] for r in ds_runs["first"]], n)["log_probs"]
-        b = merge_rank_outputs([r[stage]["after_train"] for r in ds_runs["resumed"]], n)["log_probs"]
+        a = merge_rank_outputs([r[stage]["after_train"] for r in ds_runs["first"]], n).log_probs
+        b = merge_rank_outputs([r[stage]["after_train"] for r in ds_runs["resumed"]], n).log_probs
         assert max_abs_diff(a, b) == 0.0, stage
 
 
@@ -144,8 +145,8 @@ def test_nonfinite_loss_skips_the_update(ds_runs, ragged_batch):
         res = ds_runs["first"]
         assert all(r[stage]["nan_metrics"]["skipped"] == 1.0 for r in res)
         assert res[0][stage]["nan_metrics"]["step"] == float(TRAIN_STEPS)  # the step counter stays
-        before = merge_rank_outputs([r[stage]["after_train"] for r in res], n)["log_probs"]
-        after = merge_rank_outputs([r[stage]["after_nan"] for r in res], n)["log_probs"]
+        before = merge_rank_outputs([r[stage]["after_train"] for r in res], n).log_probs
+        after = merge_rank_outputs([r[stage]["after_nan"] for r in res], n).log_probs
         assert max_abs_diff(before, after) == 0.0, stage
 
 
@@ -160,7 +161,7 @@ def test_offload_onload_round_trip(ds_runs, ragged_batch):
         res = ds_runs["first"]
         before = merge_rank_outputs([r[stage]["offload"]["before"] for r in res], n)
         after = merge_rank_outputs([r[stage]["offload"]["after"] for r in res], n)
-        assert max_abs_diff(before["log_probs"], after["log_probs"]) == 0.0
+        assert max_abs_diff(before.log_probs, after.log_probs) == 0.0
 
 
 def test_export_and_weight_buckets(ds_runs, ragged_batch, tiny_models):
@@ -181,7 +182,7 @@ def test_export_and_weight_buckets(ds_runs, ragged_batch, tiny_models):
         # the exported weights are those after the NaN step (skipped): the trained model's log-probs
         lp, ent = hf_logprobs_entropy(out, ragged_batch)
         trained = merge_rank_outputs([r[stage]["after_nan"] for r in ds_runs["first"]], n)
-        assert max_abs_diff(lp, trained["log_probs"]) <= PARITY_TOL
+        assert max_abs_diff(lp, trained.log_probs) <= PARITY_TOL
         r0, r1 = (r[stage]["buckets"] for r in ds_runs["first"])
         assert len(r0) == len(r1) >= 3 and all(b == [] for b in r1)  # rank 1 walks the same buckets, keeps nothing
         flat = [item for bucket in r0 for item in bucket]
@@ -200,12 +201,12 @@ def test_measured_numbers(ds_runs, mg_runs, hf_refs, ragged_batch):
         worst = {}
         for arch in hf_refs:
             got = _ds_merged(ds_runs, stage, "logprobs", n, arch)
-            refs = {"hf": {"log_probs": hf_refs[arch][0], "entropy": hf_refs[arch][1]}}
+            refs = {"hf": LogProbs(log_probs=hf_refs[arch][0], entropy=hf_refs[arch][1])}
             for layout, res in mg_runs.items():
                 refs[layout] = merge_rank_outputs([r["logprobs"][arch] for r in res], n)
             for name, ref in refs.items():
                 for key in ("log_probs", "entropy"):
-                    d = max_abs_diff(got[key], ref[key])
+                    d = max_abs_diff(getattr(got, key), getattr(ref, key))
                     worst[(name, key)] = max(worst.get((name, key), 0.0), d)
         print(f"{stage} parity (max |diff| over qwen3/qwen2/llama):",
               {f"{a}/{b}": f"{v:.2e}" for (a, b), v in worst.items()})
