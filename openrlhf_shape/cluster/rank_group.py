@@ -18,7 +18,7 @@ from openrlhf_shape.actor.protocol import STATE_GROUPS, RankWorker
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, pad_rows
 from openrlhf_shape.busy_clock import BusyClock
-from openrlhf_shape.cluster.sender import WeightSenderMixin
+from openrlhf_shape.weight_sync.sender import WeightSenderMixin
 from openrlhf_shape.platform import Platform
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.cluster.lifecycle import Lifecycle
     from openrlhf_shape.cluster.rank_group import RankGroup
     from openrlhf_shape.cluster.ray_placement import RayPlacement
-    from openrlhf_shape.cluster.sync_driver import EngineWeightSync
+    from openrlhf_shape.weight_sync.driver import EngineWeightSync
     from openrlhf_shape.rollout.group import EngineGroup
 
 log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console and train.log)
@@ -70,7 +70,7 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     from openrlhf_shape.cluster.doctor import check_shared_output
     from openrlhf_shape.cluster.lifecycle import Lifecycle
     from openrlhf_shape.cluster.ray_placement import RayPlacement
-    from openrlhf_shape.cluster.sync_driver import EngineWeightSync
+    from openrlhf_shape.weight_sync.driver import EngineWeightSync
     from openrlhf_shape.rollout.group import start_engines
 
     r = cfg.rollout

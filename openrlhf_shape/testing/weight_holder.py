@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from openrlhf_shape.cluster.sender import WeightSenderMixin
+from openrlhf_shape.weight_sync.sender import WeightSenderMixin
 
 
 class TensorHolder(WeightSenderMixin):

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from openrlhf_shape.cluster.worker_ext import missing_tensors, stream_with_tied_head
+from openrlhf_shape.rollout.worker_ext import missing_tensors, stream_with_tied_head
 from openrlhf_shape.trainer.logprob_guard import GAP_METRIC, LogprobGapGuard
 
 

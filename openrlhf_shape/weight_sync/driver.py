@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable
 
-from openrlhf_shape.cluster.weight_sync import DEFAULT_TIMEOUT_S, TRANSPORTS
+from openrlhf_shape.weight_sync import DEFAULT_TIMEOUT_S, TRANSPORTS
 
 
 class WeightSyncError(RuntimeError):

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
-from openrlhf_shape.cluster.weight_sync import TRANSPORTS, RssSampler, WeightSender
+from openrlhf_shape.weight_sync import TRANSPORTS, RssSampler, WeightSender
 
 
 class WeightSenderMixin:

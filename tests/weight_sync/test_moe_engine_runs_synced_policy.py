@@ -27,7 +27,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from openrlhf_shape.platform import detect_platform  # noqa: E402
-from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
+from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402

@@ -3,7 +3,7 @@ and :class:`Transport`, the one interface every transport implements in its own 
 
 A transport has three sides, each running in a different process:
 
-* the **driver** (``sync_driver.EngineWeightSync`` owns one instance): :meth:`Transport.connect` makes
+* the **driver** (``driver.EngineWeightSync`` owns one instance): :meth:`Transport.connect` makes
   what the sync needs (a process group, queues) and hands each side its part;
 * the **sender** (Megatron rank 0's actor, ``sender.WeightSenderMixin``): :meth:`Transport.make_sender`
   turns its part into a :class:`WeightSender` (``begin() / send(bucket) / finish()``), kept for every sync;

@@ -13,9 +13,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.cluster.sync_driver import EngineWeightSync, WeightSyncError  # noqa: E402
-from openrlhf_shape.cluster.weight_sync import get_or_raise  # noqa: E402
-from openrlhf_shape.cluster.weight_sync.object_store import ObjectStoreSender  # noqa: E402
+from openrlhf_shape.weight_sync.driver import EngineWeightSync, WeightSyncError  # noqa: E402
+from openrlhf_shape.weight_sync import get_or_raise  # noqa: E402
+from openrlhf_shape.weight_sync.object_store import ObjectStoreSender  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
