@@ -30,8 +30,7 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
+from openrlhf_shape.platform import detect_platform  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing.engine_weights import (  # noqa: E402
@@ -42,7 +41,8 @@ from openrlhf_shape.testing.engine_weights import (  # noqa: E402
 )
 from openrlhf_shape.testing.hf_reference import hf_token_logprobs, mean_abs_gap  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
-from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
+from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
+from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BUCKET = 512 << 10  # the untied ~5.5 MB model: about a dozen buckets per sync
@@ -83,7 +83,7 @@ def record(name: str, m: dict) -> None:
 
 def run_sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
     ray.get([capture_loaded_weights(e) for e in group.engines])  # fresh capture per sync
-    m = sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
+    m = sync.sync(HolderRanks(holder), BUCKET)
     assert m["sync/bytes"] == ray.get(holder.model_bytes.remote())
     assert m["sync/buckets"] > 3
     # a few buckets in flight, never the model
@@ -164,7 +164,7 @@ def test_untied_tp1_direct_load_collective_object_store_and_colocation(ray_local
         # weights discarded (level 2), woken, synced, KV woken.
         group.sleep(2)
         with pytest.raises(RuntimeError, match="asleep"):
-            collective.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
+            collective.sync(HolderRanks(holder), BUCKET)
         with pytest.raises(ray.exceptions.RayTaskError, match="asleep"):
             group.generate(prompt, greedy)
         group.wake_up(["weights"])
@@ -210,7 +210,7 @@ def test_untied_tp2_collective(ray_local, model_dir) -> None:
 
 
 def _sync(sync: EngineWeightSync, holder) -> dict:
-    return sync.sync(lambda payload: [holder.push.remote(payload, TIED_BUCKET)])
+    return sync.sync(HolderRanks(holder), TIED_BUCKET)
 
 
 def test_tied_tp1_direct_load_transports_colocation_and_cached_probe(ray_local, tied_dir, tmp_path) -> None:
