@@ -75,7 +75,7 @@ LARGEST = 1024 * 128 * 4  # the embedding / LM head; one expert projection is 64
 
 def _assert_bucketed(metrics: dict, what: str) -> None:
     """The experts arrived in size-bounded buckets, a few in flight, never the whole model at once (the
-    bound of tests/cluster/test_weight_sync.py: three buckets or three of the largest tensor)."""
+    bound of tests/weight_sync/test_weight_sync.py: three buckets or three of the largest tensor)."""
     assert metrics["sync/buckets"] >= 8, f"{what}: {metrics['sync/buckets']} buckets for a ~3 MB model"
     assert metrics["sync/peak_inflight_bytes"] <= 3 * max(BUCKET, LARGEST), f"{what}: sender held {metrics}"
     assert metrics["sync/sender_peak_inflight_over_model"] < 0.6, f"{what}: sender held {metrics}"
