@@ -4,7 +4,6 @@ stands behind, tied head re-emitted and coverage of the checkpoint: tests/rollou
 import logging
 
 import pytest
-import torch
 
 from openrlhf_shape.trainer.logprob_guard import GAP_METRIC, LogprobGapGuard
 
