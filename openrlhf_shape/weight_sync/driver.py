@@ -103,7 +103,7 @@ class EngineWeightSync:
         engines: engine actor handles (``VLLMEngine`` in Ray).
         engine_tp: TP workers per engine (every one receives the whole stream).
         transport: a registered transport name (``weight_sync.TRANSPORTS``: collective, object_store,
-            cuda_ipc); ``auto`` is decided before, per placement plan (``placement.resolve_weight_sync``).
+            cuda_ipc); ``auto`` is decided before, per placement plan (``cluster/placement.py:resolve_weight_sync``).
         backend: the collective backend of the platform: ``gloo`` (CPU) or ``nccl`` (GPU).
         timeout_s: ``--rollout.weight_sync_timeout``: the longest any one sync (or the connection) may
             take, and every wait inside it on either side; past it the trainer raises naming the engine,
