@@ -88,7 +88,7 @@ def _ipc_tensor(i: int) -> tuple[str, torch.Tensor]:
 
 
 def _ipc_sender(queue, ack, result, bucket_bytes: int, timeout_s: float) -> None:
-    from openrlhf_shape.cluster.weight_sync.cuda_ipc import CudaIpcSender
+    from openrlhf_shape.weight_sync.cuda_ipc import CudaIpcSender
 
     torch.cuda.set_device(0)
     sender = CudaIpcSender([queue], [ack], timeout_s=timeout_s)
@@ -107,7 +107,7 @@ def _ipc_sender(queue, ack, result, bucket_bytes: int, timeout_s: float) -> None
 
 
 def _ipc_receiver(queue, ack, result, timeout_s: float) -> None:
-    from openrlhf_shape.cluster.worker_ext import WeightSyncExtension
+    from openrlhf_shape.rollout.worker_ext import WeightSyncExtension
 
     class Receiver(WeightSyncExtension):
         """The extension's receiving code on a stand-in worker: rank 0 on cuda:0, no vLLM; its

@@ -1,2 +1,2 @@
-"""The cluster path: GPU placement (pure plan + Ray placement groups), streamed weight sync from
-Megatron ranks into vLLM engines, and the colocation lifecycle (sleep / offload / wake order)."""
+"""The cluster path: GPU placement (pure plan + Ray placement groups), the training ranks as Ray actors, and
+the colocation lifecycle (sleep / offload / wake order, around the weight sync of ``openrlhf_shape/weight_sync``)."""

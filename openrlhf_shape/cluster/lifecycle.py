@@ -35,7 +35,8 @@ class Lifecycle:
     """Args:
         ranks: the ``RankGroup`` (offload_states / onload_states / start_weight_stream).
         engines: the trainer's ``EngineGroup``.
-        sync: ``EngineWeightSync`` over those engines (connected).
+        sync: ``weight_sync.driver.EngineWeightSync`` over those engines (connected); ``actor`` is its
+            ``SendingRanks``.
         bucket_bytes: weight-sync bucket size.
         colocate: engines share the ranks' GPUs.
     """
@@ -93,8 +94,7 @@ class Lifecycle:
         if self.colocate:
             self._do("megatron.offload(grads,optimizer)", self.ranks.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
-        return self._do("sync", self.sync.sync,
-                        lambda sync_id: self.ranks.start_weight_stream(sync_id, self.bucket_bytes), step)
+        return self._do("sync", self.sync.sync, self.ranks, self.bucket_bytes, step)
 
     def after_sync(self) -> None:
         """Update -> rollout, the mirror of :meth:`before_update`: colocated ranks put their parameters

@@ -18,8 +18,9 @@ from openrlhf_shape.actor.protocol import STATE_GROUPS, RankWorker
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.batch import LogProbs, SequenceBatch, TrainBatch
 from openrlhf_shape.busy_clock import BusyClock
-from openrlhf_shape.cluster.sender import WeightSenderMixin
+from openrlhf_shape.cluster.ray_placement import local_endpoint
 from openrlhf_shape.platform import Platform
+from openrlhf_shape.weight_sync.sender import WeightSenderMixin
 
 
 class RankActor(WeightSenderMixin):
@@ -38,6 +39,11 @@ class RankActor(WeightSenderMixin):
             torch.set_num_threads(self.platform.threads_per_rank)
         self.worker_cls, self.cfg, self.rank, self.world_size = worker_cls, cfg, rank, world_size
         self.worker: RankWorker | None = None
+
+    def endpoint(self) -> dict[str, Any]:
+        """This actor's node id, node IP and a free port there: rank 0's serves the torch.distributed
+        rendezvous and the collective weight sync's (``weight_sync/collective.py``)."""
+        return local_endpoint()
 
     def connect(self, master_addr: str, master_port: int) -> bool:
         self.worker = self.worker_cls(self.cfg, rank=self.rank, world_size=self.world_size,

@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.cluster.lifecycle import Lifecycle
     from openrlhf_shape.cluster.rank_group import RankGroup
     from openrlhf_shape.cluster.ray_placement import RayPlacement
-    from openrlhf_shape.cluster.sync_driver import EngineWeightSync
     from openrlhf_shape.rollout.group import EngineGroup
+    from openrlhf_shape.weight_sync.driver import EngineWeightSync
 
 log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console and train.log)
 
@@ -68,8 +68,8 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     from openrlhf_shape.cluster.doctor import check_shared_output
     from openrlhf_shape.cluster.lifecycle import Lifecycle
     from openrlhf_shape.cluster.ray_placement import RayPlacement
-    from openrlhf_shape.cluster.sync_driver import EngineWeightSync
     from openrlhf_shape.rollout.group import start_engines
+    from openrlhf_shape.weight_sync.driver import EngineWeightSync
 
     r = cfg.rollout
     plan = plan_for(cfg, platform.on_gpu)

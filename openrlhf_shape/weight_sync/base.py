@@ -3,11 +3,11 @@ and :class:`Transport`, the one interface every transport implements in its own 
 
 A transport has three sides, each running in a different process:
 
-* the **driver** (``sync_driver.EngineWeightSync`` owns one instance): :meth:`Transport.connect` makes
+* the **driver** (``driver.EngineWeightSync`` owns one instance): :meth:`Transport.connect` makes
   what the sync needs (a process group, queues) and hands each side its part;
 * the **sender** (Megatron rank 0's actor, ``sender.WeightSenderMixin``): :meth:`Transport.make_sender`
   turns its part into a :class:`WeightSender` (``begin() / send(bucket) / finish()``), kept for every sync;
-* each **engine worker** (inside vLLM, ``worker_ext.WeightSyncExtension``): :meth:`Transport.open_receiver`
+* each **engine worker** (inside vLLM, ``rollout/worker_ext.py:WeightSyncExtension``): :meth:`Transport.open_receiver`
   keeps its part, :meth:`Transport.stream` yields one sync's ``(hf_name, tensor)`` pairs, which the worker
   loads in ONE ``reload_weights`` call (fused q/k/v and gate/up load layer-wise: they arrive together).
 

@@ -1,4 +1,4 @@
-"""Shared fixtures of the cluster tests."""
+"""Shared fixtures of the weight-sync tests."""
 
 from __future__ import annotations
 

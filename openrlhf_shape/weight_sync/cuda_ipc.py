@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from openrlhf_shape.cluster.weight_sync.base import (
+from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
     QUEUE_DEPTH,
     SyncStats,
@@ -24,7 +24,7 @@ from openrlhf_shape.cluster.weight_sync.base import (
     worker_device,
     worker_rank,
 )
-from openrlhf_shape.cluster.weight_sync.object_store import make_queue
+from openrlhf_shape.weight_sync.object_store import make_queue
 
 
 def gpu_uuid(index: int) -> str:

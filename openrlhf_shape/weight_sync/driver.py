@@ -2,16 +2,27 @@
 sync = receivers started on every engine, then the sender ranks streaming, all awaited together under one
 deadline, failing fast with a :class:`WeightSyncError` that names the engine and the step.
 
-The colocation lifecycle (``lifecycle.py``) calls :meth:`EngineWeightSync.sync` directly; every engine
-resets its prefix cache after loading, and the lifecycle has the engine group forget its prefix affinity.
+The colocation lifecycle (``cluster/lifecycle.py``) calls :meth:`EngineWeightSync.sync` with the rank group as
+the :class:`SendingRanks`; every engine resets its prefix cache after loading, and the lifecycle has the engine
+group forget its prefix affinity.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Callable
+from typing import Protocol
 
-from openrlhf_shape.cluster.weight_sync import DEFAULT_TIMEOUT_S, TRANSPORTS
+from openrlhf_shape.weight_sync import DEFAULT_TIMEOUT_S, TRANSPORTS
+
+
+class SendingRanks(Protocol):
+    """The sending side as the driver sees it: ``cluster/rank_group.py:RankGroup`` (every rank walks the
+    export, rank 0 sends); in the transport tests ``testing/weight_holder.py:HolderRanks``."""
+
+    def start_weight_stream(self, sync_id: str, bucket_bytes: int) -> list:
+        """Start every rank's part of sync ``sync_id`` (buckets of ``bucket_bytes`` bytes); their Ray refs,
+        the sender's first: its result is the sender's metrics dict."""
+        ...
 
 
 class WeightSyncError(RuntimeError):
@@ -92,7 +103,7 @@ class EngineWeightSync:
         engines: engine actor handles (``VLLMEngine`` in Ray).
         engine_tp: TP workers per engine (every one receives the whole stream).
         transport: a registered transport name (``weight_sync.TRANSPORTS``: collective, object_store,
-            cuda_ipc); ``auto`` is decided before, per placement plan (``placement.resolve_weight_sync``).
+            cuda_ipc); ``auto`` is decided before, per placement plan (``cluster/placement.py:resolve_weight_sync``).
         backend: the collective backend of the platform: ``gloo`` (CPU) or ``nccl`` (GPU).
         timeout_s: ``--rollout.weight_sync_timeout``: the longest any one sync (or the connection) may
             take, and every wait inside it on either side; past it the trainer raises naming the engine,
@@ -120,10 +131,9 @@ class EngineWeightSync:
     def close(self) -> None:
         self._impl.close()
 
-    def sync(self, start_senders: Callable[[str], list], step: int | None = None) -> dict[str, float]:
-        """One sync (after training step ``step``, named in errors). ``start_senders(sync_id)`` starts
-        the sending side (every Megatron rank's ``push_weights``; only rank 0 sends) and returns its
-        refs; the first ref's result is the sender's stats dict. Returns the sender's metrics plus
+    def sync(self, ranks: SendingRanks, bucket_bytes: int, step: int | None = None) -> dict[str, float]:
+        """One sync (after training step ``step``, named in errors): receivers started on every engine, then
+        ``ranks.start_weight_stream`` (buckets of ``bucket_bytes`` bytes). Returns the sender's metrics plus
         receiver totals. Raises :class:`WeightSyncError` naming the engine (or rank) that failed or
         outlived ``timeout_s``."""
         if not self.connected:
@@ -135,7 +145,7 @@ class EngineWeightSync:
             raise RuntimeError(f"weight sync targets engines {asleep} whose weights are asleep; the colocation "
                                "lifecycle wakes the weights first")
         recv = [e.receive_weights.remote(self.sync_id) for e in self.engines]
-        send = list(start_senders(self.sync_id))
+        send = list(ranks.start_weight_stream(self.sync_id, bucket_bytes))
         labels = [f"actor rank {i}" + (" (the sender)" if i == 0 else "") for i in range(len(send))]
         labels += [f"engine {i}" for i in range(len(recv))]
         out = get_all_fail_fast(send + recv, self.timeout_s, labels, step)

@@ -1,7 +1,7 @@
 """The receiving side of the weight sync, inside every vLLM worker.
 
 vLLM mixes this class into its worker class when the engine is built with
-``worker_extension_cls="openrlhf_shape.cluster.worker_ext.WeightSyncExtension"``; the engine
+``worker_extension_cls="openrlhf_shape.rollout.worker_ext.WeightSyncExtension"``; the engine
 actor reaches the methods with ``llm.collective_rpc("<method>", args=...)``, which runs them on
 every TP worker of the engine (in-process at TP 1, in the executor's worker processes at TP > 1).
 Every method loads with the worker's own ``reload_weights(weights_iterator=...)`` in ONE call per
@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import torch
 
-from openrlhf_shape.cluster.weight_sync.base import worker_device, worker_rank
+from openrlhf_shape.weight_sync.base import worker_device, worker_rank
 
 
 class WeightSyncExtension:
@@ -105,11 +105,11 @@ class WeightSyncExtension:
         by reference), through the same path as every transport."""
         return self._shape_load(iter(weights))
 
-    # ---- streamed sync (every transport: openrlhf_shape/cluster/weight_sync/) ----------------------
+    # ---- streamed sync (every transport: openrlhf_shape/weight_sync/) ----------------------
     def shape_init_receiver(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> int:
         """Keep this worker's part of sync ``sync_id`` (a collective transport joins its group here,
         returning when every member joined); returns this worker's rank."""
-        from openrlhf_shape.cluster.weight_sync import TRANSPORTS
+        from openrlhf_shape.weight_sync import TRANSPORTS
 
         receivers = self.__dict__.setdefault("_shape_receivers", {})
         receivers[sync_id] = (transport, TRANSPORTS[transport].open_receiver(self, part, timeout_s), timeout_s)
@@ -117,7 +117,7 @@ class WeightSyncExtension:
 
     def shape_receive(self, sync_id: str) -> dict[str, float]:
         """Receive one sync of ``sync_id``, loading it in one reload call."""
-        from openrlhf_shape.cluster.weight_sync import TRANSPORTS
+        from openrlhf_shape.weight_sync import TRANSPORTS
 
         entry = self.__dict__.get("_shape_receivers", {}).get(sync_id)
         if entry is None:

@@ -1,9 +1,11 @@
 """Streamed weight sync from the sending rank into every vLLM engine worker: one :class:`Transport`
 interface (``base.py``), one module per transport (``collective``, ``object_store``, ``cuda_ipc``), found
-by name in :data:`TRANSPORTS`. The design: ``openrlhf_shape/cluster/README.md``."""
+by name in :data:`TRANSPORTS`; the sending actor's side (``sender.py``) and the driver's (``driver.py``).
+The receiving side runs inside vLLM's workers: ``openrlhf_shape/rollout/worker_ext.py``. The design:
+``openrlhf_shape/weight_sync/README.md``."""
 
-from openrlhf_shape.cluster.weight_sync import collective, cuda_ipc, object_store  # noqa: F401  (register)
-from openrlhf_shape.cluster.weight_sync.base import (
+from openrlhf_shape.weight_sync import collective, cuda_ipc, object_store  # noqa: F401  (register)
+from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
     QUEUE_DEPTH,
     TRANSPORTS,

@@ -30,14 +30,19 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
-from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
+from openrlhf_shape.platform import detect_platform  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
-from openrlhf_shape.testing.engine_weights import capture_loaded_weights, load_into_engines, read_weights  # noqa: E402
+from openrlhf_shape.testing.engine_weights import (  # noqa: E402
+    capture_loaded_weights,
+    expected_shard,
+    load_into_engines,
+    read_weights,
+)
 from openrlhf_shape.testing.hf_reference import hf_token_logprobs, mean_abs_gap  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
-from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
+from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
+from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BUCKET = 512 << 10  # the untied ~5.5 MB model: about a dozen buckets per sync
@@ -52,37 +57,6 @@ def model_dir(tmp_path_factory) -> str:
     """The untied Qwen3: 8 layers, ~5.5 MB of float32 weights (91 tensors), about a dozen buckets per sync and a
     throughput figure; narrow (hidden 128), so float32 kernel rounding stays ~10x below ``GAP``."""
     return str(make_tiny_model(tmp_path_factory.mktemp("sync_qwen3"), arch="qwen3", seed=2, num_layers=8))
-
-
-def expected_shard(hf: dict[str, torch.Tensor], vname: str, rank: int, tp: int, used: set) -> torch.Tensor:
-    """What vLLM's TP worker ``rank`` must hold for parameter ``vname``, built from HF tensors
-    (the HF names it reads are added to ``used``)."""
-    hf = _Recording(hf, used)
-
-    def chunk(t: torch.Tensor, dim: int) -> torch.Tensor:
-        return t.chunk(tp, dim=dim)[rank]
-
-    if vname.endswith("qkv_proj.weight"):
-        p = vname[: -len("qkv_proj.weight")]
-        return torch.cat([chunk(hf[p + f"{x}_proj.weight"], 0) for x in "qkv"], 0)
-    if vname.endswith("gate_up_proj.weight"):
-        p = vname[: -len("gate_up_proj.weight")]
-        return torch.cat([chunk(hf[p + "gate_proj.weight"], 0), chunk(hf[p + "up_proj.weight"], 0)], 0)
-    if vname.endswith(("o_proj.weight", "down_proj.weight")):
-        return chunk(hf[vname], 1)
-    if vname.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return chunk(hf[vname], 0)
-    return hf[vname]  # norms: replicated
-
-
-class _Recording(dict):
-    def __init__(self, d: dict, used: set):
-        super().__init__(d)
-        self.used = used
-
-    def __getitem__(self, k):
-        self.used.add(k)
-        return super().__getitem__(k)
 
 
 def assert_engines_hold(engines: list, hf: dict[str, torch.Tensor], tp: int) -> None:
@@ -109,7 +83,7 @@ def record(name: str, m: dict) -> None:
 
 def run_sync(sync: EngineWeightSync, holder, group: EngineGroup) -> dict:
     ray.get([capture_loaded_weights(e) for e in group.engines])  # fresh capture per sync
-    m = sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
+    m = sync.sync(HolderRanks(holder), BUCKET)
     assert m["sync/bytes"] == ray.get(holder.model_bytes.remote())
     assert m["sync/buckets"] > 3
     # a few buckets in flight, never the model
@@ -190,7 +164,7 @@ def test_untied_tp1_direct_load_collective_object_store_and_colocation(ray_local
         # weights discarded (level 2), woken, synced, KV woken.
         group.sleep(2)
         with pytest.raises(RuntimeError, match="asleep"):
-            collective.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
+            collective.sync(HolderRanks(holder), BUCKET)
         with pytest.raises(ray.exceptions.RayTaskError, match="asleep"):
             group.generate(prompt, greedy)
         group.wake_up(["weights"])
@@ -236,7 +210,7 @@ def test_untied_tp2_collective(ray_local, model_dir) -> None:
 
 
 def _sync(sync: EngineWeightSync, holder) -> dict:
-    return sync.sync(lambda payload: [holder.push.remote(payload, TIED_BUCKET)])
+    return sync.sync(HolderRanks(holder), TIED_BUCKET)
 
 
 def test_tied_tp1_direct_load_transports_colocation_and_cached_probe(ray_local, tied_dir, tmp_path) -> None:

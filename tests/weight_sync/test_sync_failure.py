@@ -7,21 +7,35 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.cluster.sync_driver import EngineWeightSync, WeightSyncError  # noqa: E402
-from openrlhf_shape.cluster.weight_sync import get_or_raise  # noqa: E402
-from openrlhf_shape.cluster.weight_sync.object_store import ObjectStoreSender  # noqa: E402
+from openrlhf_shape.platform import detect_platform  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
-from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
+from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
+from openrlhf_shape.weight_sync import get_or_raise  # noqa: E402
+from openrlhf_shape.weight_sync.driver import EngineWeightSync, WeightSyncError  # noqa: E402
+from openrlhf_shape.weight_sync.object_store import ObjectStoreSender  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TIMEOUT_S = 120.0  # the sync's own limit: a kill must be reported long before it
+
+
+@dataclass
+class KillsAnEngineMidStream(HolderRanks):
+    """A stream of many small buckets (``pause_s`` between them); the ``victim`` engine killed 1 s into it."""
+
+    victim: Any = None
+
+    def start_weight_stream(self, sync_id: str, bucket_bytes: int) -> list:
+        refs = super().start_weight_stream(sync_id, bucket_bytes)
+        threading.Timer(1.0, ray.kill, args=(self.victim,)).start()
+        return refs
 
 
 @pytest.mark.parametrize("transport", ["collective", "object_store"])
@@ -34,16 +48,11 @@ def test_engine_killed_mid_sync_raises_naming_engine_and_step(ray_local, tiny_mo
     try:
         sync.connect(holder)
         ray.get(holder.perturb.remote(1, 0.05))
-        sync.sync(lambda p: [holder.push.remote(p, 16 << 10)], step=1)  # a healthy sync first
-
-        def start_slow_and_kill(payload):  # a stream of many small buckets, engine 1 killed inside it
-            refs = [holder.push.remote(payload, 16 << 10, 0.2)]
-            threading.Timer(1.0, ray.kill, args=(handles[1],)).start()
-            return refs
+        sync.sync(HolderRanks(holder), 16 << 10, step=1)  # a healthy sync first
 
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as info:
-            sync.sync(start_slow_and_kill, step=7)
+            sync.sync(KillsAnEngineMidStream(holder, pause_s=0.2, victim=handles[1]), 16 << 10, step=7)
         waited = time.monotonic() - t0
         msg = str(info.value)
         assert info.value.who == "engine 1" and info.value.step == 7, msg

@@ -27,13 +27,13 @@ import torch
 ray = pytest.importorskip("ray")
 
 from openrlhf_shape.platform import detect_platform  # noqa: E402
-from openrlhf_shape.cluster.sync_driver import EngineWeightSync  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
 from openrlhf_shape.testing.engine_weights import skip_moe_repack  # noqa: E402
 from openrlhf_shape.testing.hf_reference import hf_token_logprobs  # noqa: E402
-from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
+from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
+from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 GAP = 2e-5  # mean |dlogp|, float32 on both sides: kernel rounding only (the dense tests' bound)
@@ -67,7 +67,7 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
 
 
 def _sync(sync: EngineWeightSync, holder) -> dict:
-    return sync.sync(lambda payload: [holder.push.remote(payload, BUCKET)])
+    return sync.sync(HolderRanks(holder), BUCKET)
 
 
 LARGEST = 1024 * 128 * 4  # the embedding / LM head; one expert projection is 64 * 128 * 4 bytes
@@ -75,7 +75,7 @@ LARGEST = 1024 * 128 * 4  # the embedding / LM head; one expert projection is 64
 
 def _assert_bucketed(metrics: dict, what: str) -> None:
     """The experts arrived in size-bounded buckets, a few in flight, never the whole model at once (the
-    bound of tests/cluster/test_weight_sync.py: three buckets or three of the largest tensor)."""
+    bound of tests/weight_sync/test_weight_sync.py: three buckets or three of the largest tensor)."""
     assert metrics["sync/buckets"] >= 8, f"{what}: {metrics['sync/buckets']} buckets for a ~3 MB model"
     assert metrics["sync/peak_inflight_bytes"] <= 3 * max(BUCKET, LARGEST), f"{what}: sender held {metrics}"
     assert metrics["sync/sender_peak_inflight_over_model"] < 0.6, f"{what}: sender held {metrics}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from openrlhf_shape.cluster.weight_sync.cuda_ipc import IPC_STORAGE_DEVICE_ARG, ipc_args_on_device, local_index_of_gpu
+from openrlhf_shape.weight_sync.cuda_ipc import IPC_STORAGE_DEVICE_ARG, ipc_args_on_device, local_index_of_gpu
 
 
 def test_receiver_opens_the_handle_on_its_own_index_of_the_senders_gpu() -> None:

@@ -1,7 +1,10 @@
 """The sending side as a mixin for the actor that produces full HF-named tensors (Megatron or DeepSpeed
-rank 0; in the transport tests a plain tensor holder): the rendezvous endpoint, one sender per connected
-sync (made by its transport, ``weight_sync/``), and one streamed sync with the sender's memory high-water
-mark."""
+rank 0; in the transport tests a plain tensor holder): one sender per connected sync (made by its transport),
+and one streamed sync with the sender's memory high-water mark.
+
+The host actor also offers ``endpoint() -> {"node_id", "ip", "port"}`` (its node and a free port there): the
+collective transport's rendezvous. It is the host's (``cluster/rank_group.py:RankActor``, whose rank 0 serves
+the torch.distributed rendezvous by it too), so this package asks nothing of ``cluster/``."""
 
 from __future__ import annotations
 
@@ -9,17 +12,11 @@ from typing import Any, Iterable
 
 import torch
 
-from openrlhf_shape.cluster.weight_sync import TRANSPORTS, RssSampler, WeightSender
+from openrlhf_shape.weight_sync import TRANSPORTS, RssSampler, WeightSender
 
 
 class WeightSenderMixin:
-    """Methods for a Ray actor that sends weights (``endpoint`` also serves the Megatron rendezvous)."""
-
-    def endpoint(self) -> dict[str, Any]:
-        """This actor's node id, node IP and a free port there."""
-        from openrlhf_shape.cluster.ray_placement import local_endpoint
-
-        return local_endpoint()
+    """Methods for a Ray actor that sends weights (the actor also offers ``endpoint``: see the module)."""
 
     def init_weight_sender(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> bool:
         """Make and keep the sender of sync ``sync_id`` from its transport's part (for the collective

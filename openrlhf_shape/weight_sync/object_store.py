@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 
-from openrlhf_shape.cluster.weight_sync.base import (
+from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
     QUEUE_DEPTH,
     SyncStats,
