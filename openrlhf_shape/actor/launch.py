@@ -52,37 +52,15 @@ def run_ranks(
     workdir = tempfile.mkdtemp(prefix="shape_ranks_")
     with open(os.path.join(workdir, "kwargs.pkl"), "wb") as f:
         pickle.dump(kwargs or {}, f)
-    base_env = dict(os.environ)
-    base_env.update(
-        OMP_NUM_THREADS=str(threads_per_rank),
-        MKL_NUM_THREADS=str(threads_per_rank),
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    paths = [repo_root, *(extra_pythonpath or []), base_env.get("PYTHONPATH", "")]
-    base_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    base_env.update(env or {})
+    rank_env = _rank_env(threads_per_rank, extra_pythonpath, env)
     procs, logs = [], []
     for rank in range(world_size):
         log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
         logs.append(log)
         cmd = [sys.executable, "-m", "openrlhf_shape.actor.launch", target, workdir, str(rank), str(world_size), str(port)]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=base_env))
-    deadline = time.monotonic() + timeout
-    failed: Optional[str] = None
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env))
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                failed = f"rank(s) {[r for r, c in enumerate(codes) if c not in (None, 0)]} exited non-zero"
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                failed = f"timed out after {timeout:.0f}s"
-                break
-            time.sleep(0.2)
+        failed = _wait_for_ranks(procs, timeout)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -102,6 +80,36 @@ def run_ranks(
         with open(os.path.join(workdir, f"result{rank}.pkl"), "rb") as f:
             results.append(pickle.load(f))
     return results
+
+
+def _rank_env(threads_per_rank: int, extra_pythonpath: Optional[list[str]], env: Optional[dict]) -> dict:
+    """This process's environment with the ranks' thread counts, the repository first on PYTHONPATH, then ``env``."""
+    base_env = dict(os.environ)
+    base_env.update(
+        OMP_NUM_THREADS=str(threads_per_rank),
+        MKL_NUM_THREADS=str(threads_per_rank),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [repo_root, *(extra_pythonpath or []), base_env.get("PYTHONPATH", "")]
+    base_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    base_env.update(env or {})
+    return base_env
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], timeout: float) -> Optional[str]:
+    """None once every rank exited 0; else why not (a rank exited non-zero, or ``timeout`` seconds passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            return f"rank(s) {[r for r, c in enumerate(codes) if c not in (None, 0)]} exited non-zero"
+        if all(c == 0 for c in codes):
+            return None
+        if time.monotonic() > deadline:
+            return f"timed out after {timeout:.0f}s"
+        time.sleep(0.2)
 
 
 def _main(argv: list[str]) -> None:

@@ -40,15 +40,7 @@ def policy_loss(
         (loss scalar, metrics) where metrics hold detached sums over this call's valid tokens
         (``*_sum`` keys, to be summed across micro-batches and ranks) and ``num_tokens``.
     """
-    if not (log_probs.shape == old_log_probs.shape == advantages.shape == mask.shape):
-        raise ValueError(
-            "log_probs, old_log_probs, advantages and mask must share one shape [B, T]; got "
-            f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
-        )
-    if not (0 <= eps_low < 1 and eps_high >= 0):
-        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    _check_inputs(log_probs, old_log_probs, advantages, mask, eps_low, eps_high, dual_clip)
     m = mask.bool()
     mf = m.to(log_probs.dtype)
     n_local = mf.sum()
@@ -71,17 +63,39 @@ def policy_loss(
         tok_loss = tok_loss * is_weights.detach().to(tok_loss.dtype)
     tok_loss = torch.where(m, tok_loss, torch.zeros_like(tok_loss))
     loss = tok_loss.sum() / denom
-    with torch.no_grad():
-        clip_low = ((ratio < 1.0 - eps_low) & (adv < 0) & m).to(torch.float32).sum()
-        clip_high = ((ratio > 1.0 + eps_high) & (adv > 0) & m).to(torch.float32).sum()
-        approx_kl = (((ratio - 1.0) - log_ratio) * mf).sum()
-        metrics = {
-            "num_tokens": n_local.detach().to(torch.float32),
-            "pg_loss_sum": tok_loss.detach().sum().to(torch.float32),
-            "clipfrac_low_sum": clip_low,
-            "clipfrac_high_sum": clip_high,
-            "approx_kl_sum": approx_kl.to(torch.float32),
-            "ratio_sum": (ratio.detach() * mf).sum().to(torch.float32),
-            "advantage_sum": (adv * mf).sum().detach().to(torch.float32),
-        }
+    metrics = _loss_metrics(ratio, log_ratio, adv, tok_loss, m, mf, n_local, eps_low, eps_high)
     return loss, metrics
+
+
+def _check_inputs(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  eps_low: float, eps_high: float, dual_clip: float | None) -> None:
+    """One ``[B, T]`` shape for all four, a clip range that keeps ratios positive, a dual clip above 1."""
+    if not (log_probs.shape == old_log_probs.shape == advantages.shape == mask.shape):
+        raise ValueError(
+            "log_probs, old_log_probs, advantages and mask must share one shape [B, T]; got "
+            f"{tuple(log_probs.shape)}, {tuple(old_log_probs.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
+    if not (0 <= eps_low < 1 and eps_high >= 0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+
+
+@torch.no_grad()
+def _loss_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, tok_loss: torch.Tensor,
+                  m: torch.Tensor, mf: torch.Tensor, n_local: torch.Tensor, eps_low: float,
+                  eps_high: float) -> dict[str, torch.Tensor]:
+    """Detached sums over this call's valid tokens (``[B, T]`` inputs; ``m`` bool mask, ``mf`` its float)."""
+    clip_low = ((ratio < 1.0 - eps_low) & (adv < 0) & m).to(torch.float32).sum()
+    clip_high = ((ratio > 1.0 + eps_high) & (adv > 0) & m).to(torch.float32).sum()
+    approx_kl = (((ratio - 1.0) - log_ratio) * mf).sum()
+    metrics = {
+        "num_tokens": n_local.detach().to(torch.float32),
+        "pg_loss_sum": tok_loss.detach().sum().to(torch.float32),
+        "clipfrac_low_sum": clip_low,
+        "clipfrac_high_sum": clip_high,
+        "approx_kl_sum": approx_kl.to(torch.float32),
+        "ratio_sum": (ratio.detach() * mf).sum().to(torch.float32),
+        "advantage_sum": (adv * mf).sum().detach().to(torch.float32),
+    }
+    return metrics

@@ -104,38 +104,22 @@ def compute_token_advantages(
     if group_size < 1 or batch % group_size:
         raise ValueError(f"batch {batch} is not a multiple of group_size {group_size} (--rollout.n_samples_per_prompt)")
     grouped = rewards.view(-1, group_size)
-    metrics: dict[str, float] = {}
     cfg = estimator.cfg
     if not estimator.needs_segments:
-        adv = estimator.sequence_advantages(grouped).reshape(-1)
-        tok = torch.where(mask, adv[:, None].expand_as(mask).to(torch.float32), torch.zeros(mask.shape))
-        metrics.update(describe(adv, "adv/sequence"))
-        metrics.update(advantage_by_outcome(tok, mask, rewards))
-        return AdvantageResult(tok, None, None, metrics)
+        return _sequence_level(estimator, grouped, mask, rewards)
 
     if boundaries is None or potentials is None:
         raise ValueError(f"estimator {estimator.name!r} needs boundaries and potentials")
-    lengths = _valid_lengths(mask)
-    seg_len, n_seg = segment_lengths(boundaries, lengths)  # [B, K], [B]
+    seg_len, n_seg = segment_lengths(boundaries, _valid_lengths(mask))  # [B, K], [B]
     kmax = seg_len.shape[1]
-    phi = torch.as_tensor(potentials, dtype=torch.float32)
-    if phi.shape != (batch, kmax + 1):
-        raise ValueError(f"potentials must be [B, K+1] = [{batch}, {kmax + 1}], got {tuple(phi.shape)}")
-    k_idx = torch.arange(kmax + 1)
-    phi_valid = k_idx[None, :] <= n_seg[:, None]
-    if not torch.isfinite(phi[phi_valid]).all() or ((phi[phi_valid] < 0) | (phi[phi_valid] > 1)).any():
-        raise ValueError("potentials must be finite and lie in [0, 1] at every valid boundary")
-    phi = torch.where(phi_valid, phi, torch.zeros_like(phi))  # beyond a row's last potential: unused
-    final = phi.gather(1, n_seg[:, None]).squeeze(1)
-    if not torch.allclose(final, rewards.clamp(0, 1)):
-        raise ValueError("the last potential of each response must equal its outcome R (Phi_K = R, no probe)")
-    seg_valid = k_idx[None, :kmax] < n_seg[:, None]
+    phi, phi_valid = _checked_potentials(potentials, rewards, n_seg, kmax)
+    seg_valid = torch.arange(kmax + 1)[None, :kmax] < n_seg[:, None]
     r_term = outcome_baseline(grouped, cfg.outcome_baseline).reshape(-1)
     seg_adv, est_metrics = estimator.segment_advantages(
         SegmentInputs(potentials=phi, seg_len=seg_len, num_segments=n_seg, rewards=rewards, outcome=r_term,
                       max_response_len=max_response_len)
     )
-    metrics.update(est_metrics)
+    metrics = dict(est_metrics)
     if cfg.outcome_baseline == "group_norm_scaled":  # outcome and shaping divided by the group's std
         scale = group_reward_scale(grouped).reshape(-1)
         seg_adv, r_term = seg_adv * scale[:, None], r_term * scale
@@ -151,6 +135,43 @@ def compute_token_advantages(
         raise ValueError("TCR needs the token entropy (or pass --shape.tcr off)")
     metrics.update(describe(n_seg.float(), "shape/segments_per_response"))
     metrics.update(describe(seg_len[seg_valid].float(), "shape/segment_length"))
+    metrics.update(_potential_metrics(phi, phi_valid, n_seg, seg_adv, seg_valid, tok, mask, rewards))
+    return AdvantageResult(tok, seg_adv, seg_ids, metrics)
+
+
+def _sequence_level(estimator, grouped: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor) -> AdvantageResult:
+    """GRPO-like estimators: one advantage per response ``[B]`` broadcast over its tokens ``[B, T]``."""
+    adv = estimator.sequence_advantages(grouped).reshape(-1)
+    tok = torch.where(mask, adv[:, None].expand_as(mask).to(torch.float32), torch.zeros(mask.shape))
+    metrics: dict[str, float] = {}
+    metrics.update(describe(adv, "adv/sequence"))
+    metrics.update(advantage_by_outcome(tok, mask, rewards))
+    return AdvantageResult(tok, None, None, metrics)
+
+
+def _checked_potentials(potentials: torch.Tensor, rewards: torch.Tensor, n_seg: torch.Tensor,
+                        kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(potentials ``[B, K+1]`` float32, 0 beyond a row's last one; valid ``[B, K+1]`` bool) after checking
+    their shape, that they lie in [0, 1], and that each row ends at its outcome (Phi_K = R)."""
+    batch = rewards.shape[0]
+    phi = torch.as_tensor(potentials, dtype=torch.float32)
+    if phi.shape != (batch, kmax + 1):
+        raise ValueError(f"potentials must be [B, K+1] = [{batch}, {kmax + 1}], got {tuple(phi.shape)}")
+    phi_valid = torch.arange(kmax + 1)[None, :] <= n_seg[:, None]
+    if not torch.isfinite(phi[phi_valid]).all() or ((phi[phi_valid] < 0) | (phi[phi_valid] > 1)).any():
+        raise ValueError("potentials must be finite and lie in [0, 1] at every valid boundary")
+    phi = torch.where(phi_valid, phi, torch.zeros_like(phi))  # beyond a row's last potential: unused
+    final = phi.gather(1, n_seg[:, None]).squeeze(1)
+    if not torch.allclose(final, rewards.clamp(0, 1)):
+        raise ValueError("the last potential of each response must equal its outcome R (Phi_K = R, no probe)")
+    return phi, phi_valid
+
+
+def _potential_metrics(phi: torch.Tensor, phi_valid: torch.Tensor, n_seg: torch.Tensor, seg_adv: torch.Tensor,
+                       seg_valid: torch.Tensor, tok: torch.Tensor, mask: torch.Tensor,
+                       rewards: torch.Tensor) -> dict[str, float]:
+    """Potentials, segment advantages, advantage by outcome, potential drops and gain by start regime."""
+    metrics: dict[str, float] = {}
     metrics.update(describe(phi[phi_valid], "shape/phi"))
     metrics.update(describe(seg_adv[seg_valid], "adv/segment"))
     metrics.update(advantage_by_outcome(tok, mask, rewards))
@@ -158,7 +179,7 @@ def compute_token_advantages(
     for name, (total, count) in gain_by_start_regime(phi, n_seg).items():
         metrics[f"shape/gain_by_start/{name}/sum"] = total
         metrics[f"shape/gain_by_start/{name}/count"] = float(count)
-    return AdvantageResult(tok, seg_adv, seg_ids, metrics)
+    return metrics
 
 
 def pad_potentials(per_response: list[torch.Tensor], kmax: int) -> torch.Tensor:

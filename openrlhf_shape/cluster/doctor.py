@@ -194,40 +194,14 @@ def run_doctor(cfg, on_gpu: bool, timeout_s: float = 60.0) -> list[Check]:
     """Every check against the Ray cluster this process is connected to (see the module docstring)."""
     import ray
 
-    from openrlhf_shape.cluster.ray_placement import RayPlacement
     from openrlhf_shape.cluster.placement import plan_for
 
-    checks: list[Check] = []
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     res = [(n["NodeID"], n.get("NodeManagerAddress", "?"), n.get("Resources", {})) for n in nodes]
     plan = plan_for(cfg, on_gpu)
-    gpu_nodes = [r for r in res if r[2].get("GPU", 0) >= 1]
-    desc = ", ".join(f"{ip} {int(r.get('GPU', 0))} GPU/{int(r.get('CPU', 0))} CPU" for _, ip, r in res)
-    if on_gpu:
-        ok = len(gpu_nodes) >= len(plan.node_bundles)
-        need = f"the layout needs {len(plan.node_bundles)} node(s) with {list(plan.node_bundles)} GPUs"
-    else:
-        ok = bool(nodes)
-        need = f"CPU run: {sum(plan.node_bundles)} CPU slots on the local node"
-    checks.append(Check("nodes", ok, f"{len(nodes)} alive ({desc}); {need}"))
-
-    placement = None
-    try:
-        placement = RayPlacement(plan, cpus_per_bundle=0.01, gpus=on_gpu, timeout_s=timeout_s)
-        checks.append(Check("placement", True, f"{len(placement.groups)} per-node group(s) of {list(plan.node_bundles)} "
-                                               "bundles placed"))
-    except Exception as e:
-        checks.append(Check("placement", False, str(e)))
-
-    rendezvous, listener = None, None
-    if placement is not None:
-        try:
-            opts = placement.rank_options(0, 0.01)
-            listener = ray.remote(_Listener).options(**opts).remote()
-            addr = ray.get(listener.address.remote(), timeout=timeout_s)
-            rendezvous = (addr["ip"], int(addr["port"]))
-        except Exception as e:
-            checks.append(Check("rendezvous", False, f"no listener on rank 0's bundle: {e}"))
+    checks: list[Check] = [_nodes_check(nodes, res, plan, on_gpu)]
+    placement = _try_placement(plan, on_gpu, timeout_s, checks)
+    rendezvous, listener = _start_listener(placement, timeout_s, checks) if placement is not None else (None, None)
 
     token = uuid.uuid4().hex[:12]
     writable, made, failed = write_driver_tokens(shared_paths(cfg), token)
@@ -245,12 +219,69 @@ def run_doctor(cfg, on_gpu: bool, timeout_s: float = 60.0) -> list[Check]:
             ray.kill(listener)
 
     if rendezvous is not None and reports:
-        bad = [f"{r['host']} ({r['node_id'][:8]}): {r['rendezvous']}" for r in reports if r["rendezvous"] != "reached"]
-        checks.append(Check("rendezvous", not bad, f"{rendezvous[0]}:{rendezvous[1]} on rank 0's node "
-                            + ("reached from every node" if not bad else "NOT reached from " + "; ".join(bad)
-                               + " (open the port range between nodes, or set the interface: NCCL_SOCKET_IFNAME, "
-                               "GLOO_SOCKET_IFNAME)")))
+        checks.append(_rendezvous_check(rendezvous, reports))
     checks += path_verdicts(writable, reports, token, made)
+    checks += _node_report_checks(reports, model_dir)
+    _remove(made)
+    if placement is not None:
+        checks.append(_release(placement))
+    return checks
+
+
+def _nodes_check(nodes: list[dict], res: list[tuple[str, str, dict]], plan, on_gpu: bool) -> Check:
+    """Enough alive nodes (with GPUs, on GPU) for the layout's per-node bundles."""
+    gpu_nodes = [r for r in res if r[2].get("GPU", 0) >= 1]
+    desc = ", ".join(f"{ip} {int(r.get('GPU', 0))} GPU/{int(r.get('CPU', 0))} CPU" for _, ip, r in res)
+    if on_gpu:
+        ok = len(gpu_nodes) >= len(plan.node_bundles)
+        need = f"the layout needs {len(plan.node_bundles)} node(s) with {list(plan.node_bundles)} GPUs"
+    else:
+        ok = bool(nodes)
+        need = f"CPU run: {sum(plan.node_bundles)} CPU slots on the local node"
+    return Check("nodes", ok, f"{len(nodes)} alive ({desc}); {need}")
+
+
+def _try_placement(plan, on_gpu: bool, timeout_s: float, checks: list[Check]):
+    """The run's placement groups (tiny bundles), or None; the outcome is appended to ``checks``."""
+    from openrlhf_shape.cluster.ray_placement import RayPlacement
+
+    try:
+        placement = RayPlacement(plan, cpus_per_bundle=0.01, gpus=on_gpu, timeout_s=timeout_s)
+    except Exception as e:
+        checks.append(Check("placement", False, str(e)))
+        return None
+    checks.append(Check("placement", True, f"{len(placement.groups)} per-node group(s) of {list(plan.node_bundles)} "
+                                           "bundles placed"))
+    return placement
+
+
+def _start_listener(placement, timeout_s: float, checks: list[Check]):
+    """(rendezvous (ip, port), listener actor) on rank 0's bundle, or (None, None) with a failed check appended."""
+    import ray
+
+    listener = None
+    try:
+        opts = placement.rank_options(0, 0.01)
+        listener = ray.remote(_Listener).options(**opts).remote()
+        addr = ray.get(listener.address.remote(), timeout=timeout_s)
+        return (addr["ip"], int(addr["port"])), listener
+    except Exception as e:
+        checks.append(Check("rendezvous", False, f"no listener on rank 0's bundle: {e}"))
+        return None, listener
+
+
+def _rendezvous_check(rendezvous: tuple[str, int], reports: list[dict]) -> Check:
+    """Every node reached the listener on rank 0's node (the port every rank connects to at start-up)."""
+    bad = [f"{r['host']} ({r['node_id'][:8]}): {r['rendezvous']}" for r in reports if r["rendezvous"] != "reached"]
+    return Check("rendezvous", not bad, f"{rendezvous[0]}:{rendezvous[1]} on rank 0's node "
+                 + ("reached from every node" if not bad else "NOT reached from " + "; ".join(bad)
+                    + " (open the port range between nodes, or set the interface: NCCL_SOCKET_IFNAME, "
+                    "GLOO_SOCKET_IFNAME)"))
+
+
+def _node_report_checks(reports: list[dict], model_dir: str | None) -> list[Check]:
+    """The model directory seen by every node, and each node's NCCL/GLOO/CUDA environment."""
+    checks = []
     if model_dir is not None and reports:
         missing = [r["host"] for r in reports if not r["model_config"]]
         checks.append(Check("model directory", not missing,
@@ -260,13 +291,14 @@ def run_doctor(cfg, on_gpu: bool, timeout_s: float = 60.0) -> list[Check]:
     for r in reports:
         env = " ".join(f"{k}={v}" for k, v in r["env"].items()) or "(no NCCL/GLOO/CUDA variables set)"
         checks.append(Check(f"env {r['host']} ({r['node_id'][:8]})", True, env))
-    _remove(made)
-
-    if placement is not None:
-        groups = list(placement.groups)
-        placement.remove()
-        from ray.util.placement_group import placement_group_table
-
-        states = [placement_group_table(g).get("state") for g in groups]
-        checks.append(Check("placement released", all(s == "REMOVED" for s in states), f"group states {states}"))
     return checks
+
+
+def _release(placement) -> Check:
+    """Remove the doctor's placement groups and check Ray reports them removed."""
+    from ray.util.placement_group import placement_group_table
+
+    groups = list(placement.groups)
+    placement.remove()
+    states = [placement_group_table(g).get("state") for g in groups]
+    return Check("placement released", all(s == "REMOVED" for s in states), f"group states {states}")

@@ -149,6 +149,46 @@ def plan_placement(
     Raises:
         ValueError naming the flags when the shape is impossible.
     """
+    _check_shape(world_size=world_size, tp=tp, pp=pp, num_engines=num_engines, engine_tp=engine_tp,
+                 gpus_per_node=gpus_per_node, num_nodes=num_nodes)
+    dp = world_size // (tp * pp)
+    total = _total_gpus(world_size, num_engines, engine_tp, colocate, rollout_gpus)
+
+    # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole).
+    rank_gpu = list(range(world_size))
+    engine_gpu = _engine_gpus(world_size, num_engines, engine_tp, colocate, gpus_per_node)
+
+    used = sorted(set(rank_gpu) | {g for grp in engine_gpu for g in grp})
+    last_gpu = used[-1]
+    nodes_needed = last_gpu // gpus_per_node + 1
+    if num_nodes is not None:
+        _need(nodes_needed <= num_nodes,
+              f"the layout needs {nodes_needed} nodes of {gpus_per_node} GPUs ({world_size} rank GPUs"
+              + ("" if colocate else f" + {total - world_size} engine GPUs")
+              + f", TP groups and engines kept inside a node) but {FLAG_NUM_NODES} = {num_nodes}; add nodes or "
+              f"lower {FLAG_WORLD} / {FLAG_ENGINES} / {FLAG_ENGINE_TP}")
+
+    bundle_of, local_of, per_node = _number_bundles(used, gpus_per_node, nodes_needed)
+    ranks = []
+    for r, g in enumerate(rank_gpu):
+        t, p, d = megatron_coords(r, tp, pp, world_size)
+        ranks.append(RankSlot(rank=r, node=g // gpus_per_node, gpu=local_of[g], bundle=bundle_of[g],
+                              tp_rank=t, pp_rank=p, dp_rank=d))
+    engines = []
+    for e, grp in enumerate(engine_gpu):
+        for w, g in enumerate(grp):
+            engines.append(EngineSlot(engine=e, worker=w, node=g // gpus_per_node, gpu=local_of[g],
+                                      bundle=bundle_of[g]))
+    return PlacementPlan(
+        ranks=tuple(ranks), engines=tuple(engines), num_bundles=len(used), num_nodes=nodes_needed,
+        colocate=colocate, master_rank_node=ranks[0].node, gpus_per_node=gpus_per_node,
+        node_bundles=tuple(per_node), tp=tp, pp=pp, dp=dp, engine_tp=engine_tp,
+    )
+
+
+def _check_shape(*, world_size: int, tp: int, pp: int, num_engines: int, engine_tp: int, gpus_per_node: int,
+                 num_nodes: int | None) -> None:
+    """Sizes >= 1, TP x PP dividing the world, TP groups and engines that fit inside one node."""
     _need(gpus_per_node >= 1, f"{FLAG_GPUS_PER_NODE} must be >= 1 (got {gpus_per_node})")
     _need(world_size >= 1, f"{FLAG_WORLD} must be >= 1 (got {world_size})")
     _need(tp >= 1 and pp >= 1, f"{FLAG_TP} and {FLAG_PP} must be >= 1 (got TP={tp}, PP={pp})")
@@ -167,9 +207,11 @@ def plan_placement(
           f"an engine's TP workers must stay inside one node")
     if num_nodes is not None:
         _need(num_nodes >= 1, f"{FLAG_NUM_NODES} must be >= 1 (got {num_nodes})")
-    dp = world_size // (tp * pp)
-    engine_gpus = num_engines * engine_tp
 
+
+def _total_gpus(world_size: int, num_engines: int, engine_tp: int, colocate: bool, rollout_gpus: int | None) -> int:
+    """GPUs of the layout before alignment holes: the ranks' (colocated), or the ranks' plus the engine pool's."""
+    engine_gpus = num_engines * engine_tp
     if colocate:
         _need(rollout_gpus is None or rollout_gpus == world_size,
               f"{FLAG_ROLLOUT_GPUS} = {rollout_gpus}: with {FLAG_COLOCATE} the engines share the ranks' "
@@ -178,17 +220,18 @@ def plan_placement(
               f"{FLAG_COLOCATE}: {FLAG_ENGINES} x {FLAG_ENGINE_TP} = {num_engines} x {engine_tp} = {engine_gpus} "
               f"engine workers do not fit on the {world_size} rank GPUs ({FLAG_WORLD}); use at most "
               f"{world_size // engine_tp} engines or drop {FLAG_COLOCATE}")
-        total = world_size
-    else:
-        pool = engine_gpus if rollout_gpus is None else rollout_gpus
-        _need(pool == engine_gpus,
-              f"{FLAG_ROLLOUT_GPUS} = {pool} must equal {FLAG_ENGINES} x {FLAG_ENGINE_TP} = "
-              f"{num_engines} x {engine_tp} = {engine_gpus}")
-        total = world_size + pool  # before alignment holes
+        return world_size
+    pool = engine_gpus if rollout_gpus is None else rollout_gpus
+    _need(pool == engine_gpus,
+          f"{FLAG_ROLLOUT_GPUS} = {pool} must equal {FLAG_ENGINES} x {FLAG_ENGINE_TP} = "
+          f"{num_engines} x {engine_tp} = {engine_gpus}")
+    return world_size + pool
 
-    # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole).
-    rank_gpu = list(range(world_size))
-    # Engines: groups of engine_tp inside a node, on the ranks' GPUs (colocated) or after them.
+
+def _engine_gpus(world_size: int, num_engines: int, engine_tp: int, colocate: bool,
+                 gpus_per_node: int) -> list[list[int]]:
+    """Global GPU indices of each engine's workers: groups of ``engine_tp`` inside a node, on the ranks' GPUs
+    (colocated) or after them."""
     if colocate:
         firsts = _place_groups(0, num_engines, engine_tp, gpus_per_node)
         _need(firsts[-1] + engine_tp <= world_size,
@@ -197,46 +240,24 @@ def plan_placement(
               f"{gpus_per_node}); make {FLAG_ENGINE_TP} divide {FLAG_GPUS_PER_NODE} or use fewer engines")
     else:
         firsts = _place_groups(world_size, num_engines, engine_tp, gpus_per_node)
-    engine_gpu = [[f + w for w in range(engine_tp)] for f in firsts]
+    return [[f + w for w in range(engine_tp)] for f in firsts]
 
-    used = sorted(set(rank_gpu) | {g for grp in engine_gpu for g in grp})
-    last_gpu = used[-1]
-    nodes_needed = last_gpu // gpus_per_node + 1
-    if num_nodes is not None:
-        _need(nodes_needed <= num_nodes,
-              f"the layout needs {nodes_needed} nodes of {gpus_per_node} GPUs ({world_size} rank GPUs"
-              + ("" if colocate else f" + {total - world_size} engine GPUs")
-              + f", TP groups and engines kept inside a node) but {FLAG_NUM_NODES} = {num_nodes}; add nodes or "
-              f"lower {FLAG_WORLD} / {FLAG_ENGINES} / {FLAG_ENGINE_TP}")
 
-    # Bundles: the used GPUs in order; global GPU index -> bundle index.
+def _number_bundles(used: list[int], gpus_per_node: int,
+                    nodes_needed: int) -> tuple[dict[int, int], dict[int, int], list[int]]:
+    """(global GPU -> bundle index, global GPU -> local GPU index on its node, bundles per node) of the used GPUs
+    in order. A local GPU index is the GPU's position among its node's bundles (0..count-1 there)."""
     bundle_of = {g: i for i, g in enumerate(used)}
     per_node = [0] * nodes_needed
     for g in used:
         per_node[g // gpus_per_node] += 1
-    # Local GPU index = position among the node's bundles (bundles of a node are 0..count-1 there).
     local_of: dict[int, int] = {}
     counters = [0] * nodes_needed
     for g in used:
         n = g // gpus_per_node
         local_of[g] = counters[n]
         counters[n] += 1
-
-    ranks = []
-    for r, g in enumerate(rank_gpu):
-        t, p, d = megatron_coords(r, tp, pp, world_size)
-        ranks.append(RankSlot(rank=r, node=g // gpus_per_node, gpu=local_of[g], bundle=bundle_of[g],
-                              tp_rank=t, pp_rank=p, dp_rank=d))
-    engines = []
-    for e, grp in enumerate(engine_gpu):
-        for w, g in enumerate(grp):
-            engines.append(EngineSlot(engine=e, worker=w, node=g // gpus_per_node, gpu=local_of[g],
-                                      bundle=bundle_of[g]))
-    return PlacementPlan(
-        ranks=tuple(ranks), engines=tuple(engines), num_bundles=len(used), num_nodes=nodes_needed,
-        colocate=colocate, master_rank_node=ranks[0].node, gpus_per_node=gpus_per_node,
-        node_bundles=tuple(per_node), tp=tp, pp=pp, dp=dp, engine_tp=engine_tp,
-    )
+    return bundle_of, local_of, per_node
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -148,10 +148,6 @@ def evaluate(
     ``backend`` / ``scorer`` / ``tokenizer`` default to vLLM engines on the resolved model, a
     Math-Verify process pool and the model's tokenizer; pass your own to share engines with a trainer.
     """
-    from tqdm.auto import tqdm
-
-    from openrlhf_shape.rollout.engine import SamplingConfig
-
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sv = cfg.sampling_values()
@@ -162,53 +158,80 @@ def evaluate(
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-
-        # Load everything first: errors in data surface before any engine starts.
-        plan: list[tuple[BenchmarkSpec, list[Problem], ResultStore, list[Problem], list[list[int]]]] = []
-        for bench in cfg.benchmarks:
-            problems = load_problems(bench, cfg.limit)
-            store = ResultStore(out_dir, bench.name, fingerprint(cfg, bench), overwrite=cfg.overwrite)
-            todo = [p for p in problems if p.problem_id not in store.done]
-            ids = [build_prompt_ids(tokenizer, p.question, cfg) for p in todo]
-            plan.append((bench, problems, store, todo, ids))
-
+        plan = _load_benchmarks(cfg, out_dir, tokenizer)  # errors in data surface before any engine starts
         n_todo = sum(len(t) for _, _, _, t, _ in plan)
         if n_todo and backend is None:
-            longest = max(len(x) for *_, ids in plan for x in ids)
-            max_len = cfg.engine.max_model_len or longest + sv["max_new_tokens"]
-            if max_len < longest + sv["max_new_tokens"]:
-                raise ValueError(
-                    f"--max_model_len {max_len} < longest prompt ({longest} tokens) + --max_new_tokens "
-                    f"({sv['max_new_tokens']}): responses would be cut short; raise --max_model_len or leave it unset"
-                )
-            group = _make_engines(cfg, hf_dir, max_len, stack)
-            stack.callback(group.shutdown)
-            backend = group
+            backend = _start_backend(cfg, hf_dir, plan, sv["max_new_tokens"], stack)
         if n_todo and scorer is None:
             scorer = _make_scorer(cfg)
             if hasattr(scorer, "close"):
                 stack.callback(scorer.close)
+        _generate(cfg, plan, backend, scorer, sv, n_todo, progress)
+    report = _build_report(cfg, plan, sv, n_todo)
+    report.save(out_dir)
+    return report
 
-        bar = tqdm(total=n_todo, desc="eval problems", unit="prob", disable=not progress or n_todo == 0)
-        for bench, problems, store, todo, ids in plan:
-            sampling = SamplingConfig(
-                n=cfg.n_for(bench),
-                temperature=sv["temperature"],
-                top_p=sv["top_p"],
-                top_k=sv["top_k"],
-                max_tokens=sv["max_new_tokens"],
+
+# Per benchmark: (spec, its problems, its result store, the problems still to generate, their prompt ids).
+_BenchmarkWork = tuple[BenchmarkSpec, list[Problem], ResultStore, list[Problem], list[list[int]]]
+
+
+def _load_benchmarks(cfg: EvalConfig, out_dir: Path, tokenizer) -> list[_BenchmarkWork]:
+    """Every benchmark's problems, what its store already holds, and the prompt ids of the rest."""
+    plan: list[_BenchmarkWork] = []
+    for bench in cfg.benchmarks:
+        problems = load_problems(bench, cfg.limit)
+        store = ResultStore(out_dir, bench.name, fingerprint(cfg, bench), overwrite=cfg.overwrite)
+        todo = [p for p in problems if p.problem_id not in store.done]
+        ids = [build_prompt_ids(tokenizer, p.question, cfg) for p in todo]
+        plan.append((bench, problems, store, todo, ids))
+    return plan
+
+
+def _start_backend(cfg: EvalConfig, hf_dir: str, plan: list[_BenchmarkWork], max_new_tokens: int, stack: ExitStack):
+    """vLLM engines whose max_model_len holds the longest prompt plus ``max_new_tokens``; ``stack`` shuts them down."""
+    longest = max(len(x) for *_, ids in plan for x in ids)
+    max_len = cfg.engine.max_model_len or longest + max_new_tokens
+    if max_len < longest + max_new_tokens:
+        raise ValueError(
+            f"--max_model_len {max_len} < longest prompt ({longest} tokens) + --max_new_tokens "
+            f"({max_new_tokens}): responses would be cut short; raise --max_model_len or leave it unset"
+        )
+    group = _make_engines(cfg, hf_dir, max_len, stack)
+    stack.callback(group.shutdown)
+    return group
+
+
+def _generate(cfg: EvalConfig, plan: list[_BenchmarkWork], backend: GenerationBackend, scorer: Scorer,
+              sv: dict[str, Any], n_todo: int, progress: bool) -> None:
+    """Generate and score the problems still to do, chunk by chunk, appending each chunk to its store."""
+    from tqdm.auto import tqdm
+
+    from openrlhf_shape.rollout.engine import SamplingConfig
+
+    bar = tqdm(total=n_todo, desc="eval problems", unit="prob", disable=not progress or n_todo == 0)
+    for bench, problems, store, todo, ids in plan:
+        sampling = SamplingConfig(
+            n=cfg.n_for(bench),
+            temperature=sv["temperature"],
+            top_p=sv["top_p"],
+            top_k=sv["top_k"],
+            max_tokens=sv["max_new_tokens"],
+        )
+        step = cfg.chunk_for(bench)
+        for start in range(0, len(todo), step):
+            chunk = todo[start : start + step]
+            bar.set_postfix_str(bench.name)
+            records = run_benchmark_chunk(
+                backend, scorer, chunk, ids[start : start + step], sampling, cfg.save_responses
             )
-            step = cfg.chunk_for(bench)
-            for start in range(0, len(todo), step):
-                chunk = todo[start : start + step]
-                bar.set_postfix_str(bench.name)
-                records = run_benchmark_chunk(
-                    backend, scorer, chunk, ids[start : start + step], sampling, cfg.save_responses
-                )
-                store.append(records)
-                bar.update(len(chunk))
-        bar.close()
+            store.append(records)
+            bar.update(len(chunk))
+    bar.close()
 
+
+def _build_report(cfg: EvalConfig, plan: list[_BenchmarkWork], sv: dict[str, Any], n_todo: int) -> EvalReport:
+    """Every benchmark's summary (bootstrap CIs) over all its stored problems, and the report of them."""
     results = []
     for bench, problems, store, _, _ in plan:
         probs = [_problem_result(store.done[p.problem_id]) for p in problems]
@@ -222,7 +245,7 @@ def evaluate(
                 seed=cfg.bootstrap_seed,
             )
         )
-    report = build_report(
+    return build_report(
         cfg.model_path,
         results,
         n_boot=cfg.bootstrap_samples,
@@ -231,5 +254,3 @@ def evaluate(
         config={**cfg.to_dict(), **sv},
         generated_problems=n_todo,
     )
-    report.save(out_dir)
-    return report

@@ -190,22 +190,10 @@ class MegatronRankWorker:
         hf_config = AutoConfig.from_pretrained(hf_dir)
         cfg.validate_against_model(hf_config, self.world_size)
         with self._mode():
-            from megatron.core import tensor_parallel
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-            from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
             from megatron.core.transformer.module import Float16Module
 
             bridge = make_bridge(hf_config, cfg, platform=self.platform)
-            provider = bridge._model_provider([])
-            gpt = provider(pre_process=self.mpu.is_pipeline_first_stage(), post_process=self.is_last_stage)
-            for p in gpt.parameters():
-                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-            if not self.on_cpu:
-                gpt.cuda(torch.cuda.current_device())
-            if load_weights:
-                bridge.load_weights([gpt], hf_dir)
+            gpt = self._build_gpt(bridge, hf_dir, load_weights)
             self.routing = None if cfg.routing_replay == "none" else RoutingReplay(gpt, sequence_parallel=cfg.sequence_parallel)
             tconfig = bridge.config
             module = Float16Module(tconfig, gpt) if cfg.use_bf16 else gpt
@@ -216,54 +204,26 @@ class MegatronRankWorker:
                 self.model, self.optimizer, self.scheduler = module, None, None
                 self.tconfig = tconfig
                 return self._model_info(gpt)
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
-                overlap_param_gather=False,
-                use_distributed_optimizer=cfg.use_distributed_optimizer,
-                check_for_nan_in_grad=False,
-                bucket_size=None,
-            )
-            model = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=module)
-            model.broadcast_params()
-            # The loss is normalised by the global valid-token count already: no extra scaling.
-            tconfig.finalize_model_grads_func = _finalize_without_token_scaling(finalize_model_grads)
-            tconfig.no_sync_func = model.no_sync
-            tconfig.grad_scale_func = None
-            optim, adam = cfg.optim, cfg.optim.adam
-            opt_config = OptimizerConfig(
-                optimizer="adam",
-                lr=adam.lr,
-                min_lr=optim.final_lr,
-                weight_decay=adam.weight_decay,
-                adam_beta1=adam.betas[0],
-                adam_beta2=adam.betas[1],
-                adam_eps=adam.eps,
-                clip_grad=optim.max_norm,
-                bf16=cfg.use_bf16,
-                params_dtype=cfg.params_dtype,
-                use_distributed_optimizer=cfg.use_distributed_optimizer,
-            )
-            optimizer = get_megatron_optimizer(opt_config, [model])
-            warmup = optim.warmup_steps
-            scheduler = OptimizerParamScheduler(
-                optimizer,
-                # step k < warmup uses lr * (k + 1) / (warmup + 1): no wasted zero-lr first step
-                init_lr=adam.lr / (warmup + 1),
-                max_lr=adam.lr,
-                min_lr=optim.final_lr,
-                lr_warmup_steps=warmup,
-                lr_decay_steps=optim.total_steps,
-                lr_decay_style=optim.lr_scheduler,
-                start_wd=adam.weight_decay,
-                end_wd=adam.weight_decay,
-                wd_incr_steps=optim.total_steps,
-                wd_incr_style="constant",
-            )
+            model = _wrap_ddp(module, tconfig, cfg)
+            optimizer, scheduler = _build_optimizer(model, cfg)
         self.bridge, self.hf_config, self.hf_dir = bridge, hf_config, hf_dir
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.tconfig = tconfig
         return self._model_info(gpt)
+
+    def _build_gpt(self, bridge, hf_dir: str, load_weights: bool):
+        """This rank's GPT stage from the bridge's provider, on its device, with HF weights when asked."""
+        from megatron.core import tensor_parallel
+
+        provider = bridge._model_provider([])
+        gpt = provider(pre_process=self.mpu.is_pipeline_first_stage(), post_process=self.is_last_stage)
+        for p in gpt.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        if not self.on_cpu:
+            gpt.cuda(torch.cuda.current_device())
+        if load_weights:
+            bridge.load_weights([gpt], hf_dir)
+        return gpt
 
     def _model_info(self, gpt) -> dict:
         cfg, hf_config = self.cfg, self.hf_config
@@ -633,6 +593,66 @@ def _clip_to_total_norm(optimizer, max_norm: float, total_norm: float) -> None:
         if params:
             clip_grad_by_total_norm_fp32(params, max_norm, total_norm,
                                          opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+
+def _wrap_ddp(module, tconfig, cfg: MegatronConfig):
+    """Megatron DDP around ``module`` (fp32 grad buffers), wired into ``tconfig``'s gradient hooks."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    model = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=module)
+    model.broadcast_params()
+    # The loss is normalised by the global valid-token count already: no extra scaling.
+    tconfig.finalize_model_grads_func = _finalize_without_token_scaling(finalize_model_grads)
+    tconfig.no_sync_func = model.no_sync
+    tconfig.grad_scale_func = None
+    return model
+
+
+def _build_optimizer(model, cfg: MegatronConfig):
+    """(Megatron Adam over ``model``, its LR / weight-decay schedule: linear warm-up, then ``lr_decay_style``)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim, adam = cfg.optim, cfg.optim.adam
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=adam.lr,
+        min_lr=optim.final_lr,
+        weight_decay=adam.weight_decay,
+        adam_beta1=adam.betas[0],
+        adam_beta2=adam.betas[1],
+        adam_eps=adam.eps,
+        clip_grad=optim.max_norm,
+        bf16=cfg.use_bf16,
+        params_dtype=cfg.params_dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    warmup = optim.warmup_steps
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        # step k < warmup uses lr * (k + 1) / (warmup + 1): no wasted zero-lr first step
+        init_lr=adam.lr / (warmup + 1),
+        max_lr=adam.lr,
+        min_lr=optim.final_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=optim.total_steps,
+        lr_decay_style=optim.lr_scheduler,
+        start_wd=adam.weight_decay,
+        end_wd=adam.weight_decay,
+        wd_incr_steps=optim.total_steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
 
 
 def _finalize_without_token_scaling(finalize):

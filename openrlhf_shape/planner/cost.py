@@ -183,9 +183,27 @@ def step_time(
     sequence_parallel: bool = False,
     gpus_per_node: int = 8,
 ) -> list[Phase]:
-    phases: list[Phase] = []
-    seq = prompt_tokens + response_tokens
+    """The phases of one synchronous step, in seconds each: rollout, probes, log-probs, update, sync, rewards."""
     per_engine = samples / num_engines
+    phases = [_rollout_decode(model, engine_tp, per_engine, prompt_tokens, response_tokens, max_response_tokens,
+                              kv_tokens_per_engine, opt)]
+    if probes_per_response:
+        phases.append(_probe_phase(model, engine_tp, per_engine, prompt_tokens, response_tokens, probes_per_response,
+                                   probe_suffix_tokens, probe_decode_tokens, opt))
+    phases += _training_phases(model, world=world, tp=tp, pp=pp, dp=dp, recompute=recompute, epochs=epochs,
+                               total_tokens=samples * (prompt_tokens + response_tokens),
+                               seq=prompt_tokens + response_tokens, micro_batch_tokens=micro_batch_tokens,
+                               train_batch_size=train_batch_size, opt=opt, ep=ep, etp=etp,
+                               sequence_parallel=sequence_parallel, gpus_per_node=gpus_per_node)
+    phases.append(_weight_sync(model, engine_tp, nodes, colocate, sleep_level, opt))
+    phases.append(Phase("rewards", opt.reward_seconds, "--plan.reward_seconds (Math-Verify on CPU)"))
+    return phases
+
+
+def _rollout_decode(model: ModelShape, engine_tp: int, per_engine: float, prompt_tokens: int, response_tokens: int,
+                    max_response_tokens: int, kv_tokens_per_engine: int, opt: PlanOptions) -> Phase:
+    """Decode of one engine's responses: throughput bound, or the longest response's steps at one sequence."""
+    seq = prompt_tokens + response_tokens
     conc = max(1.0, min(opt.vllm_max_num_seqs, per_engine, kv_tokens_per_engine / max(seq, 1)))
     mean_ctx = prompt_tokens + response_tokens / 2
     if opt.decode_tokens_per_s_per_gpu:
@@ -199,20 +217,31 @@ def step_time(
     gen_tokens = per_engine * response_tokens
     t_tp = gen_tokens / rate
     t_tail = max_response_tokens * t_one
-    phases.append(Phase("rollout decode", max(t_tp, t_tail),
-                        f"max({gen_tokens:,.0f} tokens/engine / {rate:,.0f} tok/s = {t_tp:.0f} s, "
-                        f"longest response {max_response_tokens} steps x {t_one * 1e3:.1f} ms = {t_tail:.0f} s); {how_rate}"))
-    if probes_per_response:
-        # a probe continues the response at a boundary: on average half of it (segments cut it evenly)
-        t_probes, how_probes = probe_roofline(model, engine_tp=engine_tp, probes=per_engine * probes_per_response,
-                                              suffix_tokens=probe_suffix_tokens, decode_tokens=probe_decode_tokens,
-                                              context_tokens=prompt_tokens + response_tokens / 2, opt=opt)
-        # async: the new weights reset the cache between rollout and probes: every response is prefilled again
-        f_ctx = flops_per_token(model, seq / 2, backward=False, recompute=False)
-        t_cold = per_engine * seq * f_ctx / (engine_tp * opt.peak_tflops * 1e12 * opt.prefill_mfu)
-        phases.append(Phase("SHAPE probes", t_probes, f"{per_engine:.0f} responses/engine x {probes_per_response} probes: "
-                                                      + how_probes, cold_cache_seconds=t_cold))
-    total_tokens = samples * seq
+    return Phase("rollout decode", max(t_tp, t_tail),
+                 f"max({gen_tokens:,.0f} tokens/engine / {rate:,.0f} tok/s = {t_tp:.0f} s, "
+                 f"longest response {max_response_tokens} steps x {t_one * 1e3:.1f} ms = {t_tail:.0f} s); {how_rate}")
+
+
+def _probe_phase(model: ModelShape, engine_tp: int, per_engine: float, prompt_tokens: int, response_tokens: int,
+                 probes_per_response: int, probe_suffix_tokens: int, probe_decode_tokens: int, opt: PlanOptions) -> Phase:
+    """The SHAPE probes of one engine's responses (roofline), with the cold-cache prefill an async step adds."""
+    seq = prompt_tokens + response_tokens
+    # a probe continues the response at a boundary: on average half of it (segments cut it evenly)
+    t_probes, how_probes = probe_roofline(model, engine_tp=engine_tp, probes=per_engine * probes_per_response,
+                                          suffix_tokens=probe_suffix_tokens, decode_tokens=probe_decode_tokens,
+                                          context_tokens=prompt_tokens + response_tokens / 2, opt=opt)
+    # async: the new weights reset the cache between rollout and probes: every response is prefilled again
+    f_ctx = flops_per_token(model, seq / 2, backward=False, recompute=False)
+    t_cold = per_engine * seq * f_ctx / (engine_tp * opt.peak_tflops * 1e12 * opt.prefill_mfu)
+    return Phase("SHAPE probes", t_probes, f"{per_engine:.0f} responses/engine x {probes_per_response} probes: "
+                                           + how_probes, cold_cache_seconds=t_cold)
+
+
+def _training_phases(model: ModelShape, *, world: int, tp: int, pp: int, dp: int, recompute: bool, epochs: int,
+                     total_tokens: int, seq: int, micro_batch_tokens: int, train_batch_size: int, opt: PlanOptions,
+                     ep: int, etp: int | None, sequence_parallel: bool, gpus_per_node: int) -> list[Phase]:
+    """Log-probs + entropy, the update (with the PP bubble) and, for MoE, the expert all-to-all of both."""
+    phases: list[Phase] = []
     gpu_flops = opt.peak_tflops * 1e12 * opt.mfu
     f_lp = flops_per_token(model, seq, backward=False, recompute=False)
     phases.append(Phase("log-probs + entropy", total_tokens * f_lp / (world * gpu_flops),
@@ -234,11 +263,15 @@ def step_time(
                             f"log-probs {t_lp:.0f} s + update {t_upd:.0f} s (forward, backward"
                             f"{', recompute' if recompute else ''} x {epochs} epoch(s)); log-probs: {how_a2a}",
                             parts=(("log-probs + entropy", t_lp), ("update", t_upd))))
+    return phases
+
+
+def _weight_sync(model: ModelShape, engine_tp: int, nodes: int, colocate: bool, sleep_level: int,
+                 opt: PlanOptions) -> Phase:
+    """bf16 weights to rank 0's host, to the other nodes, into the engines (and their wake-up after sleep level 1)."""
     w = model.total_params() * 2
     t_sync = w / (opt.pcie_gbs * 1e9) + (nodes - 1) * w / (opt.link_gbs * 1e9) + w / engine_tp / (opt.pcie_gbs * 1e9)
     wake = w / engine_tp / (opt.pcie_gbs * 1e9) if colocate and sleep_level == 1 else 0.0
-    phases.append(Phase("weight sync", t_sync + wake,
-                        f"{w / 1e9:.1f} GB to rank 0's host at {opt.pcie_gbs:g} GB/s + to {nodes - 1} other node(s) at "
-                        f"{opt.link_gbs:g} GB/s + engine load/ wake-up of {w / engine_tp / 1e9:.1f} GB/GPU at {opt.pcie_gbs:g} GB/s"))
-    phases.append(Phase("rewards", opt.reward_seconds, "--plan.reward_seconds (Math-Verify on CPU)"))
-    return phases
+    return Phase("weight sync", t_sync + wake,
+                 f"{w / 1e9:.1f} GB to rank 0's host at {opt.pcie_gbs:g} GB/s + to {nodes - 1} other node(s) at "
+                 f"{opt.link_gbs:g} GB/s + engine load/ wake-up of {w / engine_tp / 1e9:.1f} GB/GPU at {opt.pcie_gbs:g} GB/s")

@@ -203,28 +203,46 @@ def activation_terms(
     elems = per_kind[max(per_kind, key=lambda k: sum(per_kind[k].values()))]  # the larger layer kind
     full_layer = sum(elems.values())
     hn = model.hidden / tp if sp else model.hidden
-    terms: list[Term] = []
     if forward_only:
-        # No graph is kept: what is alive at once inside one layer. MLP: residual + norm output
-        # (2 h) + fc1 output (2 I) + silu output and gated product (2 I); attention: residual +
-        # qkv output + normed/roped q, k + attention output (+ the [heads, seq] scores when unfused).
-        # Sparse layer: residual + norm output, the router's logits and probabilities, the dispatched
-        # copies and the experts' outputs (2 k h ETP s), fc1 output and gated product (3 k I_e s).
-        q, kv, i = model.q_dim / tp, model.kv_dim / tp, model.intermediate / tp
-        mlp_live = 2 * hn + 4 * i
-        what = "MLP 2 h + 4 I"
-        if n_sparse:
-            s_tok = 1 / tp if sp else 1.0
-            k, e_tp = model.experts_per_tok, etp or tp
-            moe_live = 2 * hn + s_tok * (2 * model.num_experts + imbalance * k * (2 * e_tp * model.hidden + 3 * model.moe_intermediate))
-            if n_sparse == n_layers or moe_live > mlp_live:
-                mlp_live, what = moe_live, "MoE 2 h + s (2 E + k (2 ETP h + 3 I_e))"
-        attn_live = hn + (q + 2 * kv) + (q + kv) + q + elems.get("attention probs", 0.0) * 2
-        live = max(mlp_live, attn_live)
-        terms.append(Term("activations (forward only)", int(tokens * live * b),
-                          f"{tokens} tokens x max({what} = {mlp_live:.0f}, attention {attn_live:.0f}) elems/token x {b} B (live inside one layer)"))
-        return terms
+        return [_forward_only_term(model, tp=tp, sp=sp, tokens=tokens, b=b, hn=hn, n_sparse=n_sparse,
+                                   n_layers=n_layers, etp=etp, imbalance=imbalance, elems=elems)]
     in_flight = max(1, min(pp - stage, num_micro_batches))
+    return [
+        _stored_term(kinds, per_kind, n_layers=n_layers, n_sparse=n_sparse, hn=hn, in_flight=in_flight, tokens=tokens,
+                     b=b, recompute=recompute, sp=sp, tp=tp),
+        Term(
+            "activations (backward working set)",
+            int(tokens * full_layer * b),
+            f"one layer rebuilt/back-propagated: {tokens} tokens x {full_layer:.0f} elems x {b} B",
+        ),
+    ]
+
+
+def _forward_only_term(model: ModelShape, *, tp: int, sp: bool, tokens: int, b: int, hn: float, n_sparse: int,
+                       n_layers: int, etp: int | None, imbalance: float, elems: dict[str, float]) -> Term:
+    """No graph is kept: what is alive at once inside one layer. MLP: residual + norm output
+    (2 h) + fc1 output (2 I) + silu output and gated product (2 I); attention: residual +
+    qkv output + normed/roped q, k + attention output (+ the [heads, seq] scores when unfused).
+    Sparse layer: residual + norm output, the router's logits and probabilities, the dispatched
+    copies and the experts' outputs (2 k h ETP s), fc1 output and gated product (3 k I_e s)."""
+    q, kv, i = model.q_dim / tp, model.kv_dim / tp, model.intermediate / tp
+    mlp_live = 2 * hn + 4 * i
+    what = "MLP 2 h + 4 I"
+    if n_sparse:
+        s_tok = 1 / tp if sp else 1.0
+        k, e_tp = model.experts_per_tok, etp or tp
+        moe_live = 2 * hn + s_tok * (2 * model.num_experts + imbalance * k * (2 * e_tp * model.hidden + 3 * model.moe_intermediate))
+        if n_sparse == n_layers or moe_live > mlp_live:
+            mlp_live, what = moe_live, "MoE 2 h + s (2 E + k (2 ETP h + 3 I_e))"
+    attn_live = hn + (q + 2 * kv) + (q + kv) + q + elems.get("attention probs", 0.0) * 2
+    live = max(mlp_live, attn_live)
+    return Term("activations (forward only)", int(tokens * live * b),
+                f"{tokens} tokens x max({what} = {mlp_live:.0f}, attention {attn_live:.0f}) elems/token x {b} B (live inside one layer)")
+
+
+def _stored_term(kinds: list[tuple[bool, int]], per_kind: dict[bool, dict[str, float]], *, n_layers: int, n_sparse: int,
+                 hn: float, in_flight: int, tokens: int, b: int, recompute: str, sp: bool, tp: int) -> Term:
+    """What the stage keeps for backward over ``in_flight`` micro-batches, per layer kind (dense, sparse)."""
     if recompute == "full":
         stored_sum = n_layers * hn
         desc = f"{n_layers} layers x layer input {hn:.0f}"
@@ -246,15 +264,7 @@ def activation_terms(
     else:
         how = f"{in_flight} micro-batch(es) in flight x {tokens} tokens x [{desc}] elems x {b} B"
         nbytes = int(in_flight * tokens * stored_sum * b)
-    terms.append(Term("activations (stored)", nbytes, how + f" (recompute={recompute}, sp={sp}, tp={tp})"))
-    terms.append(
-        Term(
-            "activations (backward working set)",
-            int(tokens * full_layer * b),
-            f"one layer rebuilt/back-propagated: {tokens} tokens x {full_layer:.0f} elems x {b} B",
-        )
-    )
-    return terms
+    return Term("activations (stored)", nbytes, how + f" (recompute={recompute}, sp={sp}, tp={tp})")
 
 
 def logprob_scratch_term(

@@ -140,17 +140,45 @@ def _suffix_tokens(text: str) -> int:
 
 def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None = None) -> Plan:
     """``cfg``: a :class:`~openrlhf_shape.config.TrainConfig` (paths need not exist), read directly."""
-    from openrlhf_shape.cluster.placement import plan_placement
-    from openrlhf_shape.megatron.config import MegatronConfig
-
     model_path = resolve_model_config(cfg.actor.model_name_or_path, options.model_config)
     model = ModelShape.from_file(model_path)
     tp, pp, world = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size, cfg.actor.world_size
     dp = world // (tp * pp)
     on_gpu = cfg.megatron.gpus_per_rank > 0
     plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None)
+    _check_layout(plan, cfg)
+    if on_gpu:
+        _place(plan, cfg)
+    _size_workload(plan, cfg)
+    megs, fwds, dtype = _training_memory(plan, cfg)
+    meg = max(megs, key=lambda x: x.peak)
+    fwd = max(fwds, key=lambda x: x.peak)
+    plan.megatron, plan.megatron_fwd = meg, fwd
+    plan.worst_stage = meg.stage
 
-    # -- divisibility: the same check the ranks run at start-up
+    if not on_gpu:
+        _cpu_phases(plan, cfg, meg, fwd)
+        _finish(plan, cfg)
+        return plan
+
+    _gpu_phases(plan, cfg, megs, fwds)
+    _check_kv_cache(plan, cfg)
+    if plan.placement is not None:
+        _host_memory(plan, cfg, meg, dtype)
+    # -- per-phase verdicts on the worst rank GPU of each phase
+    for ph in plan.gpu_phases + plan.engine_phases:
+        if ph.free < options.min_free_gib * GiB:
+            where = _where(plan, ph.stage) if ph.stage is not None else "every engine GPU"
+            plan.refusals.append(_refusal(plan, cfg, ph, where))
+    _finish(plan, cfg)
+    return plan
+
+
+def _check_layout(plan: Plan, cfg: TrainConfig) -> None:
+    """Divisibility (the same check the ranks run at start-up) and the expert layout; sets ``plan.ep/etp/edp``."""
+    from openrlhf_shape.megatron.config import MegatronConfig
+
+    model, tp, pp, world = plan.model, plan.tp, plan.pp, plan.world
     mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                           sequence_parallel=cfg.megatron.sequence_parallel and tp > 1, bf16=False)
     hf = SimpleNamespace(num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
@@ -178,24 +206,32 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
         plan.edp = world // (etp * ep * pp) if world % (etp * ep * pp) == 0 else 1
     elif ep > 1:
         plan.notes.append(f"{FLAG_EP}={ep} has no effect on a dense model ({model.name} has no experts)")
-        ep = plan.ep = 1
+        plan.ep = 1
 
-    # -- placement: the trainer's own planner
-    if on_gpu:
-        try:
-            plan.placement = plan_placement(
-                world_size=world, tp=tp, pp=pp, num_engines=cfg.vllm.num_engines, engine_tp=cfg.vllm.tensor_parallel_size,
-                colocate=cfg.train.colocate_all, gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
-            )
-        except ValueError as exc:
-            msg = str(exc)
-            for name in ("num_nodes", "gpus_per_node"):  # name the flag whose value the planner used
-                if getattr(cfg.train, name, None) != getattr(options, name):
-                    msg = msg.replace(f"--train.{name}", f"--plan.{name}")
-            plan.placement_error = msg
-            plan.refusals.append(f"placement: {msg}")
 
-    # -- workload
+def _place(plan: Plan, cfg: TrainConfig) -> None:
+    """Placement by the trainer's own planner; a refusal names the flag whose value the planner used."""
+    from openrlhf_shape.cluster.placement import plan_placement
+
+    options = plan.options
+    try:
+        plan.placement = plan_placement(
+            world_size=plan.world, tp=plan.tp, pp=plan.pp, num_engines=cfg.vllm.num_engines,
+            engine_tp=cfg.vllm.tensor_parallel_size, colocate=cfg.train.colocate_all,
+            gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
+        )
+    except ValueError as exc:
+        msg = str(exc)
+        for name in ("num_nodes", "gpus_per_node"):
+            if getattr(cfg.train, name, None) != getattr(options, name):
+                msg = msg.replace(f"--train.{name}", f"--plan.{name}")
+        plan.placement_error = msg
+        plan.refusals.append(f"placement: {msg}")
+
+
+def _size_workload(plan: Plan, cfg: TrainConfig) -> None:
+    """Tokens per sample, micro-batch size and probe counts; sets ``plan.micro_batch_tokens`` and ``plan.inputs``."""
+    options = plan.options
     samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     prompt_tokens = options.mean_prompt_tokens or min(256, cfg.data.max_prompt_len)
     response_tokens = options.mean_response_tokens or max(1, cfg.rollout.max_new_tokens // 2)
@@ -209,45 +245,42 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     probes_per_response = cfg.shape.num_segments * cfg.probe.num_probes if shape_on else 0
     suffix = _suffix_tokens(cfg.probe.think_suffix)
     probe_tokens = suffix + cfg.probe.max_tokens
-    mb_per_dp = max(1, math.ceil(cfg.train.batch_size / dp * (prompt_tokens + response_tokens) / mbt))
+    mb_per_dp = max(1, math.ceil(cfg.train.batch_size / plan.dp * (prompt_tokens + response_tokens) / mbt))
     plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
                        probes_per_response=probes_per_response, probe_tokens=probe_tokens, probe_suffix_tokens=suffix,
                        probe_decode_tokens=cfg.probe.max_tokens, micro_batches_per_dp=mb_per_dp)
 
-    # The profile the trainer would hand its ranks on such a cluster (openrlhf_shape/platform.py).
+
+def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory], list[MegatronMemory], str]:
+    """(update memory per PP stage, forward-only memory per PP stage, dtype) of one training rank, on the profile
+    the trainer would hand its ranks on such a cluster (openrlhf_shape/platform.py)."""
     from openrlhf_shape.platform import cpu_platform, gpu_platform
 
-    target = gpu_platform() if on_gpu else cpu_platform()
+    model, mbt, max_seq, dp = plan.model, plan.micro_batch_tokens, plan.inputs["max_seq"], plan.dp
+    target = gpu_platform() if plan.on_gpu else cpu_platform()
     dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.megatron_dtype]
     spec = target.layer_spec
     recompute = "full" if cfg.actor.gradient_checkpointing_enable else "none"
-    sp = bool(cfg.megatron.sequence_parallel and tp > 1)
-    kw = dict(tp=tp, pp=pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
-              sequence_parallel=sp, dtype=dtype, distributed_optimizer=cfg.megatron.use_distributed_optimizer,
-              logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec, num_micro_batches=mb_per_dp)
-    if model.is_moe:
-        kw.update(ep=ep, etp=etp, moe_imbalance=options.moe_load_imbalance)
     if cfg.actor.backend == "deepspeed" and not model.is_moe:  # one ZeRO rank (planner/zero_memory.py)
         from openrlhf_shape.planner.zero_memory import zero_memory
 
         zkw = dict(dp=dp, stage=cfg.ds.zero_stage, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
                    dtype=dtype, adam_offload=cfg.ds.adam_offload, logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec,
                    gather_bucket_bytes=int(cfg.vllm.weight_sync_bucket_mb) << 20)
-        megs = [zero_memory(model, **zkw)]
-        fwds = [zero_memory(model, **{**zkw, "forward_only": True})]
-    else:
-        megs = megatron_memory_stages(model, **kw)
-        fwds = megatron_memory_stages(model, **{**kw, "forward_only": True})
-    meg = max(megs, key=lambda x: x.peak)
-    fwd = max(fwds, key=lambda x: x.peak)
-    plan.megatron, plan.megatron_fwd = meg, fwd
-    plan.worst_stage = meg.stage
+        return [zero_memory(model, **zkw)], [zero_memory(model, **{**zkw, "forward_only": True})], dtype
+    sp = bool(cfg.megatron.sequence_parallel and plan.tp > 1)
+    kw = dict(tp=plan.tp, pp=plan.pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
+              sequence_parallel=sp, dtype=dtype, distributed_optimizer=cfg.megatron.use_distributed_optimizer,
+              logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec,
+              num_micro_batches=plan.inputs["micro_batches_per_dp"])
+    if model.is_moe:
+        kw.update(ep=plan.ep, etp=plan.etp, moe_imbalance=plan.options.moe_load_imbalance)
+    return megatron_memory_stages(model, **kw), megatron_memory_stages(model, **{**kw, "forward_only": True}), dtype
 
-    if not on_gpu:
-        _cpu_phases(plan, cfg, meg, fwd)
-        _finish(plan, cfg)
-        return plan
 
+def _gpu_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], fwds: list[MegatronMemory]) -> None:
+    """vLLM's memory and the phases of the worst rank GPU (and of engine GPUs when disaggregated)."""
+    options, model = plan.options, plan.model
     cap = int(options.gpu_memory_gib * GiB)
     ctx = Term("CUDA context (rank)", int(options.cuda_context_gib * GiB), "--plan.cuda_context_gib")
     nccl = Term("NCCL buffers (rank)", int(options.nccl_gib * GiB), "--plan.nccl_gib")
@@ -278,11 +311,15 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     if not cfg.train.colocate_all:
         plan.engine_phases = [PhaseMemory("rollout (engine GPU)", vllm_awake, cap)]
 
-    # -- KV cache
-    per_engine = samples / cfg.vllm.num_engines
+
+def _check_kv_cache(plan: Plan, cfg: TrainConfig) -> None:
+    """The KV cache the rollout and the probes need against what vLLM's budget leaves; sets ``plan.kv_need``."""
+    vm, max_seq = plan.vllm, plan.inputs["max_seq"]
+    probes_per_response, probe_tokens = plan.inputs["probes_per_response"], plan.inputs["probe_tokens"]
+    per_engine = plan.inputs["samples"] / cfg.vllm.num_engines
     resp_kv = max_seq
     probe_kv = max_seq + probes_per_response * probe_tokens
-    conc = min(options.vllm_max_num_seqs, math.ceil(per_engine))
+    conc = min(plan.options.vllm_max_num_seqs, math.ceil(per_engine))
     plan.kv_need = dict(capacity=vm.kv_tokens, one_sequence=cfg.max_model_len(), rollout_concurrent=conc * resp_kv,
                         probe_concurrent=conc * probe_kv, per_response_probes=probes_per_response * probe_tokens)
     if vm.kv_cache.bytes <= 0:
@@ -299,38 +336,32 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
             f"KV cache {vm.kv_tokens:,} tokens < {conc} concurrent full-length sequences x {resp_kv} = "
             f"{plan.kv_need['rollout_concurrent']:,}: vLLM runs fewer at once (the step-time estimate accounts for it)")
 
-    # -- host memory: sleep level 1 keeps engine weights in host RAM; rank 0 keeps one bf16 copy for the sync
-    if plan.placement is not None:
-        w_all = model.total_params() * 2
-        per_node: dict[int, int] = {}
-        for slot in plan.placement.engines:
-            if cfg.train.colocate_all and options.vllm_sleep_level == 1:
-                per_node[slot.node] = per_node.get(slot.node, 0) + vm.weights.bytes
-        node0 = plan.placement.ranks[0].node
-        off = _offloaded_bytes(meg, options.megatron_offload)
-        n_ranks_node0 = sum(1 for x in plan.placement.ranks if x.node == node0)
-        plan.host = [
-            Term("vLLM weights asleep (level 1), node of rank 0", per_node.get(node0, 0), "engine workers on the node x weights/etp"),
-            Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
-            Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
-        ]
-        if cfg.actor.backend == "deepspeed" and cfg.ds.adam_offload:
-            from openrlhf_shape.planner.zero_memory import zero_host_term
 
-            plan.host.append(zero_host_term(model, dtype, dp, cfg.ds.zero_stage, n_ranks_node0))
-        plan.host_capacity = options.host_bytes(True)
-        host_total = sum(t.bytes for t in plan.host)
-        if host_total > plan.host_capacity:
-            plan.refusals.append(f"host RAM, node {node0}: {host_total / GiB:.0f} GiB needed > "
-                                 f"--plan.host_memory_gib {plan.host_capacity / GiB:g}; raise {FLAG_ETP} or use --plan.vllm_sleep_level 2")
+def _host_memory(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, dtype: str) -> None:
+    """Host RAM of rank 0's node: sleep level 1 keeps engine weights there; rank 0 keeps one bf16 copy for the sync."""
+    options, model, vm = plan.options, plan.model, plan.vllm
+    w_all = model.total_params() * 2
+    per_node: dict[int, int] = {}
+    for slot in plan.placement.engines:
+        if cfg.train.colocate_all and options.vllm_sleep_level == 1:
+            per_node[slot.node] = per_node.get(slot.node, 0) + vm.weights.bytes
+    node0 = plan.placement.ranks[0].node
+    off = _offloaded_bytes(meg, options.megatron_offload)
+    n_ranks_node0 = sum(1 for x in plan.placement.ranks if x.node == node0)
+    plan.host = [
+        Term("vLLM weights asleep (level 1), node of rank 0", per_node.get(node0, 0), "engine workers on the node x weights/etp"),
+        Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
+        Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
+    ]
+    if cfg.actor.backend == "deepspeed" and cfg.ds.adam_offload:
+        from openrlhf_shape.planner.zero_memory import zero_host_term
 
-    # -- per-phase verdicts on the worst rank GPU of each phase
-    for ph in plan.gpu_phases + plan.engine_phases:
-        if ph.free < options.min_free_gib * GiB:
-            where = _where(plan, ph.stage) if ph.stage is not None else "every engine GPU"
-            plan.refusals.append(_refusal(plan, cfg, ph, where))
-    _finish(plan, cfg)
-    return plan
+        plan.host.append(zero_host_term(model, dtype, plan.dp, cfg.ds.zero_stage, n_ranks_node0))
+    plan.host_capacity = options.host_bytes(True)
+    host_total = sum(t.bytes for t in plan.host)
+    if host_total > plan.host_capacity:
+        plan.refusals.append(f"host RAM, node {node0}: {host_total / GiB:.0f} GiB needed > "
+                             f"--plan.host_memory_gib {plan.host_capacity / GiB:g}; raise {FLAG_ETP} or use --plan.vllm_sleep_level 2")
 
 
 def _resident(meg: MegatronMemory, offload: str) -> list[Term]:

@@ -72,6 +72,30 @@ def async_lines(plan: Plan) -> list[str]:
 
 
 def format_plan(plan: Plan) -> str:
+    """The whole printed plan: header, placement, memory, step time, assumptions and notes, verdict."""
+    lines = header_lines(plan)
+    lines.append("")
+    lines += placement_lines(plan)
+    lines.append("")
+    lines += memory_lines(plan)
+    lines.append("")
+    lines += step_time_lines(plan)
+    lines += async_lines(plan)
+    lines.append("")
+    lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
+        f"{f.name}={getattr(plan.options, f.name)}" for f in dataclasses.fields(plan.options)))
+    if plan.on_gpu and plan.options.vllm_sleep_level != 0:
+        lines.append("note: the update phase assumes the trainer puts vLLM to sleep before training; a trainer that "
+                     "never calls sleep() keeps the whole vLLM budget there (check with --plan.vllm_sleep_level 0)")
+    for n in plan.notes:
+        lines.append(f"note: {n}")
+    lines.append("")
+    lines += verdict_lines(plan)
+    return "\n".join(lines)
+
+
+def header_lines(plan: Plan) -> list[str]:
+    """The config, the model's shape (and its experts) and the Megatron layout."""
     m = plan.model
     lines = [f"openrlhf-shape dry run: {plan.config_path or '(flags only)'}"]
     lines.append(
@@ -85,12 +109,14 @@ def format_plan(plan: Plan) -> str:
                if m.is_moe else "")
     lines.append(f"Megatron: world {plan.world} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp}{experts}; "
                  f"micro-batch {plan.micro_batch_tokens} tokens; workload {plan.inputs}")
-    lines.append("")
-    lines += placement_lines(plan)
-    lines.append("")
+    return lines
+
+
+def memory_lines(plan: Plan) -> list[str]:
+    """Memory per GPU by phase (each term with its formula), vLLM's budget, the KV cache's needs and host RAM."""
     from openrlhf_shape.planner.plan import _where
 
-    lines.append("memory per GPU by phase, GiB (for each phase the GPU of the PP stage that needs most):")
+    lines = ["memory per GPU by phase, GiB (for each phase the GPU of the PP stage that needs most):"]
     for ph in plan.gpu_phases + plan.engine_phases:
         where = _where(plan, ph.stage) if ph.stage is not None and plan.on_gpu else ("every engine GPU" if plan.on_gpu else "this host")
         lines.append(f"  [{ph.name}] {where}: total {ph.total / GiB:.2f} of {ph.capacity / GiB:.2f}, free {ph.free / GiB:.2f}")
@@ -111,38 +137,33 @@ def format_plan(plan: Plan) -> str:
         lines.append("host RAM per node, GiB:")
         for t in plan.host:
             lines.append(f"    {_g(t.bytes)}  {t.name}: {t.formula}")
-    lines.append("")
+    return lines
+
+
+def step_time_lines(plan: Plan) -> list[str]:
+    """The synchronous step's estimate (and SHAPE over GRPO), one line per phase."""
     if not plan.phases:
-        lines.append("step time estimate: n/a (CPU config)")
+        lines = ["step time estimate: n/a (CPU config)"]
     elif plan.shape_over_grpo:
-        lines.append(f"step time estimate: {plan.step_seconds:.0f} s; SHAPE/GRPO {plan.shape_over_grpo:.2f} (the probes add "
-                     f"{plan.probe_seconds:.0f} s to the {plan.step_seconds - plan.probe_seconds:.0f} s of a GRPO step on "
-                     "this layout; the paper measured 1.17 at K = 8)")
+        lines = [f"step time estimate: {plan.step_seconds:.0f} s; SHAPE/GRPO {plan.shape_over_grpo:.2f} (the probes add "
+                 f"{plan.probe_seconds:.0f} s to the {plan.step_seconds - plan.probe_seconds:.0f} s of a GRPO step on "
+                 "this layout; the paper measured 1.17 at K = 8)"]
     else:
-        lines.append(f"step time estimate: {plan.step_seconds:.0f} s")
+        lines = [f"step time estimate: {plan.step_seconds:.0f} s"]
     for p in plan.phases:
         lines.append(f"  {p.seconds:8.1f} s  {p.name}: {p.how}")
-    lines += async_lines(plan)
-    lines.append("")
-    lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
-        f"{f.name}={getattr(plan.options, f.name)}" for f in dataclasses.fields(plan.options)))
-    if plan.on_gpu and plan.options.vllm_sleep_level != 0:
-        lines.append("note: the update phase assumes the trainer puts vLLM to sleep before training; a trainer that "
-                     "never calls sleep() keeps the whole vLLM budget there (check with --plan.vllm_sleep_level 0)")
-    for n in plan.notes:
-        lines.append(f"note: {n}")
-    lines.append("")
-    if plan.fits:
-        name, free = plan.min_free
-        est = f"estimated {plan.step_seconds:.0f} s per step" if plan.phases else "no step-time estimate on CPU"
-        a = plan.async_plan
-        if a is not None and a.run_async and not a.variant and a.shape:
-            run = next((x for x in a.shape if x.staleness == a.run_staleness), None)
-            if run is not None:
-                est = f"estimated {run.seconds:.0f} s per step (one-step-off, max_staleness {run.staleness})"
-        lines.append(f"FITS: smallest margin {free / GiB:.1f} GiB in the {name} phase; {est}")
-    else:
-        lines.append("REFUSED:")
-        for r in plan.refusals:
-            lines.append(f"  - {r}")
-    return "\n".join(lines)
+    return lines
+
+
+def verdict_lines(plan: Plan) -> list[str]:
+    """FITS with the smallest margin and the step estimate (one-step-off when the run is), or REFUSED and why."""
+    if not plan.fits:
+        return ["REFUSED:"] + [f"  - {r}" for r in plan.refusals]
+    name, free = plan.min_free
+    est = f"estimated {plan.step_seconds:.0f} s per step" if plan.phases else "no step-time estimate on CPU"
+    a = plan.async_plan
+    if a is not None and a.run_async and not a.variant and a.shape:
+        run = next((x for x in a.shape if x.staleness == a.run_staleness), None)
+        if run is not None:
+            est = f"estimated {run.seconds:.0f} s per step (one-step-off, max_staleness {run.staleness})"
+    return [f"FITS: smallest margin {free / GiB:.1f} GiB in the {name} phase; {est}"]

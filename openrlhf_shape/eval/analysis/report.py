@@ -64,6 +64,32 @@ def analyze(
         smooth: trailing-mean window of the smoothed curves.
         benchmarks: eval benchmarks to show in fig. 10 (default: all).
     """
+    runs = _load_runs(run_dirs, labels, eval_reports, window, smooth)
+    base = load_eval_report(base_eval) if base_eval else None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    colors = plots.colors_for([r.label for r in runs], [r.estimator for r in runs])
+
+    data: dict[str, Any] = {"runs": [{"label": r.label, "path": r.path, "estimator": r.estimator} for r in runs]}
+    figures: list[dict[str, Any]] = [  # {"key", "title", "png" | None, "note", "table"}, in the report's order
+        _training_curves_figure(runs, colors, out, smooth, data),
+        _potential_drop_figure(runs, colors, out, smooth, window, data),
+        _gain_figure(runs, out, window, eps, data),
+        _train_lengths_figure(runs, colors, out, window, data),
+        _eval_lengths_figure(runs, colors, out, benchmarks, data),
+        _difficulty_figure(runs, base, colors, out, data),
+    ]
+    summary = [compute.run_summary(r, window) for r in runs]
+    data["summary"] = summary
+    (out / "analysis.json").write_text(json.dumps(data, indent=1, default=float))
+    report = out / "report.html"
+    report.write_text(_html(runs, figures, summary, window, out))
+    return str(report)
+
+
+def _load_runs(run_dirs: list[str], labels: list[str] | None, eval_reports: list[str | None] | None, window: int,
+               smooth: int) -> list[Run]:
+    """The runs after checking the arguments, each with a label no other run has."""
     if not run_dirs:
         raise ValueError("analyze needs at least one run directory")
     if labels is not None and len(labels) != len(run_dirs):
@@ -78,19 +104,14 @@ def analyze(
     ]
     for r, lab in zip(runs, unique_labels([r.label for r in runs])):
         r.label = lab
-    base = load_eval_report(base_eval) if base_eval else None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    colors = plots.colors_for([r.label for r in runs], [r.estimator for r in runs])
+    return runs
 
-    figures: list[dict[str, Any]] = []  # {"key", "title", "png" | None, "note", "table"}
-    data: dict[str, Any] = {"runs": [{"label": r.label, "path": r.path, "estimator": r.estimator} for r in runs]}
 
-    # Training curves: accuracy and response length.
+def _training_curves_figure(runs: list[Run], colors: dict[str, str], out: Path, smooth: int, data: dict[str, Any]) -> dict[str, Any]:
+    """Fig. 3: rollout accuracy and response length over steps, and the held-out metrics the trainer logs every
+    few steps ("eval/accuracy", "eval/response_length/mean", or per benchmark "eval/<benchmark>/accuracy")."""
     acc = {r.label: c for r in runs if (c := compute.curve(r, "rollout/accuracy", smooth))}
     length = {r.label: c for r in runs if (c := compute.curve(r, "rollout/response_length/mean", smooth))}
-    # Held-out metrics the trainer logs every few steps (fig. 3): "eval/accuracy",
-    # "eval/response_length/mean", or per benchmark "eval/<benchmark>/accuracy".
     eval_keys = sorted({k for r in runs for rec in r.records for k in rec
                         if k.startswith("eval/") and k.endswith(("accuracy", "response_length/mean"))})[:4]
     eval_curves = {k: {r.label: c for r in runs if (c := compute.curve(r, k, 1))} for k in eval_keys}
@@ -103,26 +124,31 @@ def analyze(
                for k, c in eval_curves.items()],
             colors, out / "fig_training_curves.png", f"Training curves (thin: raw, bold: trailing mean of {smooth})",
         )
-    figures.append({"key": "training_curves", "title": "Accuracy and response length over steps", "png": png,
-                    "note": None if png else "no run logged rollout/accuracy or rollout/response_length/mean",
-                    "table": _table(["run", "first acc", "last acc", "first len", "last len"],
-                                    [[lab, acc[lab]["values"][0] if lab in acc else math.nan, acc[lab]["values"][-1] if lab in acc else math.nan,
-                                      length[lab]["values"][0] if lab in length else math.nan, length[lab]["values"][-1] if lab in length else math.nan]
-                                     for lab in [r.label for r in runs]])})
+    return {"key": "training_curves", "title": "Accuracy and response length over steps", "png": png,
+            "note": None if png else "no run logged rollout/accuracy or rollout/response_length/mean",
+            "table": _table(["run", "first acc", "last acc", "first len", "last len"],
+                            [[lab, acc[lab]["values"][0] if lab in acc else math.nan, acc[lab]["values"][-1] if lab in acc else math.nan,
+                              length[lab]["values"][0] if lab in length else math.nan, length[lab]["values"][-1] if lab in length else math.nan]
+                             for lab in [r.label for r in runs]])}
 
-    # Fig. 7: potential drop rate.
+
+def _potential_drop_figure(runs: list[Run], colors: dict[str, str], out: Path, smooth: int, window: int,
+                           data: dict[str, Any]) -> dict[str, Any]:
+    """Fig. 7: potential drop rate over steps."""
     drop = {r.label: c for r in runs if (c := compute.curve(r, "shape/potential_drop_rate", smooth))}
     data["potential_drop_rate"] = drop
     png = plots.plot_curves([("Potential drop rate", "share of transitions with Phi_{k+1} < Phi_k", drop)], colors,
                             out / "fig7_potential_drop.png", "Potential drop rate during training (fig. 7)") if drop else None
     missing = [r.label for r in runs if r.label not in drop]
-    figures.append({"key": "potential_drop", "title": "Fig. 7: potential drop rate over steps", "png": png,
-                    "note": (f"no potential metrics for: {', '.join(missing)} (GRPO has no probes)" if missing else None) if png
-                    else "no run logged shape/potential_drop_rate",
-                    "table": _table(["run", "mean (all steps)", f"mean (last {window})"],
-                                    [[lab, sum(c["values"]) / len(c["values"]), sum(c["values"][-window:]) / len(c["values"][-window:])] for lab, c in drop.items()])})
+    return {"key": "potential_drop", "title": "Fig. 7: potential drop rate over steps", "png": png,
+            "note": (f"no potential metrics for: {', '.join(missing)} (GRPO has no probes)" if missing else None) if png
+            else "no run logged shape/potential_drop_rate",
+            "table": _table(["run", "mean (all steps)", f"mean (last {window})"],
+                            [[lab, sum(c["values"]) / len(c["values"]), sum(c["values"][-window:]) / len(c["values"][-window:])] for lab, c in drop.items()])}
 
-    # Fig. 6: gain contribution by start regime.
+
+def _gain_figure(runs: list[Run], out: Path, window: int, eps: float, data: dict[str, Any]) -> dict[str, Any]:
+    """Fig. 6: gain contribution by start regime."""
     gain = compute.gain_contribution(runs, window=window, eps=eps)
     data["gain_contribution"] = gain
     png = plots.plot_gain_contribution(gain, out / "fig6_gain_contribution.png") if gain else None
@@ -130,11 +156,13 @@ def analyze(
     if gain:
         for g in gain["groups"]:
             rows.append([g] + [f"{gain['percent'][g][r]:.1f}% (avg {_fmt(gain['raw'][g][r]['mean'])}, n={gain['raw'][g][r]['count']})" for r in REGIMES])
-    figures.append({"key": "gain_contribution", "title": "Fig. 6: potential gain contribution by start regime", "png": png,
-                    "note": None if gain else "no run logged shape/gain_by_start/* (GRPO runs have no potentials)",
-                    "table": _table(["group"] + [compute.REGIME_LABELS[r] for r in REGIMES], rows)})
+    return {"key": "gain_contribution", "title": "Fig. 6: potential gain contribution by start regime", "png": png,
+            "note": None if gain else "no run logged shape/gain_by_start/* (GRPO runs have no potentials)",
+            "table": _table(["group"] + [compute.REGIME_LABELS[r] for r in REGIMES], rows)}
 
-    # Fig. 10: length distributions (training rollouts, and eval per benchmark).
+
+def _train_lengths_figure(runs: list[Run], colors: dict[str, str], out: Path, window: int, data: dict[str, Any]) -> dict[str, Any]:
+    """Fig. 10 (training): response-length distributions of the last ``window`` steps' rollouts."""
     train_cells = {}
     for r in runs:
         lens = compute.training_lengths(r, window)
@@ -144,11 +172,15 @@ def analyze(
     data["lengths_train"] = train_cells
     png = plots.plot_length_grid(train_cells, colors, out / "fig10_lengths_train.png",
                                  "Training response lengths: histogram + KDE (fig. 10 style)") if train_cells else None
-    figures.append({"key": "lengths_train", "title": f"Fig. 10 (training): response-length distribution, last {window} steps", "png": png,
-                    "note": None if png else "no run logged rollout/response_lengths",
-                    "table": _table(["run", "responses", "mean", "median", "max", "at limit", "KDE bandwidth"],
-                                    [[lab, d["n"], d["mean"], d["median"], d["max"], d["at_limit"], d["bandwidth"]] for lab, per in train_cells.items() for d in per.values()])})
+    return {"key": "lengths_train", "title": f"Fig. 10 (training): response-length distribution, last {window} steps", "png": png,
+            "note": None if png else "no run logged rollout/response_lengths",
+            "table": _table(["run", "responses", "mean", "median", "max", "at limit", "KDE bandwidth"],
+                            [[lab, d["n"], d["mean"], d["median"], d["max"], d["at_limit"], d["bandwidth"]] for lab, per in train_cells.items() for d in per.values()])}
 
+
+def _eval_lengths_figure(runs: list[Run], colors: dict[str, str], out: Path, benchmarks: list[str] | None,
+                         data: dict[str, Any]) -> dict[str, Any]:
+    """Fig. 10: response-length distributions per benchmark of each run's eval report."""
     eval_cells: dict[str, dict[str, Any]] = {}
     for r in runs:
         if not r.eval_report:
@@ -162,12 +194,15 @@ def analyze(
     data["lengths_eval"] = eval_cells
     png = plots.plot_length_grid(eval_cells, colors, out / "fig10_lengths_eval.png",
                                  "Eval response lengths per benchmark: histogram + KDE (fig. 10)") if eval_cells else None
-    figures.append({"key": "lengths_eval", "title": "Fig. 10: response-length distribution per benchmark (eval)", "png": png,
-                    "note": None if png else "no run has an eval report (run `openrlhf-shape eval --out_dir <run>/eval`)",
-                    "table": _table(["run", "benchmark", "responses", "mean", "median", "at limit"],
-                                    [[lab, b, d["n"], d["mean"], d["median"], d["at_limit"]] for lab, per in eval_cells.items() for b, d in per.items()])})
+    return {"key": "lengths_eval", "title": "Fig. 10: response-length distribution per benchmark (eval)", "png": png,
+            "note": None if png else "no run has an eval report (run `openrlhf-shape eval --out_dir <run>/eval`)",
+            "table": _table(["run", "benchmark", "responses", "mean", "median", "at limit"],
+                            [[lab, b, d["n"], d["mean"], d["median"], d["at_limit"]] for lab, per in eval_cells.items() for b, d in per.items()])}
 
-    # Fig. 9: length by difficulty bin.
+
+def _difficulty_figure(runs: list[Run], base: dict[str, Any] | None, colors: dict[str, str], out: Path,
+                       data: dict[str, Any]) -> dict[str, Any]:
+    """Fig. 9: response length by difficulty bin (appendix B.4)."""
     diff = compute.length_by_difficulty(runs, base)
     data["length_by_difficulty"] = diff
     png = plots.plot_length_by_difficulty(diff, colors, out / "fig9_length_by_difficulty.png") if diff else None
@@ -175,16 +210,9 @@ def analyze(
     if diff:
         for lab, rd in diff["runs"].items():
             rows.append([lab] + [f"{_fmt(s.get('median', math.nan))} [{_fmt(s.get('q1', math.nan))}, {_fmt(s.get('q3', math.nan))}] n={s['n']}" for s in rd["stats"]] + [rd["median_slope_per_bin"]])
-    figures.append({"key": "length_by_difficulty", "title": "Fig. 9: response length by difficulty bin", "png": png,
-                    "note": None if diff else "needs eval reports of the runs and a difficulty: --base_eval (base-model eval report) or a 'difficulty' field in the data",
-                    "table": _table(["run"] + (diff["bins"] if diff else []) + ["median slope / bin"], rows)})
-
-    summary = [compute.run_summary(r, window) for r in runs]
-    data["summary"] = summary
-    (out / "analysis.json").write_text(json.dumps(data, indent=1, default=float))
-    report = out / "report.html"
-    report.write_text(_html(runs, figures, summary, window, out))
-    return str(report)
+    return {"key": "length_by_difficulty", "title": "Fig. 9: response length by difficulty bin", "png": png,
+            "note": None if diff else "needs eval reports of the runs and a difficulty: --base_eval (base-model eval report) or a 'difficulty' field in the data",
+            "table": _table(["run"] + (diff["bins"] if diff else []) + ["median slope / bin"], rows)}
 
 
 def _html(runs: list[Run], figures: list[dict[str, Any]], summary: list[dict[str, Any]], window: int, out: Path) -> str:
