@@ -102,6 +102,21 @@ def start_ray(cfg: TrainConfig) -> bool:
     return True
 
 
+def _check_model_fits_backend(cfg: TrainConfig, mcfg, model_config, model_dir: str) -> None:
+    """Refuse, before anything starts, a model the chosen backend and layout cannot train (MoE on DeepSpeed,
+    heads not divisible by TP, routing replay without experts)."""
+    if getattr(model_config, "num_experts", None) and cfg.actor.backend != "megatron":
+        raise ValueError(
+            f"--actor.backend {cfg.actor.backend}: {model_dir} is a mixture-of-experts model "
+            f"({model_config.model_type}); the DeepSpeed backend names its experts as transformers 5 holds them "
+            "(one fused mlp.experts.gate_up_proj per layer), not per expert as the engine's checkpoint does, so "
+            "the weight sync cannot load them; use --actor.backend megatron (docs/moe.md)")
+    mcfg.validate_against_model(model_config, cfg.actor.world_size)  # heads % TP, ...
+    if mcfg.routing_replay != "none" and (cfg.actor.backend != "megatron" or not getattr(model_config, "num_experts", None)):
+        raise ValueError(f"--megatron.routing_replay {mcfg.routing_replay}: routing replay is for a mixture-of-experts "
+                         "policy on --actor.backend megatron; set --megatron.routing_replay none (docs/moe.md)")
+
+
 def build_run(cfg: TrainConfig) -> Run:
     """Build every component; the engines and the Megatron ranks start concurrently."""
     from transformers import AutoConfig, AutoTokenizer
@@ -119,16 +134,7 @@ def build_run(cfg: TrainConfig) -> Run:
     batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes)
     mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
     model_config = AutoConfig.from_pretrained(model_dir)
-    if getattr(model_config, "num_experts", None) and cfg.actor.backend != "megatron":
-        raise ValueError(
-            f"--actor.backend {cfg.actor.backend}: {model_dir} is a mixture-of-experts model "
-            f"({model_config.model_type}); the DeepSpeed backend names its experts as transformers 5 holds them "
-            "(one fused mlp.experts.gate_up_proj per layer), not per expert as the engine's checkpoint does, so "
-            "the weight sync cannot load them; use --actor.backend megatron (docs/moe.md)")
-    mcfg.validate_against_model(model_config, cfg.actor.world_size)  # heads % TP, ...
-    if mcfg.routing_replay != "none" and (cfg.actor.backend != "megatron" or not getattr(model_config, "num_experts", None)):
-        raise ValueError(f"--megatron.routing_replay {mcfg.routing_replay}: routing replay is for a mixture-of-experts "
-                         "policy on --actor.backend megatron; set --megatron.routing_replay none (docs/moe.md)")
+    _check_model_fits_backend(cfg, mcfg, model_config, model_dir)
 
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
