@@ -22,7 +22,7 @@ import pytest
 from openrlhf_shape.platform import Platform, detect_platform, gpu_platform
 from openrlhf_shape.config import load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(**flags: str):
