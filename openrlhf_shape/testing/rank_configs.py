@@ -21,8 +21,8 @@ def _names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def _split(leaves: Mapping[str, Any], settings: type) -> tuple[dict[str, Any], OptimConfig]:
-    """``leaves`` -> (the ``settings`` class's keyword arguments, the :class:`OptimConfig`)."""
+def _sort(leaves: Mapping[str, Any], settings: type) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``leaves`` -> the keyword arguments of ``settings``, of :class:`OptimConfig` and of :class:`AdamConfig`."""
     own, optim, adam = {}, {}, {}
     for key, value in leaves.items():
         if key in _names(settings):
@@ -33,7 +33,21 @@ def _split(leaves: Mapping[str, Any], settings: type) -> tuple[dict[str, Any], O
             optim[key] = value
         else:
             raise TypeError(f"{key!r} is a field of neither {settings.__name__}, OptimConfig nor AdamConfig")
+    return own, optim, adam
+
+
+def _split(leaves: Mapping[str, Any], settings: type) -> tuple[dict[str, Any], OptimConfig]:
+    """``leaves`` -> (the ``settings`` class's keyword arguments, the :class:`OptimConfig`)."""
+    own, optim, adam = _sort(leaves, settings)
     return own, OptimConfig(adam=AdamConfig(**adam), **optim)
+
+
+def replaced(cfg: MegatronConfig | ZeroConfig, **leaves: Any) -> MegatronConfig | ZeroConfig:
+    """``cfg`` with ``leaves`` (field names as above) replaced, the rest (a resolved ``bf16``, say) kept:
+    a scenario's variant applied to the config a worker already holds."""
+    own, optim, adam = _sort(leaves, MegatronSettings if isinstance(cfg, MegatronConfig) else ZeroSettings)
+    new_optim = dataclasses.replace(cfg.optim, adam=dataclasses.replace(cfg.optim.adam, **adam), **optim)
+    return dataclasses.replace(cfg, optim=new_optim, **own)
 
 
 def megatron_config(leaves: Mapping[str, Any]) -> MegatronConfig:

@@ -63,3 +63,16 @@ def test_both_backends_hold_the_one_optimiser_config():
         own = {f.name for f in dataclasses.fields(rank_cfg)} - {"optim"}
         assert not own & {f.name for f in dataclasses.fields(OptimConfig)}, rank_cfg  # no setting in two places
     assert issubclass(OptimConfig, OptimSettings)
+
+
+def test_flat_scenario_dicts_reach_the_class_that_owns_each_field():
+    """The multi-process scenarios hand one flat dict; ``testing/rank_configs.py`` sorts it by field owner."""
+    from openrlhf_shape.testing.rank_configs import megatron_config, replaced, zero_config
+
+    cfg = megatron_config({"tensor_model_parallel_size": 2, "lr": 2e-3, "max_norm": 0.5, "micro_batch_max_tokens": 96})
+    assert (cfg.tensor_model_parallel_size, cfg.optim.adam.lr, cfg.optim.max_norm) == (2, 2e-3, 0.5)
+    var = replaced(cfg, sequence_parallel=True, micro_batch_max_tokens=40)
+    assert var.sequence_parallel and var.optim.micro_batch_max_tokens == 40 and var.optim.adam.lr == 2e-3
+    assert zero_config({"lr": 2e-3}, zero_stage=3).optim.adam.lr == 2e-3
+    with pytest.raises(TypeError, match="tensor_model_parallel_size"):  # a Megatron layout is not a ZeRO field
+        zero_config({"tensor_model_parallel_size": 2})

@@ -13,7 +13,7 @@ import time
 import torch
 
 from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.testing.rank_configs import megatron_config
+from openrlhf_shape.testing.rank_configs import megatron_config, replaced
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
@@ -89,7 +89,7 @@ def layout_run(
         # Sequence parallel and activation recompute are TransformerConfig switches, not process
         # groups: the same ranks rebuild the models with the switch on (saves process launches).
         t3 = time.time()
-        worker.cfg = dataclasses.replace(worker.cfg, **overrides)
+        worker.cfg = replaced(worker.cfg, **overrides)
         var: dict = {"logprobs": {}}
         for arch, path in model_dirs.items():
             worker.init_model(path)

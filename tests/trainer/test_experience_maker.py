@@ -145,7 +145,8 @@ def test_rewards_outside_unit_interval_are_refused_for_shape(engines, parts, tmp
                    "    r = torch.full((len(queries),), -1.0)\n    return {'rewards': r, 'scores': r, 'extra_logs': {}}\n")
     tok, items, actor, _ = parts
     with RewardComputer(RewardConfig(remote_url=str(bad), num_workers=1)) as reward:
-        maker = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, ShapeConfig(num_segments=2), 8, num_probes=1)
+        maker = _build(engines, actor.compute_logprobs_and_entropy, reward, tok, get_estimator("shape", ShapeConfig(num_segments=2)), 8,
+                       num_probes=1)
         with pytest.raises(ValueError, match="--reward.remote_url"):
             maker.make_experience(items[:1])
 
