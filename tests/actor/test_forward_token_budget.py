@@ -55,4 +55,5 @@ def test_rank_forward_follows_its_own_budget(backend, tiny_models, ragged_batch)
         for i, ref in enumerate(hf.log_probs):
             assert torch.allclose(got[i], ref.float(), atol=1e-4), (i, float((got[i] - ref).abs().max()))
     small, big = (dict(zip(r["indices"], r["log_probs"])) for r in (out[None], out[BIG]))
-    assert max(float((small[i] - big[i]).abs().max(initial=0.0)) for i in small) < 1e-5
+    gap = torch.cat([small[i] - big[i] for i in small]).abs().max()  # the micro-batching leaves the numbers alone
+    assert float(gap) < 1e-5, float(gap)
