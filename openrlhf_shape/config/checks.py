@@ -40,6 +40,7 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     _check_backend(cfg)
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
+    _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
 
 
@@ -76,8 +77,10 @@ def _check_batches(cfg: "TrainConfig") -> None:
           f"{t.batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
           f"(e.g. --train.batch_size {samples})")
     _need(t.max_epochs >= 1, "train.max_epochs", "must be >= 1")
-    if not isinstance(t.max_tokens_per_gpu, int) or t.max_tokens_per_gpu < 1:
-        raise ValueError(f"--train.max_tokens_per_gpu must be an integer >= 1, got {t.max_tokens_per_gpu!r}")
+    for flag, budget in (("train", t.max_tokens_per_gpu), ("rollout", r.max_tokens_per_gpu)):
+        if (budget is not None or flag == "train") and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"--{flag}.max_tokens_per_gpu must be an integer >= 1 (tokens of one micro-batch on one "
+                             f"GPU), got {budget!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
     mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
@@ -131,6 +134,20 @@ def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:
           "nothing can overlap; drop --train.colocate_all (and give the engines their own GPUs) or drop --train.async_enable")
     if cfg.reward.num_workers < 0:
         raise ValueError(f"--reward.num_workers: must be >= 1, or 0 for one per core; got {cfg.reward.num_workers}")
+
+
+def _check_reward_shaping(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
+    """``--reward.stop_properly_penalty_coef``: OpenRLHF's range, and the [0, 1] outcome SHAPE/MRT need."""
+    coef = cfg.reward.stop_properly_penalty_coef
+    if coef is None:
+        return
+    _need(coef <= 1, "reward.stop_properly_penalty_coef",
+          f"{coef}: use a factor in [0, 1] (a truncated response's reward is multiplied by it) or a negative number "
+          "(a truncated response's reward is set to it), as in OpenRLHF")
+    _need(coef >= 0 or not estimator.needs_segments, "reward.stop_properly_penalty_coef",
+          f"{coef} would set truncated responses' reward to {coef}, but {cfg.algo.advantage.estimator} uses the outcome "
+          "as the final potential, so rewards must lie in [0, 1]: use a factor in [0, 1], or "
+          "--algo.advantage.estimator group_norm")
 
 
 def _check_probes(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:

@@ -51,6 +51,9 @@ class RolloutSection:
     # it, or as soon as an engine dies mid-sync, the run stops naming the engine (a hang otherwise).
     weight_sync_timeout: float = 600.0
     num_gpus: int | None = None  # disaggregated engine pool; None: vllm.num_engines x vllm.tensor_parallel_size
+    # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;
+    # None: --train.max_tokens_per_gpu (OpenRLHF's rule). No gradients or optimizer in flight: it may be larger.
+    max_tokens_per_gpu: int | None = None
 
     def sampling_config(self) -> SamplingConfig:
         """One generate call's :class:`SamplingConfig` (``n`` samples of ``max_new_tokens``)."""
@@ -229,10 +232,11 @@ class TrainConfig:
 
     def optim_config(self) -> OptimConfig:
         """What both backends train with: the ``actor.*`` settings (same names) plus what the run decides:
-        the schedule's length, ``--train.max_tokens_per_gpu`` and ``--train.seed``."""
+        the schedule's length, ``--train.max_tokens_per_gpu``, ``--rollout.max_tokens_per_gpu`` and ``--train.seed``."""
         own = {f.name: getattr(self.actor, f.name) for f in dataclasses.fields(OptimSettings)}
         return OptimConfig(**own, total_steps=self.total_optimizer_steps(),
-                           micro_batch_max_tokens=self.train.max_tokens_per_gpu, seed=self.train.seed)
+                           micro_batch_max_tokens=self.train.max_tokens_per_gpu,
+                           forward_max_tokens=self.rollout.max_tokens_per_gpu, seed=self.train.seed)
 
     def megatron_config(self) -> MegatronConfig:
         """What each Megatron rank gets: ``megatron.*`` (same names) and :meth:`optim_config`."""

@@ -257,6 +257,9 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
     from openrlhf_shape.platform import cpu_platform, gpu_platform
 
     model, mbt, max_seq, dp = plan.model, plan.micro_batch_tokens, plan.inputs["max_seq"], plan.dp
+    # forward-only micro-batches (old log-probs) have their own budget, --rollout.max_tokens_per_gpu
+    fwd_mbt = max(cfg.optim_config().forward_budget, max_seq)
+    fwd_size = dict(micro_batch_tokens=fwd_mbt, seq_len=min(fwd_mbt, max_seq), forward_only=True)
     target = gpu_platform() if plan.on_gpu else cpu_platform()
     dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.megatron_dtype]
     spec = target.layer_spec
@@ -267,7 +270,7 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
         zkw = dict(dp=dp, stage=cfg.ds.zero_stage, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
                    dtype=dtype, adam_offload=cfg.ds.adam_offload, logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec,
                    gather_bucket_bytes=int(cfg.vllm.weight_sync_bucket_mb) << 20)
-        return [zero_memory(model, **zkw)], [zero_memory(model, **{**zkw, "forward_only": True})], dtype
+        return [zero_memory(model, **zkw)], [zero_memory(model, **{**zkw, **fwd_size})], dtype
     sp = bool(cfg.megatron.sequence_parallel and plan.tp > 1)
     kw = dict(tp=plan.tp, pp=plan.pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
               sequence_parallel=sp, dtype=dtype, distributed_optimizer=cfg.megatron.use_distributed_optimizer,
@@ -275,7 +278,7 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
               num_micro_batches=plan.inputs["micro_batches_per_dp"])
     if model.is_moe:
         kw.update(ep=plan.ep, etp=plan.etp, moe_imbalance=plan.options.moe_load_imbalance)
-    return megatron_memory_stages(model, **kw), megatron_memory_stages(model, **{**kw, "forward_only": True}), dtype
+    return megatron_memory_stages(model, **kw), megatron_memory_stages(model, **{**kw, **fwd_size}), dtype
 
 
 def _gpu_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], fwds: list[MegatronMemory]) -> None:

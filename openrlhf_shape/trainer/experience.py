@@ -24,6 +24,7 @@ import torch
 
 from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
+from openrlhf_shape.algorithms.length_penalty import check_stop_properly_coef, stop_properly_penalty
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
@@ -66,6 +67,8 @@ class ShapeExperienceMaker:
             ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
         reward_clip_range: rewards are clamped into it (``--reward.clip_range``).
+        stop_properly_penalty_coef: truncated responses' rewards scaled by it (in [0, 1]) or set to it (< 0),
+            before the clamp (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
 
     With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
@@ -75,7 +78,8 @@ class ShapeExperienceMaker:
                  reward, tokenizer, dynamic_filtering: bool = False,
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
-                 reward_clip_range: tuple[float, float] = (-10.0, 10.0)):
+                 reward_clip_range: tuple[float, float] = (-10.0, 10.0),
+                 stop_properly_penalty_coef: float | None = None):
         self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
         untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
         if self.correction.level != "off" and not untruncated:
@@ -88,6 +92,8 @@ class ShapeExperienceMaker:
             sampling = dataclasses.replace(sampling, logprobs=True)
         self.dynamic_filtering_range = tuple(dynamic_filtering_range)
         self.reward_clip_range = tuple(reward_clip_range)
+        self.stop_properly_coef = None if stop_properly_penalty_coef is None else check_stop_properly_coef(
+            stop_properly_penalty_coef)
         self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
@@ -147,6 +153,7 @@ class ShapeExperienceMaker:
             items=sample_items, sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
             prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
             response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
+            truncated=torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool),
             routed_experts=[g.routed_experts for g in gens] if all(g.routed_experts is not None for g in gens) else None,
         )
         lf = lengths.float()
@@ -168,8 +175,14 @@ class ShapeExperienceMaker:
             labels=[it.label for it in exp.items],
             responses=exp.texts,
         )
-        exp.rewards, exp.scores = out["rewards"].float().clamp(*self.reward_clip_range), out["scores"].float()
-        metrics: dict[str, Any] = dict(out.get("extra_logs", {}))
+        rewards, metrics = out["rewards"].float(), dict(out.get("extra_logs", {}))
+        if self.stop_properly_coef is not None:  # OpenRLHF: on the raw rewards, before the clip and any baseline
+            if exp.truncated is None:
+                raise RuntimeError("--reward.stop_properly_penalty_coef: this batch carries no truncation flags "
+                                   "(ExperienceBatch.truncated); whoever made it must record the finish reasons")
+            rewards = stop_properly_penalty(rewards, exp.truncated, self.stop_properly_coef)
+            metrics["rollout/stop_properly_penalized"] = float(exp.truncated.sum())
+        exp.rewards, exp.scores = rewards.clamp(*self.reward_clip_range), out["scores"].float()
         if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
                 "SHAPE/MRT use the outcome as the final potential, so rewards must lie in [0, 1]; the reward "

@@ -163,7 +163,8 @@ def build_run(cfg: TrainConfig) -> Run:
                                  dynamic_filtering=cfg.algo.dynamic_filtering_enable,
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
-                                 reward_clip_range=tuple(cfg.reward.clip_range))
+                                 reward_clip_range=tuple(cfg.reward.clip_range),
+                                 stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef)
     schedule = make_schedule(cfg, maker, batcher, engines)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0
