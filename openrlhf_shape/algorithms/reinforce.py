@@ -44,8 +44,11 @@ class OutcomeReturnEstimator(AdvantageEstimator):
         if x.reward_clip_range is not None:  # OpenRLHF clips the baselined outcome, not the raw reward
             lo, hi = x.reward_clip_range
             outcome = outcome.clamp(float(lo), float(hi))
-        returns = discounted_returns(outcome_token_rewards(outcome, x.mask, x.token_rewards), x.mask,
-                                     self.returns.gamma)
+        if x.token_rewards is None and self.returns.gamma == 1.0:  # every return is the outcome: skip the sums
+            returns = torch.where(x.mask.bool(), outcome[:, None], torch.zeros(()))
+        else:
+            returns = discounted_returns(outcome_token_rewards(outcome, x.mask, x.token_rewards), x.mask,
+                                         self.returns.gamma)
         return whiten(returns, x.mask, std_norm=not self.returns.no_std_norm) if self.whitens else returns
 
 

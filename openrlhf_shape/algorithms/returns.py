@@ -111,13 +111,12 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor, std_norm: bool = True) 
     ``std_norm`` False (``--algo.advantage.no_std_norm``): ``A - mean`` only.
     """
     mask = mask.bool()
-    adv = _float(advantages, "advantages")
+    adv = torch.where(mask, _float(advantages, "advantages"), torch.zeros(()))
     count = mask.sum()
     if count == 0:
         raise ValueError("whitening needs at least one valid token")
-    mean = adv[mask].sum() / count
-    out = adv - mean
+    out = torch.where(mask, adv - adv.sum() / count, torch.zeros(()))
     if std_norm:
-        var = (out[mask] ** 2).sum() / count
+        var = torch.linalg.vector_norm(out) ** 2 / count  # padding is 0 in out, so it adds nothing
         out = out * var.clamp(min=WHITEN_VAR_FLOOR).rsqrt()
-    return torch.where(mask, out, torch.zeros_like(out))
+    return out
