@@ -169,6 +169,25 @@ def test_openrlhf_estimator_step_matches_formula(engines, parts, estimator):
         float((exp.advantages.sum(-1) / lengths).mean()), abs=1e-5)
 
 
+def test_outcome_estimators_clip_the_baselined_outcome(engines, parts, tmp_path):
+    """As OpenRLHF, the outcome estimators clip r_i after the baseline into --reward.clip_range, not the raw
+    reward: a reward of 30 in a group of 30s and 0s is 30 - mean before the clip (clipping first gives 10 - mean)."""
+    from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
+
+    big = tmp_path / "big_reward.py"
+    big.write_text("import torch\ndef reward_func(queries, prompts, labels, **kw):\n"
+                   "    r = torch.tensor([30.0 * ((len(q) - len(p)) % 2 == 0) for q, p in zip(queries, prompts)])\n"
+                   "    return {'rewards': r, 'scores': (r > 0).float(), 'extra_logs': {}}\n")
+    tok, items, actor, _ = parts
+    with RewardComputer(RewardConfig(remote_url=str(big), num_workers=1)) as reward:
+        exp = _build(engines, actor.compute_logprobs_and_entropy, reward, tok,
+                     get_estimator("dr_grpo", ShapeConfig()), 48).make_experience(items)
+    r = exp.rewards.view(-1, N)
+    assert r.max() == 30 and ((r.max(-1).values > r.min(-1).values).any())  # raw rewards kept; a mixed group
+    want = (r - r.mean(-1, keepdim=True)).clamp(-10, 10).reshape(-1, 1).expand_as(exp.response_mask)
+    assert torch.allclose(exp.advantages[exp.response_mask], want[exp.response_mask])
+
+
 def test_dynamic_filtering_drops_constant_groups(engines, parts):
     maker, items, _ = _maker(engines, parts, estimator="grpo", dynamic_filtering=True)
     exp = maker.make_experience(items)
