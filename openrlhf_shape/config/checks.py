@@ -11,7 +11,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Callable
 
-from openrlhf_shape.algorithms.estimators import AdvantageEstimator, get_estimator
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.config.tree import TrainConfig
@@ -33,9 +33,9 @@ def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
 
 def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
-    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # a known name; the paper's bounds for it
+    estimator = cfg.advantage_estimator()  # a known name; the bounds and return settings that apply to it
     cfg.data.validate()
-    _check_rollout(cfg)
+    _check_rollout(cfg, estimator)
     _check_batches(cfg)
     _check_backend(cfg)
     _check_loop(cfg, check_paths)
@@ -44,13 +44,14 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     _check_paths(cfg, check_paths)
 
 
-def _check_rollout(cfg: "TrainConfig") -> None:
+def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
     r, a = cfg.rollout, cfg.algo.advantage
     reworded(r.sampling_config, "SamplingConfig",
              lambda f: {"n": "rollout.n_samples_per_prompt", "max_tokens": "rollout.max_new_tokens"}.get(f, f"rollout.{f}"))
-    if a.estimator == "grpo" or cfg.shape.outcome_baseline != "none":
+    if estimator.needs_group or (estimator.needs_segments and cfg.shape.outcome_baseline != "none"):
         _need(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
-              "GRPO and group baselines need >= 2 samples per prompt")
+              f"--algo.advantage.estimator {a.estimator} and group baselines compare the samples of a prompt: "
+              "they need >= 2 samples per prompt")
     _need(r.batch_size >= 1, "rollout.batch_size", "must be >= 1 prompt per step")
     _need(cfg.vllm.num_engines >= 1, "vllm.num_engines", "must be >= 1")
     _need(r.temperature > 0, "rollout.temperature", "must be > 0 (entropy is taken at this temperature)")

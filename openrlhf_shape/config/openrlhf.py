@@ -32,7 +32,8 @@ class OpenRLHFFlag:
     accept: dict[Any, Any] = field(default_factory=dict)  # values kind: OpenRLHF value -> our value
 
 
-_NO_CRITIC = "no critic here (GRPO, MRT and SHAPE are critic-free); use --algo.advantage.estimator group_norm|shape|mrt"
+_NO_CRITIC = ("no critic here; use a critic-free --algo.advantage.estimator (group_norm, reinforce, reinforce_baseline, "
+              "rloo, dr_grpo, flash_reinforce, shape, mrt)")
 _NO_REF = "no reference model here (training runs without a KL term, as the paper); drop it"
 _NO_KL = "no KL term here (there is no reference model; the paper trains without KL); drop it"
 _NO_RM = "no reward-model actor here; rewards come from Math-Verify or --reward.remote_url (a reward_func .py or HTTP server)"
@@ -217,14 +218,19 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.kl.horizon", 10000, REFUSED, why=_NO_KL),
     # ---- advantages
     _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator",
-       accept={"group_norm": "group_norm", "grpo": "group_norm", "shape": "shape", "mrt": "mrt"},
-       why="estimators here: group_norm (GRPO: (r - group mean) / group std on every token), shape, mrt; "
-           "gae needs a critic, rloo / reinforce / reinforce_baseline / dr_grpo / flash_reinforce are not implemented"),
-    _f("algo.advantage.gamma", 1, VALUES, accept={1: None, 1.0: None},
-       why="no return discounting (the outcome reward reaches every token); SHAPE's own discount is --shape.gamma_min"),
+       accept={"group_norm": "group_norm", "grpo": "group_norm", "reinforce": "reinforce",
+               "reinforce_baseline": "reinforce_baseline", "rloo": "rloo", "dr_grpo": "dr_grpo",
+               "flash_reinforce": "flash_reinforce", "shape": "shape", "mrt": "mrt"},
+       why="gae needs a critic, and there is none here; the critic-free estimators are OpenRLHF's group_norm (GRPO), "
+           "reinforce (REINFORCE++), reinforce_baseline, rloo, dr_grpo, flash_reinforce (its semantics, "
+           "docs/algorithms.md) and the paper's shape and mrt"),
+    _f("algo.advantage.gamma", 1, SAME,
+       why="the return's per-token discount; only reinforce discounts (other estimators refuse a gamma other than 1, "
+           "where OpenRLHF resets it to 1 with a warning); SHAPE's own discount is --shape.gamma_min"),
     _f("algo.advantage.lambd", 1, VALUES, accept={1: None, 1.0: None}, why=f"GAE's lambda: {_NO_CRITIC}"),
-    _f("algo.advantage.no_std_norm", False, ALWAYS,
-       why="OpenRLHF applies it to gae/reinforce/reinforce_baseline only; group_norm always divides by the group std"),
+    _f("algo.advantage.no_std_norm", False, SAME,
+       why="whitening without the std division, for reinforce and reinforce_baseline (the estimators that whiten; "
+           "refused with the others, which OpenRLHF ignores it for)"),
     _f("algo.dynamic_filtering_enable", False, SAME),
     _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside"),
     # ---- rewards

@@ -124,7 +124,10 @@ class AdvantageSection:
     """``--algo.advantage.*``: the estimator and the rollout/trainer mismatch correction
     (algorithms/rollout_correction.py)."""
 
-    estimator: str = "shape"  # shape | mrt | grpo (OpenRLHF's group_norm)
+    # shape | mrt | grpo (OpenRLHF's group_norm) | reinforce | reinforce_baseline | rloo | dr_grpo | flash_reinforce
+    estimator: str = "shape"
+    gamma: float = 1.0  # the return's per-token discount (reinforce only; OpenRLHF's --algo.advantage.gamma)
+    no_std_norm: bool = False  # whitening without the std division (reinforce, reinforce_baseline)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
@@ -247,6 +250,14 @@ class TrainConfig:
         """What each DeepSpeed rank gets: ``ds.*`` (same names) and :meth:`optim_config`."""
         own = {f.name: getattr(self.ds, f.name) for f in dataclasses.fields(ZeroSettings)}
         return ZeroConfig(**own, optim=self.optim_config())
+
+    def advantage_estimator(self):
+        """``--algo.advantage.estimator`` bound to ``--shape.*`` and ``--algo.advantage.gamma`` / ``no_std_norm``
+        (:func:`~openrlhf_shape.algorithms.estimators.get_estimator`; raises on settings it cannot honour)."""
+        from openrlhf_shape.algorithms import ReturnConfig, get_estimator
+
+        a = self.algo.advantage
+        return get_estimator(a.estimator, self.shape, ReturnConfig(a.gamma, a.no_std_norm))
 
     def rollout_correction(self):
         """``--algo.advantage.is_correction_*`` as a :class:`RolloutCorrectionConfig`."""

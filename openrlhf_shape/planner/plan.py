@@ -241,7 +241,7 @@ def _size_workload(plan: Plan, cfg: TrainConfig) -> None:
     if mbt > cfg.train.max_tokens_per_gpu:
         plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {cfg.train.max_tokens_per_gpu}: "
                           f"it forms a micro-batch of its own, so activations are sized at {mbt} tokens")
-    shape_on = cfg.algo.advantage.estimator != "grpo"
+    shape_on = cfg.advantage_estimator().needs_segments  # SHAPE and MRT probe; the outcome estimators do not
     probes_per_response = cfg.shape.num_segments * cfg.probe.num_probes if shape_on else 0
     suffix = _suffix_tokens(cfg.probe.think_suffix)
     probe_tokens = suffix + cfg.probe.max_tokens

@@ -66,9 +66,10 @@ class ShapeExperienceMaker:
         dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
             ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
-        reward_clip_range: rewards are clamped into it (``--reward.clip_range``).
+        reward_clip_range: ``--reward.clip_range``: SHAPE/MRT clamp the outcome into it as it comes; the outcome
+            estimators (GRPO, REINFORCE++, ...) clamp their baselined outcome, as OpenRLHF.
         stop_properly_penalty_coef: truncated responses' rewards scaled by it (in [0, 1]) or set to it (< 0),
-            before the clamp (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
+            before any clip or baseline (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
 
     With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
@@ -182,7 +183,10 @@ class ShapeExperienceMaker:
                                    "(ExperienceBatch.truncated); whoever made it must record the finish reasons")
             rewards = stop_properly_penalty(rewards, exp.truncated, self.stop_properly_coef)
             metrics["rollout/stop_properly_penalized"] = float(exp.truncated.sum())
-        exp.rewards, exp.scores = rewards.clamp(*self.reward_clip_range), out["scores"].float()
+        # SHAPE/MRT: R is the last potential, clipped as it comes; the outcome estimators clip their baselined
+        # outcome instead (OpenRLHF's order), in the advantages phase.
+        exp.rewards = rewards.clamp(*self.reward_clip_range) if self.estimator.needs_segments else rewards
+        exp.scores = out["scores"].float()
         if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
                 "SHAPE/MRT use the outcome as the final potential, so rewards must lie in [0, 1]; the reward "
@@ -257,7 +261,7 @@ class ShapeExperienceMaker:
             self.estimator, exp.response_mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
             max_response_len=self.sampling.max_tokens, entropy=exp.entropy, boundaries=boundaries,
-            potentials=potentials,
+            potentials=potentials, reward_clip_range=self.reward_clip_range,
         )
         exp.advantages = res.token_advantages
         return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(res.token_advantages[exp.response_mask].mean())})

