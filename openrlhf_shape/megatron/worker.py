@@ -120,6 +120,7 @@ class MegatronRankWorker:
                 tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                 expert_model_parallel_size=cfg.expert_model_parallel_size,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,  # None: the TP size (megatron's default)
             )
             seed_all(cfg.optim.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed)
@@ -252,6 +253,10 @@ class MegatronRankWorker:
         if not getattr(tc, "num_moe_experts", None):
             return {}
         return {"moe": {"num_experts": int(tc.num_moe_experts), "ep": self.cfg.expert_model_parallel_size,
+                        # what reached megatron-core: its expert groups (parallel_state) and TransformerConfig
+                        "etp": self.mpu.get_expert_tensor_parallel_world_size(),
+                        "ep_group": self.mpu.get_expert_model_parallel_world_size(),
+                        "config_etp": tc.expert_tensor_parallel_size, "router_fusion": tc.moe_router_fusion,
                         "token_dispatcher": tc.moe_token_dispatcher_type,
                         "load_balancing": tc.moe_router_load_balancing_type,
                         "aux_loss_coeff": tc.moe_aux_loss_coeff, "z_loss_coeff": tc.moe_z_loss_coeff}}
