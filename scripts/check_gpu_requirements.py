@@ -53,6 +53,9 @@ SHARED = ("torch", "megatron-core", "mbridge", "math-verify", "ray", "transforme
 # Source pins the image installs with --no-deps, and why (every other source pin's requirements must be in the lock)
 NO_DEPS = {"openrlhf": "its own pins (transformers 5.15, ray 2.55, deepspeed 0.19.6, flash-attn 2.8.3) conflict "
                        "with the stack; what openrlhf_shape and reward plug-ins import from it is in requirements/gpu.txt"}
+# Requirements a source pin's setup.py adds at build time, which its sdist's PKG-INFO does not list
+# (deepspeed 0.19.8 setup.py: nvidia-ml-py when it finds a CUDA torch, as in the image)
+BUILD_TIME_REQUIRES = {"deepspeed": ["nvidia-ml-py"]}
 # The image's target, for evaluating requirement markers
 MARKER_ENV = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
@@ -167,7 +170,8 @@ def check_source_pins(resolved: dict[str, str], source: dict[str, str]) -> list[
         if not sdists:
             problems.append(f"{name}=={version}: no sdist on {_index()} to read its requirements from")
             continue
-        problems += missing_from_lock(f"{name}=={version}", sdist_requires(sdists[0]), resolved, source)
+        requires = sdist_requires(sdists[0]) + BUILD_TIME_REQUIRES.get(name, [])
+        problems += missing_from_lock(f"{name}=={version}", requires, resolved, source)
     return problems
 
 
