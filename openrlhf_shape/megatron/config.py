@@ -251,6 +251,12 @@ class MegatronConfig(MegatronSettings):
             raise ValueError(
                 f"a mixture-of-experts model with tensor_model_parallel_size={tp} trains only with sequence parallelism "
                 "(megatron-core's MoE layer refuses TP without it in training); set --megatron.sequence_parallel true")
+        if ep == 1 and etp != tp:
+            raise ValueError(
+                f"expert tensor parallel size {etp} (--megatron.expert_tensor_parallel_size) differs from "
+                f"tensor_model_parallel_size={tp} with expert_model_parallel_size=1: mbridge 0.15.1's export gathers "
+                "experts that are not expert-parallel over the TP group, as TP shards; leave "
+                "--megatron.expert_tensor_parallel_size unset or raise --megatron.expert_model_parallel_size")
         if world_size % (etp * ep * pp):
             dp = world_size // (tp * pp)
             same = (f"; with expert TP = TP, EP must divide the data-parallel size {dp}" if etp == tp else "")

@@ -229,10 +229,14 @@ class MegatronRankWorker:
     def _model_info(self, gpt) -> dict:
         cfg, hf_config = self.cfg, self.hf_config
         n_local = sum(p.numel() for p in gpt.parameters())
-        # Each parameter once: dense ones from data-parallel rank 0; experts (``allreduce=False``: sharded over the
-        # expert-parallel ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
+        # Each parameter once: dense ones from data-parallel rank 0, and of those replicated over the TP group (norms,
+        # the router) TP rank 0's only; experts (``allreduce=False``: sharded over the expert-parallel and expert-TP
+        # ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
         n_expert = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
-        count = (n_local - n_expert if self.mpu.get_data_parallel_rank() == 0 else 0) + (
+        n_tp_replicated = sum(p.numel() for p in gpt.parameters()
+                              if getattr(p, "allreduce", True) and not getattr(p, "tensor_model_parallel", False))
+        dense = n_local - n_expert - (n_tp_replicated if self.mpu.get_tensor_model_parallel_rank() else 0)
+        count = (dense if self.mpu.get_data_parallel_rank() == 0 else 0) + (
             n_expert if self.mpu.get_expert_data_parallel_rank() == 0 else 0)
         totals = torch.tensor([count], dtype=torch.long, device=self.device)
         dist.all_reduce(totals)

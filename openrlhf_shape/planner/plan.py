@@ -200,6 +200,11 @@ def _check_layout(plan: Plan, cfg: TrainConfig) -> None:
             plan.refusals.append(f"layout: expert TP {etp} ({FLAG_EXPERT_TP}, unset = TP) must divide each expert's "
                                  f"moe_intermediate_size={model.moe_intermediate}; pick a divisor")
             etp = plan.etp = tp  # size the rest at megatron-core's default, so every other refusal still shows
+        if ep == 1 and etp != tp:
+            plan.refusals.append(f"layout: expert TP {etp} ({FLAG_EXPERT_TP}) differs from {FLAG_TP}={tp} with {FLAG_EP}=1: "
+                                 "the export (mbridge) gathers experts that are not expert-parallel over the TP group; "
+                                 f"leave {FLAG_EXPERT_TP} unset or raise {FLAG_EP}")
+            etp = plan.etp = tp
         if world % (etp * ep * pp):
             plan.refusals.append(
                 f"layout: {FLAG_EP}={ep} x expert TP {etp} x {FLAG_PP}={pp} = {etp * ep * pp} must divide "

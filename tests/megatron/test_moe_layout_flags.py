@@ -47,6 +47,10 @@ def test_expert_tensor_parallel_defaults_to_tp_and_is_checked_against_the_layout
     with pytest.raises(ValueError, match="expert tensor parallel size 3 .* must divide each expert's "
                                          "moe_intermediate_size=32"):
         MegatronConfig(expert_tensor_parallel_size=3).validate_against_model(MOE, 3)
+    # experts whole on every TP rank without expert parallelism: megatron-core takes it, mbridge's export would gather
+    # them over the TP group as TP shards
+    with pytest.raises(ValueError, match="with expert_model_parallel_size=1: mbridge 0.15.1's export gathers"):
+        MegatronConfig(**TP2_SP, expert_tensor_parallel_size=1).validate_against_model(MOE, 2)
     with pytest.raises(ValueError, match="no routed experts: .*--megatron.expert_tensor_parallel_size unset"):
         MegatronConfig(expert_tensor_parallel_size=1).validate_against_model(DENSE, 1)
     for bad in (0, -1, 1.5, True):

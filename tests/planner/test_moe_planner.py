@@ -234,6 +234,10 @@ def test_expert_tensor_parallel_sizes_megatron_cannot_lay_out_are_refused_naming
     rc, out = _dry_run(capsys, "--config", "configs/qwen3-30b-a3b.yaml", "--megatron.expert_tensor_parallel_size", "5")
     assert rc == 2 and "expert TP 5 (--megatron.expert_tensor_parallel_size, unset = TP) must divide each expert's " \
                        "moe_intermediate_size=768" in out
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-30b-a3b.yaml", "--megatron.expert_tensor_parallel_size", "1",
+                       "--megatron.expert_model_parallel_size", "1")
+    assert rc == 2 and ("expert TP 1 (--megatron.expert_tensor_parallel_size) differs from "
+                        "--megatron.tensor_model_parallel_size=2 with --megatron.expert_model_parallel_size=1") in out
     rc, out = _dry_run(capsys, "--config", "configs/qwen3-30b-a3b.yaml", "--megatron.expert_tensor_parallel_size", "0")
     assert rc != 0 and "--megatron.expert_tensor_parallel_size must be an integer >= 1 or None" in out
 
