@@ -120,6 +120,7 @@ class MegatronRankWorker:
                 tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                 expert_model_parallel_size=cfg.expert_model_parallel_size,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,  # None: the TP size (megatron's default)
             )
             seed_all(cfg.optim.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed)
@@ -228,10 +229,14 @@ class MegatronRankWorker:
     def _model_info(self, gpt) -> dict:
         cfg, hf_config = self.cfg, self.hf_config
         n_local = sum(p.numel() for p in gpt.parameters())
-        # Each parameter once: dense ones from data-parallel rank 0; experts (``allreduce=False``: sharded over the
-        # expert-parallel ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
+        # Each parameter once: dense ones from data-parallel rank 0, and of those replicated over the TP group (norms,
+        # the router) TP rank 0's only; experts (``allreduce=False``: sharded over the expert-parallel and expert-TP
+        # ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
         n_expert = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
-        count = (n_local - n_expert if self.mpu.get_data_parallel_rank() == 0 else 0) + (
+        n_tp_replicated = sum(p.numel() for p in gpt.parameters()
+                              if getattr(p, "allreduce", True) and not getattr(p, "tensor_model_parallel", False))
+        dense = n_local - n_expert - (n_tp_replicated if self.mpu.get_tensor_model_parallel_rank() else 0)
+        count = (dense if self.mpu.get_data_parallel_rank() == 0 else 0) + (
             n_expert if self.mpu.get_expert_data_parallel_rank() == 0 else 0)
         totals = torch.tensor([count], dtype=torch.long, device=self.device)
         dist.all_reduce(totals)
@@ -252,6 +257,10 @@ class MegatronRankWorker:
         if not getattr(tc, "num_moe_experts", None):
             return {}
         return {"moe": {"num_experts": int(tc.num_moe_experts), "ep": self.cfg.expert_model_parallel_size,
+                        # what reached megatron-core: its expert groups (parallel_state) and TransformerConfig
+                        "etp": self.mpu.get_expert_tensor_parallel_world_size(),
+                        "ep_group": self.mpu.get_expert_model_parallel_world_size(),
+                        "config_etp": tc.expert_tensor_parallel_size, "router_fusion": tc.moe_router_fusion,
                         "token_dispatcher": tc.moe_token_dispatcher_type,
                         "load_balancing": tc.moe_router_load_balancing_type,
                         "aux_loss_coeff": tc.moe_aux_loss_coeff, "z_loss_coeff": tc.moe_z_loss_coeff}}

@@ -35,6 +35,7 @@ FLAG_RECOMPUTE = "--actor.gradient_checkpointing_enable"
 FLAG_SP = "--megatron.sequence_parallel"
 FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
 FLAG_EP = "--megatron.expert_model_parallel_size"
+FLAG_EXPERT_TP = "--megatron.expert_tensor_parallel_size"
 
 
 @dataclass
@@ -189,24 +190,38 @@ def _check_layout(plan: Plan, cfg: TrainConfig) -> None:
         msg = str(exc).replace("tensor_model_parallel_size", FLAG_TP).replace("pipeline_model_parallel_size", FLAG_PP)
         plan.refusals.append(f"layout: {msg}")
     ep = int(cfg.megatron.expert_model_parallel_size)
-    etp = getattr(cfg.megatron, "expert_tensor_parallel_size", None) or tp
+    etp = cfg.megatron.expert_tensor_parallel_size or tp  # unset: the TP size, as megatron-core decides
     plan.ep, plan.etp = ep, etp
     if model.is_moe:
         if model.num_experts % ep:
             plan.refusals.append(f"layout: {FLAG_EP}={ep} must divide num_experts={model.num_experts} (each expert-parallel "
                                  "rank holds an equal share of the experts); pick a divisor")
+        if model.moe_intermediate % etp:
+            plan.refusals.append(f"layout: expert TP {etp} ({FLAG_EXPERT_TP}, unset = TP) must divide each expert's "
+                                 f"moe_intermediate_size={model.moe_intermediate}; pick a divisor")
+            etp = plan.etp = tp  # size the rest at megatron-core's default, so every other refusal still shows
+        if ep == 1 and etp != tp:
+            plan.refusals.append(f"layout: expert TP {etp} ({FLAG_EXPERT_TP}) differs from {FLAG_TP}={tp} with {FLAG_EP}=1: "
+                                 "the export (mbridge) gathers experts that are not expert-parallel over the TP group; "
+                                 f"leave {FLAG_EXPERT_TP} unset or raise {FLAG_EP}")
+            etp = plan.etp = tp
         if world % (etp * ep * pp):
             plan.refusals.append(
                 f"layout: {FLAG_EP}={ep} x expert TP {etp} x {FLAG_PP}={pp} = {etp * ep * pp} must divide "
-                f"{FLAG_WORLD}={world} (megatron-core's expert layout); change {FLAG_EP} or {FLAG_WORLD}")
-            ep = plan.ep = 1  # size the rest as if experts were not expert-parallel, so every other refusal still shows
+                f"{FLAG_WORLD}={world} (megatron-core's expert layout; expert TP is {FLAG_EXPERT_TP}, unset = TP); "
+                f"change {FLAG_EP}, {FLAG_EXPERT_TP} or {FLAG_WORLD}")
+            # size the rest as if experts were not expert-parallel (at the default expert TP), so every other
+            # refusal still shows
+            ep, etp = plan.ep, plan.etp = 1, tp
         if cfg.actor.backend == "deepspeed":
             plan.refusals.append("layout: a mixture-of-experts model on --actor.backend deepspeed: the planner sizes MoE "
                                  "on the Megatron backend only (experts sharded by expert parallelism); use --actor.backend megatron")
         plan.edp = world // (etp * ep * pp) if world % (etp * ep * pp) == 0 else 1
-    elif ep > 1:
-        plan.notes.append(f"{FLAG_EP}={ep} has no effect on a dense model ({model.name} has no experts)")
-        plan.ep = 1
+    else:
+        for flag, value, default in ((FLAG_EP, ep, 1), (FLAG_EXPERT_TP, cfg.megatron.expert_tensor_parallel_size, None)):
+            if value != default:
+                plan.notes.append(f"{flag}={value} has no effect on a dense model ({model.name} has no experts)")
+        plan.ep, plan.etp = 1, tp
 
 
 def _place(plan: Plan, cfg: TrainConfig) -> None:
