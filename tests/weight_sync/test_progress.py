@@ -90,19 +90,25 @@ def test_every_transport_reports_through_the_shared_wrappers() -> None:
 # ---- the driver's wait, on real Ray calls that report as a sync's sides do ------------------------------------
 
 
-def _member(address: dict, member: str, buckets: int, pause_s: float, stall_at: int | None = None,
-            stall_s: float = 0.0) -> int:
-    """A side of a sync: completes ``buckets`` buckets ``pause_s`` apart, stopping ``stall_s`` before bucket
-    ``stall_at`` (its line then says it waits for it)."""
-    rep = ProgressReporter(address, member)
-    rep.report(0, "waiting")
-    for k in range(buckets):
-        if k == stall_at:
-            time.sleep(stall_s)
-        time.sleep(pause_s)
-        rep.completed(k + 1, "waiting" if member != "sender" else "producing")
-    rep.completed(buckets, "finished")
-    return buckets
+def _member_fn():
+    """The side a Ray task plays (defined inside a function: Ray ships it by value, the test module is not
+    importable in its workers)."""
+
+    def member(address: dict, member: str, buckets: int, pause_s: float, stall_at: int | None = None,
+               stall_s: float = 0.0) -> int:
+        """A side of a sync: completes ``buckets`` buckets ``pause_s`` apart, stopping ``stall_s`` before bucket
+        ``stall_at`` (its line then says it waits for it)."""
+        rep = ProgressReporter(address, member)
+        rep.report(0, "waiting")
+        for k in range(buckets):
+            if k == stall_at:
+                time.sleep(stall_s)
+            time.sleep(pause_s)
+            rep.completed(k + 1, "waiting" if member != "sender" else "producing")
+        rep.completed(buckets, "finished")
+        return buckets
+
+    return member
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +116,7 @@ def remote_member(ray_local):
     """The remote side, with three warm workers (a worker's start-up on a loaded machine exceeds the bound)."""
     import ray
 
-    fn = ray.remote(num_cpus=0)(_member)
+    fn = ray.remote(num_cpus=0)(_member_fn())
     ray.get([fn.remote(None, m, 1, 0.5) for m in MEMBERS])
     return fn
 
