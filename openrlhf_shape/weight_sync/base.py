@@ -131,6 +131,7 @@ class WeightSender:
         self._t0 = time.perf_counter()
         self.bucket_bytes = bucket_bytes
         self.progress.report(0, "producing")
+        self.progress.start()
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         if not bucket:
@@ -145,6 +146,7 @@ class WeightSender:
         self._end()
         self.stats.seconds = time.perf_counter() - self._t0
         self.progress.completed(self.stats.buckets, "finished")
+        self.progress.stop()
         return self.stats
 
     def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:  # pragma: no cover - interface
@@ -264,12 +266,16 @@ class Transport:
         tensor after its last one (it has taken the whole bucket)."""
         report, done = state.progress, 0
         report.report(done, "waiting")
-        for bucket in cls.buckets(worker, state.inner, timeout_s):
-            report.report(done, "loading")
-            yield from bucket
-            done += 1
-            report.completed(done, "waiting")
-        report.completed(done, "finished")
+        report.start()
+        try:
+            for bucket in cls.buckets(worker, state.inner, timeout_s):
+                report.report(done, "loading")
+                yield from bucket
+                done += 1
+                report.completed(done, "waiting")
+            report.completed(done, "finished")
+        finally:
+            report.stop()
 
     @classmethod
     def receiver_for(cls, worker, part: dict, timeout_s: float) -> Any:  # pragma: no cover - interface

@@ -80,9 +80,11 @@ class _Watch:
         self.last = time.monotonic()
 
     def expired(self) -> bool:
-        if self.board is not None and (t := self.board.ticks()) != self.ticks:
-            self.ticks = t
-            self.moved()
+        if self.board is not None:
+            self.board.sample()  # heartbeats: who still runs, for the verdict
+            if (t := self.board.ticks()) != self.ticks:
+                self.ticks = t
+                self.moved()
         return self.timeout_s is not None and time.monotonic() - self.last >= self.timeout_s
 
 

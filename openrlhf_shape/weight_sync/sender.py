@@ -38,10 +38,13 @@ class WeightSenderMixin:
         bytes, peak RSS growth of this process, both relative to the model)."""
         sender = self._weight_sender(sync_id)
         with RssSampler() as rss:
-            sender.begin(bucket_bytes)
-            for bucket in buckets:
-                sender.send(bucket)
-            stats = sender.finish()
+            try:
+                sender.begin(bucket_bytes)
+                for bucket in buckets:
+                    sender.send(bucket)
+                stats = sender.finish()
+            finally:
+                sender.progress.stop()  # a failed sync: no heartbeat past it
         out = stats.as_metrics()
         out["sync/sender_peak_rss_delta_bytes"] = float(rss.peak_delta)
         total = float(model_bytes or stats.bytes or 1)

