@@ -14,7 +14,8 @@ convert command) calls :func:`detect_platform` without a config: the profile of 
 What each field controls (docs/architecture.md, "CPU or GPU"):
 
 * ``device`` / ``on_gpu``: the Megatron rank's device, the CPU patches (``megatron/cpu.py``) and the
-  CUDA->CPU device mode, pinned host memory for colocation offload, the weight sender's device;
+  CUDA->CPU device mode, pinned host memory for colocation offload and the object-store sender's staging,
+  the weight sender's device;
 * ``megatron_dtype``: parameters when ``--megatron.bf16`` is unset (float32 on CPU, bf16 on GPU);
 * ``collective_backend``: torch.distributed among ranks and the weight-sync group (gloo | nccl);
 * ``layer_spec``: Megatron's layer spec for ``--megatron.layer_spec auto`` (local | te);
@@ -88,7 +89,8 @@ class Platform:
 
     @property
     def pin_memory(self) -> bool:
-        """Pinned host copies for colocation offload (GPU only: CPU has no device memory to free)."""
+        """Pinned host copies for colocation offload and the object-store weight sync's staging buffer (GPU
+        only: CPU has no device memory to free, and pinning needs CUDA)."""
         return self.on_gpu
 
     def engine_env(self, kv_cache_gib: float, tensor_parallel_size: int) -> dict[str, str]:
