@@ -103,17 +103,24 @@ class OptimConfig(OptimSettings):
 
     ``total_steps``: optimizer steps of the whole run (the schedule's length; the trainer derives it
     from ``--train.num_steps``, the batch sizes and ``--train.max_epochs``). ``micro_batch_max_tokens``:
-    ``--train.max_tokens_per_gpu``. ``seed``: ``--train.seed``.
+    ``--train.max_tokens_per_gpu``; ``forward_micro_batch_max_tokens``: ``--rollout.max_tokens_per_gpu``, the
+    budget of forward-only passes (None: the same as training). ``seed``: ``--train.seed``.
+    ``pack_samples``: concatenate a micro-batch's samples into one row without padding (``actor/batching.py``;
+    always on in a run, ``--ds.packing_samples``); False keeps the padded layout (the parity tests' reference).
     """
 
     total_steps: int = 1000
     micro_batch_max_tokens: int = 8192
+    forward_micro_batch_max_tokens: Optional[int] = None
     seed: int = 42
+    pack_samples: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _int_at_least_one(self, "total_steps")
         _int_at_least_one(self, "micro_batch_max_tokens")
+        if self.forward_micro_batch_max_tokens is not None:
+            _int_at_least_one(self, "forward_micro_batch_max_tokens")
         if self.lr_warmup_steps is not None and self.lr_warmup_steps >= self.total_steps:
             raise ValueError(f"OptimConfig.lr_warmup_steps must be in [0, total_steps={self.total_steps}), "
                              f"got {self.lr_warmup_steps}")
