@@ -207,11 +207,10 @@ def build_packed_micro_batch(
 
 def micro_batch_budget(optim, *, forward_only: bool) -> int:
     """Tokens of one micro-batch on one data-parallel rank (``optim``: an ``actor.optim.OptimConfig``):
-    ``--rollout.max_tokens_per_gpu`` (``forward_micro_batch_max_tokens``) for a forward-only pass when set,
-    else ``--train.max_tokens_per_gpu`` (``micro_batch_max_tokens``). A forward keeps no activations for a
+    ``forward_budget`` for a forward-only pass (``--rollout.max_tokens_per_gpu``, unset: the training budget),
+    else ``micro_batch_max_tokens`` (``--train.max_tokens_per_gpu``). A forward keeps no activations for a
     backward, so it can take more tokens at once."""
-    forward = optim.forward_micro_batch_max_tokens
-    return int(forward) if forward_only and forward is not None else int(optim.micro_batch_max_tokens)
+    return int(optim.forward_budget if forward_only else optim.micro_batch_max_tokens)
 
 
 def rank_micro_batches(batch: SequenceBatch, *, dp_size: int, dp_rank: int, max_tokens: int, packed: bool,

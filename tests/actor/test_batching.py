@@ -54,15 +54,15 @@ def test_packed_plan_is_first_fit_decreasing_by_total_tokens():
 
 def test_forward_passes_take_their_own_token_budget():
     train_only = OptimConfig(micro_batch_max_tokens=8)
-    both = OptimConfig(micro_batch_max_tokens=8, forward_micro_batch_max_tokens=64)
+    both = OptimConfig(micro_batch_max_tokens=8, forward_max_tokens=64)
     assert micro_batch_budget(train_only, forward_only=True) == micro_batch_budget(train_only, forward_only=False) == 8
     assert micro_batch_budget(both, forward_only=True) == 64 and micro_batch_budget(both, forward_only=False) == 8
     batch = SequenceBatch(sequences=[[5] * 6] * 6, prompt_lens=[2] * 6)
     kw = dict(dp_size=1, dp_rank=0, packed=True, pad_id=0)
     assert len(rank_micro_batches(batch, max_tokens=micro_batch_budget(both, forward_only=False), **kw)[1]) == 6
     assert len(rank_micro_batches(batch, max_tokens=micro_batch_budget(both, forward_only=True), **kw)[1]) == 1
-    with pytest.raises(ValueError, match="forward_micro_batch_max_tokens"):
-        OptimConfig(forward_micro_batch_max_tokens=0)
+    with pytest.raises(ValueError, match="forward_max_tokens"):
+        OptimConfig(forward_max_tokens=0)
 
 
 @pytest.mark.parametrize("packed", [True, False])
