@@ -22,14 +22,20 @@ UNCHUNKED = 1 << 20  # a head chunk larger than any micro-batch
 
 
 def megatron_packing_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict,
-                         model_dirs: dict, batch: dict, watch_arch: str | None = None) -> dict:
-    """For every arch: packed and padded passes (:func:`layout_pass`); the logits watch on ``watch_arch``."""
+                         model_dirs: dict, batch: dict, watch_arch: str | None = None,
+                         variants: dict | None = None) -> dict:
+    """For every arch: packed and padded passes (:func:`layout_pass`); the logits watch on ``watch_arch``; then
+    for each of ``variants`` (name -> (config overrides, archs)) the same passes on the same ranks."""
     worker = MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
                                 master_port=master_port, platform=detect_platform())
     res: dict = {arch: {name: layout_pass(worker, path, batch, pack) for name, pack in LAYOUTS}
                  for arch, path in model_dirs.items()}
     if watch_arch is not None:
         res["watch"] = watch_head(worker, model_dirs[watch_arch], batch)
+    for vname, (overrides, archs) in (variants or {}).items():
+        worker.cfg = replaced(worker.cfg, **overrides)
+        res.setdefault("variants", {})[vname] = {
+            arch: {name: layout_pass(worker, model_dirs[arch], batch, pack) for name, pack in LAYOUTS} for arch in archs}
     worker.shutdown()
     return res
 

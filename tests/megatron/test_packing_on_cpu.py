@@ -5,7 +5,8 @@ A packed micro-batch is one THD row of several samples with ``PackedSeqParams`` 
 33..1900 tokens, one with an empty response) both give the same per-sample log-probs and entropy within 1e-5 and
 the same gradients after one step within 1e-5 relative (each parameter), for a tiny Qwen3 and a tiny Qwen3-MoE,
 at world 1 and at TP2 with sequence parallel (vocab-parallel head; the pack padded to a multiple of TP as a
-document of its own), on Megatron's own local attention run per document. Item 4: the log-prob / entropy head
+document of its own), on Megatron's own local attention run per document, and (Qwen3, world 1) on the SDPA core
+attention. Item 4: the log-prob / entropy head
 never holds a micro-batch's ``[tokens, vocab shard]`` logits: the largest logits-shaped tensor of a forward-only
 pass and of a training step has the head's chunk of rows, and the watch sees the whole micro-batch when the chunk
 is larger than it (the negative control).
@@ -18,6 +19,7 @@ import os
 import pytest
 
 from mg_helpers import hf_logprobs_entropy, max_abs_diff
+from openrlhf_shape.actor.batching import padding_report
 from openrlhf_shape.actor.launch import run_ranks
 from openrlhf_shape.testing.batches import long_batch
 from packing_checks import computed_positions, merged, worst_grad_rel_diff
@@ -48,14 +50,17 @@ def models(tiny_models, tmp_path_factory) -> dict[str, str]:
     return {"qwen3": tiny_models["qwen3"], "qwen3_moe": str(moe)}
 
 
-def _run(world: int, cfg: dict, models: dict, batch: dict) -> list[dict]:
+def _run(world: int, cfg: dict, models: dict, batch: dict, variants: dict | None = None) -> list[dict]:
     return run_ranks("packing_scenarios:megatron_packing_run", world, timeout=900, extra_pythonpath=[HERE],
-                     kwargs=dict(cfg=cfg, model_dirs=models, batch=batch, watch_arch="qwen3"))
+                     kwargs=dict(cfg=cfg, model_dirs=models, batch=batch, watch_arch="qwen3", variants=variants))
 
 
 @pytest.fixture(scope="module")
 def runs(models, batch) -> dict[str, list[dict]]:
-    return {"world1": _run(1, CFG, models, batch),
+    """Per layout, every rank's results. ``world1_sdpa``: the world-1 ranks again with the SDPA core attention
+    (``--megatron.local_attention sdpa``: torch SDPA per document), on the dense model."""
+    world1 = _run(1, CFG, models, batch, variants={"sdpa": ({"local_attention": "sdpa"}, ["qwen3"])})
+    return {"world1": world1, "world1_sdpa": [r["variants"]["sdpa"] for r in world1],
             "tp2_sp": _run(2, {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True}, models, batch)}
 
 
@@ -64,8 +69,10 @@ def hf_refs(models, batch):
     return {arch: hf_logprobs_entropy(path, batch) for arch, path in models.items()}
 
 
-@pytest.mark.parametrize("layout", ["world1", "tp2_sp"])
-@pytest.mark.parametrize("arch", ARCHS)
+CASES = [(layout, arch) for layout in ("world1", "tp2_sp") for arch in ARCHS] + [("world1_sdpa", "qwen3")]
+
+
+@pytest.mark.parametrize("layout, arch", CASES)
 def test_packed_logprobs_entropy_equal_padded_on_cpu(runs, hf_refs, batch, layout, arch):
     n = len(batch["sequences"])
     packed, padded = merged(runs[layout], arch, "packed", n), merged(runs[layout], arch, "padded", n)
@@ -76,8 +83,7 @@ def test_packed_logprobs_entropy_equal_padded_on_cpu(runs, hf_refs, batch, layou
     assert packed.log_probs[6].numel() == 0  # the empty response stays empty, in batch order
 
 
-@pytest.mark.parametrize("layout", ["world1", "tp2_sp"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout, arch", CASES)
 def test_packed_gradients_equal_padded_after_one_step_on_cpu(runs, layout, arch):
     for rank_res in runs[layout]:  # each TP rank compares its own shard
         packed, padded = rank_res[arch]["packed"], rank_res[arch]["padded"]
@@ -97,7 +103,12 @@ def test_packed_micro_batches_are_one_row_without_padding_on_cpu(runs, batch, la
     real = sum(len(s) for s in batch["sequences"])
     # packed: the samples plus at most TP-1 positions of tail padding per micro-batch (sequence parallel)
     assert real <= computed_positions(packed) <= real + len(packed)
-    assert computed_positions(padded) > 1.2 * real and len(packed) < len(padded)
+    # the padded-token share report plans what the ranks ran
+    report = padding_report([len(s) for s in batch["sequences"]], CFG["micro_batch_max_tokens"],
+                            pad_multiple=2 if layout == "tp2_sp" else 1)
+    assert computed_positions(packed) == report["packed"]["computed_tokens"]
+    assert computed_positions(padded) == report["padded"]["computed_tokens"] > 1.2 * real
+    assert len(packed) == report["packed"]["micro_batches"] < len(padded) == report["padded"]["micro_batches"]
     assert sorted(r for mb in packed for r in mb["rows"]) == list(range(len(batch["sequences"])))
 
 
