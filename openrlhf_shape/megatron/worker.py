@@ -550,8 +550,8 @@ def _unwrap(model):
 
 
 def _router_padding_mask(mb: MicroBatch) -> torch.Tensor:
-    """[rows, seq] bool for Megatron's MoE router, True = left out of the router losses: right padding, and all
-    but the first token of a filler micro-batch (a fully masked one would divide by zero token counts inside
+    """[rows, seq] bool for Megatron's MoE router, True = left out of the router losses: padding (right padding of
+    a padded micro-batch, the tail of a packed one), and all but the first token of a filler micro-batch (a fully masked one would divide by zero token counts inside
     Megatron's loss functions; its one token is a pad).
 
     Without it a pad position whose embedding is zero (HF zero-initialises the ``padding_idx`` row) sends the
