@@ -112,12 +112,12 @@ class SamplingConfig:
         if self.max_tokens < 1:
             raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
 
-    def to_vllm(self, request_seed: int | None = None):
-        """vLLM's SamplingParams of ONE request (``request_seed``: its own seed, see :attr:`seed`)."""
+    def to_vllm(self, own_seed: int | None = None):
+        """vLLM's SamplingParams of ONE request (``own_seed``: that request's seed, see :attr:`seed`)."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            seed=request_seed,
+            seed=own_seed,
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -69,14 +69,21 @@ def test_v2_seeds_an_unseeded_request_from_numpys_global_generator():
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.sample.states import _NP_INT64_MAX, _NP_INT64_MIN
 
+    from openrlhf_shape.rng import capture_rng, restore_rng
+
     states = _host_sampling_states(4, 64)
     unseeded = SamplingParams(temperature=1.0)
-    random.seed(0), torch.manual_seed(0), np.random.seed(7)
-    states.add_request(0, unseeded)
-    random.seed(0), torch.manual_seed(0)  # what our engines' reseed did before every step ...
-    states.add_request(1, unseeded)
-    np.random.seed(7)
-    assert int(states.seeds.np[0]) == np.random.randint(_NP_INT64_MIN, _NP_INT64_MAX)  # numpy's global stream
+    saved = capture_rng(on_gpu=False)
+    try:
+        random.seed(0), torch.manual_seed(0), np.random.seed(7)
+        states.add_request(0, unseeded)
+        random.seed(0), torch.manual_seed(0)  # what our engines' reseed did before every step ...
+        states.add_request(1, unseeded)
+        np.random.seed(7)
+        numpy_draw = np.random.randint(_NP_INT64_MIN, _NP_INT64_MAX)
+    finally:
+        restore_rng(saved, on_gpu=False)
+    assert int(states.seeds.np[0]) == numpy_draw  # numpy's global stream
     assert states.seeds.np[1] != states.seeds.np[0]  # ... so the repeated step drew another seed
     assert not states.seeds_set[:2].any()
     assert "np.random.randint(_NP_INT64_MIN, _NP_INT64_MAX)" in _src(type(states).add_request)
