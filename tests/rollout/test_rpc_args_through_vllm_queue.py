@@ -116,6 +116,10 @@ def _worker_side():
         def wait_for_init(self) -> dict:
             return self.proc.wait_for_init()
 
+        def paths(self) -> tuple[bool, int]:
+            """(reads the broadcast from shared memory, shared-memory readers of its replies)."""
+            return self.proc.rpc_broadcast_mq._is_local_reader, self.proc.worker_response_mq.n_local_reader
+
         def run(self) -> None:
             self.proc.run()  # vLLM's busy loop until the actor is killed
 
@@ -132,6 +136,7 @@ def rpc_path():
     worker_cls = _worker_side()
     workers = [worker_cls.remote(handle, 0, True), worker_cls.remote(handle, 1, False)]
     replies = ray.get([w.wait_for_init.remote() for w in workers], timeout=300)
+    assert ray.get([w.paths.remote() for w in workers]) == [(True, 1), (False, 0)]  # shared memory; TCP both ways
     running = [w.run.remote() for w in workers]  # as RayExecutorV2: run() first, then the ready barrier
     ray.get(engine.connect.remote([r["handle"] for r in replies]), timeout=120)
     yield engine
