@@ -221,7 +221,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("reward.overlong_penalty_factor", 1, VALUES, accept={1: None, 1.0: None},
        why="DAPO's overlong penalty is not implemented"),
     _f("reward.stop_properly_penalty_coef", None, REFUSED, why="the truncation penalty is not implemented; drop it"),
-    _f("train.agent_func_path", None, REFUSED, why="multi-turn agents are not supported; single-turn reward via --reward.remote_url"),
+    _f("train.agent_func_path", None, SAME, why="OpenRLHF agent files run unchanged on the engines; the environment's replies get no loss and no credit: see Agents below"),
     # ---- data and eval
     _f("actor.model_name_or_path", None, SAME),
     _f("data.prompt_dataset", None, SAME),

@@ -88,6 +88,9 @@ class SamplingConfig:
     logprobs: bool = False  # return the sampled token's log-prob per generated token
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Generation.text with special tokens removed (vLLM's default) or kept (what OpenRLHF's rollout asks for,
+    # so an agent's environment reads the action text with them: rollout/agents.py)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -113,6 +116,7 @@ class SamplingConfig:
             logprobs=0 if self.logprobs else None,
             stop=list(self.stop) if self.stop else None,
             stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
