@@ -165,28 +165,33 @@ class RequestBatcher:
                 self._flush()
 
     def _flush(self) -> None:
-        """Send the pending requests (one engine call per distinct sampling setting, in episode order)."""
+        """Send the pending requests (one engine call per distinct sampling setting, in episode order). A failure
+        reaches every episode of the call (never a future left waiting: the episodes would hang)."""
         batch = sorted(self.pending, key=lambda r: (r.episode, r.call))
         self.pending = []
         groups: dict[str, list[_Request]] = {}
         for r in batch:
             groups.setdefault(repr(r.sampling), []).append(r)
         for reqs in groups.values():
-            t0 = time.perf_counter()
             try:
-                gens = self.engines.generate([r.prompt_ids for r in reqs], reqs[0].sampling,
-                                             affinity_keys=[r.key for r in reqs])
-            except Exception as exc:  # every waiting episode sees the engines' error
+                self._send(reqs)
+            except Exception as exc:
                 err = AgentError(f"{FLAG}: the engines failed on the agents' requests: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 for r in reqs:
-                    r.future.set_exception(err)
-                continue
-            self.stats.seconds += time.perf_counter() - t0
-            self.stats.engine_calls += 1
-            self.stats.requests += len(reqs)
-            for r, g in zip(reqs, gens):
-                r.future.set_result(request_output(r.prompt_ids, g, f"agent-{r.episode}-{r.call}"))
+                    if not r.future.done():
+                        r.future.set_exception(err)
+
+    def _send(self, reqs: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        gens = self.engines.generate([r.prompt_ids for r in reqs], reqs[0].sampling, affinity_keys=[r.key for r in reqs])
+        if len(gens) != len(reqs):
+            raise RuntimeError(f"{len(gens)} generations for {len(reqs)} requests")
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.engine_calls += 1
+        self.stats.requests += len(reqs)
+        for r, g in zip(reqs, gens):
+            r.future.set_result(request_output(r.prompt_ids, g, f"agent-{r.episode}-{r.call}"))
 
 
 class EpisodeEngine:

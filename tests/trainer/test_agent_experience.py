@@ -147,3 +147,20 @@ def test_the_loss_has_no_gradient_on_environment_tokens(step, tiny_model_dir):
     # and the replies would move them if the loss counted them (the pre-agent mask: every response token)
     tb.loss_mask = tb.response_mask()
     assert not all(torch.equal(a, b) for a, b in zip(grads, _loss_and_grads(model, tb)[3]))
+
+
+def test_episodes_without_a_reward_are_scored_by_the_reward_function(parts, tiny_tokenizer):
+    """OpenRLHF's SingleTurnAgentExecutor with no endpoint returns no reward: the trainer's reward function (here the
+    parity plug-in: 1 when prompt + response decode to an even number of characters more than the prompt) decides."""
+    engines, items, actor, reward = parts
+    maker = ShapeExperienceMaker(
+        get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=16), ProbeConfig(), engines,
+        actor.compute_logprobs_and_entropy, reward, tiny_tokenizer,
+        agent=AgentRunner(os.path.join(os.path.dirname(CALCULATOR), "openrlhf_single_turn_executor.py"),
+                          tiny_tokenizer, 320))
+    log = StepLog()
+    exp = maker.rollout(items, log)
+    queries = [tiny_tokenizer.decode(s, skip_special_tokens=False) for s in exp.sequences]
+    want = [float((len(q) - len(it.prompt)) % 2 == 0) for q, it in zip(queries, exp.items)]
+    assert exp.rewards.tolist() == want and "parity/mean" in log.metrics
+    assert torch.equal(exp.loss_mask(), exp.response_mask)  # one turn, no environment reply
