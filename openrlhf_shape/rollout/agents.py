@@ -21,6 +21,7 @@ land there too). What the executors return becomes an :class:`~openrlhf_shape.ba
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import os
 import time
@@ -165,13 +166,14 @@ class RequestBatcher:
                 self._flush()
 
     def _flush(self) -> None:
-        """Send the pending requests (one engine call per distinct sampling setting, in episode order). A failure
-        reaches every episode of the call (never a future left waiting: the episodes would hang)."""
+        """Send the pending requests: one engine call per distinct sampling setting (each request keeps its own
+        token limit: a multi-turn executor gives every turn the episode's remaining budget), in episode order. A
+        failure reaches every episode of the call (never a future left waiting: the episodes would hang)."""
         batch = sorted(self.pending, key=lambda r: (r.episode, r.call))
         self.pending = []
         groups: dict[str, list[_Request]] = {}
         for r in batch:
-            groups.setdefault(repr(r.sampling), []).append(r)
+            groups.setdefault(repr(dataclasses.replace(r.sampling, max_tokens=1)), []).append(r)
         for reqs in groups.values():
             try:
                 self._send(reqs)
@@ -184,7 +186,8 @@ class RequestBatcher:
 
     def _send(self, reqs: list[_Request]) -> None:
         t0 = time.perf_counter()
-        gens = self.engines.generate([r.prompt_ids for r in reqs], reqs[0].sampling, affinity_keys=[r.key for r in reqs])
+        gens = self.engines.generate([r.prompt_ids for r in reqs], reqs[0].sampling, affinity_keys=[r.key for r in reqs],
+                                     max_tokens=[r.sampling.max_tokens for r in reqs])
         if len(gens) != len(reqs):
             raise RuntimeError(f"{len(gens)} generations for {len(reqs)} requests")
         self.stats.seconds += time.perf_counter() - t0

@@ -267,8 +267,11 @@ class VLLMEngine:
         self._kv_asleep = False
 
     # ---- generation -------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
-        """n samples per prompt, ordered by prompt then sample. prompt_token_ids: [prompts][tokens]."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 max_tokens: Sequence[int] | None = None) -> list[Generation]:
+        """n samples per prompt, ordered by prompt then sample. prompt_token_ids: [prompts][tokens].
+        ``max_tokens``: a token limit per prompt instead of ``sampling.max_tokens`` (agents: every episode's turn
+        has its own budget, and the turns of a step still go out as one batch; rollout/agents.py)."""
         from vllm.inputs import TokensPrompt
 
         if self._asleep or self._kv_asleep:
@@ -282,6 +285,11 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
         params = SamplingConfig(**{**asdict(sampling), "n": 1}).to_vllm()
         requests = [prompts[p] for p in range(len(prompts)) for _ in range(sampling.n)]
+        if max_tokens is not None:
+            if len(max_tokens) != len(prompts):
+                raise ValueError(f"max_tokens has {len(max_tokens)} limits for {len(prompts)} prompts")
+            params = [SamplingConfig(**{**asdict(sampling), "n": 1, "max_tokens": int(m)}).to_vllm()
+                      for m in max_tokens for _ in range(sampling.n)]
         outs = self.llm.generate(requests, params, use_tqdm=False)
         result: list[Generation] = []
         for r_idx, out in enumerate(outs):

@@ -91,6 +91,11 @@ def start_engines(
 # ---------------------------------------------------------------------------------------------------
 
 
+def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None:
+    """The per-prompt token limits of one engine's share of a call (None: ``sampling.max_tokens`` for all)."""
+    return None if max_tokens is None else [int(max_tokens[i]) for i in idxs]
+
+
 def _is_actor(engine) -> bool:
     try:
         from ray.actor import ActorHandle
@@ -161,14 +166,16 @@ class EngineGroup:
         prompt_token_ids: list[list[int]],
         sampling: SamplingConfig,
         affinity_keys: Sequence[Hashable] | None = None,
+        max_tokens: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list)."""
+        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list; ``max_tokens``:
+        an optional limit per prompt)."""
         if not prompt_token_ids:
             return []
         with self.clock.working():
-            return self._generate(prompt_token_ids, sampling, affinity_keys)
+            return self._generate(prompt_token_ids, sampling, affinity_keys, max_tokens)
 
-    def _generate(self, prompt_token_ids, sampling, affinity_keys) -> list[Generation]:
+    def _generate(self, prompt_token_ids, sampling, affinity_keys, max_tokens=None) -> list[Generation]:
         assign = self.plan(prompt_token_ids, sampling.n, affinity_keys)
         per_engine: list[list[int]] = [[] for _ in self.engines]
         for i, e in enumerate(assign):
@@ -180,13 +187,15 @@ class EngineGroup:
             refs = {}
             for e, idxs in enumerate(per_engine):
                 if idxs:
-                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling)
+                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling,
+                                                              _caps(max_tokens, idxs))
             for e, out in zip(refs.keys(), ray.get(list(refs.values()))):
                 results[e] = out
         else:
             for e, idxs in enumerate(per_engine):
                 if idxs:
-                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling)
+                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling,
+                                                          _caps(max_tokens, idxs))
         merged: list[Generation] = []
         for e, idxs in enumerate(per_engine):
             for g in results[e] or []:
