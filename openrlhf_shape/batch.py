@@ -234,6 +234,7 @@ class ExperienceBatch:
     entropy: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None  # [B] bool: the engine stopped the response at the token limit
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
     # MoE routing replay (--megatron.routing_replay): per sample [L_i, layers, top_k] expert ids, from the engine
@@ -280,6 +281,7 @@ class ExperienceBatch:
             texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
             rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
             entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
+            truncated=take(self.truncated),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
             action_mask=take(self.action_mask),
         )

@@ -23,7 +23,9 @@ last row is filled with a fixed placeholder. Padding positions of a micro-batch 
 
 Limits (refused where they would be wrong): pipeline parallelism (recorded indices would have to be gathered
 over stages, and with 1F1B plus activation recompute the backward needs megatron-core's REPLAY_BACKWARD
-queue: MoE with PP does not run on CPU, where this could be tested) and context parallelism.
+queue: MoE with PP does not run on CPU, where this could be tested), context parallelism, and megatron-core's
+fused router (``--megatron.moe_router_fusion``: ``moe_utils.topk_routing_with_score_function`` returns the fused
+kernel's top-k before its router-replay branch, so replay would be ignored without an error).
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class RoutingReplay:
         if not routers:
             raise ValueError("routing replay needs a mixture-of-experts model (no MoE router in this one); set "
                              "--megatron.routing_replay none for a dense policy")
+        if any(getattr(r.config, "moe_router_fusion", False) for r in routers):
+            # the fused top-k path returns before router replay applies: replay would be a silent no-op
+            raise ValueError("routing replay with megatron-core's fused router (TransformerConfig.moe_router_fusion) "
+                             "would be ignored; set --megatron.moe_router_fusion false or --megatron.routing_replay none")
         for router in routers:
             if getattr(router, "router_replay", None) is None:
                 # megatron-core builds one when TransformerConfig.moe_enable_routing_replay is set; the bridge builds

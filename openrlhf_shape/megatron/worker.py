@@ -18,7 +18,7 @@ import functools
 import math
 import os
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,7 @@ class MegatronRankWorker:
                 tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                 expert_model_parallel_size=cfg.expert_model_parallel_size,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,  # None: the TP size (megatron's default)
             )
             seed_all(cfg.optim.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed)
@@ -228,10 +229,14 @@ class MegatronRankWorker:
     def _model_info(self, gpt) -> dict:
         cfg, hf_config = self.cfg, self.hf_config
         n_local = sum(p.numel() for p in gpt.parameters())
-        # Each parameter once: dense ones from data-parallel rank 0; experts (``allreduce=False``: sharded over the
-        # expert-parallel ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
+        # Each parameter once: dense ones from data-parallel rank 0, and of those replicated over the TP group (norms,
+        # the router) TP rank 0's only; experts (``allreduce=False``: sharded over the expert-parallel and expert-TP
+        # ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
         n_expert = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
-        count = (n_local - n_expert if self.mpu.get_data_parallel_rank() == 0 else 0) + (
+        n_tp_replicated = sum(p.numel() for p in gpt.parameters()
+                              if getattr(p, "allreduce", True) and not getattr(p, "tensor_model_parallel", False))
+        dense = n_local - n_expert - (n_tp_replicated if self.mpu.get_tensor_model_parallel_rank() else 0)
+        count = (dense if self.mpu.get_data_parallel_rank() == 0 else 0) + (
             n_expert if self.mpu.get_expert_data_parallel_rank() == 0 else 0)
         totals = torch.tensor([count], dtype=torch.long, device=self.device)
         dist.all_reduce(totals)
@@ -252,20 +257,24 @@ class MegatronRankWorker:
         if not getattr(tc, "num_moe_experts", None):
             return {}
         return {"moe": {"num_experts": int(tc.num_moe_experts), "ep": self.cfg.expert_model_parallel_size,
+                        # what reached megatron-core: its expert groups (parallel_state) and TransformerConfig
+                        "etp": self.mpu.get_expert_tensor_parallel_world_size(),
+                        "ep_group": self.mpu.get_expert_model_parallel_world_size(),
+                        "config_etp": tc.expert_tensor_parallel_size, "router_fusion": tc.moe_router_fusion,
                         "token_dispatcher": tc.moe_token_dispatcher_type,
                         "load_balancing": tc.moe_router_load_balancing_type,
                         "aux_loss_coeff": tc.moe_aux_loss_coeff, "z_loss_coeff": tc.moe_z_loss_coeff}}
 
     # ------------------------------------------------------------------ micro-batching
-    def _plan(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
-        """This DP rank's sample indices and its padded micro-batches (same on TP/PP peers)."""
+    def _plan(self, batch: SequenceBatch, budget: int) -> tuple[list[int], list[MicroBatch]]:
+        """This DP rank's sample indices and its padded micro-batches of at most ``budget`` tokens each (same on
+        TP/PP peers): ``optim.forward_budget`` for a forward-only pass, ``optim.micro_batch_max_tokens`` to train."""
         seqs, plens = batch.sequences, batch.prompt_lens
         lengths = [len(s) for s in seqs]
         shards = shard_for_dp(lengths, self.dp_size)
         shard = shards[self.mpu.get_data_parallel_rank()]
         pad_multiple = self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1
         pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        budget = self.cfg.optim.micro_batch_max_tokens
         groups = plan_micro_batches([lengths[i] for i in shard], budget, pad_multiple=pad_multiple) if shard else []
         mbs = [
             build_micro_batch(seqs, plens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
@@ -410,13 +419,15 @@ class MegatronRankWorker:
         position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
         With ``--megatron.routing_replay`` r2 (recorded here) or r3 (``batch.routed_experts`` replayed) the output
         also carries ``"routed_experts"``: per sample ``[L_i, layers, top_k]``, to hand to :meth:`train_step`.
+        ``"micro_batches"``: how many forward micro-batches of at most ``optim.forward_budget`` tokens
+        (``--rollout.max_tokens_per_gpu``) this data-parallel rank ran.
         """
         self._require_onloaded(("params",), "compute_logprobs_and_entropy")
         self._require_model()
         batch = validate_batch(batch)
         temperature = float(batch.temperature)
         with self._mode():
-            shard, mbs = self._plan(batch)
+            shard, mbs = self._plan(batch, self.cfg.optim.forward_budget)
             self.model.eval()
 
             def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
@@ -430,7 +441,7 @@ class MegatronRankWorker:
             self.model.train()
         if not self.holds_results or not shard:
             return {}
-        out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
+        out: dict[str, Any] = {"indices": [], "log_probs": [], "entropy": [], "micro_batches": len(mbs)}
         if routing is not None:
             out["routed_experts"] = []
         for rec in store:
@@ -473,7 +484,7 @@ class MegatronRankWorker:
             return loss, torch.tensor(int(stats["num_tokens"]), dtype=torch.int), stats
 
         with self._mode():
-            shard, mbs = self._plan(batch)
+            shard, mbs = self._plan(batch, self.cfg.optim.micro_batch_max_tokens)
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()

@@ -5,7 +5,8 @@ Per episode an executor returns a dict (OpenRLHF 0.11's ``openrlhf.utils.agent``
 (the prompt, then the policy's turns and the environment's replies, in order), ``action_ranges`` (``[start,
 end)`` of each policy turn in those tokens), ``reward`` and ``scores`` (numbers or one-element tensors; None
 leaves the outcome to the reward function, as OpenRLHF leaves it to its reward model), ``rollout_log_probs``
-(one per token, 0 outside the turns; or None), ``truncated`` (the last generation hit its token limit) and
+(one per token, 0 outside the turns; or None), ``truncated`` (the last generation hit its token limit: what
+``--reward.stop_properly_penalty_coef`` penalises, as in OpenRLHF) and
 ``extra_logs`` (name -> number or tensor, of which OpenRLHF logs the first element; the step logs their mean
 over the episodes that report it, as ``agent/<name>``).
 
@@ -139,6 +140,7 @@ def episodes_to_batch(episodes: Sequence[Episode], tokenizer) -> ExperienceBatch
         texts=[tokenizer.decode(e.sequence[e.prompt_len:], skip_special_tokens=True) for e in episodes],
         response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp, rewards=rewards, scores=scores,
         action_mask=pad_rows([torch.tensor(e.action_mask, dtype=torch.bool) for e in episodes], width, torch.bool),
+        truncated=torch.tensor([e.truncated for e in episodes], dtype=torch.bool),  # --reward.stop_properly_penalty_coef
     )
 
 

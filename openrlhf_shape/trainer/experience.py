@@ -24,6 +24,7 @@ import torch
 
 from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
+from openrlhf_shape.algorithms.length_penalty import check_stop_properly_coef, stop_properly_penalty
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
@@ -65,7 +66,10 @@ class ShapeExperienceMaker:
         dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
             ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
-        reward_clip_range: rewards are clamped into it (``--reward.clip_range``).
+        reward_clip_range: ``--reward.clip_range``: SHAPE/MRT clamp the outcome into it as it comes; the outcome
+            estimators (GRPO, REINFORCE++, ...) clamp their baselined outcome, as OpenRLHF.
+        stop_properly_penalty_coef: truncated responses' rewards scaled by it (in [0, 1]) or set to it (< 0),
+            before any clip or baseline (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
         agent: an :class:`~openrlhf_shape.rollout.agents.AgentRunner` (``--train.agent_func_path``): the
             samples are its episodes, their rewards its own (the reward function scores the episodes it leaves
             without one). Credit (segments, probes, advantages) and the loss then cover only the policy's
@@ -79,7 +83,8 @@ class ShapeExperienceMaker:
                  reward, tokenizer, dynamic_filtering: bool = False,
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
-                 reward_clip_range: tuple[float, float] = (-10.0, 10.0), agent=None):
+                 reward_clip_range: tuple[float, float] = (-10.0, 10.0),
+                 stop_properly_penalty_coef: float | None = None, agent=None):
         self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
         untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
         if self.correction.level != "off" and not untruncated:
@@ -92,6 +97,8 @@ class ShapeExperienceMaker:
             sampling = dataclasses.replace(sampling, logprobs=True)
         self.dynamic_filtering_range = tuple(dynamic_filtering_range)
         self.reward_clip_range = tuple(reward_clip_range)
+        self.stop_properly_coef = None if stop_properly_penalty_coef is None else check_stop_properly_coef(
+            stop_properly_penalty_coef)
         self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
@@ -154,6 +161,7 @@ class ShapeExperienceMaker:
             items=sample_items, sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
             prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
             response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
+            truncated=torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool),
             routed_experts=[g.routed_experts for g in gens] if all(g.routed_experts is not None for g in gens) else None,
         )
         lf = lengths.float()
@@ -192,7 +200,17 @@ class ShapeExperienceMaker:
     def rewards(self, exp: ExperienceBatch) -> PhaseOutput:
         """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
         rewards, scores, metrics = self._outcomes(exp)
-        exp.rewards, exp.scores = rewards.float().clamp(*self.reward_clip_range), scores.float()
+        rewards = rewards.float()
+        if self.stop_properly_coef is not None:  # OpenRLHF: on the raw rewards, before the clip and any baseline
+            if exp.truncated is None:
+                raise RuntimeError("--reward.stop_properly_penalty_coef: this batch carries no truncation flags "
+                                   "(ExperienceBatch.truncated); whoever made it must record the finish reasons")
+            rewards = stop_properly_penalty(rewards, exp.truncated, self.stop_properly_coef)
+            metrics["rollout/stop_properly_penalized"] = float(exp.truncated.sum())
+        # SHAPE/MRT: R is the last potential, clipped as it comes; the outcome estimators clip their baselined
+        # outcome instead (OpenRLHF's order), in the advantages phase.
+        exp.rewards = rewards.clamp(*self.reward_clip_range) if self.estimator.needs_segments else rewards
+        exp.scores = scores.float()
         if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
                 "SHAPE/MRT use the outcome as the final potential, so rewards must lie in [0, 1]; the reward "
@@ -271,14 +289,20 @@ class ShapeExperienceMaker:
 
     def advantages(self, exp: ExperienceBatch, boundaries: torch.Tensor | None,
                    potentials: torch.Tensor | None) -> PhaseOutput:
-        """Token advantages ``[B, T]`` from the registered estimator (and TCR), computed over the policy's tokens
-        (segment lengths, TCR statistics); 0 at an agent's environment replies."""
-        cols = exp.action_columns()
+        """Token advantages ``[B, T]`` from the registered estimator (and TCR); 0 at an agent's environment replies.
+        SHAPE/MRT work on the policy's tokens only (segment lengths, TCR statistics); the outcome estimators on
+        the response with the policy's tokens as their mask (OpenRLHF's action mask: a discount still steps over
+        a reply's positions, as there)."""
+        if self.estimator.needs_segments:
+            cols = exp.action_columns()
+            mask, entropy = cols.mask, cols.gather(exp.entropy)
+        else:
+            cols, mask, entropy = None, exp.loss_mask(), exp.entropy
         res = compute_token_advantages(
-            self.estimator, cols.mask, exp.rewards,
+            self.estimator, mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
-            max_response_len=self.sampling.max_tokens, entropy=cols.gather(exp.entropy), boundaries=boundaries,
-            potentials=potentials,
+            max_response_len=self.sampling.max_tokens, entropy=entropy, boundaries=boundaries,
+            potentials=potentials, reward_clip_range=self.reward_clip_range,
         )
-        exp.advantages = cols.scatter(res.token_advantages)
+        exp.advantages = res.token_advantages if cols is None else cols.scatter(res.token_advantages)
         return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(exp.advantages[exp.loss_mask()].mean())})

@@ -137,7 +137,6 @@ def build_run(cfg: TrainConfig) -> Run:
 
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
-    from openrlhf_shape.algorithms.estimators import get_estimator
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
     from openrlhf_shape.trainer.schedule import make_schedule
@@ -171,13 +170,15 @@ def build_run(cfg: TrainConfig) -> Run:
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # --algo.advantage.estimator over --shape.*
+    estimator = cfg.advantage_estimator()  # --algo.advantage.estimator over --shape.* and --algo.advantage.gamma
     maker = ShapeExperienceMaker(estimator, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
                                  reward, tokenizer,
                                  dynamic_filtering=cfg.algo.dynamic_filtering_enable,
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
-                                 reward_clip_range=tuple(cfg.reward.clip_range), agent=build_agent(cfg, tokenizer))
+                                 reward_clip_range=tuple(cfg.reward.clip_range),
+                                 stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef,
+                                 agent=build_agent(cfg, tokenizer))
     schedule = make_schedule(cfg, maker, batcher, engines)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -186,12 +186,12 @@ class ZeroRankWorker:
             self.state.engine = self.state.base_optimizer = None
 
     # ------------------------------------------------------------------ micro-batching
-    def _plans(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
-        """This rank's sample indices and micro-batches, topped up with fillers to the longest plan."""
+    def _plans(self, batch: SequenceBatch, budget: int) -> tuple[list[int], list[MicroBatch]]:
+        """This rank's sample indices and micro-batches of at most ``budget`` tokens each (``optim.forward_budget``
+        forward only, ``optim.micro_batch_max_tokens`` to train), topped up with fillers to the longest plan."""
         lengths = [len(s) for s in batch.sequences]
         pad_id = int(getattr(self.state.hf_config, "pad_token_id", None) or 0)
         shards = shard_for_dp(lengths, self.dp_size)
-        budget = self.cfg.optim.micro_batch_max_tokens
         counts = [len(plan_micro_batches([lengths[i] for i in s], budget)) if s else 0 for s in shards]
         shard = shards[self.dp_rank]
         mbs = []
@@ -215,13 +215,14 @@ class ZeroRankWorker:
         """Forward only; ``{"indices", "log_probs", "entropy"}`` of this rank's shard (``{}`` without one).
 
         Position j of a sample's tensors is response token j: log-prob and full-vocab entropy of
-        ``logits / temperature`` in float32 (see :mod:`openrlhf_shape.zero.model`)."""
+        ``logits / temperature`` in float32 (see :mod:`openrlhf_shape.zero.model`). ``"micro_batches"``: how many
+        forward micro-batches of at most ``optim.forward_budget`` tokens (``--rollout.max_tokens_per_gpu``) it took."""
         self._require_model()
         self._require_onloaded(("params",), "compute_logprobs_and_entropy")
         batch = validate_batch(batch)
         self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
-        shard, mbs = self._plans(batch)
-        out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
+        shard, mbs = self._plans(batch, self.cfg.optim.forward_budget)
+        out: dict[str, Any] = {"indices": [], "log_probs": [], "entropy": [], "micro_batches": len(mbs)}
         self.state.engine.eval()
         with torch.no_grad():
             for mb in mbs:
@@ -246,7 +247,7 @@ class ZeroRankWorker:
         masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
         num_global_tokens = max(int(masks.sum()), 1)
         self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
-        shard, mbs = self._plans(batch)
+        shard, mbs = self._plans(batch, self.cfg.optim.micro_batch_max_tokens)
         lr_used = self.state.apply_lr()
         eps_low, eps_high = self.cfg.optim.eps_clip_low_high
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)

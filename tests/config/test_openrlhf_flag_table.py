@@ -62,8 +62,11 @@ def test_parts_we_do_not_have_are_named(name):
 
 
 def test_compat_doc_table_is_the_table():
-    from openrlhf_shape.config.openrlhf import markdown_table
+    from openrlhf_shape.config.openrlhf import markdown_table, render_doc, summary
 
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                "docs", "openrlhf_compat.md")).read()
-    assert markdown_table() in readme, "docs/openrlhf_compat.md's OpenRLHF flag table is stale: paste openrlhf_flags.markdown_table()"
+    stale = "docs/openrlhf_compat.md is stale: python scripts/render_openrlhf_compat.py"
+    assert markdown_table() in readme and summary() in readme, stale
+    assert render_doc(readme) == readme, stale
+    assert readme.count("\n| `--") == len(OPENRLHF_PPO_FLAGS)  # one row per flag, nothing else

@@ -93,3 +93,21 @@ def test_a_probe_state_inside_an_environment_reply_is_refused(tiny_tokenizer):
     with pytest.raises(ValueError, match="inside an environment reply"):  # the closing reply, too
         estimate_potentials(None, [[5]], [[7] * 7], [[1, 6]], ["1"], [1.0], None, ProbeConfig(), suffixes=suffixes,
                             policy_tokens=policy)
+
+
+def test_reinforce_discounts_over_the_replies_positions_as_openrlhf(tiny_tokenizer):
+    """OpenRLHF's REINFORCE++ on an agent's episode: the outcome sits on the policy's last token and the return is
+    discounted per position of the response, the reply's positions included (its action mask zeroes their rewards,
+    not their time steps), then whitened over the policy's tokens. By hand, gamma 0.5, R = 1, mean-only whitening:
+    row 0 (policy at 0, 1, 4, 5) returns 0.5^5, 0.5^4, 0.5, 1; row 1 (policy at 0..3) 0.5^3, 0.5^2, 0.5, 1; minus
+    their mean over the 8 policy tokens; 0 in the replies."""
+    from openrlhf_shape.algorithms import ReturnConfig
+
+    est = get_estimator("reinforce", ShapeConfig(), ReturnConfig(gamma=0.5, no_std_norm=True))
+    maker = ShapeExperienceMaker(est, SamplingConfig(n=1, max_tokens=8), ProbeConfig(), engines=None,
+                                 logprobs_fn=None, reward=None, tokenizer=tiny_tokenizer)
+    exp = maker.advantages(_batch(), None, None).value
+    ret = torch.tensor([[0.5 ** 5, 0.5 ** 4, 0, 0, 0.5, 1, 0], [0.5 ** 3, 0.5 ** 2, 0.5, 1, 0, 0, 0]])
+    policy = torch.tensor(POLICY, dtype=torch.bool)
+    want = torch.where(policy, ret - ret[policy].mean(), torch.zeros(()))
+    torch.testing.assert_close(exp.advantages, want, rtol=0, atol=1e-6)

@@ -46,7 +46,7 @@ REFUSED_COMMON = {"ref.num_nodes", "ref.num_gpus_per_node", "algo.kl.use_loss", 
 REFUSED = {
     "grpo": REFUSED_COMMON | {"reward.num_nodes", "reward.num_gpus_per_node", "reward.model_name_or_path",
                               "reward.normalize_enable"},
-    "dapo": REFUSED_COMMON | {"ds.enable_sleep"},
+    "dapo": REFUSED_COMMON,  # --ds.enable_sleep: what --train.colocate_all does here (accepted, said once)
 }
 # What this project swaps in: its own model and data (the examples' hub ids do not exist offline), and
 # the backend the examples' --ds.* flags configure (the default backend is Megatron).

@@ -1,0 +1,140 @@
+"""OpenRLHF's own RL launch scripts through our flag check (issue 35).
+
+The five scripts' flags are data in ``openrlhf_recipes/*.txt`` (README there: source commit, what was changed).
+Each list is first parsed by the installed OpenRLHF 0.11.2's own parser (so every name and value is 0.11.2's),
+then by ``load_config``. Refused before this work (main at 814b8d9): dapo 7, prorlv2_math 9, reinforce_baseline 12,
+reinforce_baseline_agent_async 13, ppo 12. Refused now: the flags other issue-35 work owns (``PENDING``, each
+named with its owner; they may already be accepted when that work has landed), the "Long reasoning" flags of
+issue 36 (``LONG``), and the PPO script's critic and reward model (``PPO_PARTS``), each with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+
+import pytest
+
+from openrlhf_shape.config import load_config
+from openrlhf_shape.config.compat import FlagError
+from openrlhf_shape.config.flags import parse_overrides
+from openrlhf_shape.config.openrlhf import refusal
+from test_openrlhf_flag_table import _openrlhf_parser
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RECIPES = ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_agent_async", "ppo")
+
+# flag -> the issue-35 branch that owns it (the estimator only for the values that branch adds)
+PENDING = {
+    "ref.num_nodes": "i3x-kl", "ref.num_gpus_per_node": "i3x-kl", "algo.kl.init_coef": "i3x-kl",
+    "algo.kl.use_loss": "i3x-kl", "algo.kl.estimator": "i3x-kl",
+    "algo.advantage.estimator": "i3x-est (reinforce_baseline)",
+    "train.agent_func_path": "i3x-agent",
+}
+LONG = {"ds.packing_samples", "ds.ring_attn_size", "ds.ring_attn_head_stride", "train.partial_rollout_enable"}
+PPO_PARTS = {  # flag -> the part its refusal names
+    "critic.num_nodes": "no critic", "critic.num_gpus_per_node": "no critic", "critic.adam.lr": "no critic",
+    "reward.num_nodes": "no reward-model actor", "reward.num_gpus_per_node": "no reward-model actor",
+    "reward.model_name_or_path": "no reward-model actor", "reward.normalize_enable": "reward model",
+}
+# What stays refused once the pending work has landed, per script.
+FINAL = {
+    "dapo": {"ds.packing_samples"},
+    "prorlv2_math": {"ds.packing_samples"},
+    "reinforce_baseline": {"ds.packing_samples", "ds.ring_attn_size", "ds.ring_attn_head_stride"},
+    "reinforce_baseline_agent_async": {"ds.packing_samples", "ds.ring_attn_size", "ds.ring_attn_head_stride",
+                                       "train.partial_rollout_enable"},
+    "ppo": {"ds.packing_samples"} | set(PPO_PARTS),
+}
+BEFORE = {"dapo": 7, "prorlv2_math": 9, "reinforce_baseline": 12, "reinforce_baseline_agent_async": 13, "ppo": 12}
+
+
+def recipe(name: str) -> list[str]:
+    """The script's command line (argv tokens) from its flag list."""
+    argv: list[str] = []
+    with open(os.path.join(HERE, "openrlhf_recipes", f"{name}.txt")) as f:
+        for line in f:
+            argv += shlex.split(line.split("#", 1)[0])
+    return argv
+
+
+def refused(argv: list[str]) -> dict[str, str]:
+    """flag -> its refusal line, for every flag of ``argv`` our flag check refuses."""
+    return {n: msg for n, v in parse_overrides(argv) if (msg := refusal(n, v))}
+
+
+def without(argv: list[str], names: set[str]) -> list[str]:
+    out, skip = [], False
+    for tok in argv:
+        if tok.startswith("--"):
+            skip = tok[2:] in names
+        if not skip:
+            out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_is_openrlhf_0_11_2s_command_line(name):
+    """Every flag and value of the list is one OpenRLHF 0.11.2's own parser takes (no renamed or dropped flag)."""
+    args = _openrlhf_parser().parse_args(recipe(name))
+    assert args is not None
+    assert len(parse_overrides(recipe(name))) > BEFORE[name]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_only_other_work_long_reasoning_and_the_ppo_critic_are_refused(name):
+    lines = refused(recipe(name))
+    pending = {n for n in lines if n in PENDING}
+    assert set(lines) - pending == FINAL[name], sorted(lines)
+    for flag in FINAL[name] & LONG:
+        assert '"Long reasoning" work (issue 36)' in lines[flag], lines[flag]
+    for flag in FINAL[name] & set(PPO_PARTS):
+        assert PPO_PARTS[flag] in lines[flag], lines[flag]
+    print(f"{name}: refused before {BEFORE[name]}, now {len(lines)} "
+          f"({len(lines) - len(pending)} for good reasons + {len(pending)} pending: "
+          + ", ".join(f"{n} ({PENDING[n]})" for n in sorted(pending)) + ")")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_one_error_names_every_refused_flag_one_line_each(name):
+    with pytest.raises(FlagError) as err:
+        load_config(None, recipe(name))
+    lines = str(err.value).splitlines()[1:]
+    assert sorted(ln.strip().split(":")[0].split()[0][2:] for ln in lines) == sorted(refused(recipe(name)))
+
+
+def _rest(name: str):
+    return load_config(None, without(recipe(name), set(PENDING) | LONG | set(PPO_PARTS)))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_rest_of_the_script_passes_the_whole_check(name):
+    """Without the refused flags the script's command line resolves and validates (layout, batches, backend)."""
+    cfg = _rest(name)
+    assert cfg.actor.backend == "deepspeed" and cfg.ds.zero_stage == 3  # --ds.zero_stage: OpenRLHF's backend
+    assert cfg.actor.model_name_or_path == "demo" and cfg.actor.gradient_checkpointing_enable
+    assert cfg.algo.advantage.is_correction_level == "token"
+    assert cfg.train.colocate_all is (name != "reinforce_baseline_agent_async")
+
+
+def test_what_the_honoured_flags_set():
+    pro, rb, agent = _rest("prorlv2_math"), _rest("reinforce_baseline"), _rest("reinforce_baseline_agent_async")
+    assert pro.reward.stop_properly_penalty_coef == 0.0 and pro.rollout.max_tokens_per_gpu is None
+    assert pro.optim_config().forward_budget == pro.train.max_tokens_per_gpu == 32768  # OpenRLHF's default rule
+    assert rb.rollout.max_tokens_per_gpu == 32768 and rb.train.max_tokens_per_gpu == 16192
+    assert rb.optim_config().forward_budget == 32768 and rb.optim_config().micro_batch_max_tokens == 16192
+    assert rb.zero_config().optim.forward_budget == 32768 and rb.megatron_config().optim.forward_budget == 32768
+    # async with colocate_all: OpenRLHF colocates only the training models, the engines get their own GPUs
+    assert agent.train.async_enable and not agent.train.colocate_all
+
+
+def test_accepted_switches_are_said_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="openrlhf_shape.config"):
+        _rest("reinforce_baseline_agent_async")
+    said = [r.getMessage() for r in caplog.records]
+    for flag in ("ds.enable_sleep", "train.dynamic_batch_enable", "train.micro_batch_size", "rollout.micro_batch_size"):
+        assert sum(m.startswith(f"--{flag}: accepted, no switch here") for m in said) == 1, (flag, said)
+    assert sum("--train.colocate_all with --train.async_enable" in m for m in said) == 1
+    assert sum(m.startswith("--ds.zero_stage without --actor.backend: --actor.backend deepspeed") for m in said) == 1
+    assert "--train.colocate_all" in next(m for m in said if m.startswith("--ds.enable_sleep"))
