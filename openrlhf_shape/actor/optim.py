@@ -111,6 +111,9 @@ class OptimConfig(OptimSettings):
     micro_batch_max_tokens: int = 8192
     forward_max_tokens: Optional[int] = None
     seed: int = 42
+    # concatenate a micro-batch's samples into one row without padding (actor/batching.py, docs/packing.md): True in
+    # every run (--ds.packing_samples is always on); False keeps the padded layout (the parity tests' reference)
+    pack_samples: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -62,7 +62,7 @@ def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
               "needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k vLLM's log-probs are of the "
               "truncated distribution, so every importance weight would carry the truncation mass")
     _need(r.weight_sync_timeout > 0, "rollout.weight_sync_timeout",
-          f"{r.weight_sync_timeout}: use a positive number of seconds (the longest one weight sync may take)")
+          f"{r.weight_sync_timeout}: use a positive number of seconds (the longest a weight sync may go without a bucket completing)")
     _need(r.max_logprob_gap >= 0, "rollout.max_logprob_gap",
           f"{r.max_logprob_gap}: use 0 (warn past the dtype's expected gap) or a gap in nats past which the run stops")
     _need(r.weight_sync in ("auto", "collective", "object_store", "cuda_ipc"), "rollout.weight_sync",

@@ -47,8 +47,10 @@ class RolloutSection:
     # auto (decided per plan: cluster/placement.py:resolve_weight_sync) | collective (gloo on CPU, NCCL on GPU)
     # | object_store | cuda_ipc
     weight_sync: str = "auto"
-    # Seconds any one weight sync (and the sync group's forming) may take, and every wait inside it: past
-    # it, or as soon as an engine dies mid-sync, the run stops naming the engine (a hang otherwise).
+    # Seconds a weight sync may go without a bucket completing on any side (the sync's progress bound, not
+    # its total: a slow sync that keeps completing buckets runs as long as it needs; also the longest the sync
+    # group's forming may take). Past it, or as soon as an engine dies mid-sync, the run stops naming who holds
+    # the sync up, the bucket and the step (a hang otherwise). openrlhf_shape/weight_sync/README.md
     weight_sync_timeout: float = 600.0
     num_gpus: int | None = None  # disaggregated engine pool; None: vllm.num_engines x vllm.tensor_parallel_size
     # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;

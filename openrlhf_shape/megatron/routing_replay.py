@@ -224,14 +224,35 @@ class MicroBatchRouting:
             yield self
 
     def before(self, mb) -> None:
-        """Before ``mb``'s forward (``mb``: an ``actor.batching.MicroBatch``, ``input_ids`` ``[rows, s]``)."""
-        if not self.records:
-            rows, seq_len = mb.input_ids.shape
-            self.replay.replay([self.routed[r] for r in mb.rows], int(seq_len), int(rows))
+        """Before ``mb``'s forward (``mb``: an ``actor.batching.MicroBatch``, ``input_ids`` ``[rows, s]``; packed:
+        one row holding its samples one after another)."""
+        if self.records:
+            return
+        rows, seq_len = mb.input_ids.shape
+        routed = [self.routed[r] for r in mb.rows]
+        if mb.packed and routed:  # one row: each sample's routing at its offset, every position covered
+            routed = [torch.cat([_cover(torch.as_tensor(r), n, self.replay.num_layers, self.replay.top_k)
+                                 for r, n in zip(routed, mb.seq_lens)])]
+        self.replay.replay(routed, int(seq_len), int(rows))
 
     def after(self, mb) -> None:
         """After ``mb``'s forward: keep what each of its samples was routed to (recording)."""
-        if self.records:
-            rows, seq_len = mb.input_ids.shape
+        if not self.records:
+            return
+        rows, seq_len = mb.input_ids.shape
+        if mb.packed:
+            (full,) = self.replay.take_recorded([int(seq_len)], int(seq_len), 1)
+            got = [full[a:a + n].clone() for _, a, n in mb.segments()]
+        else:
             got = self.replay.take_recorded([len(self.sequences[r]) for r in mb.rows], int(seq_len), int(rows))
-            self.recorded.update(zip(mb.rows, got))
+        self.recorded.update(zip(mb.rows, got))
+
+
+def _cover(routed: torch.Tensor, n: int, layers: int, top_k: int) -> torch.Tensor:
+    """A sample's ``[L_i, layers, top_k]`` routing over all its ``n`` tokens: a missing last token (the engine
+    never feeds it) gets experts ``0..top_k-1``, as padding does; its output feeds no log-prob."""
+    missing = n - int(routed.shape[0])
+    if missing <= 0:
+        return routed.to(torch.long)
+    fill = torch.arange(top_k, dtype=torch.long).expand(missing, layers, top_k)
+    return torch.cat([routed.to(torch.long), fill])

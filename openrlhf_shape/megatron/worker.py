@@ -25,13 +25,8 @@ import torch.distributed as dist
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron import cpu as cpu_compat
-from openrlhf_shape.actor.batching import (
-    MicroBatch,
-    build_micro_batch,
-    plan_micro_batches,
-    shard_for_dp,
-    validate_batch,
-)
+from openrlhf_shape.megatron.attention import packed_seq_params, varlen_kernel
+from openrlhf_shape.actor.batching import MicroBatch, micro_batch_budget, rank_micro_batches, validate_batch
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-exported: module-level API of the worker)
 from openrlhf_shape.megatron.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
@@ -266,33 +261,20 @@ class MegatronRankWorker:
                         "aux_loss_coeff": tc.moe_aux_loss_coeff, "z_loss_coeff": tc.moe_z_loss_coeff}}
 
     # ------------------------------------------------------------------ micro-batching
-    def _plan(self, batch: SequenceBatch, budget: int) -> tuple[list[int], list[MicroBatch]]:
-        """This DP rank's sample indices and its padded micro-batches of at most ``budget`` tokens each (same on
-        TP/PP peers): ``optim.forward_budget`` for a forward-only pass, ``optim.micro_batch_max_tokens`` to train."""
-        seqs, plens = batch.sequences, batch.prompt_lens
-        lengths = [len(s) for s in seqs]
-        shards = shard_for_dp(lengths, self.dp_size)
-        shard = shards[self.mpu.get_data_parallel_rank()]
-        pad_multiple = self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1
-        pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        groups = plan_micro_batches([lengths[i] for i in shard], budget, pad_multiple=pad_multiple) if shard else []
-        mbs = [
-            build_micro_batch(seqs, plens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
-            for g in groups
-        ]
-        # At least one micro-batch (more DP ranks than samples: a dummy keeps the collectives in step). With
-        # expert parallelism every MoE layer's forward and backward is an all-to-all over the data-parallel
-        # ranks of the expert group, so all DP ranks run as many micro-batches as the longest plan (every rank
-        # computes every rank's plan; no communication).
-        target = 1
-        if self.cfg.expert_model_parallel_size > 1:
-            target = max([1] + [len(plan_micro_batches([lengths[i] for i in s], budget, pad_multiple=pad_multiple))
-                                for s in shards if s])
-        while len(mbs) < target:
-            filler = build_micro_batch([[pad_id, pad_id]], [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)
-            filler.rows = []  # carries no sample: the shared loss masks it out entirely
-            mbs.append(filler)
-        return shard, mbs
+    def _plan(self, batch: SequenceBatch, *, forward_only: bool) -> tuple[list[int], list[MicroBatch]]:
+        """This DP rank's sample indices and its micro-batches (same on TP/PP peers): packed into one THD row
+        each (every attention of this backend takes them: ``megatron/attention.py``, TE) unless
+        ``optim.pack_samples`` is off, under ``--rollout.max_tokens_per_gpu`` for a forward-only pass. With expert
+        parallelism every MoE layer's forward and backward is an all-to-all over the data-parallel ranks of the
+        expert group, so all DP ranks run as many micro-batches as the longest plan."""
+        optim = self.cfg.optim
+        return rank_micro_batches(
+            batch, dp_size=self.dp_size, dp_rank=self.mpu.get_data_parallel_rank(),
+            max_tokens=micro_batch_budget(optim, forward_only=forward_only), packed=optim.pack_samples,
+            pad_id=int(getattr(self.hf_config, "pad_token_id", None) or 0),
+            # sequence parallel splits the sequence dimension over the TP ranks
+            pad_multiple=self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1,
+            equal_counts=self.cfg.expert_model_parallel_size > 1)
 
     def _response_logprobs(self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool):
         """hidden [s(/tp under SP), b, h] on the last stage -> (logp [N], entropy [N]) for mb's responses."""
@@ -327,11 +309,14 @@ class MegatronRankWorker:
         gpt = self._gpt()
         device = self.device
         masked = self._router_losses_on() and not forward_only
+        kernel = varlen_kernel(self.platform)  # flash-attn's varlen kernel only under a GPU profile
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             # Router losses: keep pads and fillers out of them (the policy loss never sees them).
             extra = {"padding_mask": _router_padding_mask(mb).to(device)} if masked else {}
+            if mb.packed:
+                extra["packed_seq_params"] = packed_seq_params(mb.cu_seqlens, device=device, kernel=kernel)
             if routing is not None:
                 routing.before(mb)
             with _hidden_states_only(gpt):
@@ -427,7 +412,7 @@ class MegatronRankWorker:
         batch = validate_batch(batch)
         temperature = float(batch.temperature)
         with self._mode():
-            shard, mbs = self._plan(batch, self.cfg.optim.forward_budget)
+            shard, mbs = self._plan(batch, forward_only=True)
             self.model.eval()
 
             def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
@@ -484,7 +469,7 @@ class MegatronRankWorker:
             return loss, torch.tensor(int(stats["num_tokens"]), dtype=torch.int), stats
 
         with self._mode():
-            shard, mbs = self._plan(batch, self.cfg.optim.micro_batch_max_tokens)
+            shard, mbs = self._plan(batch, forward_only=False)
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -576,8 +561,8 @@ def _unwrap(model):
 
 
 def _router_padding_mask(mb: MicroBatch) -> torch.Tensor:
-    """[rows, seq] bool for Megatron's MoE router, True = left out of the router losses: right padding, and all
-    but the first token of a filler micro-batch (a fully masked one would divide by zero token counts inside
+    """[rows, seq] bool for Megatron's MoE router, True = left out of the router losses: padding (right padding of
+    a padded micro-batch, the tail of a packed one), and all but the first token of a filler micro-batch (a fully masked one would divide by zero token counts inside
     Megatron's loss functions; its one token is a pad).
 
     Without it a pad position whose embedding is zero (HF zero-initialises the ``padding_idx`` row) sends the

@@ -108,6 +108,9 @@ class Plan:
     etp: int = 1  # expert tensor parallel (MoE; megatron-core's default: TP)
     edp: int = 1  # expert data parallel = world / (ETP x EP x PP)
     async_plan: AsyncPlan | None = None  # one-step-off estimates (GPU configs)
+    sync: Any = None  # planner/sync_time.py:SyncEstimate of one weight sync (GPU configs with a placement)
+    sync_timeout_s: float = 0.0  # --rollout.weight_sync_timeout
+    sync_warnings: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -164,6 +167,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
 
     _gpu_phases(plan, cfg, megs, fwds)
     _check_kv_cache(plan, cfg)
+    _sync_estimate(plan, cfg)
     if plan.placement is not None:
         _host_memory(plan, cfg, meg, dtype)
     # -- per-phase verdicts on the worst rank GPU of each phase
@@ -353,6 +357,24 @@ def _check_kv_cache(plan: Plan, cfg: TrainConfig) -> None:
         plan.notes.append(
             f"KV cache {vm.kv_tokens:,} tokens < {conc} concurrent full-length sequences x {resp_kv} = "
             f"{plan.kv_need['rollout_concurrent']:,}: vLLM runs fewer at once (the step-time estimate accounts for it)")
+
+
+def _sync_estimate(plan: Plan, cfg: TrainConfig) -> None:
+    """One weight sync over the transport the trainer picks for this layout (``planner/sync_time.py``) and what
+    it means for ``--rollout.weight_sync_timeout``; an explicit transport the layout cannot serve is refused."""
+    from openrlhf_shape.cluster.placement import resolve_weight_sync
+    from openrlhf_shape.planner.sync_time import estimate_sync
+
+    plan.sync_timeout_s = float(cfg.rollout.weight_sync_timeout)
+    if plan.placement is None:
+        return
+    try:
+        transport, why = resolve_weight_sync(cfg.rollout.weight_sync, plan.placement, on_gpu=True)
+    except ValueError as exc:
+        plan.refusals.append(f"weight sync: {exc}")
+        return
+    plan.sync = estimate_sync(plan.model, plan.placement, transport, why, cfg.vllm.weight_sync_bucket_mb, plan.options)
+    plan.sync_warnings = plan.sync.warnings(plan.sync_timeout_s)
 
 
 def _host_memory(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, dtype: str) -> None:

@@ -20,6 +20,7 @@ from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, StateTa
 from openrlhf_shape.rewards.probe_scoring import score_key
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.group import EngineGroup
+from openrlhf_shape.rollout.seeds import derive_seed
 
 DEFAULT_THINK_SUFFIX = (
     "\n\nTime is up. I should stop thinking and give the final answer now.\n</think>\n\n"
@@ -160,6 +161,7 @@ def estimate_potentials(
     cfg: ProbeConfig,
     suffixes: ProbeSuffixes | None = None,
     policy_tokens: list[list[bool]] | None = None,
+    seed: int | None = None,
 ) -> PotentialResult:
     """Probe every state of a step in one batch and return Phi per boundary.
 
@@ -168,7 +170,9 @@ def estimate_potentials(
     shared by all its samples; the last potential is outcomes[i] with no probe.
     ``policy_tokens[i]`` (agents: ``[T_i]``, True at the policy's own tokens, False in the environment's
     replies): every boundary must sit at a policy token, so a probe's prefix ends in the policy's turn or
-    right after a whole reply, never inside one (refused otherwise).
+    right after a whole reply, never inside one (refused otherwise). ``seed``: the probes' seed
+    stream (``rollout/seeds.py``): the round that starts at sample c of each state samples with stream
+    ``derive_seed(seed, c)``, so the potentials repeat whatever the engines; None: the engines' own generators.
     """
     n = len(response_ids)
     _check_probe_inputs(prompt_ids, response_ids, boundaries, labels, outcomes)
@@ -177,7 +181,7 @@ def estimate_potentials(
     if suffixes is None:
         suffixes = ProbeSuffixes.from_tokenizer(engines.get_tokenizer(), cfg)
     batch = _probe_requests(prompt_ids, response_ids, boundaries, labels, suffixes)
-    run = _run_probe_rounds(engines, batch, scorer, cfg)
+    run = _run_probe_rounds(engines, batch, scorer, cfg, seed)
     phi = torch.tensor([t.estimate() for t in run.tallies], dtype=torch.float32)
 
     potentials, probe_scores = [], []
@@ -296,8 +300,9 @@ class _ProbeRun:
 
 
 def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Callable | object,
-                      cfg: ProbeConfig) -> _ProbeRun:
-    """Sample and score every state: one round of m (fixed), or rounds until the adaptive rule stops each state."""
+                      cfg: ProbeConfig, seed: int | None = None) -> _ProbeRun:
+    """Sample and score every state: one round of m (fixed), or rounds until the adaptive rule stops each state.
+    ``seed``: see :func:`estimate_potentials` (a round's requests are its active states in order)."""
     rule = cfg.rule()
     cap = rule.max_probes if rule is not None else cfg.num_probes
     checkpoints = rule.checkpoints() if rule is not None else [cap]
@@ -310,9 +315,8 @@ def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Calla
         if not active:
             break
         k = c - prev
-        sampling = SamplingConfig(
-            n=k, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, logprobs=False
-        )
+        sampling = SamplingConfig(n=k, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                                  logprobs=False, seed=None if seed is None else derive_seed(seed, prev))
         # one batch per round, in response order, each state keyed to its response's engine
         t0 = time.perf_counter()
         gens = engines.generate([requests[i] for i in active], sampling, affinity_keys=[keys[i] for i in active])

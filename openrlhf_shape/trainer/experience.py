@@ -33,6 +33,7 @@ from openrlhf_shape.algorithms.rollout_correction import (
 from openrlhf_shape.batch import ExperienceBatch, LogProbs, SequenceBatch, length_mask, pad_rows
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_potentials
+from openrlhf_shape.rollout.seeds import PROBES, ROLLOUT, derive_seed
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 
@@ -107,44 +108,51 @@ class ShapeExperienceMaker:
         self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
                         else None)
 
-    def make_experience(self, items: Sequence, log: StepLog | None = None) -> ExperienceBatch:
+    def make_experience(self, items: Sequence, log: StepLog | None = None,
+                        seed: int | None = None) -> ExperienceBatch:
         """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label), timed
         into ``log`` (the step's :class:`StepLog`; a fresh one when None). ``exp.metrics`` is the log's metrics
-        so far. The batch may be empty (every group filtered): then only generate and rewards ran."""
+        so far. The batch may be empty (every group filtered): then only generate and rewards ran. ``seed``: the
+        step's seed (``rollout/seeds.py:step_seed``), from which every rollout and probe request's seed derives
+        (None: the engines' own generators)."""
         log = log if log is not None else StepLog()
-        exp = self.rollout(items, log)
+        exp = self.rollout(items, log, seed)
         if len(exp):
-            exp = self.credit(self.old_policy(exp, log), log)
+            exp = self.credit(self.old_policy(exp, log), log, seed)
         exp.metrics = log.metrics
         return exp
 
     # The three stages of make_experience, by the side of the cluster that does the work (the asynchronous
     # schedule, trainer/schedule.py, runs them in other windows and threads; the phases stay in one list).
-    def rollout(self, items: Sequence, log: StepLog) -> ExperienceBatch:
-        """Engines (and the reward pool): ``generate``, ``rewards``."""
-        exp = log.phase("generate", self.generate, items)
+    def rollout(self, items: Sequence, log: StepLog, seed: int | None = None) -> ExperienceBatch:
+        """Engines (and the reward pool): ``generate``, ``rewards`` (``seed``: see :meth:`make_experience`)."""
+        exp = log.phase("generate", self.generate, items, seed)
         return log.phase("rewards", self.rewards, exp)
 
     def old_policy(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
         """Ranks: ``logprobs`` (old log-probs and entropy)."""
         return log.phase("logprobs", self.logprobs, exp)
 
-    def credit(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
-        """Engines (probes) and the driver: ``segment``, ``probes``, ``advantages``."""
+    def credit(self, exp: ExperienceBatch, log: StepLog, seed: int | None = None) -> ExperienceBatch:
+        """Engines (probes) and the driver: ``segment``, ``probes``, ``advantages`` (``seed``: the step's, as the
+        batch's :meth:`rollout` had)."""
         boundaries = log.phase("segment", self.segment, exp)
-        potentials = log.phase("probes", self.probes, exp, boundaries)
+        potentials = log.phase("probes", self.probes, exp, boundaries, seed)
         return log.phase("advantages", self.advantages, exp, boundaries, potentials)
 
     # ------------------------------------------------------------------ phases
-    def generate(self, items: Sequence) -> PhaseOutput:
-        """n samples per prompt from the engines -> an :class:`ExperienceBatch` (no rewards yet)."""
+    def generate(self, items: Sequence, seed: int | None = None) -> PhaseOutput:
+        """n samples per prompt from the engines -> an :class:`ExperienceBatch` (no rewards yet); sample j of
+        prompt i samples with ``request_seed(derive_seed(seed, ROLLOUT), i, j)`` when ``seed`` is given."""
         import time
 
         if self.agent is not None:
             return self._generate_episodes(items)
         n = self.sampling.n
+        sampling = self.sampling if seed is None else dataclasses.replace(self.sampling,
+                                                                          seed=derive_seed(seed, ROLLOUT))
         t0 = time.perf_counter()
-        gens = self.engines.generate([list(it.prompt_ids) for it in items], self.sampling)
+        gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
         seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
@@ -269,9 +277,10 @@ class ShapeExperienceMaker:
         return PhaseOutput(segment_batch(cols.gather(exp.entropy), cols.mask, self.shape, token_ids=ids,
                                          delimiter_token_ids=self._delims), {})
 
-    def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None) -> PhaseOutput:
+    def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None, seed: int | None = None) -> PhaseOutput:
         """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state; ``boundaries``
-        are counted in the policy's tokens (:meth:`segment`), the states are prompt + response up to them."""
+        are counted in the policy's tokens (:meth:`segment`), the states are prompt + response up to them (seed
+        stream ``derive_seed(seed, PROBES)`` when the step's ``seed`` is given)."""
         if boundaries is None:
             return PhaseOutput(None, {})
         policy = exp.loss_mask()
@@ -281,6 +290,7 @@ class ShapeExperienceMaker:
             [float(x) for x in exp.rewards], self.reward, self.probe_cfg, suffixes=self.suffixes,
             policy_tokens=None if exp.action_mask is None else [row[:len(r)].tolist() for row, r in
                                                                 zip(policy, exp.responses)],
+            seed=None if seed is None else derive_seed(seed, PROBES),
         )
         metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
         metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]

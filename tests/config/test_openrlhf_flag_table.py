@@ -56,9 +56,14 @@ def test_every_refusal_is_one_line_that_says_why():
     assert refusal("logger.logging_steps", 1) is None and refusal("logger.logging_steps", "5")
 
 
-@pytest.mark.parametrize("name", ["ds.packing_samples", "critic.model_name_or_path", "ref.num_nodes", "algo.kl.use_loss"])
+@pytest.mark.parametrize("name", ["ds.ring_attn_size", "critic.model_name_or_path", "ref.num_nodes", "algo.kl.use_loss"])
 def test_parts_we_do_not_have_are_named(name):
     assert refusal(name, True).startswith(f"--{name}: ")
+
+
+def test_packing_samples_is_accepted_as_always_on():
+    # samples are packed into one row on both backends (actor/batching.py); OpenRLHF's switch has no effect
+    assert refusal("ds.packing_samples", True) is None and refusal("ds.packing_samples", False) is None
 
 
 def test_compat_doc_table_is_the_table():

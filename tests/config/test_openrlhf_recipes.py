@@ -29,10 +29,9 @@ RECIPES = ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_age
 PENDING = {
     "ref.num_nodes": "i3x-kl", "ref.num_gpus_per_node": "i3x-kl", "algo.kl.init_coef": "i3x-kl",
     "algo.kl.use_loss": "i3x-kl", "algo.kl.estimator": "i3x-kl",
-    "algo.advantage.estimator": "i3x-est (reinforce_baseline)",
     "train.agent_func_path": "i3x-agent",
 }
-LONG = {"ds.packing_samples", "ds.ring_attn_size", "ds.ring_attn_head_stride", "train.partial_rollout_enable"}
+LONG = {"ds.ring_attn_size", "ds.ring_attn_head_stride", "train.partial_rollout_enable"}
 PPO_PARTS = {  # flag -> the part its refusal names
     "critic.num_nodes": "no critic", "critic.num_gpus_per_node": "no critic", "critic.adam.lr": "no critic",
     "reward.num_nodes": "no reward-model actor", "reward.num_gpus_per_node": "no reward-model actor",
@@ -40,12 +39,11 @@ PPO_PARTS = {  # flag -> the part its refusal names
 }
 # What stays refused once the pending work has landed, per script.
 FINAL = {
-    "dapo": {"ds.packing_samples"},
-    "prorlv2_math": {"ds.packing_samples"},
-    "reinforce_baseline": {"ds.packing_samples", "ds.ring_attn_size", "ds.ring_attn_head_stride"},
-    "reinforce_baseline_agent_async": {"ds.packing_samples", "ds.ring_attn_size", "ds.ring_attn_head_stride",
-                                       "train.partial_rollout_enable"},
-    "ppo": {"ds.packing_samples"} | set(PPO_PARTS),
+    "dapo": set(),
+    "prorlv2_math": set(),
+    "reinforce_baseline": {"ds.ring_attn_size", "ds.ring_attn_head_stride"},
+    "reinforce_baseline_agent_async": {"ds.ring_attn_size", "ds.ring_attn_head_stride", "train.partial_rollout_enable"},
+    "ppo": set(PPO_PARTS),
 }
 BEFORE = {"dapo": 7, "prorlv2_math": 9, "reinforce_baseline": 12, "reinforce_baseline_agent_async": 13, "ppo": 12}
 
