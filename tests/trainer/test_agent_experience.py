@@ -57,9 +57,8 @@ def _maker(parts, tok, estimator: str) -> ShapeExperienceMaker:
 def step(parts, tiny_tokenizer):
     """The SHAPE step's phases, as ``ShapeExperienceMaker.make_experience`` runs them, keeping the boundaries."""
     maker = _maker(parts, tiny_tokenizer, "shape")
-    parts[0].reseed(0)
     log = StepLog()
-    exp = maker.old_policy(maker.rollout(parts[1], log), log)
+    exp = maker.old_policy(maker.rollout(parts[1], log, seed=0), log)
     boundaries = log.phase("segment", maker.segment, exp)
     potentials = log.phase("probes", maker.probes, exp, boundaries)
     exp = log.phase("advantages", maker.advantages, exp, boundaries, potentials)
