@@ -42,6 +42,7 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     _check_probes(cfg, estimator)
     _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
+    _check_agent(cfg, check_paths)
 
 
 def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
@@ -171,3 +172,16 @@ def _check_paths(cfg: "TrainConfig", check_paths: bool) -> None:
     if check_paths and model != "demo" and not os.path.isdir(model):
         raise FileNotFoundError(
             f"--actor.model_name_or_path: {model} is not a Hugging Face model directory (or use 'demo')")
+
+
+def _check_agent(cfg: "TrainConfig", check_paths: bool) -> None:
+    """An agent file is a .py file (OpenRLHF loads nothing else); its episodes cannot replay MoE routing."""
+    path = cfg.train.agent_func_path
+    if not path:
+        return
+    _need(str(path).endswith(".py"), "train.agent_func_path",
+          f"{path!r}: give a .py file that defines AgentExecutor (OpenRLHF's agent interface)")
+    _need(not check_paths or os.path.isfile(path), "train.agent_func_path", f"file {path} does not exist")
+    _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
+          "r3 replays the engines' routing of one generate call per sample; an agent's episode spans several "
+          "calls and the environment's replies: use r2 with --train.agent_func_path")

@@ -243,7 +243,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("reward.stop_properly_penalty_coef", None, SAME,
        why="responses cut at --rollout.max_new_tokens (finish reason 'length'): reward x coef for coef in [0, 1], "
            "reward = coef for coef < 0; before --reward.clip_range and any baseline, as in OpenRLHF"),
-    _f("train.agent_func_path", None, REFUSED, why="multi-turn agents are not supported; single-turn reward via --reward.remote_url"),
+    _f("train.agent_func_path", None, SAME, why="OpenRLHF agent files run unchanged on the engines; the environment's replies get no loss and no credit (the Agents section of this page)"),
     # ---- data and eval
     _f("actor.model_name_or_path", None, SAME),
     _f("data.prompt_dataset", None, SAME),

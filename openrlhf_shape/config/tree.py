@@ -99,6 +99,8 @@ class TrainSection:
     ray_address: str | None = None  # None: start a local Ray; "auto": join `ray start --head`
     gpus_per_node: int = 8  # GPUs per cluster node (placement keeps TP groups and engines inside one)
     num_nodes: int | None = None  # cluster nodes; None: as many as the layout needs (checked against Ray)
+    # An OpenRLHF agent file (AgentExecutor over AgentInstanceBase): the samples are its episodes (rollout/agents.py)
+    agent_func_path: str | None = None
 
 
 @dataclass

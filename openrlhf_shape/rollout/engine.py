@@ -9,6 +9,8 @@ around (whole prefills for seeded requests, small KV block, explicit KV space).
 
 from __future__ import annotations
 
+import copy
+
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -95,6 +97,9 @@ class SamplingConfig:
     logprobs: bool = False  # return the sampled token's log-prob per generated token
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Generation.text with special tokens removed (vLLM's default) or kept (what OpenRLHF's rollout asks for,
+    # so an agent's environment reads the action text with them: rollout/agents.py)
+    skip_special_tokens: bool = True
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -126,6 +131,7 @@ class SamplingConfig:
             logprobs=0 if self.logprobs else None,
             stop=list(self.stop) if self.stop else None,
             stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -284,10 +290,15 @@ class VLLMEngine:
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
-                 prompt_indices: Sequence[int] | None = None) -> list[Generation]:
+                 prompt_indices: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
+                 request_seeds: Sequence[int] | None = None) -> list[Generation]:
         """n samples per prompt, ordered by prompt then sample. prompt_token_ids: [prompts][tokens].
         ``prompt_indices``: each prompt's index in the caller's whole call (an engine group's dispatch hands each
-        engine a share; default: its position here), which a seeded call's request seeds derive from."""
+        engine a share; default: its position here), which a seeded call's request seeds derive from.
+        ``max_tokens``: a token limit per prompt instead of ``sampling.max_tokens`` (agents: every episode's turn
+        has its own budget, and the turns of a step still go out as one batch; rollout/agents.py).
+        ``request_seeds``: each prompt's own request seed (n = 1; agents: one per episode turn), instead of the
+        seeds derived from ``sampling.seed`` and ``prompt_indices``."""
         from vllm.inputs import TokensPrompt
 
         if self._asleep or self._kv_asleep:
@@ -302,6 +313,21 @@ class VLLMEngine:
         params = _request_params(sampling, range(len(prompts)) if prompt_indices is None else prompt_indices,
                                  len(prompts))
         requests = [prompts[p] for p in range(len(prompts)) for _ in range(sampling.n)]
+        if request_seeds is not None:
+            if sampling.n != 1 or len(request_seeds) != len(prompts):
+                raise ValueError(f"request_seeds: one seed per prompt at n = 1, got {len(request_seeds)} seeds for "
+                                 f"{len(prompts)} prompts at n = {sampling.n}")
+            one = SamplingConfig(**{**asdict(sampling), "n": 1})
+            params = [one.to_vllm(int(seed)) for seed in request_seeds]
+        if max_tokens is not None:
+            if len(max_tokens) != len(prompts):
+                raise ValueError(f"max_tokens has {len(max_tokens)} limits for {len(prompts)} prompts")
+            # per-prompt caps on top of the (possibly seeded) per-request params
+            shared = params if not isinstance(params, list) else None
+            params = [copy.copy(shared if shared is not None else params[p * sampling.n + j])
+                      for p in range(len(prompts)) for j in range(sampling.n)]
+            for k, req in enumerate(params):
+                req.max_tokens = int(max_tokens[k // sampling.n])
         outs = self.llm.generate(requests, params, use_tqdm=False)
         result: list[Generation] = []
         for r_idx, out in enumerate(outs):

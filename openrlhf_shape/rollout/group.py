@@ -91,6 +91,11 @@ def start_engines(
 # ---------------------------------------------------------------------------------------------------
 
 
+def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None:
+    """One engine's share of a per-prompt list of a call (token limits, request seeds; None: none given)."""
+    return None if max_tokens is None else [int(max_tokens[i]) for i in idxs]
+
+
 def _is_actor(engine) -> bool:
     try:
         from ray.actor import ActorHandle
@@ -161,16 +166,19 @@ class EngineGroup:
         prompt_token_ids: list[list[int]],
         sampling: SamplingConfig,
         affinity_keys: Sequence[Hashable] | None = None,
+        max_tokens: Sequence[int] | None = None,
+        request_seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list). A seeded call
-        (``sampling.seed``) samples the same whatever the number of engines and the dispatch: each engine is told
-        its prompts' indices in this call, from which every request's seed derives."""
+        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list; ``max_tokens``:
+        an optional limit per prompt; ``request_seeds``: an optional seed per prompt). A seeded call (``sampling.seed``) samples the same whatever the number of
+        engines and the dispatch: each engine is told its prompts' indices in this call, from which every
+        request's seed derives."""
         if not prompt_token_ids:
             return []
         with self.clock.working():
-            return self._generate(prompt_token_ids, sampling, affinity_keys)
+            return self._generate(prompt_token_ids, sampling, affinity_keys, max_tokens, request_seeds)
 
-    def _generate(self, prompt_token_ids, sampling, affinity_keys) -> list[Generation]:
+    def _generate(self, prompt_token_ids, sampling, affinity_keys, max_tokens=None, request_seeds=None) -> list[Generation]:
         assign = self.plan(prompt_token_ids, sampling.n, affinity_keys)
         per_engine: list[list[int]] = [[] for _ in self.engines]
         for i, e in enumerate(assign):
@@ -182,13 +190,15 @@ class EngineGroup:
             refs = {}
             for e, idxs in enumerate(per_engine):
                 if idxs:
-                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling, idxs)
+                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling, idxs,
+                                                              _caps(max_tokens, idxs), _caps(request_seeds, idxs))
             for e, out in zip(refs.keys(), ray.get(list(refs.values()))):
                 results[e] = out
         else:
             for e, idxs in enumerate(per_engine):
                 if idxs:
-                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling, idxs)
+                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling, idxs,
+                                                          _caps(max_tokens, idxs), _caps(request_seeds, idxs))
         merged: list[Generation] = []
         for e, idxs in enumerate(per_engine):
             for g in results[e] or []:

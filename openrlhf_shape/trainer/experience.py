@@ -71,6 +71,10 @@ class ShapeExperienceMaker:
             estimators (GRPO, REINFORCE++, ...) clamp their baselined outcome, as OpenRLHF.
         stop_properly_penalty_coef: truncated responses' rewards scaled by it (in [0, 1]) or set to it (< 0),
             before any clip or baseline (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
+        agent: an :class:`~openrlhf_shape.rollout.agents.AgentRunner` (``--train.agent_func_path``): the
+            samples are its episodes, their rewards its own (the reward function scores the episodes it leaves
+            without one). Credit (segments, probes, advantages) and the loss then cover only the policy's
+            turns (``ExperienceBatch.action_mask``), never the environment's replies.
 
     With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
@@ -81,7 +85,7 @@ class ShapeExperienceMaker:
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
                  reward_clip_range: tuple[float, float] = (-10.0, 10.0),
-                 stop_properly_penalty_coef: float | None = None):
+                 stop_properly_penalty_coef: float | None = None, agent=None):
         self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
         untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
         if self.correction.level != "off" and not untruncated:
@@ -99,6 +103,7 @@ class ShapeExperienceMaker:
         self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
+        self.agent = agent
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
         self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
                         else None)
@@ -141,9 +146,11 @@ class ShapeExperienceMaker:
         prompt i samples with ``request_seed(derive_seed(seed, ROLLOUT), i, j)`` when ``seed`` is given."""
         import time
 
-        n = self.sampling.n
         sampling = self.sampling if seed is None else dataclasses.replace(self.sampling,
                                                                           seed=derive_seed(seed, ROLLOUT))
+        if self.agent is not None:
+            return self._generate_episodes(items, sampling)
+        n = self.sampling.n
         t0 = time.perf_counter()
         gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
         seconds = time.perf_counter() - t0
@@ -175,8 +182,20 @@ class ShapeExperienceMaker:
             "rollout/tokens_per_s": float(lf.sum()) / max(seconds, 1e-9),
         })
 
-    def rewards(self, exp: ExperienceBatch) -> PhaseOutput:
-        """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
+    def _generate_episodes(self, items: Sequence, sampling: SamplingConfig) -> PhaseOutput:
+        """The agent's episodes (``--train.agent_func_path``), n per prompt, as an :class:`ExperienceBatch`
+        with its ``action_mask`` and, when the agent gave them, rewards and scores."""
+        from openrlhf_shape.rollout.agent_batch import agent_metrics, episodes_to_batch, parse_episode
+
+        run = self.agent.run(self.engines, items, sampling)  # sampling.seed: the step's stream (episode turns)
+        n = self.sampling.n
+        episodes = [parse_episode(out, items[e // n], self.agent.max_length, e) for e, out in enumerate(run.outputs)]
+        return PhaseOutput(episodes_to_batch(episodes, self.tokenizer), agent_metrics(episodes, run.stats))
+
+    def _outcomes(self, exp: ExperienceBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``(rewards [B], scores [B], extra-log metrics)``: an agent's own, else the reward function's."""
+        if exp.rewards is not None:  # the agent's (rollout/agent_batch.py); its extra logs came with generate
+            return exp.rewards, exp.scores, {}
         # OpenRLHF hands reward_func the decoded prompt + response tokens, special tokens kept.
         out = self.reward.compute(
             queries=[self.tokenizer.decode(seq, skip_special_tokens=False) for seq in exp.sequences],
@@ -184,7 +203,12 @@ class ShapeExperienceMaker:
             labels=[it.label for it in exp.items],
             responses=exp.texts,
         )
-        rewards, metrics = out["rewards"].float(), dict(out.get("extra_logs", {}))
+        return out["rewards"], out["scores"], dict(out.get("extra_logs", {}))
+
+    def rewards(self, exp: ExperienceBatch) -> PhaseOutput:
+        """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
+        rewards, scores, metrics = self._outcomes(exp)
+        rewards = rewards.float()
         if self.stop_properly_coef is not None:  # OpenRLHF: on the raw rewards, before the clip and any baseline
             if exp.truncated is None:
                 raise RuntimeError("--reward.stop_properly_penalty_coef: this batch carries no truncation flags "
@@ -194,12 +218,12 @@ class ShapeExperienceMaker:
         # SHAPE/MRT: R is the last potential, clipped as it comes; the outcome estimators clip their baselined
         # outcome instead (OpenRLHF's order), in the advantages phase.
         exp.rewards = rewards.clamp(*self.reward_clip_range) if self.estimator.needs_segments else rewards
-        exp.scores = out["scores"].float()
+        exp.scores = scores.float()
         if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
                 "SHAPE/MRT use the outcome as the final potential, so rewards must lie in [0, 1]; the reward "
-                "function (--reward.remote_url) returned values outside it. Rescale it, or use "
-                "--algo.advantage.estimator group_norm (GRPO)"
+                "function (--reward.remote_url) or the agent (--train.agent_func_path) returned values outside it. "
+                "Rescale it, or use --algo.advantage.estimator group_norm (GRPO)"
             )
         grouped = exp.rewards.view(-1, self.sampling.n)
         metrics["rollout/accuracy"] = float(exp.scores.mean())
@@ -230,7 +254,11 @@ class ShapeExperienceMaker:
         lp, ent = out.padded(mask.shape[1])
         exp.old_log_probs = torch.where(mask, lp.float(), torch.zeros_like(lp, dtype=torch.float32))
         exp.entropy = torch.where(mask, ent.float(), torch.zeros_like(ent, dtype=torch.float32))
+        mask = exp.loss_mask()  # the policy's tokens: an agent's environment replies carry no sampled log-prob
         metrics: dict[str, Any] = {"actor/old_entropy/mean": float(exp.entropy[mask].mean())}
+        if exp.rollout_log_probs is None and self.correction.level != "off":
+            raise ValueError("--algo.advantage.is_correction_level needs the engines' log-probs of every sampled "
+                             "token; the agent's episodes came without them (its sampling_params dropped logprobs)")
         if exp.rollout_log_probs is not None:  # vLLM's vs the trainer's log-probs of the sampled tokens
             for k, v in rollout_mismatch_metrics(exp.old_log_probs, exp.rollout_log_probs, mask).items():
                 metrics[f"rollout/mismatch/{k}"] = v
@@ -244,19 +272,25 @@ class ShapeExperienceMaker:
         """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""
         if not self.estimator.needs_segments:
             return PhaseOutput(None, {})
-        ids = exp.response_ids() if self._delims is not None else None
-        return PhaseOutput(segment_batch(exp.entropy, exp.response_mask, self.shape, token_ids=ids,
+        cols = exp.action_columns()  # boundaries counted in the policy's tokens (an agent's replies left out)
+        ids = cols.gather(exp.response_ids()) if self._delims is not None else None
+        return PhaseOutput(segment_batch(cols.gather(exp.entropy), cols.mask, self.shape, token_ids=ids,
                                          delimiter_token_ids=self._delims), {})
 
     def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None, seed: int | None = None) -> PhaseOutput:
-        """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state (seed stream
-        ``derive_seed(seed, PROBES)`` when the step's ``seed`` is given)."""
+        """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state; ``boundaries``
+        are counted in the policy's tokens (:meth:`segment`), the states are prompt + response up to them (seed
+        stream ``derive_seed(seed, PROBES)`` when the step's ``seed`` is given)."""
         if boundaries is None:
             return PhaseOutput(None, {})
+        policy = exp.loss_mask()
         pot = estimate_potentials(
-            self.engines, [list(it.prompt_ids) for it in exp.items], exp.responses, boundaries_as_lists(boundaries),
-            [it.label for it in exp.items], [float(x) for x in exp.rewards], self.reward, self.probe_cfg,
-            suffixes=self.suffixes, seed=None if seed is None else derive_seed(seed, PROBES),
+            self.engines, [s[:p] for s, p in zip(exp.sequences, exp.prompt_lens)], exp.responses,
+            boundaries_as_lists(exp.action_columns().to_response(boundaries)), [it.label for it in exp.items],
+            [float(x) for x in exp.rewards], self.reward, self.probe_cfg, suffixes=self.suffixes,
+            policy_tokens=None if exp.action_mask is None else [row[:len(r)].tolist() for row, r in
+                                                                zip(policy, exp.responses)],
+            seed=None if seed is None else derive_seed(seed, PROBES),
         )
         metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
         metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]
@@ -265,12 +299,20 @@ class ShapeExperienceMaker:
 
     def advantages(self, exp: ExperienceBatch, boundaries: torch.Tensor | None,
                    potentials: torch.Tensor | None) -> PhaseOutput:
-        """Token advantages ``[B, T]`` from the registered estimator (and TCR)."""
+        """Token advantages ``[B, T]`` from the registered estimator (and TCR); 0 at an agent's environment replies.
+        SHAPE/MRT work on the policy's tokens only (segment lengths, TCR statistics); the outcome estimators on
+        the response with the policy's tokens as their mask (OpenRLHF's action mask: a discount still steps over
+        a reply's positions, as there)."""
+        if self.estimator.needs_segments:
+            cols = exp.action_columns()
+            mask, entropy = cols.mask, cols.gather(exp.entropy)
+        else:
+            cols, mask, entropy = None, exp.loss_mask(), exp.entropy
         res = compute_token_advantages(
-            self.estimator, exp.response_mask, exp.rewards,
+            self.estimator, mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
-            max_response_len=self.sampling.max_tokens, entropy=exp.entropy, boundaries=boundaries,
+            max_response_len=self.sampling.max_tokens, entropy=entropy, boundaries=boundaries,
             potentials=potentials, reward_clip_range=self.reward_clip_range,
         )
-        exp.advantages = res.token_advantages
-        return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(res.token_advantages[exp.response_mask].mean())})
+        exp.advantages = res.token_advantages if cols is None else cols.scatter(res.token_advantages)
+        return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(exp.advantages[exp.loss_mask()].mean())})

@@ -117,6 +117,20 @@ def _check_model_fits_backend(cfg: TrainConfig, mcfg, model_config, model_dir: s
                          "policy on --actor.backend megatron; set --megatron.routing_replay none (docs/moe.md)")
 
 
+def build_agent(cfg: TrainConfig, tokenizer):
+    """The agent runner of ``--train.agent_func_path`` (None without one): episodes of up to
+    ``--data.max_prompt_len`` + ``--rollout.max_new_tokens`` tokens, OpenRLHF's ``--data.max_len``."""
+    if not cfg.train.agent_func_path:
+        return None
+    from openrlhf_shape.rollout.agents import AgentRunner
+
+    runner = AgentRunner(cfg.train.agent_func_path, tokenizer, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    log.info("agent: %s (episodes of up to %d tokens; the environment's replies get no loss and no credit)%s",
+             cfg.train.agent_func_path, runner.max_length,
+             "; held-out eval stays single-turn (Math-Verify on one generation)" if cfg.eval.dataset else "")
+    return runner
+
+
 def build_run(cfg: TrainConfig) -> Run:
     """Build every component; the engines and the Megatron ranks start concurrently."""
     from transformers import AutoConfig, AutoTokenizer
@@ -163,7 +177,8 @@ def build_run(cfg: TrainConfig) -> Run:
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range),
-                                 stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef)
+                                 stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef,
+                                 agent=build_agent(cfg, tokenizer))
     schedule = make_schedule(cfg, maker, batcher, engines)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0

