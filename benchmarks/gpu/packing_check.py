@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 MEGATRON_TESTS = os.path.join(REPO, "tests", "megatron")
 CFG = dict(lr=2e-3, lr_scheduler="constant", total_steps=2, micro_batch_max_tokens=2048, max_norm=0.0,
-           entropy_chunk_size=256, bf16=False)
+           entropy_chunk_size=256, bf16=False, layer_spec="local")
 CPU_TOLERANCES = {"log_probs_entropy_packed_vs_padded": 1e-5, "grad_rel_packed_vs_padded": 1e-5,
                   "megatron_vs_hf": 1e-4, "deepspeed_vs_hf": 1e-5}
 
@@ -132,7 +132,7 @@ def parity(workdir: str, timeout: float) -> dict:
         env = None if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
         ds = run_ranks("packing_scenarios:zero_packing_run", 1, timeout=timeout, extra_pythonpath=[MEGATRON_TESTS],
                        env=env,
-                       kwargs=dict(cfg={k: v for k, v in CFG.items() if k != "bf16"},
+                       kwargs=dict(cfg={k: v for k, v in CFG.items() if k not in ("bf16", "layer_spec")},
                                    zero={"zero_stage": 2, "param_dtype": "fp32"}, model_dirs=models, batch=batch))
         out["deepspeed"] = {arch: _compare(ds, arch, hf[arch], n) for arch in models}
     except Exception as exc:  # noqa: BLE001  (recorded; timing still runs)
