@@ -43,7 +43,7 @@ def _lengths(n: int, median: int, cap: int, seed: int) -> list[int]:
 
 
 def timing_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, model_dir: str,
-               batch: dict, repeats: int) -> dict:
+               batch: dict, repeats: int, profile: bool = False) -> dict:
     """Median seconds of ``train_step`` and ``compute_logprobs_and_entropy``, packed and padded (one warm-up each)."""
     import torch
 
@@ -76,11 +76,31 @@ def timing_run(*, rank: int, world_size: int, master_addr: str, master_port: int
                 times["logprobs"].append(t1 - t0)
                 times["train_step"].append(time.perf_counter() - t1)
         out[name] = {k: {"median_s": statistics.median(v), "all_s": v} for k, v in times.items()}
+        if profile:
+            out[name]["profile"] = _profile_step(worker, steps[0])
         if torch.cuda.is_available():
             out[name]["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
     worker.shutdown()
     return out
+
+
+def _profile_step(worker, step) -> dict:
+    """One training step under torch's profiler: the 30 costliest ops by device time, and the host-device
+    synchronisations (``aten::_local_scalar_dense`` = ``.item()``/``.tolist()`` of a device tensor)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        worker.train_step(step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    avg = prof.key_averages()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    syncs = {e.key: e.count for e in avg if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize",
+                                                        "cudaDeviceSynchronize", "aten::item")}
+    return {"table": avg.table(sort_by=sort, row_limit=30, max_name_column_width=60), "sync_counts": syncs}
 
 
 def _diff(a, b) -> float:
@@ -141,7 +161,7 @@ def parity(workdir: str, timeout: float) -> dict:
     return out
 
 
-def timing(workdir: str, timeout: float, smoke: bool) -> dict:
+def timing(workdir: str, timeout: float, smoke: bool, profile: bool = False) -> dict:
     import torch
 
     from kit_models import random_hf_model_dir
@@ -166,7 +186,8 @@ def timing(workdir: str, timeout: float, smoke: bool) -> dict:
            "entropy_chunk_size": 1024 if gpu else 64, "lr": 1e-6, "use_distributed_optimizer": True}
     res = run_ranks(f"{os.path.splitext(os.path.basename(__file__))[0]}:timing_run", 1, timeout=timeout,
                     extra_pythonpath=[HERE, MEGATRON_TESTS], threads_per_rank=8 if gpu else 1,
-                    kwargs=dict(cfg=cfg, model_dir=model_dir, batch=batch, repeats=3 if gpu else 1))[0]
+                    kwargs=dict(cfg=cfg, model_dir=model_dir, batch=batch, repeats=3 if gpu else 1,
+                                profile=profile))[0]
     res["plan"] = padding_report([len(s) for s in batch["sequences"]], mb_tokens)
     res["sequence_lengths"] = [len(s) for s in batch["sequences"]]
     res["model"] = {"config": "Qwen3-0.6B", "overrides": overrides, "dtype": "bf16" if gpu else "fp32"}
@@ -181,6 +202,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--parts", default="parity,timing")
+    ap.add_argument("--profile", action="store_true", help="timing: one step of each layout under torch's profiler")
     args = ap.parse_args()
     sys.path[:0] = [HERE, MEGATRON_TESTS]
     os.makedirs(args.out, exist_ok=True)
@@ -190,7 +212,7 @@ def main() -> None:
     for part in args.parts.split(","):
         t0 = time.time()
         try:
-            result[part] = parity(workdir, args.timeout) if part == "parity" else timing(workdir, args.timeout, args.smoke)
+            result[part] = parity(workdir, args.timeout) if part == "parity" else timing(workdir, args.timeout, args.smoke, args.profile)
         except Exception as exc:  # noqa: BLE001  (recorded; the next part still runs)
             result[part] = {"error": f"{type(exc).__name__}: {str(exc)[-4000:]}"}
         result[part]["wall_seconds"] = time.time() - t0
