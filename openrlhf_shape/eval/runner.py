@@ -5,7 +5,8 @@ generate N samples per problem in chunks of ``chunk_size`` problems -> score eve
 Math-Verify -> append the finished problems -> (after all benchmarks) the report with bootstrap CIs.
 
 The generation backend is anything with ``generate(prompt_token_ids: [prompts][tokens],
-sampling: SamplingConfig) -> list[Generation]`` (``VLLMEngine`` or ``EngineGroup``). Engines
+sampling: SamplingConfig, request_seeds=[seed per prompt]) -> list[Generation]`` (``VLLMEngine`` or
+``EngineGroup``); every sample is its own request with a seed from (``--seed``, benchmark, problem, sample index). Engines
 are started only when some problem still needs generating, so a fully resumed run never starts vLLM.
 """
 
@@ -27,7 +28,8 @@ from openrlhf_shape.eval.store import ResultStore
 
 
 class GenerationBackend(Protocol):
-    def generate(self, prompt_token_ids: list[list[int]], sampling: Any) -> list[Any]: ...
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Any,
+                 request_seeds: Sequence[int] | None = None) -> list[Any]: ...
 
 
 class Scorer(Protocol):
@@ -70,6 +72,15 @@ def _record(problem: Problem, gens: Sequence[Any], scores: Sequence[float], save
     return rec
 
 
+def problem_seeds(run_seed: int, benchmark: str, problem_id: str, n: int) -> list[int]:
+    """The request seeds of a problem's ``n`` samples: from (``--seed``, the benchmark, the problem), so a problem
+    samples the same whatever the chunking, the engines, a resume or the problems done before it (an unseeded
+    request on vLLM 0.32's GPU runner draws from numpy's global generator: rollout/seeds.py)."""
+    from openrlhf_shape.rollout.seeds import EVAL, derive_seed
+
+    return [derive_seed(run_seed, EVAL, benchmark, problem_id, j) for j in range(n)]
+
+
 def run_benchmark_chunk(
     backend: GenerationBackend,
     scorer: Scorer,
@@ -77,17 +88,30 @@ def run_benchmark_chunk(
     prompt_ids: Sequence[list[int]],
     sampling: Any,
     save_responses: bool = True,
+    seeds: Sequence[Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Generate ``sampling.n`` samples for each problem, score them, return one record per problem."""
-    gens = backend.generate([list(p) for p in prompt_ids], sampling)
-    by_prompt: dict[int, list[Any]] = defaultdict(list)
-    for g in gens:
-        by_prompt[g.prompt_index].append(g)
+    """Generate ``sampling.n`` samples for each problem, score them, return one record per problem.
+    ``seeds``: per problem, its samples' request seeds (:func:`problem_seeds`); each sample is then its own
+    request (n = 1) with its own seed."""
+    n = sampling.n
+    if seeds is None:
+        gens = backend.generate([list(p) for p in prompt_ids], sampling)
+        keyed = [(g.prompt_index, g.sample_index, g) for g in gens]
+    else:
+        if len(seeds) != len(problems) or any(len(s) != n for s in seeds):
+            raise ValueError(f"seeds: {n} per problem for {len(problems)} problems expected")
+        one = dataclasses.replace(sampling, n=1)
+        gens = backend.generate([list(p) for p in prompt_ids for _ in range(n)], one,
+                                request_seeds=[s for per in seeds for s in per])
+        keyed = [(g.prompt_index // n, g.prompt_index % n, g) for g in gens]
+    by_prompt: dict[int, list[tuple[int, Any]]] = defaultdict(list)
+    for i, j, g in keyed:
+        by_prompt[i].append((j, g))
     for i, p in enumerate(problems):
         got = len(by_prompt.get(i, []))
-        if got != sampling.n:
-            raise RuntimeError(f"problem {p.problem_id!r}: the engine returned {got} samples, expected {sampling.n}")
-    ordered = [sorted(by_prompt[i], key=lambda g: g.sample_index) for i in range(len(problems))]
+        if got != n:
+            raise RuntimeError(f"problem {p.problem_id!r}: the engine returned {got} samples, expected {n}")
+    ordered = [[g for _, g in sorted(by_prompt[i], key=lambda x: x[0])] for i in range(len(problems))]
     texts = [g.text for gs in ordered for g in gs]
     labels = [p.answer for p, gs in zip(problems, ordered) for _ in gs]
     scores = scorer.score(texts, labels)
@@ -222,8 +246,9 @@ def _generate(cfg: EvalConfig, plan: list[_BenchmarkWork], backend: GenerationBa
         for start in range(0, len(todo), step):
             chunk = todo[start : start + step]
             bar.set_postfix_str(bench.name)
+            seeds = [problem_seeds(cfg.engine.seed, bench.name, p.problem_id, sampling.n) for p in chunk]
             records = run_benchmark_chunk(
-                backend, scorer, chunk, ids[start : start + step], sampling, cfg.save_responses
+                backend, scorer, chunk, ids[start : start + step], sampling, cfg.save_responses, seeds
             )
             store.append(records)
             bar.update(len(chunk))

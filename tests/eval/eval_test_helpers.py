@@ -14,26 +14,36 @@ class ScriptedBackend:
     is the eval's generation protocol fed from a script, to check the arithmetic exactly).
 
     ``script[question]`` = list of (text, num_tokens, finish_reason), one per sample. The question
-    is found in the decoded prompt. ``calls`` records the questions of every generate call.
+    is found in the decoded prompt. ``calls`` records the questions of every generate call (each question
+    once). With ``request_seeds`` (the runner's seeded path) each sample is its own n = 1 request: the k-th
+    request of a question in a call gets the script's k-th sample; ``seeds`` records the seeds per question.
     """
 
     def __init__(self, tokenizer, script: dict[str, list[tuple[str, int, str]]]):
         self.tok = tokenizer
         self.script = script
         self.calls: list[list[str]] = []
+        self.seeds: dict[str, list[int]] = {}
 
-    def generate(self, prompt_token_ids, sampling):
+    def generate(self, prompt_token_ids, sampling, request_seeds=None):
         out, asked = [], []
         for i, ids in enumerate(prompt_token_ids):
             text = self.tok.decode(ids)
             matches = [q for q in self.script if q in text]
             assert len(matches) == 1, f"prompt matches {matches}: {text!r}"
-            asked.append(matches[0])
             samples = self.script[matches[0]]
-            assert len(samples) == sampling.n
-            for j, (resp, ntok, reason) in enumerate(samples):
+            if request_seeds is None:
+                assert len(samples) == sampling.n
+                chosen = list(enumerate(samples))
+            else:
+                assert sampling.n == 1 and len(request_seeds) == len(prompt_token_ids)
+                k = asked.count(matches[0])
+                chosen = [(0, samples[k])]
+                self.seeds.setdefault(matches[0], []).append(request_seeds[i])
+            asked.append(matches[0])
+            for j, (resp, ntok, reason) in chosen:
                 out.append(Generation(i, j, list(range(ntok)), resp, reason, None, len(ids), 0))
-        self.calls.append(asked)
+        self.calls.append(list(dict.fromkeys(asked)))
         return out
 
 

@@ -11,7 +11,7 @@ from openrlhf_shape.eval.config import BenchmarkSpec, EvalConfig
 from openrlhf_shape.rollout.engine import EngineConfig
 from openrlhf_shape.eval.metrics import bootstrap_ci, stratified_bootstrap_macro_ci
 from openrlhf_shape.eval.report import EvalReport
-from openrlhf_shape.eval.runner import evaluate
+from openrlhf_shape.eval.runner import problem_seeds, evaluate
 from openrlhf_shape.eval.store import ResultStore
 
 from eval_test_helpers import ScriptedBackend, write_jsonl
@@ -104,6 +104,10 @@ def test_resume_skips_finished_problems(tmp_path, tiny_model_dir, tiny_tokenizer
     full = evaluate(_cfg(tiny_model_dir, f1, f2, out), backend=backend, scorer=scorer, tokenizer=tiny_tokenizer, progress=False)
     assert backend.calls == [["Expand (x+1)^2 - 2x."]]  # only the problem not done before
     assert full.generated_problems == 1
+    # its 4 samples carried the seeds of (--seed, benchmark, problem), not of its place in the resumed run
+    pid = [json.loads(x) for x in open(out / "samples" / "b1.jsonl")][-1]["problem_id"]
+    seeds = backend.seeds["Expand (x+1)^2 - 2x."]
+    assert seeds == problem_seeds(0, "b1", pid, 4) and len(set(seeds)) == 4
     assert full.benchmark("b1").accuracy == pytest.approx((0.5 + 0.75 + 0.5) / 3)
     assert len(open(out / "samples" / "b1.jsonl").readlines()) == 3
     backend.calls.clear()

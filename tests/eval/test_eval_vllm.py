@@ -3,6 +3,7 @@ resume, report; then the CLI on the finished directory. One engine start for the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,19 +29,22 @@ def bench_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("bench") / "mini.jsonl", rows)
 
 
-def _cfg(model_dir, bench_file, out_dir, **kw):
-    return EvalConfig(
+def _cfg(model_dir, bench_file, out_dir, chunk_size_override=1, seed=None, **kw):
+    cfg = EvalConfig(
         model_path=model_dir,
         benchmarks=[BenchmarkSpec("mini", bench_file, input_key="question", label_key="answer", id_key="id")],
         out_dir=str(out_dir),
         preset="cpu",
         n_samples=2,
         max_new_tokens=MAX_NEW,
-        chunk_size=1,
+        chunk_size=chunk_size_override,
         bootstrap_samples=100,
         scorer=RewardConfig(num_workers=1),
         **kw,
     )
+    if seed is not None:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, seed=seed))
+    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +90,16 @@ def test_eval_on_vllm_cpu_resume_and_cli(tmp_path, tiny_model_dir, bench_file, e
     assert rc == 0 and "| mini | 3 | 2 |" in text
     again = json.loads((out / "report.json").read_text())
     assert again["generated_problems"] == 0 and again["overall_accuracy"] == full.overall_accuracy
+
+    # Each problem samples from its own seeds: one chunk of all three problems in a fresh directory gives the
+    # responses of the resumed run (chunks of one, two problems first); another --seed gives others.
+    for seed, same in ((0, True), (1, False)):
+        other = tmp_path / f"eval_chunk3_seed{seed}"
+        evaluate(_cfg(tiny_model_dir, bench_file, other, chunk_size_override=3, seed=seed), backend=engine,
+                 progress=False)
+        recs2 = [json.loads(x) for x in open(other / "samples" / "mini.jsonl")]
+        assert [r["problem_id"] for r in recs2] == [r["problem_id"] for r in recs]
+        assert ([r["responses"] for r in recs2] == [r["responses"] for r in recs]) is same
 
 
 def test_model_resolution(tmp_path, tiny_model_dir):
