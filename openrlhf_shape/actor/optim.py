@@ -62,6 +62,10 @@ class OptimSettings:
     dual_clip: Optional[float] = None  # dual-clip PPO's bound on negative-advantage ratios (> 1), None off
     entropy_chunk_size: int = 1024  # tokens per chunk of the log-prob / entropy computation
     gradient_checkpointing_enable: bool = False  # activation recompute in the backward pass
+    # concatenate a micro-batch's samples into one row without padding (actor/batching.py, docs/packing.md); on by
+    # default (OpenRLHF's --ds.packing_samples is accepted as always on); false: the padded layout (the parity tests'
+    # reference; on a GPU without a varlen kernel packing can cost step time: docs/gpu_results.md)
+    pack_samples: bool = True
 
     def __post_init__(self) -> None:
         self._check_schedule()
@@ -111,9 +115,6 @@ class OptimConfig(OptimSettings):
     micro_batch_max_tokens: int = 8192
     forward_max_tokens: Optional[int] = None
     seed: int = 42
-    # concatenate a micro-batch's samples into one row without padding (actor/batching.py, docs/packing.md): True in
-    # every run (--ds.packing_samples is always on); False keeps the padded layout (the parity tests' reference)
-    pack_samples: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

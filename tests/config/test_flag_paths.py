@@ -77,13 +77,14 @@ def test_backends_train_with_the_actor_settings():
     """``--actor.adam.*`` / ``--actor.eps_clip_low_high`` / ``--train.max_tokens_per_gpu`` reach what both the
     Megatron ranks and the DeepSpeed ranks are handed."""
     flags = ["--actor.adam.lr", "3e-6", "--actor.adam.betas", "0.9", "0.95", "--actor.eps_clip_low_high", "0.1", "0.3",
-             "--train.max_tokens_per_gpu", "4096", "--actor.min_lr_ratio", "0.1", "--actor.max_norm", "0.5"]
+             "--train.max_tokens_per_gpu", "4096", "--actor.min_lr_ratio", "0.1", "--actor.max_norm", "0.5",
+             "--actor.pack_samples", "false"]
     for backend in ("megatron", "deepspeed"):
         cfg = load_config(None, flags + ["--actor.backend", backend])
         rank = (cfg.megatron_config() if backend == "megatron" else cfg.zero_config()).optim
         assert (rank.adam.lr, *rank.adam.betas) == (3e-6, 0.9, 0.95)
         assert (*rank.eps_clip_low_high, rank.micro_batch_max_tokens) == (0.1, 0.3, 4096)
-        assert rank.final_lr == pytest.approx(3e-7) and rank.max_norm == 0.5
+        assert rank.final_lr == pytest.approx(3e-7) and rank.max_norm == 0.5 and rank.pack_samples is False
         assert rank.total_steps == cfg.total_optimizer_steps() and rank.seed == cfg.train.seed
         for f in dataclasses.fields(OptimSettings):  # the ranks' settings are the actor section's, by name
             assert getattr(rank, f.name) == getattr(cfg.actor, f.name), f.name
