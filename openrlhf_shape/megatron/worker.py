@@ -32,6 +32,7 @@ from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-e
 from openrlhf_shape.megatron.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.export import export_hf_dir, iter_buckets
+from openrlhf_shape.megatron.pad_embedding import detach_pad_lookups
 from openrlhf_shape.megatron.routing_replay import MicroBatchRouting, RoutingReplay
 from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
 from openrlhf_shape.megatron.state import ActorState
@@ -213,6 +214,7 @@ class MegatronRankWorker:
 
         provider = bridge._model_provider([])
         gpt = provider(pre_process=self.mpu.is_pipeline_first_stage(), post_process=self.is_last_stage)
+        detach_pad_lookups(gpt, getattr(bridge.hf_config, "pad_token_id", None))
         for p in gpt.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         if not self.on_cpu:
