@@ -366,8 +366,13 @@ def megatron_memory_stages(
     ep: int = 1,
     etp: int | None = None,
     moe_imbalance: float = 1.0,
+    cp: int = 1,
 ) -> list[MegatronMemory]:
     """:func:`megatron_memory` for every pipeline stage, stage 0 first.
+
+    Context parallelism (``cp`` > 1): ``micro_batch_tokens`` is one CP rank's share (``1/CP`` of each sequence; its
+    activations and log-prob head scale with it), ``seq_len`` the whole row; ``dp`` is the group the distributed
+    optimizer shards over (DP x CP); :func:`cp_kv_term` adds the gathered K/V of one layer.
 
     MoE (``model.is_moe``): ``ep`` = ``--megatron.expert_model_parallel_size``, ``etp`` = the expert
     tensor-parallel size (None: ``tp``, megatron-core's default); ``moe_imbalance`` scales the experts'
@@ -395,6 +400,8 @@ def megatron_memory_stages(
             attention=attention, etp=etp, imbalance=moe_imbalance,
         )
         stored = [t for t in acts if t.name == "activations (stored)"]
+        if cp > 1:
+            stored.append(cp_kv_term(model, tp=tp, tokens=micro_batch_tokens, cp=cp, dtype=dtype, forward_only=forward_only))
         transient = [t for t in acts if t.name != "activations (stored)"]
         if stage == pp - 1:
             transient.append(logprob_scratch_term(model, tp=tp, tokens=micro_batch_tokens, chunk=logprob_chunk,
@@ -403,6 +410,19 @@ def megatron_memory_stages(
         step = [] if forward_only else [optimizer_step_transient(model, tp, spec, n_shard=n_shard, dtype=dtype)]
         out.append(MegatronMemory(stage, static, stored, transient, step, n_local))
     return out
+
+
+def cp_kv_term(model: ModelShape, *, tp: int, tokens: int, cp: int, dtype: str, forward_only: bool) -> Term:
+    """One layer's K and V gathered from the ``cp`` ranks of a context-parallel group (``tokens`` is one rank's
+    share, so the gathered length is ``tokens x cp``): ``2 x tokens x cp x kv_dim/TP x b`` in forward, twice that in
+    backward (dK, dV of the whole length before they are reduced back to their owners). Alive while one layer's
+    attention runs: it adds to the layer's working set."""
+    b = DTYPE_BYTES[dtype]
+    copies = 2 if forward_only else 4
+    kv = model.kv_dim // tp
+    return Term("CP K/V all-gather (one layer)", copies * tokens * cp * kv * b,
+                f"{copies} x ({tokens} tokens x CP {cp}) x kv_dim/TP {kv} x {b} B "
+                + ("(K, V)" if forward_only else "(K, V and their gradients)"))
 
 
 def expert_data_parallel_size(*, tp: int, dp: int, ep: int, etp: int) -> int:
