@@ -98,11 +98,12 @@ def test_colocated_preset_is_costed_disaggregated_and_says_so(capsys) -> None:
     assert len(lines) == 2, out
     for s, line in zip((1, 2), lines):
         assert f"--train.async_enable, max_staleness {s}; disaggregated variant: 16 GPUs, 8 more than these 8 colocated" in line
-        assert "x the sync GRPO step (639 s on the 8 colocated GPUs" in line
+        assert "x the sync GRPO step (692 s on the 8 colocated GPUs" in line
         assert "engines idle" in line and "ranks idle" in line and "critical path: " in line
-    # 33 + (119 + 23) + max(132, 469 + 5) + 1 from the printed phases; 23 s: the probes' responses prefilled again
-    # (the synced weights reset the prefix cache between the rollout and the probes)
-    assert "SHAPE step 649 s = 1.02x" in lines[0] and "probes 142 s (23 s of it re-prefilling" in lines[0]
+    # 34 + (119 + 23) + max(138, 514 + 5) + 1 from the printed phases; 23 s: the probes' responses prefilled again
+    # (the synced weights reset the prefix cache between the rollout and the probes); decode 514 s = 469 s of
+    # throughput + the tail of the longest response (planner/cost.py:decode_tail_seconds)
+    assert "SHAPE step 696 s = 1.01x" in lines[0] and "probes 142 s (23 s of it re-prefilling" in lines[0]
     # the async lines follow the sync estimate and its phases
     assert out.index("step time estimate:") < out.index("  rewards:") < out.index(lines[0])
 
