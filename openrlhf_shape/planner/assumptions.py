@@ -41,12 +41,8 @@ class PlanOptions:
     decode_tokens_per_s_per_gpu: float | None = None  # overrides the bandwidth model when set
     mean_response_tokens: int | None = None  # None: half of --rollout.max_new_tokens
     mean_prompt_tokens: int | None = None  # None: min(256, --data.max_prompt_len)
-    # response lengths: lognormal with this sigma, cut at --rollout.max_new_tokens, mean mean_response_tokens
-    # (planner/lengths.py); guess: 0.5 puts p99 near 3x the median; 0 = every response at the mean
-    response_length_sigma: float = 0.5
-    # async: a window decodes at most this many steps; longer responses continue under the next weights
-    # (partial rollouts, planner/lengths.py); None: off
-    partial_rollout_cap_tokens: int | None = None
+    response_length_sigma: float = 0.5  # lognormal response lengths cut at --rollout.max_new_tokens with mean mean_response_tokens (planner/lengths.py); guess: 0.5 puts p99 at ~3.2x the median; 0: every response at the mean
+    partial_rollout_cap_tokens: int | None = None  # async partial rollouts: a window decodes at most this many steps of a response, the rest continues under the next weights; None: off
     split_max_gpus: int | None = None  # async split search: GPUs at most (None: the disaggregated variant's)
     reward_seconds: float = 5.0  # Math-Verify on CPU for one step (outcomes + probes), overlapped with nothing
     # fixed overheads per process (guesses)
