@@ -10,6 +10,16 @@ follow the token-weighted mean length ``sum s_i^2 / sum s_i``, not the packed ro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+
+@lru_cache(maxsize=64)
+def _report(seq_lengths: tuple[int, ...], budget: int, dp: int) -> dict[str, dict[str, float]]:
+    """The trainer's micro-batch plan of one batch, cached: a plan and its split search ask for the same batch
+    many times (``planner/split.py``)."""
+    from openrlhf_shape.actor.batching import padding_report
+
+    return padding_report(list(seq_lengths), budget, dp_size=dp)
 
 
 @dataclass(frozen=True)
@@ -26,9 +36,7 @@ class Packing:
     def of(cls, seq_lengths: list[int], budget: int, dp: int) -> "Packing":
         """``seq_lengths``: prompt + response tokens of every sample; ``budget``: tokens of one micro-batch of one
         data-parallel replica (``--train.max_tokens_per_gpu`` x CP, at least the longest sequence)."""
-        from openrlhf_shape.actor.batching import padding_report
-
-        rep = padding_report(seq_lengths, budget, dp_size=dp)
+        rep = _report(tuple(seq_lengths), budget, dp)
         real = float(sum(seq_lengths))
         return cls(real=real, computed=rep["packed"]["computed_tokens"], padded=rep["padded"]["computed_tokens"],
                    micro_batches=rep["packed"]["micro_batches"],
