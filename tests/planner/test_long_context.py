@@ -54,6 +54,10 @@ def test_a_real_run_refuses_cp_and_the_dry_run_plans_it():
         load_config(str(REPO / "configs/qwen3-4b.yaml"), flags, check_paths=False)
     cfg = load_config(str(REPO / "configs/qwen3-4b.yaml"), flags, check_paths=False, plan_only=True)
     assert cfg.megatron.context_parallel_size == 2
+    with pytest.raises(ValueError, match=r"DeepSpeed backend's context parallelism is --ds.ring_attn_size"):
+        load_config(str(REPO / "configs/qwen3-4b.yaml"), flags + ["--actor.backend", "deepspeed",
+                    "--megatron.tensor_model_parallel_size", "1", "--megatron.sequence_parallel", "false"],
+                    check_paths=False, plan_only=True)
     with pytest.raises(ValueError, match=r"not a multiple of TP x PP x CP = 16"):
         load_config(str(REPO / "configs/qwen3-4b.yaml"), ["--megatron.context_parallel_size", "8"],
                     check_paths=False, plan_only=True)
