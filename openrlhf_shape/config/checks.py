@@ -31,12 +31,14 @@ def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
         raise ValueError(msg) from None
 
 
-def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
-    """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
+def validate(cfg: "TrainConfig", check_paths: bool = True, plan_only: bool = False) -> None:
+    """Every check that needs no model or devices; raises ``ValueError`` naming the flag. ``plan_only`` (the dry
+    run): layouts the planner sizes but the ranks cannot run yet (context parallelism) pass."""
     estimator = cfg.advantage_estimator()  # a known name; the bounds and return settings that apply to it
     cfg.data.validate()
     _check_rollout(cfg, estimator)
     _check_batches(cfg)
+    _check_context_parallel(cfg, plan_only)
     _check_backend(cfg)
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
@@ -85,13 +87,23 @@ def _check_batches(cfg: "TrainConfig") -> None:
                              f"GPU), got {budget!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
-    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
     _need(world % mp == 0, "actor.num_gpus_per_node",
-          f"{world} ranks is not a multiple of TP x PP = {mp}; set --actor.num_nodes x "
-          "--actor.num_gpus_per_node to TP x PP x DP")
+          f"{world} ranks is not a multiple of TP x PP x CP = {mp}; set --actor.num_nodes x "
+          "--actor.num_gpus_per_node to TP x PP x CP x DP")
     dp = world // mp
     _need(t.batch_size % dp == 0, "train.batch_size",
-          f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP))")
+          f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP x CP))")
+
+
+def _check_context_parallel(cfg: "TrainConfig", plan_only: bool) -> None:
+    """Context parallelism is planned (``--dry_run``) but not run: the ranks' attention has no CP split yet."""
+    cp = cfg.megatron.context_parallel_size
+    _need(plan_only or cp == 1, "megatron.context_parallel_size",
+          f"{cp}: context parallelism is planned only (--dry_run sizes it) until the ranks' attention splits "
+          "sequences over CP ranks; set --megatron.context_parallel_size 1 to run")
+    _need(cp == 1 or cfg.actor.backend == "megatron", "megatron.context_parallel_size",
+          f"{cp} configures the Megatron backend; the DeepSpeed backend's context parallelism is --ds.ring_attn_size")
 
 
 def _check_backend(cfg: "TrainConfig") -> None:

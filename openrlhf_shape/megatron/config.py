@@ -32,6 +32,9 @@ class MegatronSettings:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Each sequence split over this many ranks (--megatron.context_parallel_size; megatron-core's load-balanced
+    # split into 2 x CP chunks). world = TP x PP x CP x DP.
+    context_parallel_size: int = 1
     # MoE experts sharded over this many ranks (--megatron.expert_model_parallel_size); 1 for dense
     expert_model_parallel_size: int = 1
     # Each expert's weights split this many ways (--megatron.expert_tensor_parallel_size: megatron-core's
@@ -75,7 +78,8 @@ class MegatronSettings:
 
     def _check_layout(self) -> None:
         name = type(self).__name__
-        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
             value = getattr(self, size)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{size} must be an integer >= 1, got {value!r}")

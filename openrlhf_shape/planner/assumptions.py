@@ -41,6 +41,9 @@ class PlanOptions:
     decode_tokens_per_s_per_gpu: float | None = None  # overrides the bandwidth model when set
     mean_response_tokens: int | None = None  # None: half of --rollout.max_new_tokens
     mean_prompt_tokens: int | None = None  # None: min(256, --data.max_prompt_len)
+    response_length_sigma: float = 0.5  # lognormal response lengths cut at --rollout.max_new_tokens with mean mean_response_tokens (planner/lengths.py); guess: 0.5 puts p99 at ~3.2x the median; 0: every response at the mean
+    partial_rollout_cap_tokens: int | None = None  # async partial rollouts: a window decodes at most this many steps of a response, the rest continues under the next weights; None: off
+    split_max_gpus: int | None = None  # async split search: GPUs at most (None: the disaggregated variant's)
     reward_seconds: float = 5.0  # Math-Verify on CPU for one step (outcomes + probes), overlapped with nothing
     # fixed overheads per process (guesses)
     cuda_context_gib: float = 0.5  # per CUDA process (rank or engine worker)
@@ -69,6 +72,10 @@ class PlanOptions:
         need(self.megatron_offload in ("none", "optimizer", "all"), "megatron_offload", "none | optimizer | all")
         for name in ("peak_tflops", "hbm_gbs", "pcie_gbs", "link_gbs", "nvlink_gbs", "ib_gbs"):
             need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.response_length_sigma >= 0, "response_length_sigma", "must be >= 0 (0: every response at the mean)")
+        need(self.partial_rollout_cap_tokens is None or self.partial_rollout_cap_tokens >= 1, "partial_rollout_cap_tokens",
+             "must be >= 1 decode steps per window, or none (off)")
+        need(self.split_max_gpus is None or self.split_max_gpus >= 2, "split_max_gpus", "must be >= 2 (a rank and an engine)")
         need(0 < self.a2a_efficiency <= 1, "a2a_efficiency", "must lie in (0, 1]")
         need(self.moe_load_imbalance >= 1, "moe_load_imbalance", "must be >= 1 (1: balanced routing)")
         return self

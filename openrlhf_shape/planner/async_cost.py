@@ -19,6 +19,10 @@ The MoE all-to-all is rank time: its log-probs part goes with the log-probs, its
 update (``Phase.parts``). GRPO has no probes (:func:`without_probes`). Asynchronous probes also prefill each
 response once more (``Phase.cold_cache_seconds``): the weights that arrive between the rollout and the probes
 reset the engines' prefix cache (measured on the CPU demo: probes 10.8 s -> 14.3 s, prefix hit rate 0.81 -> 0.71).
+
+Partial rollouts (``--plan.partial_rollout_cap_tokens``): the decode of a window is ``Phase.partial_seconds``, its
+tail cut at the cap (a longer response finishes in later windows, under newer weights); the synchronous step
+cannot do this and keeps the whole tail.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def _seconds_by_place(phases: list[Phase]) -> dict[str, float]:
         if p.parts:
             for name, s in p.parts:
                 t[name] += s
+        elif p.name == DECODE and p.partial_seconds is not None:  # partial rollouts: the tail spreads over windows
+            t[DECODE] += p.partial_seconds
         elif p.name in t and p.name != COLD:
             t[p.name] += p.seconds
         else:  # a phase the schedule does not place: refuse rather than drop its seconds

@@ -36,7 +36,9 @@ import math
 from dataclasses import dataclass
 
 from openrlhf_shape.planner.assumptions import PlanOptions
+from openrlhf_shape.planner.lengths import ResponseLengths
 from openrlhf_shape.planner.model import ModelShape
+from openrlhf_shape.planner.packing import Packing
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Phase:
     # because new weights arrive between the rollout and the probes and reset the prefix cache (the cached KV
     # came from the old weights). Synchronous probes follow their rollout and find it cached (0 there).
     cold_cache_seconds: float = 0.0
+    # rollout decode under partial rollouts (--plan.partial_rollout_cap_tokens): a window decodes at most the cap's
+    # steps and unfinished responses continue in the next one, so the tail no longer bounds the window; None: off
+    partial_seconds: float | None = None
 
 
 def flops_per_token(model: ModelShape, seq_len: float, *, backward: bool, recompute: bool) -> float:
@@ -182,27 +187,50 @@ def step_time(
     etp: int | None = None,
     sequence_parallel: bool = False,
     gpus_per_node: int = 8,
+    lengths: ResponseLengths | None = None,
+    packing: Packing | None = None,
+    cp: int = 1,
 ) -> list[Phase]:
-    """The phases of one synchronous step, in seconds each: rollout, probes, log-probs, update, sync, rewards."""
+    """The phases of one synchronous step, in seconds each: rollout, probes, log-probs, update, sync, rewards.
+
+    ``lengths``: the response-length distribution (None: every response ``response_tokens`` long, cut at
+    ``max_response_tokens``); ``packing``: the tokens the ranks compute (None: ``samples x (prompt + response)``);
+    ``cp``: the context-parallel size (its K/V exchange is a phase of its own)."""
     per_engine = samples / num_engines
-    phases = [_rollout_decode(model, engine_tp, per_engine, prompt_tokens, response_tokens, max_response_tokens,
-                              kv_tokens_per_engine, opt)]
+    lengths = lengths or ResponseLengths.from_mean(response_tokens, 0.0, max_response_tokens)
+    phases = [_rollout_decode(model, engine_tp, per_engine, prompt_tokens, lengths, samples, kv_tokens_per_engine, opt)]
     if probes_per_response:
         phases.append(_probe_phase(model, engine_tp, per_engine, prompt_tokens, response_tokens, probes_per_response,
                                    probe_suffix_tokens, probe_decode_tokens, opt))
+    packing = packing or Packing.uniform(samples, prompt_tokens + response_tokens, micro_batch_tokens * cp, dp)
     phases += _training_phases(model, world=world, tp=tp, pp=pp, dp=dp, recompute=recompute, epochs=epochs,
-                               total_tokens=samples * (prompt_tokens + response_tokens),
-                               seq=prompt_tokens + response_tokens, micro_batch_tokens=micro_batch_tokens,
-                               train_batch_size=train_batch_size, opt=opt, ep=ep, etp=etp,
-                               sequence_parallel=sequence_parallel, gpus_per_node=gpus_per_node)
+                               packing=packing, train_batch_size=train_batch_size, samples=samples, opt=opt, ep=ep,
+                               etp=etp, sequence_parallel=sequence_parallel, gpus_per_node=gpus_per_node, cp=cp)
     phases.append(_weight_sync(model, engine_tp, nodes, colocate, sleep_level, opt))
     phases.append(Phase("rewards", opt.reward_seconds, "--plan.reward_seconds (Math-Verify on CPU)"))
     return phases
 
 
-def _rollout_decode(model: ModelShape, engine_tp: int, per_engine: float, prompt_tokens: int, response_tokens: int,
-                    max_response_tokens: int, kv_tokens_per_engine: int, opt: PlanOptions) -> Phase:
-    """Decode of one engine's responses: throughput bound, or the longest response's steps at one sequence."""
+def decode_tail_seconds(per_engine: float, concurrent: float, longest: float, t_one: float, t_bulk: float) -> float:
+    """Seconds of one engine's decode given its bulk throughput time ``t_bulk`` and the batch's longest response.
+
+    All ``per_engine`` sequences running at once (``per_engine <= concurrent``): the batch lasts as long as its
+    longest response, ``max(t_bulk, longest x t_one)``. Queued (more sequences than slots): continuous batching
+    admits a request whenever a slot frees, so the longest response may be admitted as the queue drains and then
+    runs on while the others finish: list scheduling's bound, ``t_bulk + (1 - 1/c) x longest x t_one`` (its steps
+    at falling concurrency cost about one sequence's step, ``t_one``)."""
+    if per_engine <= concurrent:
+        return max(t_bulk, longest * t_one)
+    return t_bulk + (1 - 1 / concurrent) * longest * t_one
+
+
+def _rollout_decode(model: ModelShape, engine_tp: int, per_engine: float, prompt_tokens: int, lengths: ResponseLengths,
+                    samples: int, kv_tokens_per_engine: int, opt: PlanOptions) -> Phase:
+    """Decode of one engine's responses: the bulk at its throughput, then the tail of the batch's longest response
+    (the expected longest of all ``samples``, :meth:`ResponseLengths.longest`; :func:`decode_tail_seconds`). Under
+    partial rollouts (``--plan.partial_rollout_cap_tokens``) a window's tail stops at the cap (``Phase.partial_seconds``)."""
+    response_tokens = lengths.mean()
+    longest = lengths.longest(samples)
     seq = prompt_tokens + response_tokens
     conc = max(1.0, min(opt.vllm_max_num_seqs, per_engine, kv_tokens_per_engine / max(seq, 1)))
     mean_ctx = prompt_tokens + response_tokens / 2
@@ -212,17 +240,24 @@ def _rollout_decode(model: ModelShape, engine_tp: int, per_engine: float, prompt
         how_rate = f"--plan.decode_tokens_per_s_per_gpu {opt.decode_tokens_per_s_per_gpu:g}"
     else:
         rate, _ = decode_rate(model, engine_tp, conc, mean_ctx, opt)
-        _, t_one = decode_rate(model, engine_tp, 1, prompt_tokens + max_response_tokens / 2, opt)
+        _, t_one = decode_rate(model, engine_tp, 1, prompt_tokens + longest / 2, opt)
         how_rate = f"{conc:.0f} concurrent seqs/engine, {rate / engine_tp:,.0f} tok/s/GPU from HBM {opt.hbm_gbs:g} GB/s x {opt.decode_efficiency}"
     gen_tokens = per_engine * response_tokens
     t_tp = gen_tokens / rate
-    t_tail = max_response_tokens * t_one
-    return Phase("rollout decode", max(t_tp, t_tail),
-                 f"max({gen_tokens:,.0f} tokens/engine / {rate:,.0f} tok/s = {t_tp:.0f} s, "
-                 f"longest response {max_response_tokens} steps x {t_one * 1e3:.1f} ms = {t_tail:.0f} s); {how_rate}")
+    t = decode_tail_seconds(per_engine, conc, longest, t_one, t_tp)
+    cap = opt.partial_rollout_cap_tokens
+    partial = decode_tail_seconds(per_engine, conc, min(longest, cap), t_one, t_tp) if cap else None
+    how_partial = (f"; partial rollouts (a window decodes at most {cap} steps of a response): tail at "
+                   f"{min(longest, cap):,.0f} steps, {partial:.0f} s per window" if cap else "")
+    how_tail = (f"longest response {longest:,.0f} steps x {t_one * 1e3:.1f} ms" if per_engine <= conc else
+                f"+ tail (1 - 1/{conc:.0f}) x longest response {longest:,.0f} steps x {t_one * 1e3:.1f} ms")
+    return Phase("rollout decode", t,
+                 f"{gen_tokens:,.0f} tokens/engine / {rate:,.0f} tok/s = {t_tp:.0f} s, {how_tail} -> {t:.0f} s "
+                 f"(the longest of {samples} responses); {how_rate}; lengths {lengths.describe()}{how_partial}",
+                 partial_seconds=partial)
 
 
-def _probe_phase(model: ModelShape, engine_tp: int, per_engine: float, prompt_tokens: int, response_tokens: int,
+def _probe_phase(model: ModelShape, engine_tp: int, per_engine: float, prompt_tokens: int, response_tokens: float,
                  probes_per_response: int, probe_suffix_tokens: int, probe_decode_tokens: int, opt: PlanOptions) -> Phase:
     """The SHAPE probes of one engine's responses (roofline), with the cold-cache prefill an async step adds."""
     seq = prompt_tokens + response_tokens
@@ -238,32 +273,62 @@ def _probe_phase(model: ModelShape, engine_tp: int, per_engine: float, prompt_to
 
 
 def _training_phases(model: ModelShape, *, world: int, tp: int, pp: int, dp: int, recompute: bool, epochs: int,
-                     total_tokens: int, seq: int, micro_batch_tokens: int, train_batch_size: int, opt: PlanOptions,
-                     ep: int, etp: int | None, sequence_parallel: bool, gpus_per_node: int) -> list[Phase]:
-    """Log-probs + entropy, the update (with the PP bubble) and, for MoE, the expert all-to-all of both."""
+                     packing: Packing, train_batch_size: int, samples: int, opt: PlanOptions, ep: int, etp: int | None,
+                     sequence_parallel: bool, gpus_per_node: int, cp: int = 1) -> list[Phase]:
+    """Log-probs + entropy, the update (with the PP bubble) and, for MoE, the expert all-to-all of both; for CP > 1
+    the K/V exchange of both. Tokens are the packed micro-batches' (``packing``)."""
     phases: list[Phase] = []
     gpu_flops = opt.peak_tflops * 1e12 * opt.mfu
+    total_tokens, seq = packing.computed, packing.attention_seq
     f_lp = flops_per_token(model, seq, backward=False, recompute=False)
     phases.append(Phase("log-probs + entropy", total_tokens * f_lp / (world * gpu_flops),
-                        f"{total_tokens:,} tokens x {f_lp / 1e9:.1f} GFLOP/token / ({world} GPUs x {opt.peak_tflops:g} TFLOPS x MFU {opt.mfu})"))
+                        f"{total_tokens:,.0f} tokens x {f_lp / 1e9:.1f} GFLOP/token / ({world} GPUs x {opt.peak_tflops:g} TFLOPS x MFU {opt.mfu})"))
     f_tr = flops_per_token(model, seq, backward=True, recompute=recompute)
-    mbs_per_dp = max(1.0, train_batch_size / dp * seq / micro_batch_tokens)
+    # micro-batches of one DP rank per optimizer step (the pipeline fills and drains once per step)
+    mbs_per_dp = max(1.0, packing.micro_batches / dp * train_batch_size / samples)
     bubble = (pp - 1) / mbs_per_dp
     t_up = epochs * total_tokens * f_tr / (world * gpu_flops) * (1 + bubble)
     phases.append(Phase("update", t_up,
-                        f"{epochs} epoch(s) x {total_tokens:,} tokens x {f_tr / 1e9:.1f} GFLOP/token / ({world} x {opt.peak_tflops:g} x {opt.mfu})"
-                        f" x (1 + bubble {bubble:.2f}: PP {pp}, {mbs_per_dp:.1f} micro-batches per DP rank)"))
+                        f"{epochs} epoch(s) x {total_tokens:,.0f} tokens x {f_tr / 1e9:.1f} GFLOP/token / ({world} x {opt.peak_tflops:g} x {opt.mfu})"
+                        f" x (1 + bubble {bubble:.2f}: PP {pp}, {mbs_per_dp:.1f} micro-batches per DP rank); {packing.describe()}"))
+    passes_up = epochs * (3 if recompute else 2)
+    if cp > 1:
+        comm = dict(tokens_per_gpu=total_tokens / (dp * cp), tp=tp, pp=pp, cp=cp, gpus_per_node=gpus_per_node, opt=opt)
+        t_lp, how_cp = cp_exchange(model, passes=1, **comm)
+        t_upd, _ = cp_exchange(model, passes=passes_up, **comm)
+        phases.append(Phase("CP K/V exchange", t_lp + t_upd, f"log-probs {t_lp:.1f} s + update {t_upd:.1f} s; {how_cp}",
+                            parts=(("log-probs + entropy", t_lp), ("update", t_upd))))
     if model.is_moe:
         etp = etp or tp
         comm = dict(tokens_per_dp=total_tokens / dp, tp=tp, pp=pp, sp=sequence_parallel, ep=ep, etp=etp,
                     gpus_per_node=gpus_per_node, opt=opt)
         t_lp, how_a2a = moe_alltoall(model, passes=1, **comm)
-        t_upd, _ = moe_alltoall(model, passes=epochs * (3 if recompute else 2), **comm)
+        t_upd, _ = moe_alltoall(model, passes=passes_up, **comm)
         phases.append(Phase("MoE all-to-all", t_lp + t_upd,
                             f"log-probs {t_lp:.0f} s + update {t_upd:.0f} s (forward, backward"
                             f"{', recompute' if recompute else ''} x {epochs} epoch(s)); log-probs: {how_a2a}",
                             parts=(("log-probs + entropy", t_lp), ("update", t_upd))))
     return phases
+
+
+def cp_exchange(model: ModelShape, *, tokens_per_gpu: float, passes: float, tp: int, pp: int, cp: int,
+                gpus_per_node: int, opt: PlanOptions) -> tuple[float, str]:
+    """Seconds one GPU spends exchanging K/V with its context-parallel peers over ``passes`` forward-equivalents
+    of ``tokens_per_gpu`` tokens (its share, ``1/CP`` of each sequence), and how.
+
+    Per local token and layer of its stage, a forward gathers the K and V of the other ``CP - 1`` chunks
+    (``(CP - 1) x 2 x kv_dim/TP x 2 B`` received); backward sends the same volume of dK, dV back; a full recompute
+    gathers once more (the callers' ``passes``). A CP group of ``TP x CP`` consecutive ranks inside a node runs over
+    NVLink, else over InfiniBand, at ``--plan.a2a_efficiency``; not overlapped with the attention (an upper bound:
+    TE's ring overlaps part of it)."""
+    per_tok_layer = (cp - 1) * 2 * model.kv_dim / tp * 2
+    inside = tp * cp <= gpus_per_node
+    gbs = (opt.nvlink_gbs if inside else opt.ib_gbs) * opt.a2a_efficiency
+    t = passes * tokens_per_gpu * model.layers / pp * per_tok_layer / (gbs * 1e9)
+    how = (f"{passes:g} pass(es) x {tokens_per_gpu:,.0f} tokens/GPU x {model.layers // pp} layers x K/V of {cp - 1} "
+           f"other chunk(s) {per_tok_layer / 1e3:.1f} kB per token-layer over {'NVLink' if inside else 'InfiniBand'} "
+           f"at a2a efficiency {opt.a2a_efficiency:g}")
+    return t, how
 
 
 def _weight_sync(model: ModelShape, engine_tp: int, nodes: int, colocate: bool, sleep_level: int,

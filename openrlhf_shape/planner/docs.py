@@ -40,7 +40,7 @@ def _plan(config: Path, flags: list[str] | None = None, plan_flags: list[str] | 
     from openrlhf_shape.planner.assumptions import parse_plan_options
     from openrlhf_shape.config import load_config
 
-    cfg = load_config(str(config), flags or [], check_paths=False)
+    cfg = load_config(str(config), flags or [], check_paths=False, plan_only=True)
     return build_plan(cfg, parse_plan_options(plan_flags or []), str(config.relative_to(REPO_ROOT)))
 
 
@@ -115,6 +115,77 @@ def async_section() -> list[str]:
                "the same GPUs" if len(variants) < len(plans) else "") + ".")
     out.append("")
     return out
+
+
+LONG_PRESETS = ("qwen3-4b-shape-32k", "qwen3-4b-thinking-64k")
+PARTIAL_CAP = 8192  # --plan.partial_rollout_cap_tokens of the long-context section's partial-rollout column
+
+
+def _split_cell(split) -> str:
+    return (f"{split.rank_gpus} + {split.engines} x TP{split.engine_tp} = {split.gpus} GPUs, {split.step.seconds:.0f} s, "
+            f"{split.gpu_seconds / 3600:.2f} GPU-h (idle: engines {100 * split.step.engine_idle:.0f}%, ranks "
+            f"{100 * split.step.rank_idle:.0f}%)")
+
+
+def long_context_section() -> list[str]:
+    """The long-response presets: what CP buys in memory, the length tail, packing, partial rollouts, the split."""
+    ratios = []
+    rows = ["| preset | CP 2: margin | CP 1 | decode (bulk + tail) | padding if unpacked | async s=1: configured split "
+            "| best split | partial rollouts (cap 8192): async step |",
+            "| --- | --- | --- | --- | ---: | --- | --- | ---: |"]
+    for stem in ("qwen3-4b", *LONG_PRESETS):
+        path = CONFIGS / f"{stem}.yaml"
+        plan = _plan(path)
+        one = _plan(path, ["--megatron.context_parallel_size", "1"]) if plan.cp > 1 else None
+        capped = _plan(path, plan_flags=["--plan.partial_rollout_cap_tokens", str(PARTIAL_CAP)])
+        dec = next(p for p in plan.phases if p.name == "rollout decode")
+        name, free = plan.min_free
+        cp1 = "-" if one is None else ("fits" if one.fits else f"refused ({one.min_free[0]}: {one.min_free[1] / GiB:.1f} GiB free)")
+        sp = plan.split
+        if sp and sp.best:
+            ratios.append(sp.best.gpu_seconds / (plan.step_seconds * plan.placement.num_bundles))
+        rows.append(
+            f"| {stem} | {free / GiB:.1f} GiB ({name}){'' if plan.cp > 1 else ' (CP 1)'} | {cp1} | {dec.seconds:.0f} s "
+            f"(longest of {plan.inputs['samples']}: {plan.lengths.longest(plan.inputs['samples']):,.0f} tokens) | "
+            f"{100 * plan.packing.padded_share:.1f}% | {_split_cell(sp.configured) if sp and sp.configured else '-'} | "
+            f"{_split_cell(sp.best) if sp and sp.best else '-'} | {capped.async_plan.shape[0].seconds:.0f} s "
+            f"(from {plan.async_plan.shape[0].seconds:.0f} s) |")
+    return [
+        "## Long responses: context parallelism, the length tail, packing, partial rollouts, the async split",
+        "",
+        "`configs/qwen3-4b-thinking-64k.yaml` is the shape of OpenRLHF's 64k recipe (Qwen3-4B-Thinking-2507, 64,000",
+        "response tokens, 128 prompts x 8, mini-batch 1024; `configs/models/Qwen3-4B-Thinking-2507.json`) and",
+        "`configs/qwen3-4b-shape-32k.yaml` SHAPE at 32k; both on one node of 8 x 80 GB at TP 1 x CP 2 x DP 4.",
+        "Context parallelism (`--megatron.context_parallel_size`; world = TP x PP x CP x DP, the placement keeps",
+        "TP x CP blocks inside a node) splits each sequence over CP ranks: a rank's activations and log-prob head",
+        "are sized at `max(--train.max_tokens_per_gpu, ceil(longest sequence / CP))` tokens, plus one layer's K/V",
+        "gathered from the group (and their gradients in backward); the distributed optimizer shards over DP x CP; the",
+        "time model adds the K/V exchange (not overlapped). The ranks do not run CP yet: a real run refuses it, the",
+        "dry run plans it. With full recompute and chunked log-probs a 4B model's 74k-token sequence costs a rank",
+        "~6 GiB of forward activations, so what CP 2 buys here is the margin of the colocated log-probs pass next",
+        "to the awake vLLM (without it both presets are refused, naming the flag); TP 2 would fit too, with less KV",
+        "cache per engine GPU.",
+        "",
+        "Response lengths are a lognormal cut at `--rollout.max_new_tokens` with the mean `--plan.mean_response_tokens`",
+        "(default: half the cap) and `--plan.response_length_sigma` (0.5), `planner/lengths.py`. Decode is the bulk at",
+        "the engines' throughput plus the tail of the batch's longest response (the expected longest of all samples):",
+        "with more sequences than slots the longest may be admitted as the queue drains and run on alone, list",
+        "scheduling's bound `(1 - 1/c) x longest x t_one` (`planner/cost.py:decode_tail_seconds`). The ranks' tokens are",
+        "the trainer's packed micro-batches (`actor/batching.py:padding_report` on the batch's lengths); the padding",
+        "column is what padded rows would add. Partial rollouts (`--plan.partial_rollout_cap_tokens`, async only) cut",
+        "the tail of a window at the cap: longer responses finish in later windows. The split columns are the",
+        "one-step-off step on the configured disaggregated variant and the engine:trainer split with the fewest",
+        "GPU-seconds per step among those that fit in as many GPUs (`planner/split.py`):",
+        "",
+        *rows,
+        "",
+        "The configured variants give the engines and the ranks a GPU each per colocated GPU; the decode is the",
+        "bottleneck, so the ranks idle most of the step. The cheapest split shrinks the ranks to the smallest layout",
+        "that fits and gives the engines the rest; per GPU-second it costs "
+        f"{min(ratios):.2f}-{max(ratios):.2f}x the synchronous colocated step"
+        + (", because colocation lends the same GPUs to both sides." if min(ratios) > 1 else "."),
+        "",
+    ]
 
 
 def preset_table() -> list[str]:
@@ -341,6 +412,7 @@ def generate() -> str:
         *preset_table(),
         *_PRESETS_READING,
         *async_section(),
+        *long_context_section(),
         *_TERMS_AND_CHECKS,
         *moe_section(),
         *nemo_section(),

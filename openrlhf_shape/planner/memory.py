@@ -69,7 +69,7 @@ def grads_term(n_local: int, grad_dtype: str = "fp32") -> Term:
 
 
 def optimizer_term(n_local: int, dtype: str, dp: int, distributed: bool, adam_state: bool = True,
-                   n_expert: int = 0, edp: int = 1) -> Term:
+                   n_expert: int = 0, edp: int = 1, group: str = "DP") -> Term:
     """``adam_state=False``: before the first optimizer step (Adam's m and v are created by the
     step; the fp32 master copy of bf16 weights exists from the optimizer's construction).
 
@@ -81,7 +81,7 @@ def optimizer_term(n_local: int, dtype: str, dp: int, distributed: bool, adam_st
     eshard = edp if distributed else 1
     what = {12: "fp32 master + Adam m, v", 8: "Adam m, v (fp32 weights: no master copy)",
             4: "fp32 master; Adam m, v not created yet", 0: "nothing yet: fp32 weights, Adam m, v not created"}[per]
-    how = f"/ DP {dp} (distributed optimizer)" if distributed else "(not sharded: --megatron.use_distributed_optimizer false)"
+    how = f"/ {group} {dp} (distributed optimizer)" if distributed else "(not sharded: --megatron.use_distributed_optimizer false)"
     if not n_expert:
         return Term("optimizer", n_local * per // shard, f"{n_local:,} local params x {per} B ({what}) {how}")
     ehow = f"/ EDP {edp}" if distributed else "(not sharded)"
@@ -366,8 +366,12 @@ def megatron_memory_stages(
     ep: int = 1,
     etp: int | None = None,
     moe_imbalance: float = 1.0,
+    cp: int = 1,
 ) -> list[MegatronMemory]:
     """:func:`megatron_memory` for every pipeline stage, stage 0 first.
+
+    CP (``cp`` > 1): ``micro_batch_tokens`` is one CP rank's share, ``seq_len`` the whole row, ``dp`` the DP x CP group
+    the optimizer shards over; :func:`cp_kv_term` adds one layer's gathered K/V.
 
     MoE (``model.is_moe``): ``ep`` = ``--megatron.expert_model_parallel_size``, ``etp`` = the expert
     tensor-parallel size (None: ``tp``, megatron-core's default); ``moe_imbalance`` scales the experts'
@@ -381,28 +385,50 @@ def megatron_memory_stages(
     for stage in range(pp):
         n_dense = model.stage_params(tp, pp, stage)
         n_expert = model.stage_expert_params(etp, ep, pp, stage)
-        n_local = n_dense + n_expert
-        static = [weights_term(n_local, dtype)]
-        if with_optimizer:
-            static.append(grads_term(n_local, grad_dtype))
-            static.append(optimizer_term(n_dense, dtype, dp, distributed_optimizer, adam_state, n_expert=n_expert, edp=edp))
-        if n_expert:
-            static[0] = Term("weights", static[0].bytes, static[0].formula + f"; {n_expert:,} of them expert params "
-                             f"({model.num_experts} experts / EP {ep} per sparse layer, each / ETP {etp})")
+        static = _static_terms(model, n_dense, n_expert, dtype=dtype, grad_dtype=grad_dtype, dp=dp, edp=edp, ep=ep,
+                               etp=etp, distributed=distributed_optimizer, adam_state=adam_state,
+                               with_optimizer=with_optimizer, group="DP x CP" if cp > 1 else "DP")
         acts = activation_terms(
             model, tp=tp, pp=pp, stage=stage, sp=sequence_parallel, tokens=micro_batch_tokens, seq_len=seq_len,
             recompute=recompute, dtype=dtype, spec=spec, num_micro_batches=num_micro_batches, forward_only=forward_only,
             attention=attention, etp=etp, imbalance=moe_imbalance,
         )
-        stored = [t for t in acts if t.name == "activations (stored)"]
+        stored = [t for t in acts if t.name == "activations (stored)"] + ([cp_kv_term(
+            model, tp=tp, tokens=micro_batch_tokens, cp=cp, dtype=dtype, forward_only=forward_only)] if cp > 1 else [])
         transient = [t for t in acts if t.name != "activations (stored)"]
         if stage == pp - 1:
             transient.append(logprob_scratch_term(model, tp=tp, tokens=micro_batch_tokens, chunk=logprob_chunk,
                                                   param_dtype=dtype, forward_only=forward_only))
-        n_shard = (n_dense // dp + n_expert // edp) if distributed_optimizer else n_local
+        n_shard = (n_dense // dp + n_expert // edp) if distributed_optimizer else n_dense + n_expert
         step = [] if forward_only else [optimizer_step_transient(model, tp, spec, n_shard=n_shard, dtype=dtype)]
-        out.append(MegatronMemory(stage, static, stored, transient, step, n_local))
+        out.append(MegatronMemory(stage, static, stored, transient, step, n_dense + n_expert))
     return out
+
+
+def _static_terms(model: ModelShape, n_dense: int, n_expert: int, *, dtype: str, grad_dtype: str, dp: int, edp: int,
+                  ep: int, etp: int, distributed: bool, adam_state: bool, with_optimizer: bool, group: str) -> list[Term]:
+    """Weights, and with the optimizer the DDP grad buffer and the (sharded) optimizer state, of one stage's rank."""
+    static = [weights_term(n_dense + n_expert, dtype)]
+    if with_optimizer:
+        static.append(grads_term(n_dense + n_expert, grad_dtype))
+        static.append(optimizer_term(n_dense, dtype, dp, distributed, adam_state, n_expert=n_expert, edp=edp, group=group))
+    if n_expert:
+        static[0] = Term("weights", static[0].bytes, static[0].formula + f"; {n_expert:,} of them expert params "
+                         f"({model.num_experts} experts / EP {ep} per sparse layer, each / ETP {etp})")
+    return static
+
+
+def cp_kv_term(model: ModelShape, *, tp: int, tokens: int, cp: int, dtype: str, forward_only: bool) -> Term:
+    """One layer's K and V gathered from the ``cp`` ranks of a context-parallel group (``tokens`` is one rank's
+    share, so the gathered length is ``tokens x cp``): ``2 x tokens x cp x kv_dim/TP x b`` in forward, twice that in
+    backward (dK, dV of the whole length before they are reduced back to their owners). Alive while one layer's
+    attention runs: it adds to the layer's working set."""
+    b = DTYPE_BYTES[dtype]
+    copies = 2 if forward_only else 4
+    kv = model.kv_dim // tp
+    return Term("CP K/V all-gather (one layer)", copies * tokens * cp * kv * b,
+                f"{copies} x ({tokens} tokens x CP {cp}) x kv_dim/TP {kv} x {b} B "
+                + ("(K, V)" if forward_only else "(K, V and their gradients)"))
 
 
 def expert_data_parallel_size(*, tp: int, dp: int, ep: int, etp: int) -> int:

@@ -36,6 +36,7 @@ FLAG_SP = "--megatron.sequence_parallel"
 FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
 FLAG_EP = "--megatron.expert_model_parallel_size"
 FLAG_EXPERT_TP = "--megatron.expert_tensor_parallel_size"
+FLAG_CP = "--megatron.context_parallel_size"
 
 
 @dataclass
@@ -111,6 +112,10 @@ class Plan:
     sync: Any = None  # planner/sync_time.py:SyncEstimate of one weight sync (GPU configs with a placement)
     sync_timeout_s: float = 0.0  # --rollout.weight_sync_timeout
     sync_warnings: list[str] = field(default_factory=list)
+    cp: int = 1  # context parallel: each sequence split over CP ranks; world = TP x PP x CP x DP
+    lengths: Any = None  # planner/lengths.py:ResponseLengths of the rollout batch
+    packing: Any = None  # planner/packing.py:Packing of the batch the ranks compute
+    split: Any = None  # planner/split.py:SplitSearch (async engine:trainer split; GPU configs)
 
     @property
     def fits(self) -> bool:
@@ -142,14 +147,16 @@ def _suffix_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 3.5))
 
 
-def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None = None) -> Plan:
-    """``cfg``: a :class:`~openrlhf_shape.config.TrainConfig` (paths need not exist), read directly."""
+def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None = None, search: bool = True) -> Plan:
+    """``cfg``: a :class:`~openrlhf_shape.config.TrainConfig` (paths need not exist), read directly. ``search``: also
+    look for the cheapest async engine:trainer split (``planner/split.py``; its own plans do not search)."""
     model_path = resolve_model_config(cfg.actor.model_name_or_path, options.model_config)
     model = ModelShape.from_file(model_path)
     tp, pp, world = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size, cfg.actor.world_size
-    dp = world // (tp * pp)
+    cp = cfg.megatron.context_parallel_size
+    dp = max(1, world // (tp * pp * cp))
     on_gpu = cfg.megatron.gpus_per_rank > 0
-    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None)
+    plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None, cp=cp)
     _check_layout(plan, cfg)
     if on_gpu:
         _place(plan, cfg)
@@ -162,7 +169,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
 
     if not on_gpu:
         _cpu_phases(plan, cfg, meg, fwd)
-        _finish(plan, cfg)
+        _finish(plan, cfg, search)
         return plan
 
     _gpu_phases(plan, cfg, megs, fwds)
@@ -175,7 +182,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
         if ph.free < options.min_free_gib * GiB:
             where = _where(plan, ph.stage) if ph.stage is not None else "every engine GPU"
             plan.refusals.append(_refusal(plan, cfg, ph, where))
-    _finish(plan, cfg)
+    _finish(plan, cfg, search)
     return plan
 
 
@@ -193,6 +200,9 @@ def _check_layout(plan: Plan, cfg: TrainConfig) -> None:
     except ValueError as exc:
         msg = str(exc).replace("tensor_model_parallel_size", FLAG_TP).replace("pipeline_model_parallel_size", FLAG_PP)
         plan.refusals.append(f"layout: {msg}")
+    if world % (tp * pp * plan.cp):
+        plan.refusals.append(f"layout: {FLAG_WORLD}={world} is not a multiple of TP {tp} x PP {pp} x CP {plan.cp} "
+                             f"({FLAG_CP}); world = TP x PP x CP x DP")
     ep = int(cfg.megatron.expert_model_parallel_size)
     etp = cfg.megatron.expert_tensor_parallel_size or tp  # unset: the TP size, as megatron-core decides
     plan.ep, plan.etp = ep, etp
@@ -234,8 +244,10 @@ def _place(plan: Plan, cfg: TrainConfig) -> None:
 
     options = plan.options
     try:
+        # Megatron orders ranks TP, CP, DP, PP (fastest first): a TP x CP block is what the placement keeps
+        # inside a node; rank_coords() splits its "tp" coordinate back into (tp, cp)
         plan.placement = plan_placement(
-            world_size=plan.world, tp=plan.tp, pp=plan.pp, num_engines=cfg.vllm.num_engines,
+            world_size=plan.world, tp=plan.tp * plan.cp, pp=plan.pp, num_engines=cfg.vllm.num_engines,
             engine_tp=cfg.vllm.tensor_parallel_size, colocate=cfg.train.colocate_all,
             gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
         )
@@ -249,25 +261,36 @@ def _place(plan: Plan, cfg: TrainConfig) -> None:
 
 
 def _size_workload(plan: Plan, cfg: TrainConfig) -> None:
-    """Tokens per sample, micro-batch size and probe counts; sets ``plan.micro_batch_tokens`` and ``plan.inputs``."""
-    options = plan.options
+    """Tokens per sample (a length distribution), micro-batch size per GPU, packing and probe counts; sets
+    ``plan.micro_batch_tokens`` (tokens one GPU holds: a CP rank holds ``1/CP`` of each sequence), ``plan.lengths``,
+    ``plan.packing`` and ``plan.inputs``."""
+    from openrlhf_shape.planner.lengths import ResponseLengths
+    from openrlhf_shape.planner.packing import Packing
+
+    options, cp = plan.options, plan.cp
     samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     prompt_tokens = options.mean_prompt_tokens or min(256, cfg.data.max_prompt_len)
-    response_tokens = options.mean_response_tokens or max(1, cfg.rollout.max_new_tokens // 2)
+    mean_response = options.mean_response_tokens or max(1, cfg.rollout.max_new_tokens // 2)
+    plan.lengths = ResponseLengths.from_mean(mean_response, options.response_length_sigma, cfg.rollout.max_new_tokens)
+    response_tokens = plan.lengths.mean()
     max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    mbt = max(cfg.train.max_tokens_per_gpu, max_seq)  # a longer sequence gets a micro-batch of its own
+    seq_share = math.ceil(max_seq / cp)  # one CP rank's share of a full-length sequence
+    mbt = max(cfg.train.max_tokens_per_gpu, seq_share)  # a longer sequence gets a micro-batch of its own
     plan.micro_batch_tokens = mbt
     if mbt > cfg.train.max_tokens_per_gpu:
+        what = f"its 1/{cp} share ({seq_share} tokens per CP rank)" if cp > 1 else "it"
         plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {cfg.train.max_tokens_per_gpu}: "
-                          f"it forms a micro-batch of its own, so activations are sized at {mbt} tokens")
+                          f"{what} forms a micro-batch of its own, so activations are sized at {mbt} tokens per GPU"
+                          + ("" if cp > 1 else f"; {FLAG_CP} splits it over ranks"))
+    plan.packing = Packing.of([prompt_tokens + r for r in plan.lengths.batch(samples)], mbt * cp, plan.dp)
     shape_on = cfg.advantage_estimator().needs_segments  # SHAPE and MRT probe; the outcome estimators do not
     probes_per_response = cfg.shape.num_segments * cfg.probe.num_probes if shape_on else 0
     suffix = _suffix_tokens(cfg.probe.think_suffix)
     probe_tokens = suffix + cfg.probe.max_tokens
-    mb_per_dp = max(1, math.ceil(cfg.train.batch_size / plan.dp * (prompt_tokens + response_tokens) / mbt))
-    plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=response_tokens, max_seq=max_seq,
-                       probes_per_response=probes_per_response, probe_tokens=probe_tokens, probe_suffix_tokens=suffix,
-                       probe_decode_tokens=cfg.probe.max_tokens, micro_batches_per_dp=mb_per_dp)
+    mb_per_dp = max(1, math.ceil(plan.packing.micro_batches / plan.dp * cfg.train.batch_size / samples))
+    plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=round(response_tokens),
+                       max_seq=max_seq, probes_per_response=probes_per_response, probe_tokens=probe_tokens,
+                       probe_suffix_tokens=suffix, probe_decode_tokens=cfg.probe.max_tokens, micro_batches_per_dp=mb_per_dp)
 
 
 def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory], list[MegatronMemory], str]:
@@ -275,10 +298,11 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
     the trainer would hand its ranks on such a cluster (openrlhf_shape/platform.py)."""
     from openrlhf_shape.platform import cpu_platform, gpu_platform
 
-    model, mbt, max_seq, dp = plan.model, plan.micro_batch_tokens, plan.inputs["max_seq"], plan.dp
-    # forward-only micro-batches (old log-probs) have their own budget, --rollout.max_tokens_per_gpu
-    fwd_mbt = max(cfg.optim_config().forward_budget, max_seq)
-    fwd_size = dict(micro_batch_tokens=fwd_mbt, seq_len=min(fwd_mbt, max_seq), forward_only=True)
+    model, mbt, max_seq, dp, cp = plan.model, plan.micro_batch_tokens, plan.inputs["max_seq"], plan.dp, plan.cp
+    # forward-only micro-batches (old log-probs) have their own budget, --rollout.max_tokens_per_gpu; a CP rank
+    # holds 1/CP of each sequence, so a full-length sequence costs it ceil(max_seq / CP) tokens
+    fwd_mbt = max(cfg.optim_config().forward_budget, math.ceil(max_seq / cp))
+    fwd_size = dict(micro_batch_tokens=fwd_mbt, seq_len=min(fwd_mbt * cp, max_seq), forward_only=True)
     target = gpu_platform() if plan.on_gpu else cpu_platform()
     dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.megatron_dtype]
     spec = target.layer_spec
@@ -291,7 +315,8 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
                    gather_bucket_bytes=int(cfg.vllm.weight_sync_bucket_mb) << 20)
         return [zero_memory(model, **zkw)], [zero_memory(model, **{**zkw, **fwd_size})], dtype
     sp = bool(cfg.megatron.sequence_parallel and plan.tp > 1)
-    kw = dict(tp=plan.tp, pp=plan.pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
+    # the distributed optimizer shards over the data-parallel group with its CP ranks (megatron-core's DP x CP group)
+    kw = dict(tp=plan.tp, pp=plan.pp, dp=dp * cp, cp=cp, micro_batch_tokens=mbt, seq_len=min(mbt * cp, max_seq), recompute=recompute,
               sequence_parallel=sp, dtype=dtype, distributed_optimizer=cfg.megatron.use_distributed_optimizer,
               logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec,
               num_micro_batches=plan.inputs["micro_batches_per_dp"])
@@ -431,7 +456,15 @@ def _where(plan: Plan, stage: int) -> str:
     if plan.placement is None:
         return f"PP stage {stage}"
     slot = next(x for x in plan.placement.ranks if x.pp_rank == stage)
-    return f"node {slot.node} GPU {slot.gpu} (rank {slot.rank}: tp {slot.tp_rank}, pp {slot.pp_rank}, dp {slot.dp_rank})"
+    return f"node {slot.node} GPU {slot.gpu} (rank {slot.rank}: {rank_coords(plan, slot)})"
+
+
+def rank_coords(plan: Plan, slot: Any) -> str:
+    """``tp t, pp p, dp d`` of a placed rank, with ``cp c`` when CP > 1 (the placement's TP coordinate is the
+    rank's place in its TP x CP block, TP fastest)."""
+    if plan.cp == 1:
+        return f"tp {slot.tp_rank}, pp {slot.pp_rank}, dp {slot.dp_rank}"
+    return f"tp {slot.tp_rank % plan.tp}, cp {slot.tp_rank // plan.tp}, pp {slot.pp_rank}, dp {slot.dp_rank}"
 
 
 def _refusal(plan: Plan, cfg: TrainConfig, ph: PhaseMemory, where: str) -> str:
@@ -449,11 +482,16 @@ def _refusal(plan: Plan, cfg: TrainConfig, ph: PhaseMemory, where: str) -> str:
                f"{others / GiB:.1f} GiB while vLLM is awake), or shrink that with a larger "
                + (f"{FLAG_EP} / " if plan.model.is_moe else "") + f"{FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
                + ("" if cfg.megatron.use_distributed_optimizer else f" or {FLAG_DISTOPT} true")
-               + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else ""))
+               + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else "")
+               + (f", or raise {FLAG_CP} (now {plan.cp}: a {plan.inputs['max_seq']}-token sequence is one micro-batch)"
+                  if plan.micro_batch_tokens > cfg.train.max_tokens_per_gpu else ""))
     elif ph.name.startswith("rollout"):
         fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
     else:
         opts = [f"raise {FLAG_TP} / {FLAG_PP} (or {FLAG_WORLD} for more DP)"]
+        if plan.micro_batch_tokens > cfg.train.max_tokens_per_gpu:  # one sequence sets the activations: split it
+            opts.insert(0, f"raise {FLAG_CP} (now {plan.cp}: each rank holds {plan.micro_batch_tokens} tokens of a "
+                           f"{plan.inputs['max_seq']}-token sequence; CP ranks split it, world = TP x PP x CP x DP)")
         if plan.model.is_moe and plan.megatron is not None:
             n_exp = plan.model.stage_expert_params(plan.etp, plan.ep, plan.pp, plan.worst_stage)
             opts.insert(0, f"raise {FLAG_EP} (now {plan.ep}: {n_exp / 1e9:.2f}B of the rank's "
@@ -486,7 +524,7 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
     plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, every process in one host's RAM (--plan.host_memory_gib)")
 
 
-def _finish(plan: Plan, cfg: TrainConfig) -> None:
+def _finish(plan: Plan, cfg: TrainConfig, search: bool = True) -> None:
     if not plan.on_gpu:
         plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
         return
@@ -502,9 +540,14 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         micro_batch_tokens=plan.micro_batch_tokens, train_batch_size=cfg.train.batch_size, kv_tokens_per_engine=kv_tokens,
         nodes=nodes, colocate=cfg.train.colocate_all, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
         ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
-        gpus_per_node=plan.options.gpus_per_node,
+        gpus_per_node=plan.options.gpus_per_node, lengths=plan.lengths, packing=plan.packing, cp=plan.cp,
     )
     plan.async_plan = _async_plan(plan, cfg)
+    if search and plan.async_plan is not None:
+        from openrlhf_shape.planner.split import search_split
+
+        max_gpus = plan.options.split_max_gpus or plan.async_plan.gpus or plan.placement.num_bundles
+        plan.split = search_split(cfg, plan.options, max_gpus, plan.config_path)
 
 
 def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:
@@ -523,7 +566,7 @@ def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:
     src = plan
     if ap.variant:
         disagg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, colocate_all=False))
-        src = build_plan(disagg, plan.options, plan.config_path)
+        src = build_plan(disagg, plan.options, plan.config_path, search=False)
         if src.placement is None:
             ap.gpus, ap.error = 0, src.placement_error or "no placement"
             return ap

@@ -7,7 +7,7 @@ import dataclasses
 
 from openrlhf_shape.planner.memory import GiB
 from openrlhf_shape.planner.model import display_path
-from openrlhf_shape.planner.plan import Plan
+from openrlhf_shape.planner.plan import Plan, rank_coords
 
 
 def _g(b: float) -> str:
@@ -25,7 +25,7 @@ def placement_lines(plan: Plan) -> list[str]:
            f"{'colocated' if p.colocate else 'disaggregated'}):"]
     by_bundle: dict[int, list[str]] = {}
     for s in p.ranks:
-        by_bundle.setdefault(s.bundle, []).append(f"rank {s.rank:3d} (tp {s.tp_rank}, pp {s.pp_rank}, dp {s.dp_rank})")
+        by_bundle.setdefault(s.bundle, []).append(f"rank {s.rank:3d} ({rank_coords(plan, s)})")
     for e in p.engines:
         by_bundle.setdefault(e.bundle, []).append(f"engine {e.engine} worker {e.worker}")
     for node in range(p.num_nodes):
@@ -71,6 +71,32 @@ def async_lines(plan: Plan) -> list[str]:
     return out
 
 
+def split_lines(plan: Plan) -> list[str]:
+    """The cheapest async engine:trainer split found (``planner/split.py``), against the configured one."""
+    sp = plan.split
+    if sp is None:
+        return []
+    head = (f"async split search (one-step-off at max_staleness {sp.staleness}, at most {sp.max_gpus} GPUs, "
+            f"{len(sp.candidates)} splits that fit; cost = step x GPUs)")
+    if sp.best is None:
+        return [f"{head}: no split fits"]
+
+    def one(s) -> str:
+        return (f"{s.rank_gpus} rank GPUs + {s.engines} engine(s) x TP {s.engine_tp} = {s.gpus} GPUs: step "
+                f"{s.step.seconds:.0f} s, {s.gpu_seconds / 3600:.2f} GPU-hours per step, engines idle "
+                f"{100 * s.step.engine_idle:.0f}%, ranks idle {100 * s.step.rank_idle:.0f}%")
+
+    out = [f"{head}: best {one(sp.best)}"]
+    if sp.configured is not None and sp.configured is not sp.best:
+        out.append(f"  the configured split: {one(sp.configured)} ({sp.configured.gpu_seconds / sp.best.gpu_seconds:.2f}x "
+                   "the best's GPU-seconds)")
+    if plan.phases:
+        sync = plan.step_seconds * (plan.placement.num_bundles if plan.placement is not None else plan.world)
+        out.append(f"  the synchronous step on this layout: {sync / 3600:.2f} GPU-hours ({sp.best.gpu_seconds / sync:.2f}x of it "
+                   "for the best async split)")
+    return out
+
+
 def format_plan(plan: Plan) -> str:
     """The whole printed plan: header, placement, memory, step time, assumptions and notes, verdict."""
     lines = header_lines(plan)
@@ -81,6 +107,7 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     lines += step_time_lines(plan)
     lines += async_lines(plan)
+    lines += split_lines(plan)
     lines += weight_sync_lines(plan)
     lines.append("")
     lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
@@ -108,8 +135,12 @@ def header_lines(plan: Plan) -> list[str]:
                      f"{m.experts_per_tok} routed per token; experts {m.expert_params() / 1e9:.2f}B")
     experts = (f"; experts: EP {plan.ep} x expert TP {plan.etp} x PP {plan.pp} x expert DP {plan.edp}"
                if m.is_moe else "")
-    lines.append(f"Megatron: world {plan.world} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp}{experts}; "
-                 f"micro-batch {plan.micro_batch_tokens} tokens; workload {plan.inputs}")
+    cp = f" x CP {plan.cp}" if plan.cp > 1 else ""
+    lines.append(f"Megatron: world {plan.world} = TP {plan.tp} x PP {plan.pp}{cp} x DP {plan.dp}{experts}; "
+                 f"micro-batch {plan.micro_batch_tokens} tokens per GPU; workload {plan.inputs}")
+    if plan.lengths is not None:
+        lines.append(f"response lengths: {plan.lengths.describe()}; longest of the {plan.inputs['samples']} responses "
+                     f"~{plan.lengths.longest(plan.inputs['samples']):,.0f} tokens; ranks: {plan.packing.describe()}")
     return lines
 
 

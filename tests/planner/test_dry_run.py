@@ -38,9 +38,10 @@ def test_every_preset_fits_and_prints_map_and_plan(capsys, preset):
     assert margin >= 2.0  # --plan.min_free_gib default
     if not preset.startswith("cpu-"):  # the CPU presets have no GPU map
         # the map: every rank with its coordinates and its engine worker (on the rank's GPU when colocated), node by node
-        assert "node 0:" in out and "rank   0 (tp 0, pp 0, dp 0)" in out and "engine 0 worker 0" in out
+        coords = "tp 0, cp 0, pp 0, dp 0" if " x CP " in out else "tp 0, pp 0, dp 0"  # CP > 1: the CP coordinate too
+        assert "node 0:" in out and f"rank   0 ({coords})" in out and "engine 0 worker 0" in out
         colocated = "colocated):" in out
-        assert colocated == ("rank   0 (tp 0, pp 0, dp 0) + engine 0 worker 0" in out)
+        assert colocated == (f"rank   0 ({coords}) + engine 0 worker 0" in out)
         for phase in ("[rollout]", "[log-probs]", "[update]") if colocated else ("[rollout (engine GPU)]", "[log-probs]", "[update]"):
             assert phase in out
         assert "KV cache:" in out and "step time estimate:" in out and "rollout decode" in out
