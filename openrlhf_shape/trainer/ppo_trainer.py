@@ -278,7 +278,8 @@ def check_resume(cfg: TrainConfig) -> None:
     path = resume_checkpoint(cfg)
     if path:
         _, meta = read_complete_meta(path)
-        check_resumable(meta.get("extra") or {}, cfg.train.async_enable, cfg.train.max_staleness)
+        check_resumable(meta.get("extra") or {}, cfg.train.async_enable, cfg.train.max_staleness,
+                        cfg.rollout.partial_chunk() if cfg.train.partial_rollout_enable else 0)
 
 
 def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
