@@ -82,6 +82,12 @@ class RoundStats:
     requests: int = 0
     tokens: int = 0
     admitted_groups: int = 0
+    slots: int = 0  # sum over rounds of requests x the round's longest continuation: the decode slots it held
+
+    @property
+    def slot_idle_share(self) -> float:
+        """The share of those decode slots that decoded nothing (requests already done while the round's longest ran)."""
+        return 1.0 - self.tokens / self.slots if self.slots else 0.0
 
 
 class PartialRolloutPool:
@@ -156,6 +162,7 @@ class PartialRolloutPool:
         stats.rounds += 1
         stats.requests += len(running)
         stats.tokens += sum(len(gen.token_ids) for gen in gens)
+        stats.slots += len(gens) * max(len(gen.token_ids) for gen in gens)
 
 
 def _extend(r: PartialResponse, gen: Generation, cap: int, version: int, max_new_tokens: int) -> None:

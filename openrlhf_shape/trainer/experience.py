@@ -52,6 +52,12 @@ def delimiter_token_ids(tokenizer, delimiter: str) -> set[int]:
     return ids
 
 
+def slot_idle_share(lengths: Sequence[int]) -> float:
+    """Of the decode slots one generate call holds (its requests x its longest response, all decoding together),
+    the share that decodes nothing: requests already finished while the longest still runs (the long tail's cost)."""
+    return 1.0 - sum(lengths) / (len(lengths) * max(lengths)) if lengths and max(lengths) else 0.0
+
+
 class ShapeExperienceMaker:
     """Phase functions that turn a batch of prompt items into an :class:`ExperienceBatch`.
 
@@ -156,7 +162,9 @@ class ShapeExperienceMaker:
         seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
-        return self.batch_of([items[g.prompt_index] for g in gens], gens, seconds)
+        out = self.batch_of([items[g.prompt_index] for g in gens], gens, seconds)
+        out.metrics["rollout/slot_idle_share"] = slot_idle_share([len(g.token_ids) for g in gens])
+        return out
 
     def batch_of(self, sample_items: Sequence, gens: Sequence, seconds: float) -> PhaseOutput:
         """One :class:`ExperienceBatch` (no rewards yet) of the engines' samples ``gens`` (``Generation``, prompt-major)

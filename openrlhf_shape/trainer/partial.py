@@ -53,6 +53,7 @@ class PartialRollouts:
         out.metrics.update({"partial/rounds": float(stats.rounds), "partial/requests": float(stats.requests),
                             "partial/round_tokens": float(stats.tokens),
                             "partial/admitted_groups": float(stats.admitted_groups),
+                            "rollout/slot_idle_share": stats.slot_idle_share,
                             "partial/groups_in_flight": float(pool.num_unfinished()),
                             "partial/groups_waiting": float(pool.num_finished()),
                             "partial/tokens_in_flight": float(sum(len(r.tokens) for g in pool.groups
