@@ -29,6 +29,11 @@ Every request a batch makes carries its own seed, derived from the step that tra
 whatever the engines' count or state. A
 checkpoint stores the batches in flight (:meth:`OneStepOffSchedule.save_pending`): a resumed run continues
 with them and repeats the uninterrupted run step for step (the weights that generated them are gone).
+
+With ``--train.partial_rollout_enable`` the engines' generate is :class:`~openrlhf_shape.trainer.partial.PartialRollouts`:
+the batch is the first prompt groups that the responses in flight finish, whose tokens may come from several
+versions (``ExperienceBatch.token_versions``; ``policy_version`` is the oldest); the responses still running are
+saved with the batches in flight. The probes run when the batch's credit does (``probe_version``).
 """
 
 from __future__ import annotations
