@@ -245,6 +245,11 @@ class ExperienceBatch:
     policy_version: int = 0
     logprob_version: int = 0
     action_mask: torch.Tensor | None = None
+    # --train.partial_rollout_enable: [B, T] long, the updates held by the weights that sampled each response token
+    # (-1 at padding); a response cut by weight syncs carries several. None: every token of a sample has
+    # policy_version. policy_version is then the oldest of them.
+    token_versions: torch.Tensor | None = None
+    probe_version: int | None = None  # updates held by the engines when they ran the batch's probes (async runs)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -283,7 +288,7 @@ class ExperienceBatch:
             entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
             truncated=take(self.truncated),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
-            action_mask=take(self.action_mask),
+            action_mask=take(self.action_mask), token_versions=take(self.token_versions),
         )
 
     def sequence_batch(self, temperature: float) -> SequenceBatch:

@@ -146,8 +146,33 @@ def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:
     _need(not (t.async_enable and t.colocate_all), "train.async_enable",
           "needs a disaggregated layout: with --train.colocate_all the engines and the ranks share the GPUs, so "
           "nothing can overlap; drop --train.colocate_all (and give the engines their own GPUs) or drop --train.async_enable")
+    _check_partial(cfg)
     if cfg.reward.num_workers < 0:
         raise ValueError(f"--reward.num_workers: must be >= 1, or 0 for one per core; got {cfg.reward.num_workers}")
+
+
+def _check_partial(cfg: "TrainConfig") -> None:
+    """``--train.partial_rollout_enable``: asynchronous training, a cut inside the response budget, and nothing whose
+    meaning a cut would change (stop strings, an agent's episodes, the engines' MoE routing)."""
+    t, r = cfg.train, cfg.rollout
+    if r.partial_chunk_tokens is not None:
+        _need(t.partial_rollout_enable, "rollout.partial_chunk_tokens", "is read only with --train.partial_rollout_enable")
+        _need(1 <= r.partial_chunk_tokens <= r.max_new_tokens, "rollout.partial_chunk_tokens",
+              f"{r.partial_chunk_tokens}: must lie in [1, --rollout.max_new_tokens {r.max_new_tokens}]")
+    if not t.partial_rollout_enable:
+        return
+    _need(t.async_enable, "train.partial_rollout_enable",
+          "requires --train.async_enable (as in OpenRLHF): responses continue across the weight syncs that the "
+          "asynchronous schedule runs beside generation; add --train.async_enable or drop the flag")
+    _need(not r.stop, "train.partial_rollout_enable",
+          "cannot honour --rollout.stop strings: a string across a round's cut would be missed; use "
+          "--rollout.stop_token_ids or drop --rollout.stop")
+    _need(not t.agent_func_path, "train.partial_rollout_enable",
+          "an agent's episode (--train.agent_func_path) is several generate calls with the environment between them; "
+          "drop one of the two")
+    _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
+          "r3 replays the engines' routing of one generate call per sample; a partial rollout spans several rounds "
+          "and weight versions: use r2 with --train.partial_rollout_enable")
 
 
 def _check_reward_shaping(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:

@@ -106,8 +106,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        "with --train.colocate_all the engines get their own GPUs, as in OpenRLHF"),
     _f("train.async_queue_size", 1, REFUSED,
        why="the depth of the asynchronous pipeline is --train.max_staleness (1 or 2); drop it"),
-    _f("train.partial_rollout_enable", False, REFUSED,
-       why=f"{_LONG}: requests are never interrupted (new weights stream in between batches); drop it"),
+    _f("train.partial_rollout_enable", False, SAME,
+       why="with --train.async_enable: responses still running at a weight sync continue under the new weights, "
+           "each token's policy version recorded; cut deterministically every --rollout.partial_chunk_tokens "
+           "(ours; OpenRLHF cuts where the broadcast lands in time), so resume repeats the run (rollout/partial.py)"),
     _f("rollout.vllm_generate_batch_size", None, REFUSED,
        why="one generation batch per step (= --rollout.batch_size), with or without --train.async_enable; drop it"),
     # ---- checkpoints, eval, logging

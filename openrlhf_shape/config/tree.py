@@ -56,6 +56,14 @@ class RolloutSection:
     # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;
     # None: --train.max_tokens_per_gpu (OpenRLHF's rule). No gradients or optimizer in flight: it may be larger.
     max_tokens_per_gpu: int | None = None
+    # --train.partial_rollout_enable: the most new tokens a response gains per engine round before it is cut and
+    # re-submitted with its prefix (weights change only between rounds); None: a quarter of --rollout.max_new_tokens.
+    # A window runs rounds until a batch of prompt groups is finished; in steady state one round: the per-step cap.
+    partial_chunk_tokens: int | None = None
+
+    def partial_chunk(self) -> int:
+        """``--rollout.partial_chunk_tokens``, or its default: a quarter of ``max_new_tokens`` (at least 1)."""
+        return self.partial_chunk_tokens if self.partial_chunk_tokens is not None else max(1, self.max_new_tokens // 4)
 
     def sampling_config(self) -> SamplingConfig:
         """One generate call's :class:`SamplingConfig` (``n`` samples of ``max_new_tokens``)."""
@@ -93,6 +101,9 @@ class TrainSection:
     colocate_all: bool = False  # GPU: vLLM sleeps while the actor trains on the same GPUs
     async_enable: bool = False  # one-step-off: the engines make the next batch while the ranks train (disaggregated only)
     max_staleness: int = 1  # async: updates between the weights that generated a batch and the weights that train on it (1 or 2)
+    # async: responses still running at a weight sync continue under the new weights, each token's version recorded
+    # (OpenRLHF's flag; cut every --rollout.partial_chunk_tokens: rollout/partial.py)
+    partial_rollout_enable: bool = False
     num_episodes: int | None = None  # passes over the prompt set; when set, num_steps = episodes x prompts // batch
     num_steps: int = 360
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)

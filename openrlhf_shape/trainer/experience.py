@@ -52,6 +52,12 @@ def delimiter_token_ids(tokenizer, delimiter: str) -> set[int]:
     return ids
 
 
+def slot_idle_share(lengths: Sequence[int]) -> float:
+    """Of the decode slots one generate call holds (its requests x its longest response, all decoding together),
+    the share that decodes nothing: requests already finished while the longest still runs (the long tail's cost)."""
+    return 1.0 - sum(lengths) / (len(lengths) * max(lengths)) if lengths and max(lengths) else 0.0
+
+
 class ShapeExperienceMaker:
     """Phase functions that turn a batch of prompt items into an :class:`ExperienceBatch`.
 
@@ -156,17 +162,24 @@ class ShapeExperienceMaker:
         seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
+        out = self.batch_of([items[g.prompt_index] for g in gens], gens, seconds)
+        out.metrics["rollout/slot_idle_share"] = slot_idle_share([len(g.token_ids) for g in gens])
+        return out
+
+    def batch_of(self, sample_items: Sequence, gens: Sequence, seconds: float) -> PhaseOutput:
+        """One :class:`ExperienceBatch` (no rewards yet) of the engines' samples ``gens`` (``Generation``, prompt-major)
+        and their prompt items, with the generate phase's metrics (``seconds``: the engines' time). Also the batch of
+        the responses that partial rollouts finished (trainer/partial.py)."""
         empty = [i for i, g in enumerate(gens) if not g.token_ids]
         if empty:
             raise RuntimeError(f"vLLM returned empty responses for samples {empty[:5]}: check --rollout.max_new_tokens")
-        sample_items = [items[g.prompt_index] for g in gens]
         lengths = torch.tensor([len(g.token_ids) for g in gens])
         width = int(lengths.max())
         rollout_lp = None
         if self.sampling.logprobs:
             rollout_lp = pad_rows([torch.tensor(g.logprobs, dtype=torch.float32) for g in gens], width)
         exp = ExperienceBatch(
-            items=sample_items, sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
+            items=list(sample_items), sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
             prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
             response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
             truncated=torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool),

@@ -278,7 +278,8 @@ def check_resume(cfg: TrainConfig) -> None:
     path = resume_checkpoint(cfg)
     if path:
         _, meta = read_complete_meta(path)
-        check_resumable(meta.get("extra") or {}, cfg.train.async_enable, cfg.train.max_staleness)
+        check_resumable(meta.get("extra") or {}, cfg.train.async_enable, cfg.train.max_staleness,
+                        cfg.rollout.partial_chunk() if cfg.train.partial_rollout_enable else 0)
 
 
 def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
@@ -295,6 +296,10 @@ def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float |
            f"|dlogp| {get('rollout/fidelity/abs_log_ratio/mean', '.1e')}/{get('rollout/fidelity/abs_log_ratio/max', '.1e')}"
            f" (stale {get('async/staleness', '.0f')}: {get('rollout/mismatch/abs_log_ratio/mean', '.1e')})")
     eta = f", {eta_s / 60:.1f} min left" if eta_s is not None and eta_s > 0 else ""
+    if metrics.get("rollout/response_versions"):  # partial rollouts: which weights sampled the batch, and probed it
+        seen = sorted({v for vs in metrics["rollout/response_versions"] for v in vs})
+        gap += (f", tokens of v{seen[0]}..v{seen[-1]} ({get('partial/multi_version_share', '.0%')} of responses span "
+                f"syncs), probes on v{get('async/probe_version', '.0f')}")
     return (
         f"step {step}/{num_steps}: acc {get('rollout/accuracy', '.3f')}, len {get('rollout/response_length/mean', '.0f')}, "
         f"segments {get('shape/segments_per_response/mean', '.2f')}, drop {get('shape/potential_drop_rate', '.2f')}, "

@@ -29,6 +29,11 @@ Every request a batch makes carries its own seed, derived from the step that tra
 whatever the engines' count or state. A
 checkpoint stores the batches in flight (:meth:`OneStepOffSchedule.save_pending`): a resumed run continues
 with them and repeats the uninterrupted run step for step (the weights that generated them are gone).
+
+With ``--train.partial_rollout_enable`` the engines' generate is :class:`~openrlhf_shape.trainer.partial.PartialRollouts`:
+the batch is the first prompt groups that the responses in flight finish, whose tokens may come from several
+versions (``ExperienceBatch.token_versions``; ``policy_version`` is the oldest); the responses still running are
+saved with the batches in flight. The probes run when the batch's credit does (``probe_version``).
 """
 
 from __future__ import annotations
@@ -43,16 +48,18 @@ import torch
 from openrlhf_shape.batch import ExperienceBatch, SequenceBatch
 from openrlhf_shape.rollout.seeds import step_seed
 from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+from openrlhf_shape.trainer.partial import PartialRollouts
 from openrlhf_shape.trainer.phases import StepLog
 
 PENDING_DIR = "async_pending"  # beside the step_XXXXXX checkpoints: the batches in flight when each was written
 FIDELITY_ROWS = 2  # sequences per engine that the engines re-score each step (asynchronous training)
 
 
-def check_resumable(extra: dict, async_enable: bool, staleness: int) -> None:
+def check_resumable(extra: dict, async_enable: bool, staleness: int, partial_chunk: int = 0) -> None:
     """Refuse (``ValueError`` naming the flag to change) a checkpoint whose batches in flight this schedule cannot
     continue. ``extra``: what the trainer stored with the checkpoint (``meta.json``'s ``extra``);
-    ``async_enable`` / ``staleness``: ``--train.async_enable`` / ``--train.max_staleness`` of the resuming run.
+    ``async_enable`` / ``staleness``: ``--train.async_enable`` / ``--train.max_staleness`` of the resuming run;
+    ``partial_chunk``: its ``--rollout.partial_chunk_tokens`` under ``--train.partial_rollout_enable``, else 0.
     The trainer calls it before starting anything (:func:`openrlhf_shape.trainer.ppo_trainer.check_resume`)
     and again when it loads the batches (:meth:`SyncSchedule.load_pending`)."""
     if not async_enable:
@@ -67,6 +74,13 @@ def check_resumable(extra: dict, async_enable: bool, staleness: int) -> None:
     if int(extra.get("async_staleness", 0)) != staleness:
         raise ValueError(f"--train.max_staleness {staleness}: the checkpoint was written with "
                          f"{extra.get('async_staleness')}, whose batches in flight are of another depth; use that")
+    written = int(extra.get("partial_rollout", 0))
+    if written != partial_chunk:
+        raise ValueError(
+            "--train.partial_rollout_enable: the checkpoint was written "
+            + (f"with partial rollouts cut every {written} tokens (--rollout.partial_chunk_tokens); resume with "
+               "--train.partial_rollout_enable and that value" if written else
+               "without partial rollouts, so it holds no responses in flight; resume without --train.partial_rollout_enable"))
 
 
 class SyncSchedule:
@@ -98,11 +112,14 @@ class OneStepOffSchedule(SyncSchedule):
     """Asynchronous schedule (module doc). ``logprobs_fn`` is the maker's (ranks, through the lifecycle);
     ``num_steps``: the run's last step (nothing is generated past it)."""
 
-    def __init__(self, maker: ShapeExperienceMaker, batcher, engines, seed: int, staleness: int, num_steps: int):
+    def __init__(self, maker: ShapeExperienceMaker, batcher, engines, seed: int, staleness: int, num_steps: int,
+                 partial_chunk: int = 0):
         super().__init__(maker, batcher, engines, seed)
         if staleness not in (1, 2):
             raise ValueError(f"--train.max_staleness {staleness}: 1 or 2")
         self.staleness, self.num_steps = staleness, num_steps
+        # --train.partial_rollout_enable: the responses in flight across syncs (trainer/partial.py); None: off
+        self.partial = PartialRollouts(maker, batcher, partial_chunk, seed, num_steps) if partial_chunk else None
         self.updates = 0  # optimizer updates the ranks have applied (= the engines', after each sync)
         self.generated: ExperienceBatch | None = None  # generated and scored: the next step's (staleness 1) or the one after
         self.ready: ExperienceBatch | None = None  # staleness 2: advantages done, for the next step
@@ -147,6 +164,7 @@ class OneStepOffSchedule(SyncSchedule):
         rec.metrics.update(exp.metrics)
         rec.metrics["async/staleness"] = float(self.updates - exp.policy_version)
         rec.metrics["async/logprob_staleness"] = float(self.updates - exp.logprob_version)
+        rec.metrics.update(_version_report(exp, self.updates))
         self._step, self._update_since = step, time.perf_counter()
         return exp
 
@@ -178,9 +196,13 @@ class OneStepOffSchedule(SyncSchedule):
     def _generate(self, step: int) -> ExperienceBatch:
         """Engines: generate and score the batch that trains at ``step``, with the weights they hold now."""
         t0, log = time.perf_counter(), StepLog()
-        items = self.batcher.next_batch()
-        exp = self.maker.rollout(items, log, seed=step_seed(self.seed, step))
-        exp.metrics, exp.policy_version = log.metrics, self.updates
+        if self.partial is not None:  # the first groups the responses in flight finish, tokens of several versions
+            exp = log.phase("generate", self.partial.generate, step, self.updates)
+            exp = log.phase("rewards", self.maker.rewards, exp)
+        else:
+            exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step))
+            exp.policy_version = self.updates
+        exp.metrics = log.metrics
         self.events.append(("generate", step, t0, time.perf_counter()))
         return exp
 
@@ -201,6 +223,7 @@ class OneStepOffSchedule(SyncSchedule):
         if not len(exp):
             return exp
         t0 = time.perf_counter()
+        exp.probe_version = self.updates  # the engines' weights now: the probes' (the response is complete)
         exp = self.maker.credit(exp, _log_into(exp.metrics), seed=step_seed(self.seed, step))
         self.events.append(("credit", step, t0, time.perf_counter()))
         return exp
@@ -232,18 +255,23 @@ class OneStepOffSchedule(SyncSchedule):
         os.makedirs(folder, exist_ok=True)
         name = f"step_{step:06d}.pt"
         tmp = os.path.join(folder, name + ".tmp")
-        torch.save({"ready": self.ready, "generated": self.generated, "updates": self.updates}, tmp)
+        torch.save({"ready": self.ready, "generated": self.generated, "updates": self.updates,
+                    "partial": None if self.partial is None else self.partial.state_dict()}, tmp)
         os.replace(tmp, os.path.join(folder, name))
         kept = {d for d in os.listdir(ckpt_root) if d.startswith("step_")} | {f"step_{step:06d}"}
         for old in os.listdir(folder):  # batches of checkpoints that are gone
             if old.endswith(".pt") and old[: -len(".pt")] not in kept:
                 os.remove(os.path.join(folder, old))
-        return {"async_pending": name, "async_staleness": self.staleness}
+        return {"async_pending": name, "async_staleness": self.staleness,
+                "partial_rollout": 0 if self.partial is None else self.partial.pool.chunk_tokens}
 
     def load_pending(self, extra: dict, ckpt_root: str) -> None:
-        check_resumable(extra, async_enable=True, staleness=self.staleness)
+        check_resumable(extra, async_enable=True, staleness=self.staleness,
+                        partial_chunk=0 if self.partial is None else self.partial.pool.chunk_tokens)
         state = torch.load(os.path.join(ckpt_root, PENDING_DIR, extra["async_pending"]), weights_only=False)
         self.ready, self.generated, self.updates = state["ready"], state["generated"], int(state["updates"])
+        if self.partial is not None:  # the responses in flight: they continue where the checkpoint left them
+            self.partial.load_state_dict(state["partial"])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -256,8 +284,22 @@ def _log_into(metrics: dict) -> StepLog:
     return log
 
 
+def _version_report(exp: ExperienceBatch, updates: int) -> dict[str, float]:
+    """Which weights made the batch, in updates applied: its samples' (oldest token), its probes', and under partial
+    rollouts its tokens' mean and largest distance to the update that trains on them."""
+    out = {"async/policy_version": float(exp.policy_version)}
+    if exp.probe_version is not None:
+        out["async/probe_version"] = float(exp.probe_version)
+    if exp.token_versions is not None and len(exp):
+        age = (updates - exp.token_versions[exp.token_versions >= 0]).float()
+        out["async/token_staleness/mean"], out["async/token_staleness/max"] = float(age.mean()), float(age.max())
+    return out
+
+
 def make_schedule(cfg, maker: ShapeExperienceMaker, batcher, engines) -> SyncSchedule:
-    """``--train.async_enable``: :class:`OneStepOffSchedule` at ``--train.max_staleness``; else :class:`SyncSchedule`."""
+    """``--train.async_enable``: :class:`OneStepOffSchedule` at ``--train.max_staleness`` (with partial rollouts under
+    ``--train.partial_rollout_enable``); else :class:`SyncSchedule`."""
     if cfg.train.async_enable:
-        return OneStepOffSchedule(maker, batcher, engines, cfg.train.seed, cfg.train.max_staleness, cfg.train.num_steps)
+        return OneStepOffSchedule(maker, batcher, engines, cfg.train.seed, cfg.train.max_staleness, cfg.train.num_steps,
+                                  partial_chunk=cfg.rollout.partial_chunk() if cfg.train.partial_rollout_enable else 0)
     return SyncSchedule(maker, batcher, engines, cfg.train.seed)

@@ -111,7 +111,14 @@ def test_adaptive_probe_flags():
         (["--train.max_staleness", "3"], r"--train\.max_staleness.*3: 1 .* or 2"),
         (["--train.max_staleness", "0", "--train.async_enable", "true"], r"--train\.max_staleness"),
         (["--train.async_queue_size", "2"], r"--train\.async_queue_size.*--train\.max_staleness"),
-        (["--train.partial_rollout_enable"], r"--train\.partial_rollout_enable.*never interrupted"),
+        (["--train.partial_rollout_enable"], r"--train\.partial_rollout_enable: requires --train\.async_enable"),
+        (["--train.async_enable", "true", "--train.partial_rollout_enable", "--rollout.max_new_tokens", "64",
+          "--rollout.partial_chunk_tokens", "65"], r"--rollout\.partial_chunk_tokens: 65: must lie in \[1, "),
+        (["--rollout.partial_chunk_tokens", "8"], r"--rollout\.partial_chunk_tokens: is read only with --train\.partial"),
+        (["--train.async_enable", "true", "--train.partial_rollout_enable", "--rollout.stop", "###"],
+         r"--train\.partial_rollout_enable: cannot honour --rollout\.stop"),
+        (["--train.async_enable", "true", "--train.partial_rollout_enable", "--train.agent_func_path", "a.py"],
+         r"--train\.partial_rollout_enable: an agent's episode"),
     ],
 )
 def test_async_flags_refused_with_their_reason(flags, match):

