@@ -20,7 +20,8 @@ batch overlap the ranks' update, and at ``--train.max_staleness 2`` the probes t
 * update: forward + backward (6 x params FLOPs/token + attention; 8 x with full recompute) per epoch,
   stretched by the pipeline bubble ``(pp - 1) / micro-batches``;
 * weight sync: rank 0 gathers the bf16 weights to its host, ships them to the other nodes, each
-  engine loads its shard (plus the sleep level 1 wake-up copy);
+  engine loads its shard (plus the sleep level 1 wake-up copy); a plan with a placement replaces this guess by
+  the estimate of the transport the trainer picks (``planner/sync_time.py``, copy rates measured on an H200);
 * rewards: a fixed guess (Math-Verify runs on CPU).
 
 Mixture-of-experts models: FLOPs count the *active* parameters (the router and ``k`` experts per sparse

@@ -542,12 +542,26 @@ def _finish(plan: Plan, cfg: TrainConfig, search: bool = True) -> None:
         ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
         gpus_per_node=plan.options.gpus_per_node, lengths=plan.lengths, packing=plan.packing, cp=plan.cp,
     )
+    if plan.sync is not None:
+        plan.phases = [_sync_phase(plan, cfg) if p.name == "weight sync" else p for p in plan.phases]
     plan.async_plan = _async_plan(plan, cfg)
     if search and plan.async_plan is not None:
         from openrlhf_shape.planner.split import search_split
 
         max_gpus = plan.options.split_max_gpus or plan.async_plan.gpus or plan.placement.num_bundles
         plan.split = search_split(cfg, plan.options, max_gpus, plan.config_path)
+
+
+def _sync_phase(plan: Plan, cfg: TrainConfig) -> Phase:
+    """The step's weight sync from the estimate of the transport the trainer picks (``planner/sync_time.py``: copy
+    rates measured on an H200), plus the engines' wake-up copy of their weights after sleep level 1 when colocated
+    (the cost model's PCIe assumption)."""
+    from openrlhf_shape.planner.sync_time import weight_sync_phase
+
+    w = plan.model.total_params() * 2
+    wake = (w / cfg.vllm.tensor_parallel_size / (plan.options.pcie_gbs * 1e9)
+            if cfg.train.colocate_all and plan.options.vllm_sleep_level == 1 else 0.0)
+    return weight_sync_phase(plan.sync, wake)
 
 
 def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:

@@ -81,20 +81,21 @@ def _fits(plan: Any, side: str) -> bool:
 
 def _pair(plan_r: Any, plan_e: Any, cfg: Any, rank_gpus: int, engines: int, staleness: int) -> Split | None:
     """The split (rank side of ``plan_r``, engine side of ``plan_e``) with its own placement and weight sync."""
-    from openrlhf_shape.cluster.placement import plan_placement
-    from openrlhf_shape.planner.cost import _weight_sync
+    from openrlhf_shape.cluster.placement import plan_placement, resolve_weight_sync
+    from openrlhf_shape.planner.sync_time import estimate_sync, weight_sync_phase
 
     o = plan_r.options
     try:
         placement = plan_placement(world_size=rank_gpus, tp=plan_r.tp * plan_r.cp, pp=plan_r.pp, num_engines=engines,
                                    engine_tp=cfg.vllm.tensor_parallel_size, colocate=False,
                                    gpus_per_node=o.gpus_per_node, num_nodes=o.num_nodes)
+        transport, why = resolve_weight_sync(cfg.rollout.weight_sync, placement, on_gpu=True)
     except ValueError:
         return None
     phases: list[Phase] = [p for p in plan_r.phases if p.name in RANK_PHASES]
     phases += [p for p in plan_e.phases if p.name in ENGINE_PHASES]
-    phases.append(_weight_sync(plan_r.model, cfg.vllm.tensor_parallel_size, placement.num_nodes, False,
-                               o.vllm_sleep_level, o))
+    est = estimate_sync(plan_r.model, placement, transport, why, cfg.vllm.weight_sync_bucket_mb, o)
+    phases.append(weight_sync_phase(est))
     return Split(rank_gpus, engines, cfg.vllm.tensor_parallel_size, async_step(phases, staleness))
 
 

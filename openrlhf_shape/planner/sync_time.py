@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from openrlhf_shape.planner.assumptions import PlanOptions
+from openrlhf_shape.planner.cost import Phase
 from openrlhf_shape.planner.model import ModelShape
 
 GIB = 2**30
@@ -142,6 +143,13 @@ def _object_store(w: int, largest: int, remote_nodes: int, r: dict[str, float], 
            "overlapped bucket by bucket; copy rates measured on an H200")
     return SyncEstimate(seconds=pipelined(r["d2h_pinned"]), bucket_seconds=sum(stages(largest, r["d2h_pinned"]).values()),
                         how=how, pageable_seconds=pipelined(r["d2h_pageable"]), **common)
+
+
+def weight_sync_phase(est: SyncEstimate, wake_s: float = 0.0) -> Phase:
+    """The step's weight-sync phase from ``est``, plus ``wake_s`` of the engines' wake-up copy (sleep level 1,
+    colocated)."""
+    how = f"{est.transport}: {est.how}" + (f"; + engine wake-up {wake_s:.1f} s at --plan.pcie_gbs" if wake_s else "")
+    return Phase("weight sync", est.seconds + wake_s, how)
 
 
 def sync_lines(est: SyncEstimate | None, timeout_s: float) -> list[str]:
