@@ -153,7 +153,8 @@ def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:
 
 def _check_partial(cfg: "TrainConfig") -> None:
     """``--train.partial_rollout_enable``: asynchronous training, a cut inside the response budget, and nothing whose
-    meaning a cut would change (stop strings, an agent's episodes, the engines' MoE routing)."""
+    meaning a cut would change (stop strings, the engines' MoE routing). With an agent nothing is cut
+    (:meth:`TrainConfig.partial_chunk_in_effect`; ``compat.implied`` says so)."""
     t, r = cfg.train, cfg.rollout
     if r.partial_chunk_tokens is not None:
         _need(t.partial_rollout_enable, "rollout.partial_chunk_tokens", "is read only with --train.partial_rollout_enable")
@@ -164,12 +165,11 @@ def _check_partial(cfg: "TrainConfig") -> None:
     _need(t.async_enable, "train.partial_rollout_enable",
           "requires --train.async_enable (as in OpenRLHF): responses continue across the weight syncs that the "
           "asynchronous schedule runs beside generation; add --train.async_enable or drop the flag")
+    if t.agent_func_path:  # episodes run whole: no cut, nothing below applies
+        return
     _need(not r.stop, "train.partial_rollout_enable",
           "cannot honour --rollout.stop strings: a string across a round's cut would be missed; use "
           "--rollout.stop_token_ids or drop --rollout.stop")
-    _need(not t.agent_func_path, "train.partial_rollout_enable",
-          "an agent's episode (--train.agent_func_path) is several generate calls with the environment between them; "
-          "drop one of the two")
     _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
           "r3 replays the engines' routing of one generate call per sample; a partial rollout spans several rounds "
           "and weight versions: use r2 with --train.partial_rollout_enable")

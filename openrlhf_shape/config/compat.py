@@ -102,6 +102,10 @@ def implied(values: dict[str, Any]) -> list[str]:
       ZeRO, so the DeepSpeed backend (our default backend is Megatron, which has no ZeRO stage).
     * ``--train.colocate_all`` with ``--train.async_enable``: OpenRLHF then colocates only its training models
       and gives the engines their own GPUs (nothing could overlap otherwise), so the engines are disaggregated.
+    * ``--train.partial_rollout_enable`` with ``--train.agent_func_path`` (OpenRLHF's agent-async script passes
+      both): an agent's episode is not cut; it runs whole inside one window of the asynchronous schedule, so every
+      token of it comes from one policy version (the agent's state lives in its executor's coroutines, which a
+      checkpoint cannot hold). OpenRLHF's episodes continue under new weights only when a sync lands mid-episode.
     """
     out: list[str] = []
     if "actor.backend" not in values and ("ds.zero_stage" in values or values.get("ds.adam_offload")):
@@ -113,4 +117,8 @@ def implied(values: dict[str, Any]) -> list[str]:
         values["train.colocate_all"] = False
         out.append("--train.colocate_all with --train.async_enable: as in OpenRLHF, only the training models share "
                    "GPUs; the vLLM engines get their own (--train.colocate_all false for the engines)")
+    if values.get("train.partial_rollout_enable") and values.get("train.agent_func_path"):
+        out.append("--train.partial_rollout_enable with --train.agent_func_path: agent episodes are not cut; each runs "
+                   "whole inside one window of the asynchronous schedule, on one policy version (its state lives in the "
+                   "agent's coroutines, which a checkpoint cannot hold); single-turn responses have no agent here")
     return out

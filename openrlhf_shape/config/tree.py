@@ -237,6 +237,13 @@ class TrainConfig:
             node = getattr(node, part)
         return node[int(index[:-1])] if index else node
 
+    def partial_chunk_in_effect(self) -> int:
+        """Tokens per round of a partial rollout (``--rollout.partial_chunk_tokens``) when responses are cut: under
+        ``--train.partial_rollout_enable`` without an agent (an agent's episodes run whole); else 0 (no cut)."""
+        if not self.train.partial_rollout_enable or self.train.agent_func_path:
+            return 0
+        return self.rollout.partial_chunk()
+
     def max_model_len(self) -> int:
         """Engine context in tokens: ``--vllm.max_model_len``, else prompt + response + probe room."""
         if self.vllm.max_model_len:

@@ -279,7 +279,7 @@ def check_resume(cfg: TrainConfig) -> None:
     if path:
         _, meta = read_complete_meta(path)
         check_resumable(meta.get("extra") or {}, cfg.train.async_enable, cfg.train.max_staleness,
-                        cfg.rollout.partial_chunk() if cfg.train.partial_rollout_enable else 0)
+                        cfg.partial_chunk_in_effect())
 
 
 def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:

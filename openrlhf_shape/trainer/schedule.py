@@ -301,5 +301,5 @@ def make_schedule(cfg, maker: ShapeExperienceMaker, batcher, engines) -> SyncSch
     ``--train.partial_rollout_enable``); else :class:`SyncSchedule`."""
     if cfg.train.async_enable:
         return OneStepOffSchedule(maker, batcher, engines, cfg.train.seed, cfg.train.max_staleness, cfg.train.num_steps,
-                                  partial_chunk=cfg.rollout.partial_chunk() if cfg.train.partial_rollout_enable else 0)
+                                  partial_chunk=cfg.partial_chunk_in_effect())
     return SyncSchedule(maker, batcher, engines, cfg.train.seed)

@@ -117,13 +117,27 @@ def test_adaptive_probe_flags():
         (["--rollout.partial_chunk_tokens", "8"], r"--rollout\.partial_chunk_tokens: is read only with --train\.partial"),
         (["--train.async_enable", "true", "--train.partial_rollout_enable", "--rollout.stop", "###"],
          r"--train\.partial_rollout_enable: cannot honour --rollout\.stop"),
-        (["--train.async_enable", "true", "--train.partial_rollout_enable", "--train.agent_func_path", "a.py"],
-         r"--train\.partial_rollout_enable: an agent's episode"),
     ],
 )
 def test_async_flags_refused_with_their_reason(flags, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, flags)
+
+
+def test_partial_rollouts_with_an_agent_run_episodes_whole_and_say_so(caplog, tmp_path):
+    """OpenRLHF's agent-async script passes --train.partial_rollout_enable with its agent: accepted, episodes are not
+    cut (no round size in effect), said once; without the agent the rounds are cut at the chunk."""
+    agent = tmp_path / "a.py"
+    agent.write_text("")
+    base = ["--train.async_enable", "true", "--train.partial_rollout_enable", "--rollout.max_new_tokens", "64"]
+    with caplog.at_level("WARNING", logger="openrlhf_shape.config"):
+        cfg = load_config(None, base + ["--train.agent_func_path", str(agent), "--rollout.stop", "###"],
+                          check_paths=False)
+    assert cfg.train.partial_rollout_enable and cfg.partial_chunk_in_effect() == 0
+    said = [r.getMessage() for r in caplog.records if "agent episodes are not cut" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("--train.partial_rollout_enable with --train.agent_func_path")
+    assert load_config(None, base).partial_chunk_in_effect() == 16  # a quarter of max_new_tokens
+    assert load_config(None, ["--train.async_enable", "true"]).partial_chunk_in_effect() == 0
 
 
 def test_async_with_colocate_all_disaggregates_the_engines_as_openrlhf(caplog):
