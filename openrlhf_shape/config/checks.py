@@ -85,13 +85,14 @@ def _check_batches(cfg: "TrainConfig") -> None:
                              f"GPU), got {budget!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
-    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+    cp = m.context_parallel_size if cfg.actor.backend == "megatron" else 1
+    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
     _need(world % mp == 0, "actor.num_gpus_per_node",
-          f"{world} ranks is not a multiple of TP x PP = {mp}; set --actor.num_nodes x "
-          "--actor.num_gpus_per_node to TP x PP x DP")
+          f"{world} ranks is not a multiple of TP x PP x CP = {mp}; set --actor.num_nodes x "
+          "--actor.num_gpus_per_node to TP x PP x CP x DP, or change --megatron.context_parallel_size")
     dp = world // mp
     _need(t.batch_size % dp == 0, "train.batch_size",
-          f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP))")
+          f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP x CP))")
 
 
 def _check_backend(cfg: "TrainConfig") -> None:
@@ -107,6 +108,10 @@ def _check_backend(cfg: "TrainConfig") -> None:
                 "deepspeed, or shard on Megatron with --megatron.use_distributed_optimizer")
         return
     m = cfg.megatron
+    if m.context_parallel_size != 1:
+        raise ValueError("--megatron.context_parallel_size is Megatron's context parallelism; --actor.backend deepspeed "
+                         "does not read it: set it to 1 (the DeepSpeed backend's flag is --ds.ring_attn_size) or use "
+                         "--actor.backend megatron")
     if m.tensor_model_parallel_size != 1 or m.pipeline_model_parallel_size != 1:
         raise ValueError("--actor.backend deepspeed shards over data parallelism only: set "
                          "--megatron.tensor_model_parallel_size 1 and --megatron.pipeline_model_parallel_size 1 "

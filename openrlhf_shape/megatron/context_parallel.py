@@ -2,17 +2,14 @@
 
 Each CP rank holds two chunks of every sequence (:mod:`openrlhf_shape.actor.cp_split`: chunks ``r`` and
 ``2 x cp - 1 - r`` of ``2 x cp``). Attention needs every earlier key of the sequence, so the local attentions
-all-gather K and V over the CP group (:class:`_GatherOverCp`: forward all-gather, backward the sum of every rank's
-gradient, each rank keeping its own slice: a reduce-scatter, written as an all-reduce because gloo has no
-reduce-scatter), put the chunks back in sequence order and attend with the causal mask in global positions
-(:func:`cp_attention`). A query of chunk ``c`` (length ``L``) sees the keys ``[0, (c + 1) L)`` of its sequence,
+all-gather K and V over the CP group (:func:`~openrlhf_shape.actor.cp_comm.gather_over_cp`), put the chunks
+back in sequence order and attend with the causal mask in global positions (:func:`cp_attention`). A query of chunk ``c`` (length ``L``) sees the keys ``[0, (c + 1) L)`` of its sequence,
 the last ``L`` of them causally. This is the CPU twin of TE's context-parallel attention (a ring of K/V exchanges
 on GPU); it holds a sequence's whole K/V on each rank, which is fine for the tiny models it runs here.
 
-The log-prob head runs on each rank's own positions; :func:`sum_over_cp` puts the per-token results back into
-the micro-batch's order on every rank (forward all-reduce of disjoint parts, backward identity: every rank then
-computes the same loss, and each rank's gradient flows into its own positions only; megatron-core's DDP sums the
-parameter gradients over data x context parallel ranks).
+The log-prob head runs on each rank's own positions; :func:`~openrlhf_shape.actor.cp_comm.sum_over_cp` puts the
+per-token results back into the micro-batch's order on every rank; megatron-core's DDP sums the parameter gradients
+over data x context parallel ranks.
 """
 
 from __future__ import annotations
@@ -22,46 +19,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from openrlhf_shape.actor.cp_comm import gather_over_cp, sum_over_cp
 
-class _GatherOverCp(torch.autograd.Function):
-    """``x`` ``[t_local, ...]`` -> ``[cp, t_local, ...]`` (every rank's ``x``, by CP rank)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)  # every rank's queries' gradient for each rank's keys
-        return grad[dist.get_rank(ctx.group)], None
-
-
-class _SumOverCp(torch.autograd.Function):
-    """Forward: the sum over the CP group (of parts that are zero outside each rank's positions); backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def gather_over_cp(x: torch.Tensor, group) -> torch.Tensor:
-    return _GatherOverCp.apply(x, group)
-
-
-def sum_over_cp(local: torch.Tensor, held: torch.Tensor, group) -> torch.Tensor:
-    """``local`` ``[n]`` values at the positions ``held`` (``[N]`` bool, ``n`` True) -> ``[N]`` on every CP rank."""
-    full = local.new_zeros(held.shape[0]).index_put((held.nonzero(as_tuple=True)[0],), local)
-    return _SumOverCp.apply(full, group)
+__all__ = ["causal_allowed", "cp_attention", "gather_over_cp", "sum_over_cp"]
 
 
 def causal_allowed(offset: int, sq: int, sk: int, device: torch.device) -> torch.Tensor:

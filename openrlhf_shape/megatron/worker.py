@@ -27,7 +27,7 @@ from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron import cpu as cpu_compat
 from openrlhf_shape.megatron.attention import packed_seq_params, varlen_kernel
 from openrlhf_shape.actor.cp_split import CpShard, cp_shard
-from openrlhf_shape.megatron.context_parallel import sum_over_cp
+from openrlhf_shape.actor.cp_comm import sum_over_cp
 from openrlhf_shape.actor.batching import MicroBatch, micro_batch_budget, rank_micro_batches, validate_batch
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-exported: module-level API of the worker)
