@@ -85,11 +85,12 @@ def _check_batches(cfg: "TrainConfig") -> None:
                              f"GPU), got {budget!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
-    cp = m.context_parallel_size if cfg.actor.backend == "megatron" else 1
+    cp = m.context_parallel_size if cfg.actor.backend == "megatron" else cfg.ds.ring_attn_size
     mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
     _need(world % mp == 0, "actor.num_gpus_per_node",
           f"{world} ranks is not a multiple of TP x PP x CP = {mp}; set --actor.num_nodes x "
-          "--actor.num_gpus_per_node to TP x PP x CP x DP, or change --megatron.context_parallel_size")
+          "--actor.num_gpus_per_node to TP x PP x CP x DP, or change the context-parallel size "
+          "(--megatron.context_parallel_size; --ds.ring_attn_size on --actor.backend deepspeed)")
     dp = world // mp
     _need(t.batch_size % dp == 0, "train.batch_size",
           f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP x CP))")
@@ -102,6 +103,9 @@ def _check_backend(cfg: "TrainConfig") -> None:
     reworded(cfg.optim_config, "OptimConfig", lambda f: f"actor.{f}")  # the settings against the schedule's length
     reworded(cfg.megatron_config, "MegatronConfig", lambda f: f"megatron.{f}")  # the layout
     if a.backend == "megatron":
+        if ds.ring_attn_size != 1:
+            raise ValueError("--ds.ring_attn_size is the DeepSpeed backend's context parallelism; on --actor.backend "
+                             "megatron use --megatron.context_parallel_size (and leave --ds.ring_attn_size 1)")
         if ds.zero_stage == 3 or ds.adam_offload:
             raise ValueError(
                 "--ds.zero_stage 3 / --ds.adam_offload configure the DeepSpeed backend; add --actor.backend "

@@ -10,8 +10,13 @@ plans are topped up with fully masked two-token fillers; every rank can compute 
 One optimizer step: each micro-batch's backward is marked as inside (or, the last one, at) the
 gradient-accumulation boundary, so DeepSpeed reduces gradients once, at the end; then
 ``engine.step()`` clips by the global norm and updates. The loss of a micro-batch is its token-loss
-sum divided by the mini-batch's global valid-token count (all ranks), times the data-parallel size
-because DeepSpeed averages gradients over ranks: the result is the gradient of the global token mean.
+sum divided by the mini-batch's global valid-token count (all ranks), times the world size because
+DeepSpeed averages gradients over all ranks: the result is the gradient of the global token mean.
+
+Ring attention (``--ds.ring_attn_size``, :mod:`openrlhf_shape.zero.ring_attention`): groups of that many consecutive
+ranks share one data-parallel shard; each packed micro-batch is cut into contiguous pieces, one per ring rank, whose
+per-token results go back to every ring rank (:func:`~openrlhf_shape.actor.cp_comm.sum_over_cp`); each ring rank's
+gradient then carries its piece's share, and the average over all ranks (x world size) sums them.
 """
 
 from __future__ import annotations
