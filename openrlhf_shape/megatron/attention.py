@@ -111,8 +111,9 @@ def _documents(params: Any, cp_size: int = 1) -> list[tuple[int, int]]:
         raise ValueError(f"packed micro-batches must be THD (qkv_format='thd'), got {getattr(params, 'qkv_format', None)!r}")
     padded = getattr(params, "cu_seqlens_q_padded", None)
     if getattr(params, "cp_group", None) is not None or (padded is not None and padded is not params.cu_seqlens_q):
-        raise ValueError("the local attentions take documents whose padded bounds are their bounds "
-                         "(megatron/attention.packed_seq_params) and the CP group of parallel_state (cp_group None)")
+        raise ValueError("the local attentions take documents whose padded bounds (cu_seqlens_q_padded) are their "
+                         "bounds (megatron/attention.packed_seq_params) and the CP group of parallel_state (cp_group "
+                         "None)")
     cu = list(getattr(params, "cu_seqlens_host", ())) or params.cu_seqlens_q.tolist()
     return [(a // cp_size, b // cp_size) for a, b in zip(cu[:-1], cu[1:])]
 
