@@ -7,7 +7,8 @@ group. On the same weights and tokens (8 sequences of 33..1900 tokens, 3853 in a
 for a tiny Qwen3 and a tiny Qwen3-MoE, packed and padded: CP2 (world 2), CP2 x DP2 (world 4, Qwen3) and CP2 x TP2
 with sequence parallel (world 4) give the world-1 log-probs and entropy within 1e-5 and the world-1 gradients after
 one step within 1e-5 relative per parameter (full HF-named gradients: the bridge's export run on the gradient
-buffers), on Megatron's own local attention and (Qwen3, CP2) on the SDPA core attention.
+buffers), on Megatron's own local attention and (Qwen3, CP2) on the SDPA core attention with full activation
+recompute.
 """
 
 from __future__ import annotations
@@ -60,10 +61,13 @@ def _run(world: int, cfg: dict, models: dict, batch: dict, variants: dict | None
 
 @pytest.fixture(scope="module")
 def runs(models, batch) -> dict[str, list[dict]]:
-    """Per layout, every rank's results; ``cp2_sdpa``: the CP2 ranks again with ``--megatron.local_attention sdpa``."""
+    """Per layout, every rank's results; ``cp2_sdpa``: the CP2 ranks again with ``--megatron.local_attention sdpa``
+    and ``--actor.gradient_checkpointing_enable`` (Megatron's full recompute)."""
     out = {"world1": _run(1, CFG, models, batch)}
     for name, (world, extra, archs) in LAYOUTS.items():
-        variants = {"sdpa": ({"local_attention": "sdpa"}, ["qwen3"])} if name == "cp2" else None
+        # SDPA core attention, with Megatron's full activation recompute (the backward reruns the all-gathers)
+        variants = ({"sdpa": ({"local_attention": "sdpa", "gradient_checkpointing_enable": True}, ["qwen3"])}
+                    if name == "cp2" else None)
         out[name] = _run(world, {**CFG, **extra}, {a: models[a] for a in archs}, batch, variants)
     out["cp2_sdpa"] = [{**r["variants"]["sdpa"], "ranks": r["ranks"]} for r in out["cp2"]]
     return out

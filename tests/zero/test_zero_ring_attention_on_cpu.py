@@ -5,7 +5,8 @@ micro-batch is padded to an even length and cut into two contiguous pieces, one 
 sample may straddle the pieces); the HF model's attention is ours (``zero/ring_attention.py``), all-gathering K/V
 over the group ``--ds.ring_attn_head_stride`` KV heads at a time. On the same weights and tokens (8 sequences of
 33..1900 tokens, 3853 in all, one with an empty response) as world 1 with HF's own SDPA attention: ring 2 (world 2,
-ZeRO-2, Qwen3 and Qwen3-MoE), ring 2 with head stride 2 under ZeRO-3 (Qwen3), and ring 2 x DP 2 (world 4, ZeRO-2,
+ZeRO-2, Qwen3 and Qwen3-MoE), ring 2 with head stride 2 under ZeRO-3 with gradient checkpointing (Qwen3), and
+ring 2 x DP 2 (world 4, ZeRO-2,
 Qwen3) give the world-1 log-probs and entropy within 1e-5 and DeepSpeed's reduced gradients after one step's
 backward within 1e-5 relative per parameter.
 """
@@ -32,7 +33,9 @@ CFG = dict(lr=2e-3, lr_scheduler="constant", total_steps=2, micro_batch_max_toke
 ARCHS = ("qwen3", "qwen3_moe")
 RING2 = {"zero_stage": 2, "ring_attn_size": 2}
 LAYOUTS = {"ring2": (2, ARCHS), "ring2_dp2": (4, ("qwen3",))}  # name -> (world size, archs)
-STRIDE2_ZERO3 = {"ring_attn_head_stride": 2, "zero_stage": 3, "zero3_param_persistence_threshold": 0}
+# also with HF gradient checkpointing: the backward recomputes the attention (its all-gathers) inside the layout
+STRIDE2_ZERO3 = {"ring_attn_head_stride": 2, "zero_stage": 3, "zero3_param_persistence_threshold": 0,
+                 "gradient_checkpointing_enable": True}
 CASES = [(name, arch) for name, (_, archs) in LAYOUTS.items() for arch in archs] + [("ring2_stride2_zero3", "qwen3")]
 
 
