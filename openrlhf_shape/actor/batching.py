@@ -107,7 +107,8 @@ class MicroBatch:
     predicted token ids. ``resp_offsets``: per sample, its slice of the flat arrays. ``seq_lens``: per
     sample, its length in tokens. ``cu_seqlens``: packed only, ``[0, l_0, l_0 + l_1, ..., T]``: the
     document boundaries; a tail of padding (to a multiple of the TP size under sequence parallel) is a
-    document of its own, after the samples.
+    document of its own, after the samples. Under context parallelism each document is its sample padded at
+    the end to a multiple of ``2 x cp`` (``l_i`` the padded length; ``seq_lens`` stay the real ones).
     """
 
     rows: list[int]
@@ -136,9 +137,13 @@ class MicroBatch:
         return sum(self.seq_lens)
 
     def padding_mask(self) -> torch.Tensor:
-        """[rows, seq] bool, True at padding: after each row's ``seq_lens`` (padded), the tail (packed)."""
+        """[rows, seq] bool, True at padding: after each row's ``seq_lens`` (padded); after each sample's tokens
+        inside its document, and the tail (packed)."""
         if self.packed:
-            return torch.arange(self.input_ids.shape[1])[None, :] >= self.real_tokens
+            mask = torch.ones((1, int(self.input_ids.shape[1])), dtype=torch.bool)
+            for _, a, n in self.segments():
+                mask[0, a:a + n] = False
+            return mask
         return torch.arange(self.input_ids.shape[1])[None, :] >= torch.tensor(self.seq_lens, dtype=torch.long)[:, None]
 
     def segments(self) -> list[tuple[int, int, int]]:
@@ -185,17 +190,21 @@ def build_micro_batch(
 
 
 def build_packed_micro_batch(
-    sequences: list[list[int]], prompt_lens: list[int], rows: list[int], *, pad_id: int = 0, pad_multiple: int = 1
+    sequences: list[list[int]], prompt_lens: list[int], rows: list[int], *, pad_id: int = 0, pad_multiple: int = 1,
+    doc_multiple: int = 1,
 ) -> MicroBatch:
-    """Concatenate ``sequences[rows]`` into one ``[1, T]`` row (no padding between samples; a tail of
-    ``pad_id`` up to a multiple of ``pad_multiple``, as its own document) and index their response positions."""
+    """Concatenate ``sequences[rows]`` into one ``[1, T]`` row (no padding between samples, or with
+    ``doc_multiple`` > 1 each sample padded at its end to a multiple of it, inside its own document: context
+    parallelism splits every document into ``2 x cp`` chunks; a tail of ``pad_id`` up to a multiple of
+    ``pad_multiple``, as its own document) and index their response positions."""
     lens = [len(sequences[r]) for r in rows]
     cu = [0]
     for n in lens:
-        cu.append(cu[-1] + n)
+        cu.append(cu[-1] + _round_up(n, doc_multiple))
     tail = _round_up(cu[-1], pad_multiple) - cu[-1]
-    ids = [t for r in rows for t in sequences[r]] + [pad_id] * tail
-    pos = [j for n in lens for j in range(n)] + list(range(tail))
+    ids = [t for r in rows for t in sequences[r] + [pad_id] * (_round_up(len(sequences[r]), doc_multiple)
+                                                                 - len(sequences[r]))] + [pad_id] * tail
+    pos = [j for n in lens for j in range(_round_up(n, doc_multiple))] + list(range(tail))
     if tail:
         cu.append(cu[-1] + tail)
     resp_rows, resp_pos, resp_targets, offsets = _response_index(sequences, prompt_lens, rows,
@@ -214,28 +223,32 @@ def micro_batch_budget(optim, *, forward_only: bool) -> int:
 
 
 def rank_micro_batches(batch: SequenceBatch, *, dp_size: int, dp_rank: int, max_tokens: int, packed: bool,
-                       pad_id: int, pad_multiple: int = 1, equal_counts: bool = False) -> tuple[list[int], list[MicroBatch]]:
+                       pad_id: int, pad_multiple: int = 1, equal_counts: bool = False,
+                       doc_multiple: int = 1) -> tuple[list[int], list[MicroBatch]]:
     """This data-parallel rank's sample indices and its micro-batches (the same on its TP/PP peers).
 
     At least one micro-batch (a rank without samples runs a filler, so collectives stay in step); with
     ``equal_counts`` as many as the longest plan of any rank (every rank computes every rank's plan, no
     communication): ZeRO-3's parameter gathers and expert parallelism's all-to-alls are collectives of every
     micro-batch. A filler is a two-token micro-batch of ``pad_id`` that carries no sample (``rows`` empty: the
-    shared loss masks it out entirely).
+    shared loss masks it out entirely). ``doc_multiple`` (packed only): each sample padded to a multiple of it
+    inside its document (context parallelism; a padded micro-batch's rows take ``pad_multiple``).
     """
     lengths = [len(s) for s in batch.sequences]
     shards = shard_for_dp(lengths, dp_size)
     shard = shards[dp_rank]
     build = build_packed_micro_batch if packed else build_micro_batch
+    extra = {"doc_multiple": doc_multiple} if packed else {}
+    costs = [_round_up(n, doc_multiple) for n in lengths] if packed else lengths
 
     def plan(s: list[int]) -> list[list[int]]:
-        return plan_micro_batches([lengths[i] for i in s], max_tokens, pad_multiple=pad_multiple, packed=packed) if s else []
+        return plan_micro_batches([costs[i] for i in s], max_tokens, pad_multiple=pad_multiple, packed=packed) if s else []
 
-    mbs = [build(batch.sequences, batch.prompt_lens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
-           for g in plan(shard)]
+    mbs = [build(batch.sequences, batch.prompt_lens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple,
+                 **extra) for g in plan(shard)]
     target = max([1] + [len(plan(s)) for s in shards]) if equal_counts else 1
     while len(mbs) < target:
-        filler = build([[pad_id, pad_id]], [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)
+        filler = build([[pad_id, pad_id]], [2], [0], pad_id=pad_id, pad_multiple=pad_multiple, **extra)
         filler.rows = []
         mbs.append(filler)
     return shard, mbs

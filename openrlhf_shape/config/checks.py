@@ -31,14 +31,12 @@ def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
         raise ValueError(msg) from None
 
 
-def validate(cfg: "TrainConfig", check_paths: bool = True, plan_only: bool = False) -> None:
-    """Every check that needs no model or devices; raises ``ValueError`` naming the flag. ``plan_only`` (the dry
-    run): layouts the planner sizes but the ranks cannot run yet (context parallelism) pass."""
+def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
+    """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
     estimator = cfg.advantage_estimator()  # a known name; the bounds and return settings that apply to it
     cfg.data.validate()
     _check_rollout(cfg, estimator)
     _check_batches(cfg)
-    _check_context_parallel(cfg, plan_only)
     _check_backend(cfg)
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
@@ -87,23 +85,15 @@ def _check_batches(cfg: "TrainConfig") -> None:
                              f"GPU), got {budget!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
-    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    cp = m.context_parallel_size if cfg.actor.backend == "megatron" else cfg.ds.ring_attn_size
+    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
     _need(world % mp == 0, "actor.num_gpus_per_node",
           f"{world} ranks is not a multiple of TP x PP x CP = {mp}; set --actor.num_nodes x "
-          "--actor.num_gpus_per_node to TP x PP x CP x DP")
+          "--actor.num_gpus_per_node to TP x PP x CP x DP, or change the context-parallel size "
+          "(--megatron.context_parallel_size; --ds.ring_attn_size on --actor.backend deepspeed)")
     dp = world // mp
     _need(t.batch_size % dp == 0, "train.batch_size",
           f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP x CP))")
-
-
-def _check_context_parallel(cfg: "TrainConfig", plan_only: bool) -> None:
-    """Context parallelism is planned (``--dry_run``) but not run: the ranks' attention has no CP split yet."""
-    cp = cfg.megatron.context_parallel_size
-    _need(plan_only or cp == 1, "megatron.context_parallel_size",
-          f"{cp}: context parallelism is planned only (--dry_run sizes it) until the ranks' attention splits "
-          "sequences over CP ranks; set --megatron.context_parallel_size 1 to run")
-    _need(cp == 1 or cfg.actor.backend == "megatron", "megatron.context_parallel_size",
-          f"{cp} configures the Megatron backend; the DeepSpeed backend's context parallelism is --ds.ring_attn_size")
 
 
 def _check_backend(cfg: "TrainConfig") -> None:
@@ -113,12 +103,19 @@ def _check_backend(cfg: "TrainConfig") -> None:
     reworded(cfg.optim_config, "OptimConfig", lambda f: f"actor.{f}")  # the settings against the schedule's length
     reworded(cfg.megatron_config, "MegatronConfig", lambda f: f"megatron.{f}")  # the layout
     if a.backend == "megatron":
+        if ds.ring_attn_size != 1:
+            raise ValueError("--ds.ring_attn_size is the DeepSpeed backend's context parallelism; on --actor.backend "
+                             "megatron use --megatron.context_parallel_size (and leave --ds.ring_attn_size 1)")
         if ds.zero_stage == 3 or ds.adam_offload:
             raise ValueError(
                 "--ds.zero_stage 3 / --ds.adam_offload configure the DeepSpeed backend; add --actor.backend "
                 "deepspeed, or shard on Megatron with --megatron.use_distributed_optimizer")
         return
     m = cfg.megatron
+    if m.context_parallel_size != 1:
+        raise ValueError("--megatron.context_parallel_size is Megatron's context parallelism; --actor.backend deepspeed "
+                         "does not read it: set it to 1 (the DeepSpeed backend's flag is --ds.ring_attn_size) or use "
+                         "--actor.backend megatron")
     if m.tensor_model_parallel_size != 1 or m.pipeline_model_parallel_size != 1:
         raise ValueError("--actor.backend deepspeed shards over data parallelism only: set "
                          "--megatron.tensor_model_parallel_size 1 and --megatron.pipeline_model_parallel_size 1 "

@@ -42,15 +42,14 @@ def _resolved(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def load_config(yaml_path: str | None = None, overrides: list[str] | None = None, *,
-                check_paths: bool = True, plan_only: bool = False) -> TrainConfig:
+                check_paths: bool = True) -> TrainConfig:
     """Defaults <- YAML file <- dotted flags; returns a validated :class:`TrainConfig`.
 
     Flags and YAML keys go through :func:`~openrlhf_shape.config.compat.translate` first: OpenRLHF
     flags for parts this trainer does not have are refused (all of them, one line each), OpenRLHF's
     value encodings are translated, and what an accepted OpenRLHF flag implies here is logged once
     (:func:`~openrlhf_shape.config.compat.notes`, :func:`~openrlhf_shape.config.compat.implied`). ``check_paths=False`` (the
-    dry run) skips the checks that the data and model paths exist on this machine; ``plan_only=True`` (the dry run too)
-    accepts layouts the planner sizes that the ranks cannot run yet (``--megatron.context_parallel_size`` > 1)."""
+    dry run) skips the checks that the data and model paths exist on this machine."""
     values: dict[str, Any] = {}
     said: list[str] = []
     if yaml_path:
@@ -64,7 +63,7 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
     values.update(_resolved(pairs))
     said += notes(pairs) + implied(values)
     cfg = FLAGS.build(TrainConfig(), values)
-    validate(cfg, check_paths, plan_only)
+    validate(cfg, check_paths)
     for line in dict.fromkeys(said):  # once each, after the config is known to be valid
         log.warning("%s", line)
     return cfg

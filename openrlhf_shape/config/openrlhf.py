@@ -148,8 +148,11 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("ds.enable_sleep", False, ALWAYS, why=_SLEEP),
     _f("ds.tensor_parallel_size", 1, REFUSED, why="the DeepSpeed backend is data-parallel only; for TP use --actor.backend megatron --megatron.tensor_model_parallel_size"),
     _f("ds.packing_samples", False, ALWAYS, why="a micro-batch's samples are concatenated into one row without padding wherever the attention supports it (Megatron: THD; DeepSpeed: HF position-id packing; docs/packing.md)"),
-    _f("ds.ring_attn_size", 1, REFUSED, why=f"{_LONG}: ring attention (context parallelism); drop it"),
-    _f("ds.ring_attn_head_stride", 1, REFUSED, why=f"{_LONG}: ring attention (context parallelism); drop it"),
+    _f("ds.ring_attn_size", 1, SAME, why="ring attention (context parallelism) on --actor.backend deepspeed: groups of this "
+       "many ranks split each packed micro-batch into contiguous pieces and all-gather K/V (torch on CPU; "
+       "docs/context_parallel.md); on Megatron use --megatron.context_parallel_size"),
+    _f("ds.ring_attn_head_stride", 1, SAME, why="KV heads all-gathered at once under --ds.ring_attn_size (must divide the "
+       "model's KV heads)"),
     _f("ds.value_head_prefix", "score", REFUSED, why=_NO_CRITIC),
     _f("ds.load_in_4bit", False, REFUSED, why=_NO_LORA),
     _f("ds.lora.rank", 0, REFUSED, why=_NO_LORA),

@@ -17,13 +17,20 @@ CPU twin; or flash-attn's ``flash_attn_varlen_func`` over the whole pack when th
 profile says GPU and flash-attn is installed: :func:`varlen_kernel`). Under the transformer-engine spec
 TE's ``DotProductAttention`` takes the same ``PackedSeqParams`` (``qkv_format="thd"``, as
 megatron-core 0.16's ``TEDotProductAttention`` forwards them). The flash-attn and TE paths are written
-against their source and have not run here (no GPU). Padding masks, sliding windows, attention sinks,
-attention bias and context parallelism are refused.
+against their source and have not run here (no GPU). Padding masks, sliding windows, attention sinks and
+attention bias are refused.
+
+Context parallelism (``--megatron.context_parallel_size``): each rank holds two chunks of every sequence
+(megatron-core's load-balanced split, :mod:`openrlhf_shape.actor.cp_split`); both local attentions all-gather K/V
+over the CP group and attend with the causal mask in global positions
+(:mod:`openrlhf_shape.megatron.context_parallel`), padded or packed. Under the TE spec, TE's own context-parallel
+attention (not run here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -73,39 +80,91 @@ def varlen_kernel(platform: Platform) -> str:
     return "torch"
 
 
-def packed_seq_params(cu_seqlens: list[int], *, device: torch.device, kernel: str = "torch") -> ShapePackedSeqParams:
+def packed_seq_params(cu_seqlens: list[int], *, device: torch.device, kernel: str = "torch",
+                      context_parallel: int = 1) -> ShapePackedSeqParams:
     """THD parameters of one packed micro-batch: ``cu_seqlens`` ``[0, l_0, l_0 + l_1, ..., T]`` (documents,
-    a padding tail included), int32 on ``device`` as TE and flash-attn want them."""
+    a padding tail included; global positions), int32 on ``device`` as TE and flash-attn want them.
+
+    Under context parallelism (``context_parallel`` > 1) every document is its sample padded to a multiple of
+    ``2 x cp`` (``actor/batching.py``), given as ``cu_seqlens_q_padded`` too: megatron-core's THD RoPE splits each
+    document by them. The pad sits at the end of its document, so causal attention keeps it out of every real
+    token's output and the padded boundaries serve as the real ones."""
     if kernel not in VARLEN_KERNELS:
         raise ValueError(f"varlen kernel must be one of {VARLEN_KERNELS}, got {kernel!r}")
     lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     if not lengths or min(lengths) < 1 or cu_seqlens[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and increase strictly, got {cu_seqlens}")
+    if context_parallel > 1 and any(n % (2 * context_parallel) for n in lengths):
+        raise ValueError(f"context parallelism {context_parallel} needs every document padded to a multiple of "
+                         f"{2 * context_parallel}, got lengths {lengths}")
     cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
-    return ShapePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                                max_seqlen_kv=max(lengths), cu_seqlens_host=tuple(cu_seqlens), varlen_kernel=kernel)
+    padded = cu if context_parallel > 1 else None
+    return ShapePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                                cu_seqlens_kv_padded=padded, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+                                cu_seqlens_host=tuple(cu_seqlens), varlen_kernel=kernel)
 
 
-def _documents(params: Any) -> list[tuple[int, int]]:
-    """``(start, end)`` of every document of a THD micro-batch."""
+def _documents(params: Any, cp_size: int = 1) -> list[tuple[int, int]]:
+    """``(start, end)`` of every document of a THD micro-batch, in this rank's local positions (each document's
+    global bounds over ``cp_size``: a CP rank holds ``2 x chunk`` of each)."""
     if getattr(params, "qkv_format", None) != "thd":
         raise ValueError(f"packed micro-batches must be THD (qkv_format='thd'), got {getattr(params, 'qkv_format', None)!r}")
-    if getattr(params, "cu_seqlens_q_padded", None) is not None or getattr(params, "cp_group", None) is not None:
-        raise ValueError("the local attentions take unpadded documents without context parallelism "
-                         "(cu_seqlens_q_padded and cp_group must be None)")
+    padded = getattr(params, "cu_seqlens_q_padded", None)
+    if getattr(params, "cp_group", None) is not None or (padded is not None and padded is not params.cu_seqlens_q):
+        raise ValueError("the local attentions take documents whose padded bounds (cu_seqlens_q_padded) are their "
+                         "bounds (megatron/attention.packed_seq_params) and the CP group of parallel_state (cp_group "
+                         "None)")
     cu = list(getattr(params, "cu_seqlens_host", ())) or params.cu_seqlens_q.tolist()
-    return list(zip(cu[:-1], cu[1:]))
+    return [(a // cp_size, b // cp_size) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _cp_group(pg_collection: Any):
+    """The context-parallel group: the layer's process groups', else parallel_state's."""
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    return group
+
+
+def _local_bounds(query: torch.Tensor, params: Any, cp_size: int) -> list[tuple[int, int]]:
+    """Local sequence bounds of this CP rank: the documents of a packed micro-batch, the whole row of a padded one."""
+    return _documents(params, cp_size) if params is not None else [(0, int(query.shape[0]))]
 
 
 class PackedDotProductAttention(_dot_product_attention_base()):  # type: ignore[misc]
     """Megatron's local ``DotProductAttention`` that also takes a packed (THD) micro-batch: each document runs
     through Megatron's own causal arithmetic on its own, which is document-causal attention over the pack.
-    Padded micro-batches go to the parent unchanged."""
+    Padded micro-batches go to the parent unchanged.
+
+    Context parallelism (which Megatron's ``DotProductAttention`` refuses in its constructor): the parent is built
+    on a copy of the config with ``context_parallel_size=1`` and an explicit-mask softmax, and each query chunk
+    runs Megatron's arithmetic against the all-gathered keys with the causal mask in global positions
+    (:func:`~openrlhf_shape.megatron.context_parallel.cp_attention`)."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection: Any = None) -> None:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            cp_group = _cp_group(pg_collection)
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+            attn_mask_type = AttnMaskType.arbitrary  # our global-position causal mask, also under the fused kernel
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if attn_mask_type == AttnMaskType.arbitrary:
+            self.cp_group = cp_group
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Any = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
         """Padded: as Megatron's. Packed: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` -> ``[t, 1, np*hn]``."""
+        if self.cp_group is not None:
+            return self._cp_forward(query, key, value, attention_mask, attention_bias, packed_seq_params)
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if attention_mask is not None or attention_bias is not None:
@@ -114,6 +173,23 @@ class PackedDotProductAttention(_dot_product_attention_base()):  # type: ignore[
                                                                value[a:b].unsqueeze(1), None, attn_mask_type)
                 for a, b in _documents(packed_seq_params)]
         return torch.cat(outs, dim=0)
+
+    def _cp_forward(self, query, key, value, attention_mask, attention_bias, params) -> torch.Tensor:
+        """This CP rank's two chunks of each sequence against the gathered keys (shapes as :meth:`forward`)."""
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("context parallelism takes no attention mask or bias (causal in global positions)")
+        from openrlhf_shape.megatron.context_parallel import cp_attention
+
+        thd = params is not None
+        if thd:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        parent = super(PackedDotProductAttention, self).forward
+
+        def attend(q, k, v, allowed):
+            return parent(q, k, v, ~allowed[None, None], None)  # Megatron's mask: True = left out
+
+        return cp_attention(query, key, value, _local_bounds(query, params, self.cp_group.size()), self.cp_group,
+                            attend)
 
 
 class SdpaCoreAttention(_megatron_base()):  # type: ignore[misc]
@@ -142,10 +218,6 @@ class SdpaCoreAttention(_megatron_base()):  # type: ignore[misc]
         from megatron.core.transformer.enums import AttnMaskType
         from megatron.core.utils import divide
 
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "local_attention='sdpa' does not support context parallelism; set context_parallel_size=1"
-            )
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"local_attention='sdpa' supports causal self-attention only, got {attn_mask_type}")
         if getattr(config, "window_size", None) is not None:
@@ -165,6 +237,7 @@ class SdpaCoreAttention(_megatron_base()):  # type: ignore[misc]
             scale /= self.layer_number
         self.softmax_scale = scale
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
+        self.cp_group = _cp_group(pg_collection) if config.context_parallel_size > 1 else None
 
     def forward(
         self,
@@ -182,6 +255,8 @@ class SdpaCoreAttention(_megatron_base()):  # type: ignore[misc]
                 "causal, or packed and document-causal through packed_seq_params)"
             )
         with self._dropout_rng():
+            if self.cp_group is not None:
+                return self._cp_forward(query, key, value, packed_seq_params)
             if packed_seq_params is None:
                 return self._attend(query, key, value)
             if getattr(packed_seq_params, "varlen_kernel", "torch") == "flash_attn":
@@ -211,6 +286,28 @@ class SdpaCoreAttention(_megatron_base()):  # type: ignore[misc]
             enable_gqa=self.heads_per_partition != self.groups_per_partition,
         )
         # [b, heads, s, hn] -> [s, b, heads*hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_per_partition)
+
+    def _cp_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:
+        """Context parallel: this rank's chunks against the all-gathered keys, torch SDPA with the causal mask in
+        global positions (under CP every kernel choice takes this path: on GPU the TE spec brings its own)."""
+        from openrlhf_shape.megatron.context_parallel import cp_attention
+
+        thd = params is not None
+        if thd:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        return cp_attention(query, key, value, _local_bounds(query, params, self.cp_group.size()), self.cp_group,
+                            self._attend_masked)
+
+    def _attend_masked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       allowed: torch.Tensor) -> torch.Tensor:
+        """q [sq, b, np, hn], k/v [sk, b, ng, hn], allowed [sq, sk] bool -> [sq, b, np*hn]."""
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=self._dropout_p(), scale=self.softmax_scale,
+            enable_gqa=self.heads_per_partition != self.groups_per_partition,
+        )
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_per_partition)
 
     def _flash_varlen(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any) -> torch.Tensor:

@@ -23,6 +23,8 @@ _REPLAY_NOT_BUILT = {  # layouts routing replay does not cover yet, and why
                                     "recompute needs a backward replay queue",
     "expert_model_parallel_size": "expert parallelism tops ranks up with filler micro-batches that carry no "
                                   "recorded routing",
+    "context_parallel_size": "each CP rank routes its own chunks of a sequence, so the recorded routing would have "
+                             "to be gathered over the CP group in the split's order and each rank's chunks handed back",
 }
 
 
@@ -32,8 +34,11 @@ class MegatronSettings:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    # Each sequence split over this many ranks (--megatron.context_parallel_size; megatron-core's load-balanced
-    # split into 2 x CP chunks). world = TP x PP x CP x DP.
+    # Context parallelism (--megatron.context_parallel_size): every sequence split over this many ranks, megatron-core's
+    # load-balanced split (2 x CP chunks, rank r holds chunks r and 2 x CP - 1 - r; packed documents each padded to a
+    # multiple of 2 x CP). Ranks are laid out TP x CP x DP x PP (megatron-core's order); the data-parallel size is
+    # world / (TP x PP x CP) and gradients are summed over DP x CP. The micro-batch token budgets are per GPU, so a
+    # CP group's micro-batch holds CP x --train.max_tokens_per_gpu tokens (as OpenRLHF's ring attention).
     context_parallel_size: int = 1
     # MoE experts sharded over this many ranks (--megatron.expert_model_parallel_size); 1 for dense
     expert_model_parallel_size: int = 1
@@ -118,6 +123,11 @@ class MegatronSettings:
             if self.routing_replay != "none" and getattr(self, size) > 1:
                 raise ValueError(f"{name}.routing_replay={self.routing_replay!r} with {size}={getattr(self, size)} "
                                  f"is not built ({why}); use {size}=1 or routing_replay='none' (docs/moe.md)")
+        if self.context_parallel_size > 1 and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
+            raise ValueError(f"{name}.moe_aux_loss_coeff / moe_z_loss_coeff > 0 with context_parallel_size="
+                             f"{self.context_parallel_size} is not built: the router losses' token-mean scale "
+                             "(megatron/worker.py _router_loss_scale) has not been checked against megatron-core's CP "
+                             "reduction of them; set --megatron.context_parallel_size 1 or the coefficients to 0")
         if self.routing_replay != "none" and self.moe_router_fusion:
             # megatron-core 0.16.1 moe_utils.topk_routing_with_score_function: `if fused: return
             # fused_topk_with_score_function(...)` comes before the router_replay branch (tests/megatron holds it)
@@ -138,6 +148,20 @@ class MegatronConfig(MegatronSettings):
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What every sequence (a padded micro-batch's row, a packed micro-batch's document) is padded to: 2 x CP
+        chunks, each divisible by TP under sequence parallel; 1 without CP (a packed micro-batch's tail then takes
+        the TP multiple: :meth:`pack_multiple`)."""
+        cp = self.context_parallel_size
+        return 2 * cp * (self.tensor_model_parallel_size if self.sequence_parallel else 1) if cp > 1 else 1
+
+    @property
+    def pack_multiple(self) -> int:
+        """What a whole micro-batch's length is padded to: the TP size under sequence parallel, else 1 (under CP
+        every document is a multiple of it already)."""
+        return self.tensor_model_parallel_size if self.sequence_parallel else 1
 
     @property
     def expert_tensor_parallel(self) -> int:
@@ -192,13 +216,15 @@ class MegatronConfig(MegatronSettings):
                 ) from exc
 
     def data_parallel_size(self, world_size: int) -> int:
-        if world_size % self.model_parallel_size:
+        ranks = self.model_parallel_size * self.context_parallel_size
+        if world_size % ranks:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor_model_parallel_size x "
-                f"pipeline_model_parallel_size = {self.model_parallel_size}; change the world size "
-                "or the parallel sizes"
+                f"pipeline_model_parallel_size x context_parallel_size = {ranks}; change the world size "
+                "or the parallel sizes (--megatron.tensor_model_parallel_size, --megatron.pipeline_model_parallel_size, "
+                "--megatron.context_parallel_size)"
             )
-        return world_size // self.model_parallel_size
+        return world_size // ranks
 
     def validate_against_model(self, hf_config: Any, world_size: int) -> None:
         """Check the layout fits the model: heads % TP, kv heads % TP, layers % PP, world % (TP*PP)."""

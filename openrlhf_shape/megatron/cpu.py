@@ -45,7 +45,8 @@ class _CudaToCpuMode(TorchFunctionMode):
     ``found_inf``/``_scale_one`` buffers and ``clip_grads`` raise "Torch not compiled with CUDA";
     ``Tensor.cuda()`` in the distributed optimizer and model wrapping raises the same; and
     ``param.type() == 'torch.cuda.FloatTensor'`` checks in the (distributed) optimizer reject every
-    CPU float32 parameter ("Wrapped parameters must be one of torch.cuda.FloatTensor ...").
+    CPU float32 parameter ("Wrapped parameters must be one of torch.cuda.FloatTensor ...");
+    ``pin_memory=True`` (the context-parallel RoPE slice) raises without an accelerator.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -57,6 +58,9 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if "device" in kwargs:
             kwargs["device"] = _cuda_to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            # pinned host memory needs an accelerator (megatron-core's CP RoPE slice asks for it)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple(_cuda_to_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
         return func(*args, **kwargs)

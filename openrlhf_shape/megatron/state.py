@@ -58,6 +58,8 @@ class ActorState:
             # the expert-parallel RNG stream is per expert rank: it lines up only within one EP x ETP layout
             "ep": cfg.expert_model_parallel_size,
             "etp": cfg.expert_tensor_parallel,
+            # context parallelism, recorded only when on (checkpoints written before it existed compare equal)
+            **({"cp": cfg.context_parallel_size} if cfg.context_parallel_size > 1 else {}),
         }
 
     def require_model(self) -> None:

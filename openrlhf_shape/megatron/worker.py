@@ -26,6 +26,8 @@ import torch.distributed as dist
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron import cpu as cpu_compat
 from openrlhf_shape.megatron.attention import packed_seq_params, varlen_kernel
+from openrlhf_shape.actor.cp_split import CpShard, cp_shard
+from openrlhf_shape.actor.cp_comm import sum_over_cp
 from openrlhf_shape.actor.batching import MicroBatch, micro_batch_budget, rank_micro_batches, validate_batch
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-exported: module-level API of the worker)
@@ -115,6 +117,7 @@ class MegatronRankWorker:
             mpu.initialize_model_parallel(
                 tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                context_parallel_size=cfg.context_parallel_size,
                 expert_model_parallel_size=cfg.expert_model_parallel_size,
                 expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,  # None: the TP size (megatron's default)
             )
@@ -169,7 +172,14 @@ class MegatronRankWorker:
 
     @property
     def holds_results(self) -> bool:
-        return self.is_last_stage and self.mpu.get_tensor_model_parallel_rank() == 0
+        """The last stage's first TP and CP rank (CP ranks end with the same per-sample results: one reports)."""
+        return (self.is_last_stage and self.mpu.get_tensor_model_parallel_rank() == 0
+                and self.mpu.get_context_parallel_rank() == 0)
+
+    def _cp_view(self, mb: MicroBatch) -> CpShard | None:
+        """This CP rank's positions of ``mb`` (None without context parallelism)."""
+        cp = self.cfg.context_parallel_size
+        return cp_shard(mb, cp, self.mpu.get_context_parallel_rank()) if cp > 1 else None
 
     # ------------------------------------------------------------------ model
     def init_model(self, hf_dir: str, *, load_weights: bool = True, train: bool = True) -> dict:
@@ -233,7 +243,7 @@ class MegatronRankWorker:
         n_tp_replicated = sum(p.numel() for p in gpt.parameters()
                               if getattr(p, "allreduce", True) and not getattr(p, "tensor_model_parallel", False))
         dense = n_local - n_expert - (n_tp_replicated if self.mpu.get_tensor_model_parallel_rank() else 0)
-        count = (dense if self.mpu.get_data_parallel_rank() == 0 else 0) + (
+        count = (dense if self.mpu.get_data_parallel_rank(with_context_parallel=True) == 0 else 0) + (
             n_expert if self.mpu.get_expert_data_parallel_rank() == 0 else 0)
         totals = torch.tensor([count], dtype=torch.long, device=self.device)
         dist.all_reduce(totals)
@@ -243,6 +253,7 @@ class MegatronRankWorker:
             "model_type": hf_config.model_type,
             "tp": cfg.tensor_model_parallel_size,
             "pp": cfg.pipeline_model_parallel_size,
+            "cp": cfg.context_parallel_size,
             "dp": self.dp_size,
             "dtype": str(cfg.params_dtype),
             **self._moe_info(),
@@ -268,18 +279,22 @@ class MegatronRankWorker:
         each (every attention of this backend takes them: ``megatron/attention.py``, TE) unless
         ``optim.pack_samples`` is off, under ``--rollout.max_tokens_per_gpu`` for a forward-only pass. With expert
         parallelism every MoE layer's forward and backward is an all-to-all over the data-parallel ranks of the
-        expert group, so all DP ranks run as many micro-batches as the longest plan."""
-        optim = self.cfg.optim
+        expert group, so all DP ranks run as many micro-batches as the longest plan. Context parallelism: each
+        sequence padded to :attr:`MegatronConfig.sequence_multiple`, and a micro-batch holds CP x the per-GPU budget
+        (each CP rank computes 1/CP of it)."""
+        cfg, optim = self.cfg, self.cfg.optim
+        cp = cfg.context_parallel_size
         return rank_micro_batches(
             batch, dp_size=self.dp_size, dp_rank=self.mpu.get_data_parallel_rank(),
-            max_tokens=micro_batch_budget(optim, forward_only=forward_only), packed=optim.pack_samples,
+            max_tokens=cp * micro_batch_budget(optim, forward_only=forward_only), packed=optim.pack_samples,
             pad_id=int(getattr(self.hf_config, "pad_token_id", None) or 0),
-            # sequence parallel splits the sequence dimension over the TP ranks
-            pad_multiple=self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1,
-            equal_counts=self.cfg.expert_model_parallel_size > 1)
+            # sequence parallel splits the sequence dimension over the TP ranks, CP each sequence into 2 x CP chunks
+            pad_multiple=cfg.pack_multiple if optim.pack_samples else max(cfg.sequence_multiple, cfg.pack_multiple),
+            doc_multiple=cfg.sequence_multiple, equal_counts=cfg.expert_model_parallel_size > 1)
 
     def _response_logprobs(self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool):
-        """hidden [s(/tp under SP), b, h] on the last stage -> (logp [N], entropy [N]) for mb's responses."""
+        """hidden [s(/tp under SP)(/cp), b, h] on the last stage -> (logp [N], entropy [N]) for mb's responses.
+        Under CP each rank computes its own positions' and :func:`sum_over_cp` hands every CP rank all N."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             gather_from_sequence_parallel_region,
@@ -290,39 +305,42 @@ class MegatronRankWorker:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
         else:
             hidden = copy_to_tensor_model_parallel_region(hidden)
-        h = hidden[mb.resp_pos.to(hidden.device), mb.resp_rows.to(hidden.device)]  # [N, h]
+        view = self._cp_view(mb)
+        pos, rows, targets = ((mb.resp_pos, mb.resp_rows, mb.resp_targets) if view is None else
+                              (view.resp_pos, view.resp_rows, mb.resp_targets[view.resp_local]))
+        h = hidden[pos.to(hidden.device), rows.to(hidden.device)]  # [N, h] (under CP: [n] of this rank's)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         vocab_start = self.mpu.get_tensor_model_parallel_rank() * weight.shape[0]
-        return vocab_parallel_logprobs_entropy(
+        lp, en = vocab_parallel_logprobs_entropy(
             h,
             weight,
-            mb.resp_targets.to(hidden.device),
+            targets.to(hidden.device),
             vocab_start=vocab_start,
             temperature=temperature,
             tp_group=self.mpu.get_tensor_model_parallel_group(),
             chunk_size=self.cfg.optim.entropy_chunk_size,
             with_entropy=with_entropy,
         )
+        if view is None:
+            return lp, en
+        group, held = self.mpu.get_context_parallel_group(), view.resp_local.to(hidden.device)
+        return sum_over_cp(lp, held, group), (sum_over_cp(en, held, group) if en is not None else None)
 
     def _run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool,
                       routing: MicroBatchRouting | None = None) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         gpt = self._gpt()
-        device = self.device
         masked = self._router_losses_on() and not forward_only
         kernel = varlen_kernel(self.platform)  # flash-attn's varlen kernel only under a GPU profile
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            # Router losses: keep pads and fillers out of them (the policy loss never sees them).
-            extra = {"padding_mask": _router_padding_mask(mb).to(device)} if masked else {}
-            if mb.packed:
-                extra["packed_seq_params"] = packed_seq_params(mb.cu_seqlens, device=device, kernel=kernel)
+            ids, pos, extra = self._rank_inputs(mb, kernel, router_mask=masked)
             if routing is not None:
                 routing.before(mb)
             with _hidden_states_only(gpt):
-                out = model(mb.input_ids.to(device), mb.position_ids.to(device), None, **extra)
+                out = model(ids, pos, None, **extra)
             if routing is not None:
                 routing.after(mb)
             return out, functools.partial(loss_fn, mb)
@@ -339,6 +357,24 @@ class MegatronRankWorker:
                 micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs),
                 forward_only=forward_only,
             )
+
+    def _rank_inputs(self, mb: MicroBatch, kernel: str, *, router_mask: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(input ids, position ids, keyword arguments) of ``mb`` for this rank's model call: under CP the rank's
+        chunks of every sequence; THD ``packed_seq_params`` (global document bounds) for a packed micro-batch; the
+        router's padding mask when router losses are on (pads and fillers stay out of them)."""
+        device, view = self.device, self._cp_view(mb)
+        ids, pos = mb.input_ids, mb.position_ids
+        extra: dict[str, Any] = {}
+        if router_mask:
+            extra["padding_mask"] = _router_padding_mask(mb)
+        if view is not None:
+            ids, pos = ids[:, view.index], pos[:, view.index]
+            extra = {k: v[:, view.index] for k, v in extra.items()}
+        extra = {k: v.to(device) for k, v in extra.items()}
+        if mb.packed:
+            extra["packed_seq_params"] = packed_seq_params(mb.cu_seqlens, device=device, kernel=kernel,
+                                                           context_parallel=self.cfg.context_parallel_size)
+        return ids.to(device), pos.to(device), extra
 
     def _router_losses_on(self) -> bool:
         cfg = self.cfg

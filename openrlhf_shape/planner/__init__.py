@@ -6,9 +6,6 @@ tokens the ranks compute (the trainer's own micro-batch plan), ``async_cost.py``
 ``split.py`` the async engine:trainer split search, ``assumptions.py`` the printed, overridable hardware/rate
 assumptions (``--plan.*``), ``plan.py`` puts a training config through them and ``report.py`` prints the
 result. No Ray or GPU (torch only through the config and the micro-batch planner it imports).
-
-Context parallelism (``--megatron.context_parallel_size``) is planned here before the ranks run it: the dry run
-loads the config with ``plan_only=True``, a real run refuses CP > 1.
 """
 
 from openrlhf_shape.planner.memory import megatron_update_peak_bytes

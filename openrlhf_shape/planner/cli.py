@@ -18,7 +18,7 @@ def dry_run(config_path: str | None, overrides: list[str]) -> int:
     plan_flags, rest = split_plan_flags(overrides)
     try:
         options = parse_plan_options(plan_flags)
-        cfg = load_config(config_path, rest, check_paths=False, plan_only=True)
+        cfg = load_config(config_path, rest, check_paths=False)
         plan = build_plan(cfg, options, config_path)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train --dry_run: error: {exc}")

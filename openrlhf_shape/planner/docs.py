@@ -40,7 +40,7 @@ def _plan(config: Path, flags: list[str] | None = None, plan_flags: list[str] | 
     from openrlhf_shape.planner.assumptions import parse_plan_options
     from openrlhf_shape.config import load_config
 
-    cfg = load_config(str(config), flags or [], check_paths=False, plan_only=True)
+    cfg = load_config(str(config), flags or [], check_paths=False)
     return build_plan(cfg, parse_plan_options(plan_flags or []), str(config.relative_to(REPO_ROOT)))
 
 

@@ -32,6 +32,9 @@ class ZeroSettings:
     really sharded). ``reduce_bucket_elems``: gradient reduce bucket in elements.
     ``attn_implementation``: the Hugging Face attention kernel (``sdpa``; ``flash_attention_2`` on
     GPU when installed; ``eager``).
+    ``ring_attn_size``: context parallelism, OpenRLHF's ring attention: groups of this many consecutive ranks share
+    one data-parallel shard and split each packed micro-batch into that many contiguous pieces
+    (:mod:`openrlhf_shape.zero.ring_attention`); ``ring_attn_head_stride``: KV heads all-gathered at once there.
     """
 
     zero_stage: int = 2
@@ -40,6 +43,8 @@ class ZeroSettings:
     zero3_param_persistence_threshold: int = 100_000
     reduce_bucket_elems: int = 50_000_000
     attn_implementation: str = "sdpa"
+    ring_attn_size: int = 1
+    ring_attn_head_stride: int = 1
 
     def __post_init__(self) -> None:
         if self.param_dtype == "fp16":
@@ -52,6 +57,10 @@ class ZeroSettings:
         if self.adam_offload and self.zero_stage == 0:
             raise ValueError("--ds.adam_offload needs --ds.zero_stage 1, 2 or 3 (ZeRO-Offload moves the sharded "
                              "optimizer states to host memory)")
+        for name in ("ring_attn_size", "ring_attn_head_stride"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--ds.{name} must be an integer >= 1, got {value!r}")
         if self.zero3_param_persistence_threshold < 0 or self.reduce_bucket_elems < 1:
             raise ValueError("zero3_param_persistence_threshold must be >= 0 and reduce_bucket_elems >= 1")
 

@@ -10,12 +10,18 @@ plans are topped up with fully masked two-token fillers; every rank can compute 
 One optimizer step: each micro-batch's backward is marked as inside (or, the last one, at) the
 gradient-accumulation boundary, so DeepSpeed reduces gradients once, at the end; then
 ``engine.step()`` clips by the global norm and updates. The loss of a micro-batch is its token-loss
-sum divided by the mini-batch's global valid-token count (all ranks), times the data-parallel size
-because DeepSpeed averages gradients over ranks: the result is the gradient of the global token mean.
+sum divided by the mini-batch's global valid-token count (all ranks), times the world size because
+DeepSpeed averages gradients over all ranks: the result is the gradient of the global token mean.
+
+Ring attention (``--ds.ring_attn_size``, :mod:`openrlhf_shape.zero.ring_attention`): groups of that many consecutive
+ranks share one data-parallel shard; each packed micro-batch is cut into contiguous pieces, one per ring rank, whose
+per-token results go back to every ring rank (:func:`~openrlhf_shape.actor.cp_comm.sum_over_cp`); each ring rank's
+gradient then carries its piece's share, and the average over all ranks (x world size) sums them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from datetime import timedelta
@@ -33,6 +39,15 @@ from openrlhf_shape.zero.config import ZeroConfig
 from openrlhf_shape.zero.state import ZeroState
 
 __all__ = ["ZeroRankWorker"]
+
+
+def _ring_group(rank: int, world_size: int, ring: int):
+    """This rank's ring-attention group (consecutive ranks; every rank takes part in creating every group), or
+    None without ring attention."""
+    if ring == 1:
+        return None
+    groups = [dist.new_group(ranks=list(range(d, d + ring))) for d in range(0, world_size, ring)]
+    return groups[rank // ring]
 
 
 def set_cpu_accelerator(platform: Platform) -> None:
@@ -65,7 +80,12 @@ class ZeroRankWorker:
         self.platform = Platform.from_dict(platform)
         set_cpu_accelerator(self.platform)
         cfg = cfg.for_platform(self.platform)
-        self.state = ZeroState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size, dp_size=world_size)
+        ring = cfg.ring_attn_size
+        if world_size % ring:
+            raise ValueError(f"--ds.ring_attn_size {ring} must divide the number of DeepSpeed ranks {world_size} "
+                             "(--actor.num_nodes x --actor.num_gpus_per_node)")
+        self.state = ZeroState(cfg=cfg, platform=self.platform, rank=rank, world_size=world_size,
+                               dp_size=world_size // ring)
         self.rank, self.world_size = rank, world_size
         self.on_cpu = self.platform.on_cpu
         n_dev = 0 if self.on_cpu else torch.cuda.device_count()
@@ -86,8 +106,9 @@ class ZeroRankWorker:
             skip_cpu_shm_comm_op()
         # DeepSpeed's communication layer adopts the existing torch.distributed group.
         deepspeed.init_distributed(dist_backend=self.platform.collective_backend, auto_mpi_discovery=False)
-        self.dp_size = world_size
-        self.dp_rank = rank
+        # OpenRLHF's mesh (dp, sp): ring groups of consecutive ranks, one data-parallel shard each
+        self.dp_size, self.dp_rank, self.ring_rank = world_size // ring, rank // ring, rank % ring
+        self.ring_group = _ring_group(rank, world_size, ring)
         seed_all(cfg.optim.seed)
         from openrlhf_shape.actor.offload import StateOffloader
 
@@ -133,7 +154,7 @@ class ZeroRankWorker:
         cfg, o = self.cfg, self.cfg.optim
         self._release_engine()
         hf_config = AutoConfig.from_pretrained(hf_dir)
-        hf = load_hf_model(hf_dir, dtype=cfg.params_dtype, attn_implementation=cfg.attn_implementation,
+        hf = load_hf_model(hf_dir, dtype=cfg.params_dtype, attn_implementation=self._attention(hf_config),
                            gradient_checkpointing=o.gradient_checkpointing_enable)
         n_params = sum(p.numel() for p in hf.parameters())
         policy = PolicyModule(hf, o.entropy_chunk_size)
@@ -150,12 +171,26 @@ class ZeroRankWorker:
         return {
             "num_parameters": int(n_params),
             "model_type": hf_config.model_type,
-            "tp": 1, "pp": 1, "dp": self.dp_size,
+            "tp": 1, "pp": 1, "dp": self.dp_size, "ring_attn_size": cfg.ring_attn_size,
             "zero_stage": cfg.zero_stage,
             "adam_offload": cfg.adam_offload,
             "dtype": str(cfg.params_dtype),
             "backend": "deepspeed",
         }
+
+    def _attention(self, hf_config) -> str:
+        """The HF attention implementation: ``--ds.attn_implementation``, or under ring attention ours
+        (:mod:`openrlhf_shape.zero.ring_attention`), whose head stride must divide the KV heads."""
+        cfg = self.cfg
+        if cfg.ring_attn_size == 1:
+            return cfg.attn_implementation
+        from openrlhf_shape.zero import ring_attention
+
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+        if kv_heads % cfg.ring_attn_head_stride:
+            raise ValueError(f"--ds.ring_attn_head_stride {cfg.ring_attn_head_stride} must divide the model's "
+                             f"num_key_value_heads={kv_heads} (KV heads are gathered that many at a time)")
+        return ring_attention.register()
 
     def _make_optimizer(self, policy) -> torch.optim.Optimizer:
         """AdamW (decoupled weight decay, as Megatron's CPU/GPU Adam) with Megatron's grouping: no weight
@@ -188,17 +223,48 @@ class ZeroRankWorker:
         forward-only pass."""
         from openrlhf_shape.zero.model import packs_samples
 
-        optim = self.cfg.optim
+        optim, ring = self.cfg.optim, self.cfg.ring_attn_size
         return rank_micro_batches(
             batch, dp_size=self.dp_size, dp_rank=self.dp_rank,
-            max_tokens=micro_batch_budget(optim, forward_only=forward_only),
-            packed=optim.pack_samples and packs_samples(self.cfg.attn_implementation),
-            pad_id=int(getattr(self.state.hf_config, "pad_token_id", None) or 0), equal_counts=True)
+            # ring attention: always packed, the pack cut into ring-size pieces; the budget is per GPU (OpenRLHF's)
+            max_tokens=ring * micro_batch_budget(optim, forward_only=forward_only),
+            packed=ring > 1 or (optim.pack_samples and packs_samples(self.cfg.attn_implementation)),
+            pad_id=int(getattr(self.state.hf_config, "pad_token_id", None) or 0), pad_multiple=ring,
+            equal_counts=True)
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-prob ``[N]``, entropy ``[N]``) of ``mb``'s responses; under ring attention this rank runs its piece
+        (inside :meth:`_micro_batch`) and every ring rank gets all N back."""
         dev = self.device
-        return self.state.engine(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.resp_rows.to(dev),
-                           mb.resp_pos.to(dev), mb.resp_targets.to(dev))
+        if self.cfg.ring_attn_size == 1:
+            return self.state.engine(mb.input_ids.to(dev), mb.position_ids.to(dev), mb.resp_rows.to(dev),
+                                     mb.resp_pos.to(dev), mb.resp_targets.to(dev))
+        from openrlhf_shape.actor.cp_comm import sum_over_cp
+
+        start, end = self._piece(mb)
+        held = (mb.resp_pos >= start) & (mb.resp_pos < end)
+        lp, en = self.state.engine(mb.input_ids[:, start:end].to(dev), mb.position_ids[:, start:end].to(dev),
+                                   mb.resp_rows[held].to(dev), (mb.resp_pos[held] - start).to(dev),
+                                   mb.resp_targets[held].to(dev))
+        held = held.to(dev)
+        return sum_over_cp(lp, held, self.ring_group), sum_over_cp(en, held, self.ring_group)
+
+    def _piece(self, mb: MicroBatch) -> tuple[int, int]:
+        """``[start, end)``: this ring rank's contiguous piece of a packed micro-batch."""
+        length = int(mb.input_ids.shape[1]) // self.cfg.ring_attn_size
+        return self.ring_rank * length, (self.ring_rank + 1) * length
+
+    def _micro_batch(self, mb: MicroBatch):
+        """The context of one micro-batch's forward and backward (a recompute under gradient checkpointing runs
+        the attention again): under ring attention, the layout the attention function reads."""
+        if self.cfg.ring_attn_size == 1:
+            return contextlib.nullcontext()
+        from openrlhf_shape.zero.ring_attention import RingLayout, ring_layout
+
+        lengths = torch.tensor([b - a for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])])
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(self.device)
+        return ring_layout(RingLayout(doc=doc, start=self._piece(mb)[0], group=self.ring_group,
+                                      head_stride=self.cfg.ring_attn_head_stride))
 
     # ------------------------------------------------------------------ log-probs / entropy
     def compute_logprobs_and_entropy(self, batch: SequenceBatch | dict) -> dict:
@@ -216,14 +282,15 @@ class ZeroRankWorker:
         self.state.engine.eval()
         with torch.no_grad():
             for mb in mbs:
-                lp, en = self._forward(mb)
+                with self._micro_batch(mb):
+                    lp, en = self._forward(mb)
                 lp, en = lp.float().cpu(), en.float().cpu()
                 for row, (a, b) in zip(mb.rows, mb.resp_offsets):
                     out["indices"].append(row)
                     out["log_probs"].append(lp[a:b].clone())
                     out["entropy"].append(en[a:b].clone())
         self.state.engine.train()
-        return out if shard else {}
+        return out if shard and self.ring_rank == 0 else {}  # ring peers hold the same results: one reports
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> dict:
@@ -262,13 +329,15 @@ class ZeroRankWorker:
         self.state.engine.train()
         for k, mb in enumerate(mbs):
             self.state.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
-            lp, en = self._forward(mb)
-            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
-                                           eps_high=eps_high, dual_clip=self.cfg.optim.dual_clip)
-            for j, key in enumerate(METRIC_KEYS):
-                sums[j] += float(stats[key])
-            # DeepSpeed averages gradients over the DP ranks; the loss is already a global token mean.
-            self.state.engine.backward(loss * self.dp_size)
+            with self._micro_batch(mb):
+                lp, en = self._forward(mb)
+                loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
+                                               eps_high=eps_high, dual_clip=self.cfg.optim.dual_clip)
+                for j, key in enumerate(METRIC_KEYS):
+                    sums[j] += float(stats[key]) if self.ring_rank == 0 else 0.0  # ring peers: the same stats
+                # DeepSpeed averages gradients over all ranks (DP x ring); the loss is already a global token mean,
+                # and each ring rank's gradient carries its own piece's share (the group's sum is the whole).
+                self.state.engine.backward(loss * self.world_size)
         return sums
 
     # ------------------------------------------------------------------ checkpoints

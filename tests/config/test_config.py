@@ -27,15 +27,9 @@ def test_presets_load_and_validate():
 
 @pytest.mark.parametrize("preset", sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")))
 def test_presets_use_only_current_flag_names(capsys, preset):
-    """A preset a user copies must not teach names that are going away: loading it prints no deprecation.
-    The long-context presets set context parallelism, which only the dry run plans until the ranks run it."""
+    """A preset a user copies must not teach names that are going away: loading it prints no deprecation."""
     path = os.path.join(ROOT, "configs", preset)
-    with open(path) as f:
-        planned_only = "context_parallel_size: 2" in f.read()
-    if planned_only:
-        with pytest.raises(ValueError, match="context parallelism is planned only"):
-            load_config(path, check_paths=False)
-    load_config(path, check_paths=False, plan_only=planned_only)
+    load_config(path, check_paths=False)
     assert "[deprecated]" not in capsys.readouterr().err
 
 

@@ -29,9 +29,8 @@ RECIPES = ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_age
 PENDING = {
     "ref.num_nodes": "i3x-kl", "ref.num_gpus_per_node": "i3x-kl", "algo.kl.init_coef": "i3x-kl",
     "algo.kl.use_loss": "i3x-kl", "algo.kl.estimator": "i3x-kl",
-    "train.agent_func_path": "i3x-agent",
 }
-LONG = {"ds.ring_attn_size", "ds.ring_attn_head_stride"}
+LONG: set[str] = set()  # issue 36's flags: packing, ring attention and partial rollouts are all honoured now
 PPO_PARTS = {  # flag -> the part its refusal names
     "critic.num_nodes": "no critic", "critic.num_gpus_per_node": "no critic", "critic.adam.lr": "no critic",
     "reward.num_nodes": "no reward-model actor", "reward.num_gpus_per_node": "no reward-model actor",
@@ -41,8 +40,8 @@ PPO_PARTS = {  # flag -> the part its refusal names
 FINAL = {
     "dapo": set(),
     "prorlv2_math": set(),
-    "reinforce_baseline": {"ds.ring_attn_size", "ds.ring_attn_head_stride"},
-    "reinforce_baseline_agent_async": {"ds.ring_attn_size", "ds.ring_attn_head_stride"},
+    "reinforce_baseline": set(),
+    "reinforce_baseline_agent_async": set(),
     "ppo": set(PPO_PARTS),
 }
 BEFORE = {"dapo": 7, "prorlv2_math": 9, "reinforce_baseline": 12, "reinforce_baseline_agent_async": 13, "ppo": 12}
@@ -102,8 +101,14 @@ def test_one_error_names_every_refused_flag_one_line_each(name):
     assert sorted(ln.strip().split(":")[0].split()[0][2:] for ln in lines) == sorted(refused(recipe(name)))
 
 
+AGENT = os.path.join(os.path.dirname(HERE), "rollout", "agent_files", "calculator_agent.py")
+
+
 def _rest(name: str):
-    return load_config(None, without(recipe(name), set(PENDING) | LONG | set(PPO_PARTS)))
+    """The script minus what stays refused; its agent file (OpenRLHF's example, not shipped) is our calculator
+    agent, which has the same interface."""
+    argv = without(recipe(name), set(PENDING) | LONG | set(PPO_PARTS))
+    return load_config(None, [AGENT if a == "examples/python/agent_func.py" else a for a in argv])
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -125,8 +130,13 @@ def test_what_the_honoured_flags_set():
     assert rb.zero_config().optim.forward_budget == 32768 and rb.megatron_config().optim.forward_budget == 32768
     # async with colocate_all: OpenRLHF colocates only the training models, the engines get their own GPUs
     assert agent.train.async_enable and not agent.train.colocate_all
-    # partial rollouts, cut at a quarter of the 64000-token budget unless --rollout.partial_chunk_tokens says
+    # partial rollouts: cut at a quarter of the 64000-token budget unless --rollout.partial_chunk_tokens says; with
+    # the script's agent nothing is cut (episodes run whole inside a window)
     assert agent.train.partial_rollout_enable and agent.rollout.partial_chunk() == 16000
+    assert agent.partial_chunk_in_effect() == 0
+    # ring attention (context parallelism) on the DeepSpeed backend, OpenRLHF's flags
+    for c in (rb, agent):
+        assert (c.zero_config().ring_attn_size, c.zero_config().ring_attn_head_stride) == (2, 2)
 
 
 def test_accepted_switches_are_said_once(caplog):

@@ -210,14 +210,24 @@ def test_packed_seq_params_describe_the_documents_on_cpu():
 def test_local_attentions_refuse_packs_they_would_get_wrong_on_cpu():
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from openrlhf_shape.megatron.attention import _documents
+    from openrlhf_shape.megatron.attention import _documents, packed_seq_params
 
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
     assert _documents(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)) == [(0, 2), (2, 4)]
     with pytest.raises(ValueError, match="THD"):
         _documents(PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
-    with pytest.raises(ValueError, match="cu_seqlens_q_padded"):  # padded documents (context parallelism's layout)
-        _documents(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu))
+    # padded bounds other than the documents' own (TE's THD padding: real lengths inside padded slots) would be
+    # attended as the real ones: refused
+    with pytest.raises(ValueError, match="cu_seqlens_q_padded"):
+        _documents(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                   cu_seqlens_q_padded=torch.tensor([0, 4, 8], dtype=torch.int32)))
+    # context parallelism's layout (packed_seq_params: each document padded inside its slot, the padded bounds its
+    # bounds): each CP rank holds 1/CP of every document
+    params = packed_seq_params([0, 4, 12], device=torch.device("cpu"), context_parallel=2)
+    assert params.cu_seqlens_q_padded is params.cu_seqlens_q
+    assert _documents(params, 2) == [(0, 2), (2, 6)]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        packed_seq_params([0, 4, 10], device=torch.device("cpu"), context_parallel=2)
 
 
 def test_varlen_kernel_follows_the_platform_profile_on_cpu():

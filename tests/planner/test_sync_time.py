@@ -23,7 +23,7 @@ GIB = 2**30
 
 
 def plan_of(preset: str, *flags: str, plan_flags: tuple[str, ...] = ()):
-    cfg = load_config(str(REPO / "configs" / preset), list(flags), check_paths=False, plan_only=True)  # as the dry run loads it
+    cfg = load_config(str(REPO / "configs" / preset), list(flags), check_paths=False)  # as the dry run loads it
     return cfg, build_plan(cfg, parse_plan_options(list(plan_flags)), f"configs/{preset}")
 
 
