@@ -136,3 +136,25 @@ class KLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
+
+
+@dataclass
+class KLPenalty:
+    """What a run does with the KL to its reference model (``--algo.kl.*``): the ``estimator``, whether it goes
+    into the loss (``in_loss``) or into the reward, the loss's ``unbiased_gradient``, and the coefficient's
+    ``controller`` (its ``value`` is the coefficient of the step being made)."""
+
+    controller: KLController
+    estimator: str = "k1"
+    in_loss: bool = False
+    unbiased_gradient: bool = False
+
+    def __post_init__(self) -> None:
+        check_estimator(self.estimator)
+        if self.unbiased_gradient and not self.in_loss:
+            raise ValueError("--algo.kl.unbiased_gradient changes only the gradient of the KL in the loss; add "
+                             "--algo.kl.use_loss or drop it")
+
+    @property
+    def coef(self) -> float:
+        return float(self.controller.value)

@@ -24,6 +24,7 @@ import torch
 
 from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
+from openrlhf_shape.algorithms.kl import KLPenalty, approx_kl, kl_penalty_returns, masked_sample_mean
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
@@ -66,6 +67,9 @@ class ShapeExperienceMaker:
             ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
         reward_clip_range: rewards are clamped into it (``--reward.clip_range``).
+        ref_logprobs_fn: the reference model's log-probs of a batch (the reference ranks, through the lifecycle);
+            None without a reference model (``--algo.kl.init_coef 0``).
+        kl: the KL settings and coefficient (``--algo.kl.*``, algorithms/kl.py); needed with ``ref_logprobs_fn``.
 
     With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
@@ -75,7 +79,11 @@ class ShapeExperienceMaker:
                  reward, tokenizer, dynamic_filtering: bool = False,
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
-                 reward_clip_range: tuple[float, float] = (-10.0, 10.0)):
+                 reward_clip_range: tuple[float, float] = (-10.0, 10.0), ref_logprobs_fn: LogProbFn | None = None,
+                 kl: KLPenalty | None = None):
+        if (ref_logprobs_fn is None) != (kl is None):
+            raise ValueError("the KL to the reference model needs both the reference's log-probs and the KL settings")
+        self.ref_logprobs_fn, self.kl = ref_logprobs_fn, kl
         self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
         untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
         if self.correction.level != "off" and not untruncated:
@@ -114,8 +122,11 @@ class ShapeExperienceMaker:
         return log.phase("rewards", self.rewards, exp)
 
     def old_policy(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
-        """Ranks: ``logprobs`` (old log-probs and entropy)."""
-        return log.phase("logprobs", self.logprobs, exp)
+        """Ranks: ``logprobs`` (old log-probs and entropy), then ``ref_logprobs`` with a reference model."""
+        exp = log.phase("logprobs", self.logprobs, exp)
+        if self.ref_logprobs_fn is not None:
+            exp = log.phase("ref_logprobs", self.ref_logprobs, exp)
+        return exp
 
     def credit(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
         """Engines (probes) and the driver: ``segment``, ``probes``, ``advantages``."""
@@ -215,6 +226,28 @@ class ShapeExperienceMaker:
                 metrics.update({f"rollout/correction/{k}": v for k, v in wm.items()})
         return PhaseOutput(exp, metrics)
 
+    def ref_logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
+        """The reference model's log-probs ``[B, T]`` of the sampled tokens (same temperature, free MoE routing) and
+        the per-token KL estimate of the old policy against it (``--algo.kl.estimator``). Metrics with OpenRLHF's
+        names: ``kl`` (KL in the reward: the mean over samples of each sample's token-mean KL; in the loss the
+        trainer logs the update's), ``logprobs_diff`` (the same mean of log pi_old - log pi_ref)."""
+        mask = exp.response_mask
+        out = self.ref_logprobs_fn(SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens,
+                                                 temperature=self.sampling.temperature))
+        got, want = [int(lp.numel()) for lp in out.log_probs], mask.sum(-1).tolist()
+        if got != want:
+            raise RuntimeError(f"reference returned log-probs of {got[:8]} tokens for responses of {want[:8]}")
+        ref, _ = out.padded(mask.shape[1])
+        exp.ref_log_probs = torch.where(mask, ref.float(), torch.zeros_like(ref, dtype=torch.float32))
+        kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, self.kl.estimator)
+        exp.kl = torch.where(mask, kl, torch.zeros_like(kl))
+        per_sample = masked_sample_mean(exp.kl, mask)
+        metrics = {"ref/kl/mean": float(per_sample.mean()), "ref/kl/max": float(exp.kl[mask].max()),
+                   "logprobs_diff": float(masked_sample_mean(exp.old_log_probs - exp.ref_log_probs, mask).mean())}
+        if not self.kl.in_loss:
+            metrics["kl"] = metrics["ref/kl/mean"]
+        return PhaseOutput(exp, metrics)
+
     def segment(self, exp: ExperienceBatch) -> PhaseOutput:
         """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""
         if not self.estimator.needs_segments:
@@ -246,5 +279,11 @@ class ShapeExperienceMaker:
             max_response_len=self.sampling.max_tokens, entropy=exp.entropy, boundaries=boundaries,
             potentials=potentials,
         )
-        exp.advantages = res.token_advantages
-        return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(res.token_advantages[exp.response_mask].mean())})
+        exp.advantages, metrics = res.token_advantages, dict(res.metrics)
+        if self.kl is not None:
+            metrics["kl_coef"] = self.kl.coef
+            if not self.kl.in_loss:  # KL in the reward: each token's return gains -coef x the KL still to come
+                exp.advantages = exp.advantages + kl_penalty_returns(exp.kl, exp.response_mask, self.kl.coef)
+                metrics["adv/kl_return/mean"] = float((exp.advantages - res.token_advantages)[exp.response_mask].mean())
+        metrics["adv/token/mean"] = float(exp.advantages[exp.response_mask].mean())
+        return PhaseOutput(exp, metrics)
