@@ -10,6 +10,11 @@ Phases per GPU (what our trainer does, in order):
 * ``update``: the Megatron peak while vLLM sleeps (level 1: weights to host RAM; level 2:
   dropped; its CUDA context and graphs stay).
 
+With a reference model (``--algo.kl.init_coef`` > 0, :mod:`openrlhf_shape.planner.reference`): colocated, every
+phase also holds the reference rank's process (CUDA context, NCCL) and a ``reference log-probs`` phase follows
+the log-probs one (its weights and forward on the GPU, the actor back in its rollout state, vLLM awake);
+disaggregated, the reference GPUs have that phase of their own.
+
 Disaggregated (no colocation), rank GPUs and engine GPUs are separate and each only holds its own.
 """
 
@@ -107,6 +112,9 @@ class Plan:
     etp: int = 1  # expert tensor parallel (MoE; megatron-core's default: TP)
     edp: int = 1  # expert data parallel = world / (ETP x EP x PP)
     async_plan: AsyncPlan | None = None  # one-step-off estimates (GPU configs)
+    ref_world: int = 0  # reference model ranks (0: no KL, no reference model)
+    reference: MegatronMemory | None = None  # one reference rank, its worst PP stage
+    ref_phases: list[PhaseMemory] = field(default_factory=list)  # disaggregated reference GPUs
 
     @property
     def fits(self) -> bool:
@@ -128,7 +136,7 @@ class Plan:
 
     @property
     def min_free(self) -> tuple[str, int]:
-        phases = self.gpu_phases + self.engine_phases
+        phases = self.gpu_phases + self.engine_phases + self.ref_phases
         worst = min(phases, key=lambda p: p.free)
         return worst.name, worst.free
 
@@ -146,6 +154,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     dp = world // (tp * pp)
     on_gpu = cfg.megatron.gpus_per_rank > 0
     plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None)
+    plan.ref_world = cfg.ref.world_size(world) if cfg.algo.kl.enabled else 0
     _check_layout(plan, cfg)
     if on_gpu:
         _place(plan, cfg)
@@ -155,6 +164,8 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     fwd = max(fwds, key=lambda x: x.peak)
     plan.megatron, plan.megatron_fwd = meg, fwd
     plan.worst_stage = meg.stage
+    refs = _reference_memory(plan, cfg, dtype)
+    plan.reference = max(refs, key=lambda x: x.peak) if refs else None
 
     if not on_gpu:
         _cpu_phases(plan, cfg, meg, fwd)
@@ -162,13 +173,16 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
         return plan
 
     _gpu_phases(plan, cfg, megs, fwds)
+    if refs:
+        _reference_phases(plan, cfg, megs, refs)
     _check_kv_cache(plan, cfg)
     if plan.placement is not None:
         _host_memory(plan, cfg, meg, dtype)
     # -- per-phase verdicts on the worst rank GPU of each phase
-    for ph in plan.gpu_phases + plan.engine_phases:
+    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases:
         if ph.free < options.min_free_gib * GiB:
-            where = _where(plan, ph.stage) if ph.stage is not None else "every engine GPU"
+            where = (_where(plan, ph.stage, reference=ph in plan.ref_phases) if ph.stage is not None
+                     else "every engine GPU")
             plan.refusals.append(_refusal(plan, cfg, ph, where))
     _finish(plan, cfg)
     return plan
@@ -218,7 +232,7 @@ def _place(plan: Plan, cfg: TrainConfig) -> None:
         plan.placement = plan_placement(
             world_size=plan.world, tp=plan.tp, pp=plan.pp, num_engines=cfg.vllm.num_engines,
             engine_tp=cfg.vllm.tensor_parallel_size, colocate=cfg.train.colocate_all,
-            gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
+            gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes, ref_world_size=plan.ref_world,
         )
     except ValueError as exc:
         msg = str(exc)
@@ -276,6 +290,41 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
     if model.is_moe:
         kw.update(ep=plan.ep, etp=plan.etp, moe_imbalance=plan.options.moe_load_imbalance)
     return megatron_memory_stages(model, **kw), megatron_memory_stages(model, **{**kw, "forward_only": True}), dtype
+
+
+def _reference_memory(plan: Plan, cfg: TrainConfig, dtype: str) -> list[MegatronMemory]:
+    """One reference rank per PP stage (empty without KL), on the profile the trainer would hand it."""
+    if not plan.ref_world:
+        return []
+    from openrlhf_shape.planner.reference import reference_memory
+    from openrlhf_shape.platform import cpu_platform, gpu_platform
+
+    spec = (gpu_platform() if plan.on_gpu else cpu_platform()).layer_spec
+    return reference_memory(plan.model, cfg, ref_world=plan.ref_world, micro_batch_tokens=plan.micro_batch_tokens,
+                            max_seq=plan.inputs["max_seq"], dtype=dtype, spec=spec)
+
+
+def _reference_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], refs: list[MegatronMemory]) -> None:
+    """Colocated: the reference rank's process in every phase of the rank GPU and a ``reference log-probs`` phase
+    after the log-probs one (the actor back in its rollout state, vLLM awake); disaggregated: that phase on the
+    reference GPUs (the worst PP stage)."""
+    from openrlhf_shape.planner.reference import PHASE, offloaded_terms, process_terms
+
+    o, cap = plan.options, int(plan.options.gpu_memory_gib * GiB)
+    ctx = [Term("CUDA context (rank)", int(o.cuda_context_gib * GiB), "--plan.cuda_context_gib"),
+           Term("NCCL buffers (rank)", int(o.nccl_gib * GiB), "--plan.nccl_gib")]
+    ref = max(refs, key=lambda x: x.peak)
+    if not cfg.train.colocate_all:
+        plan.ref_phases = [PhaseMemory(f"{PHASE} (reference GPU)", ref.peak_terms() + process_terms(o), cap, ref.stage)]
+        return
+    for ph in plan.gpu_phases:
+        ph.terms = ph.terms + offloaded_terms(refs[ph.stage], o)
+    vllm_awake = [t for t in plan.gpu_phases[0].terms if t.name.startswith("vLLM")]  # rollout: vLLM awake
+    per_stage = [PhaseMemory(PHASE, _resident(mg, o.megatron_offload) + ctx + vllm_awake + r.peak_terms()
+                             + process_terms(o), cap, st) for st, (mg, r) in enumerate(zip(megs, refs))]
+    worst = max(per_stage, key=lambda ph: ph.total)
+    at = next(i for i, ph in enumerate(plan.gpu_phases) if ph.name == "log-probs") + 1
+    plan.gpu_phases.insert(at, worst)
 
 
 def _gpu_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], fwds: list[MegatronMemory]) -> None:
@@ -353,6 +402,10 @@ def _host_memory(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, dtype: str) 
         Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
         Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
     ]
+    if plan.reference is not None and cfg.train.colocate_all:  # the lifecycle keeps it on host between its forwards
+        from openrlhf_shape.planner.reference import host_term
+
+        plan.host.append(host_term(plan.reference, sum(1 for x in plan.placement.refs if x.node == node0)))
     if cfg.actor.backend == "deepspeed" and cfg.ds.adam_offload:
         from openrlhf_shape.planner.zero_memory import zero_host_term
 
@@ -386,12 +439,15 @@ def _offloaded_bytes(meg: MegatronMemory, offload: str) -> int:
     return 0
 
 
-def _where(plan: Plan, stage: int) -> str:
-    """The first GPU whose rank sits on PP stage ``stage`` (all ranks of a stage hold the same)."""
-    if plan.placement is None:
+def _where(plan: Plan, stage: int, reference: bool = False) -> str:
+    """The first GPU whose rank (reference rank with ``reference``) sits on PP stage ``stage`` (all ranks of a stage
+    hold the same)."""
+    slots = (plan.placement.refs if reference else plan.placement.ranks) if plan.placement is not None else ()
+    slot = next((x for x in slots if x.pp_rank == stage), None)
+    if slot is None:
         return f"PP stage {stage}"
-    slot = next(x for x in plan.placement.ranks if x.pp_rank == stage)
-    return f"node {slot.node} GPU {slot.gpu} (rank {slot.rank}: tp {slot.tp_rank}, pp {slot.pp_rank}, dp {slot.dp_rank})"
+    who = "reference rank" if reference else "rank"
+    return f"node {slot.node} GPU {slot.gpu} ({who} {slot.rank}: tp {slot.tp_rank}, pp {slot.pp_rank}, dp {slot.dp_rank})"
 
 
 def _refusal(plan: Plan, cfg: TrainConfig, ph: PhaseMemory, where: str) -> str:
@@ -410,6 +466,10 @@ def _refusal(plan: Plan, cfg: TrainConfig, ph: PhaseMemory, where: str) -> str:
                + (f"{FLAG_EP} / " if plan.model.is_moe else "") + f"{FLAG_TP} / {FLAG_PP} / {FLAG_WORLD}"
                + ("" if cfg.megatron.use_distributed_optimizer else f" or {FLAG_DISTOPT} true")
                + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else ""))
+    elif ph.name.startswith("reference"):  # its weights are the actor's shard; colocated, vLLM is awake beside it
+        fix = (f"raise {FLAG_TP} / {FLAG_PP}" + (f", lower {FLAG_UTIL}" if cfg.train.colocate_all else "")
+               + f" or lower {FLAG_MBT}" + (" or use --ds.zero_stage 3 (partitions its weights)"
+                                            if cfg.actor.backend == "deepspeed" and cfg.ds.zero_stage != 3 else ""))
     elif ph.name.startswith("rollout"):
         fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
     else:
@@ -439,6 +499,11 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
                f"{cfg.vllm.num_engines} engine(s) x (--vllm.kv_cache_gib {cfg.vllm.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
     base = Term(f"{ranks} rank process baseline(s)", int(ranks * o.cpu_rank_baseline_gib * GiB), "--plan.cpu_rank_baseline_gib")
     terms = [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [base, eng]
+    if plan.reference is not None:  # on CPU "host" is the same RAM: the reference ranks' weights always count
+        n = plan.ref_world
+        terms += [Term(f"{n} reference rank(s) x " + t.name, n * t.bytes, t.formula) for t in plan.reference.peak_terms()]
+        terms.append(Term(f"{n} reference rank process baseline(s)", int(n * o.cpu_rank_baseline_gib * GiB),
+                          "--plan.cpu_rank_baseline_gib"))
     plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
     if plan.gpu_phases[0].free < o.min_free_gib * GiB:
         plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
@@ -464,6 +529,14 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
         gpus_per_node=plan.options.gpus_per_node,
     )
+    if plan.reference is not None:  # after the actor's log-probs, before the probes (the same place in the step)
+        from openrlhf_shape.planner.reference import reference_time
+
+        at = next(k for k, p in enumerate(plan.phases) if p.name == "log-probs + entropy") + 1
+        plan.phases.insert(at, reference_time(
+            plan.model, ref_world=plan.ref_world, total_tokens=i["samples"] * (i["prompt_tokens"] + i["response_tokens"]),
+            seq=i["prompt_tokens"] + i["response_tokens"], colocate=cfg.train.colocate_all,
+            weight_bytes=plan.reference.static_bytes, opt=plan.options))
     plan.async_plan = _async_plan(plan, cfg)
 
 
