@@ -110,6 +110,10 @@ def test_kl_in_the_reward_with_the_adaptive_controller(separate_reward):
     assert two["kl"] == two["ref/kl/mean"] > 0 and two["adv/kl_return/mean"] < 0  # a penalty on every token
     # each token's KL return is at most -coef x (its response's tokens) x the largest token KL
     assert -two["adv/kl_return/mean"] <= two["kl_coef"] * 24 * two["ref/kl/max"]
+    # one update per step, at ratio 1: the policy loss is minus the token mean of the advantages, KL return included
+    # (measured: GRPO's part averages 0 here, so the step-2 loss is the KL return's, 0.0329)
+    for r in (one, two):
+        assert r["actor/loss"] == pytest.approx(-r["adv/token/mean"], abs=1e-6)
     # adaptive, target 0.01, horizon 10, 4 samples a step: kl 0 after step 1 -> error -1 clipped to -0.2 -> x0.92
     assert one["kl_coef"] == 0.05 and two["kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * 4 / 10), rel=1e-12)
     with open(os.path.join(separate_reward["dir"], "checkpoints", "step_000001", "meta.json")) as f:
