@@ -181,10 +181,10 @@ def run_probes(st, cfg, reward, seed: int):
     from openrlhf_shape.rollout import ProbeSuffixes, estimate_potentials
 
     warm_rollout_cache(st)
-    st.group.reseed(seed)
     t0 = time.perf_counter()
     res = estimate_potentials(st.group, st.prompts, st.responses, st.boundary_lists, st.labels,
-                              [float(x) for x in st.rewards], reward, cfg, ProbeSuffixes.from_tokenizer(st.tokenizer, cfg))
+                              [float(x) for x in st.rewards], reward, cfg, ProbeSuffixes.from_tokenizer(st.tokenizer, cfg),
+                              seed=seed)
     return res, time.perf_counter() - t0
 
 
@@ -223,7 +223,7 @@ def main() -> None:
           f"accuracy {float(st.rewards.mean()):.3f}, {sum(len(b) for b in st.boundary_lists)} interior boundaries "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    # ground truth: gt_m samples per state, in chunks (each chunk reseeded differently)
+    # ground truth: gt_m samples per state, in chunks (each chunk with its own seed stream)
     t0 = time.perf_counter()
     chunks = []
     for c in range(args.gt_m // args.gt_chunk):

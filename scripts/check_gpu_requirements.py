@@ -14,6 +14,12 @@
    the CUDA 13 ones (what transformer-engine-cu13 and vllm's cu13 kernels need).
 3. Every pin of ``requirements/gpu-source.txt`` (compiled in the image) exists on the index, and
    transformer-engine-torch has the version of the transformer-engine core wheel.
+4. The image installs those source pins with their dependencies resolved under the lock (all but
+   ``NO_DEPS``), so each of their runtime requirements must be in the lock at a version that satisfies
+   it: read from the ``Requires-Dist`` lines of the sdist's ``PKG-INFO`` (streamed: the first ~20 KB of
+   the archive). A requirement the lock lacks would be installed unpinned, at whatever version is newest
+   on the day of the build. (``PKG-INFO`` is what the sdist was built with; a ``setup.py`` that adds
+   requirements at build time is caught in the image by ``docker/check_imports.py --lock``.)
 
 Exit 0: all good; 1: a check failed (printed); 2: the index or uv is unavailable (CI skips the
 test with that reason). Index: ``$SHAPE_PYPI_INDEX`` or https://pypi.org/simple.
@@ -27,9 +33,11 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +49,17 @@ PYTHON = "3.12"
 # Releases published after this instant are ignored (uv --exclude-newer), so the resolution, and the
 # committed requirements/gpu.lock.txt, stay reproducible; move it forward when re-pinning.
 EXCLUDE_NEWER = "2026-11-23T08:00:00Z"
-SHARED = ("torch", "megatron-core", "mbridge", "math-verify", "ray", "transformers")
+SHARED = ("torch", "megatron-core", "mbridge", "math-verify", "ray", "transformers", "datasets", "pylatexenc")
+# Source pins the image installs with --no-deps, and why (every other source pin's requirements must be in the lock)
+NO_DEPS = {"openrlhf": "its own pins (transformers 5.15, ray 2.55, deepspeed 0.19.6, flash-attn 2.8.3) conflict "
+                       "with the stack; what openrlhf_shape and reward plug-ins import from it is in requirements/gpu.txt"}
+# Requirements a source pin's setup.py adds at build time, which its sdist's PKG-INFO does not list
+# (deepspeed 0.19.8 setup.py: nvidia-ml-py when it finds a CUDA torch, as in the image)
+BUILD_TIME_REQUIRES = {"deepspeed": ["nvidia-ml-py"]}
+# The image's target, for evaluating requirement markers
+MARKER_ENV = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.3", "sys_platform": "linux",
+              "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+              "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 
 
 def _norm(name: str) -> str:
@@ -95,12 +113,66 @@ def resolve(lock_path: str, constraints: str | None = None) -> tuple[int, str]:
     return 0, ""
 
 
-def _sdist_or_wheel_exists(name: str, version: str) -> bool:
+def _release_files(name: str, version: str) -> dict[str, str]:
+    """File name -> URL of every file of ``name==version`` on the index (empty: no such release)."""
     url = f"{_index()}/{_norm(name)}/"
     with urllib.request.urlopen(url, timeout=60) as resp:  # noqa: S310  (fixed https index)
         page = resp.read().decode("utf-8", "replace")
     stem = re.escape(name.replace("-", "_")) + "|" + re.escape(name)
-    return re.search(rf"(?i)>({stem})-{re.escape(version)}(\.tar\.gz|-[^<]*\.whl)<", page) is not None
+    found = re.findall(rf'(?i)href="([^"#]+)[^"]*"[^>]*>(({stem})-{re.escape(version)}(\.tar\.gz|-[^<]*\.whl))<', page)
+    return {fname: urllib.parse.urljoin(url, href) for href, fname, *_ in found}
+
+
+def sdist_requires(url: str) -> list[str]:
+    """The ``Requires-Dist`` lines of an sdist's top-level ``PKG-INFO``, reading the archive as a stream
+    (PKG-INFO sits near its start, so a few KB come over the network, not the whole archive)."""
+    with urllib.request.urlopen(url, timeout=120) as resp:  # noqa: S310  (fixed https index)
+        with tarfile.open(fileobj=resp, mode="r|gz") as tar:
+            for member in tar:
+                if member.name.count("/") == 1 and member.name.endswith("/PKG-INFO"):
+                    text = tar.extractfile(member).read().decode("utf-8", "replace")
+                    return [line.split(":", 1)[1].strip() for line in text.splitlines()
+                            if line.startswith("Requires-Dist:")]
+    raise ValueError(f"{url}: no top-level PKG-INFO in the sdist")
+
+
+def missing_from_lock(owner: str, requires: list[str], lock: dict[str, str], source: dict[str, str]) -> list[str]:
+    """The runtime requirements of ``owner`` (``Requires-Dist`` strings) that neither the lock nor another
+    source pin satisfies on the image's platform (extras and other platforms' markers are left out)."""
+    from packaging.requirements import Requirement
+
+    problems = []
+    for text in requires:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate(MARKER_ENV):
+            continue
+        name = _norm(req.name)
+        pinned = lock.get(name) or source.get(name)
+        if pinned is None:
+            problems.append(f"{owner} requires {text}, which requirements/gpu.lock.txt does not pin: the image would "
+                            "install it unpinned; add it to requirements/gpu.txt and re-lock")
+        elif not req.specifier.contains(pinned, prereleases=True):
+            problems.append(f"{owner} requires {text}, but the lock pins {name}=={pinned}")
+    return problems
+
+
+def check_source_pins(resolved: dict[str, str], source: dict[str, str]) -> list[str]:
+    """Each source pin exists on the index; the requirements of those installed with dependencies are in the lock."""
+    problems = []
+    for name, version in source.items():
+        files = _release_files(name, version)
+        if not files:
+            problems.append(f"{name}=={version} (requirements/gpu-source.txt) not found on {_index()}")
+            continue
+        if name in NO_DEPS:
+            continue
+        sdists = [url for fname, url in files.items() if fname.endswith(".tar.gz")]
+        if not sdists:
+            problems.append(f"{name}=={version}: no sdist on {_index()} to read its requirements from")
+            continue
+        requires = sdist_requires(sdists[0]) + BUILD_TIME_REQUIRES.get(name, [])
+        problems += missing_from_lock(f"{name}=={version}", requires, resolved, source)
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,16 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     if source.get("transformer-engine-torch") != gpu.get("transformer-engine"):
         problems.append("transformer-engine-torch (gpu-source.txt) must equal transformer-engine (gpu.txt)")
     try:
-        for name, version in source.items():
-            if not _sdist_or_wheel_exists(name, version):
-                problems.append(f"{name}=={version} (requirements/gpu-source.txt) not found on {_index()}")
+        problems += check_source_pins(resolved, source)
     except (urllib.error.URLError, TimeoutError) as exc:
         print(f"index {_index()} unreachable for the source pins: {exc}")
         return 2
     key = ("torch", "vllm", "transformers", "megatron-core", "mbridge", "transformer-engine-cu13", "ray",
            "nvidia-nccl-cu13", "flashinfer-python", "triton")
     print("  " + ", ".join(f"{k}=={resolved[k]}" for k in key if k in resolved))
-    print(f"source-built pins found on the index: {', '.join(f'{k}=={v}' for k, v in source.items())}")
+    print(f"source-built pins found on the index: {', '.join(f'{k}=={v}' for k, v in source.items())}; the "
+          f"requirements of all but {', '.join(NO_DEPS)} checked against the lock")
     print(f"total {time.time() - t0:.1f}s")
     for p in problems:
         print("PROBLEM:", p)

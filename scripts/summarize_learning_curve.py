@@ -201,8 +201,8 @@ def render_markdown(data: dict[str, Any], notes: str | None) -> str:
     for name, e in ests.items():
         if e.get("base_from"):
             lines += ["", f"{name.upper()}'s step-0 (base) eval is the one of `{e['base_from']}`: the same base model, "
-                      "held-out problems, sampling settings and seed (the engines are reseeded before every eval), "
-                      "so the same numbers; the run itself used `--eval.val_before_train false`."]
+                      "held-out problems, sampling settings and seed (every eval request's seed derives from the "
+                      "run's seed), so the same numbers; the run itself used `--eval.val_before_train false`."]
     lines += ["", f"![held-out curve]({FIG_DIR}/heldout_curve.png)", ""]
     lines += ["Per-step training reward (rollouts at T 1.0, 8 prompts x 4 samples):", ""]
     for name, e in ests.items():

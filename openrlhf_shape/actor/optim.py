@@ -8,8 +8,8 @@ The field names are the flag names: :class:`OptimSettings` is the ``--actor.*`` 
 (``MegatronConfig.optim``) and the DeepSpeed backend (``ZeroConfig.optim``) read the same object.
 
 Units: learning rates are absolute (``min_lr_ratio`` is a fraction of ``adam.lr``); steps count
-optimizer steps; ``micro_batch_max_tokens`` counts prompt+response tokens of one micro-batch on one
-data-parallel rank; ``entropy_chunk_size`` counts tokens per chunk of the log-prob/entropy computation.
+optimizer steps; ``micro_batch_max_tokens`` (training) and ``forward_max_tokens`` (forward only) count
+prompt+response tokens of one micro-batch on one data-parallel rank; ``entropy_chunk_size`` counts tokens per chunk of the log-prob/entropy computation.
 """
 
 from __future__ import annotations
@@ -103,20 +103,32 @@ class OptimConfig(OptimSettings):
 
     ``total_steps``: optimizer steps of the whole run (the schedule's length; the trainer derives it
     from ``--train.num_steps``, the batch sizes and ``--train.max_epochs``). ``micro_batch_max_tokens``:
-    ``--train.max_tokens_per_gpu``. ``seed``: ``--train.seed``.
+    ``--train.max_tokens_per_gpu`` (a training micro-batch). ``forward_max_tokens``: ``--rollout.max_tokens_per_gpu``
+    (a forward-only micro-batch: old log-probs and entropy; None: ``micro_batch_max_tokens``). ``seed``: ``--train.seed``.
     """
 
     total_steps: int = 1000
     micro_batch_max_tokens: int = 8192
+    forward_max_tokens: Optional[int] = None
     seed: int = 42
+    # concatenate a micro-batch's samples into one row without padding (actor/batching.py, docs/packing.md): True in
+    # every run (--ds.packing_samples is always on); False keeps the padded layout (the parity tests' reference)
+    pack_samples: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _int_at_least_one(self, "total_steps")
         _int_at_least_one(self, "micro_batch_max_tokens")
+        if self.forward_max_tokens is not None:
+            _int_at_least_one(self, "forward_max_tokens")
         if self.lr_warmup_steps is not None and self.lr_warmup_steps >= self.total_steps:
             raise ValueError(f"OptimConfig.lr_warmup_steps must be in [0, total_steps={self.total_steps}), "
                              f"got {self.lr_warmup_steps}")
+
+    @property
+    def forward_budget(self) -> int:
+        """Tokens (prompt + response, padded) of one forward-only micro-batch on one data-parallel rank."""
+        return self.forward_max_tokens if self.forward_max_tokens is not None else self.micro_batch_max_tokens
 
     @property
     def warmup_steps(self) -> int:

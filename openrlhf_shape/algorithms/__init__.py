@@ -3,7 +3,9 @@
 Public, stable API (see docs/architecture.md):
 ``token_entropy``, ``entropy_cutpoints``, ``dynamic_gamma``, ``shape_segment_advantages``,
 ``mrt_segment_advantages``, ``grpo_advantages``, ``redistribute_token_credit``, ``policy_loss``,
-plus ``ShapeConfig`` and the batched helpers in :mod:`.pipeline`.
+plus ``ShapeConfig`` and the batched helpers in :mod:`.pipeline`. The estimators are registered by name
+(:mod:`.estimators`: shape, mrt; :mod:`.reinforce`: OpenRLHF's grpo, reinforce, reinforce_baseline, rloo,
+dr_grpo, flash_reinforce, with their maths in :mod:`.returns`).
 """
 
 from openrlhf_shape.algorithms.advantages import (
@@ -15,8 +17,10 @@ from openrlhf_shape.algorithms.advantages import (
     segment_to_token_advantages,
     shape_segment_advantages,
 )
-from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.algorithms.config import ReturnConfig, ShapeConfig
 from openrlhf_shape.algorithms.estimators import ESTIMATOR_REGISTRY, AdvantageEstimator, get_estimator, register
+from openrlhf_shape.algorithms import reinforce  # noqa: F401  (registers OpenRLHF's outcome estimators)
+from openrlhf_shape.algorithms.returns import baselined_outcomes, discounted_returns, outcome_token_rewards, whiten
 from openrlhf_shape.algorithms.entropy import token_entropy, token_log_probs_and_entropy
 from openrlhf_shape.algorithms.loss import policy_loss
 from openrlhf_shape.algorithms.metrics import (
@@ -53,21 +57,25 @@ __all__ = [
     "estimator_moments",
     "stopping_outcomes",
     "AdvantageResult",
+    "ReturnConfig",
     "RolloutCorrectionConfig",
     "get_estimator",
     "register",
     "segment_gamma",
     "ShapeConfig",
+    "baselined_outcomes",
     "boundaries_as_lists",
     "boundaries_to_segment_ids",
     "compute_token_advantages",
     "delimiter_cutpoints",
+    "discounted_returns",
     "dynamic_gamma",
     "entropy_cutpoints",
     "gain_by_start_regime",
     "gain_contribution_percent",
     "grpo_advantages",
     "mrt_segment_advantages",
+    "outcome_token_rewards",
     "outcome_baseline",
     "pad_potentials",
     "policy_loss",
@@ -83,4 +91,5 @@ __all__ = [
     "token_entropy",
     "token_log_probs_and_entropy",
     "uniform_cutpoints",
+    "whiten",
 ]

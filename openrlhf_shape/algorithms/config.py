@@ -25,7 +25,9 @@ class ShapeConfig:
 
     Defaults follow the paper (alpha 0.3, gamma_min 0.9, K 8); TCR
     defaults (beta 0.5, delta 0.5..1.5) are ours (the paper is silent). ``l_ref`` None means
-    ``max_response_len / num_segments`` (resolved by :meth:`resolved_l_ref`).
+    ``max_response_len / num_segments`` (resolved by :meth:`resolved_l_ref`). ``tcr`` None means the
+    estimator's own default (:attr:`AdvantageEstimator.uses_tcr`): on for SHAPE, off for MRT, whose
+    segment advantage the paper broadcasts uniformly to the segment's tokens (section 3, "Uniform Token Credit").
     """
 
     alpha: float = 0.3
@@ -38,7 +40,7 @@ class ShapeConfig:
     entropy_quantile: float = 0.8
     min_segment_len: int = 8
     delimiter: str = "\n\n"
-    tcr: bool = True
+    tcr: bool | None = None  # None: on for shape, off for mrt (the paper); true/false forces it for either
     tcr_beta: float = 0.5
     tcr_delta_min: float = 0.5
     tcr_delta_max: float = 1.5
@@ -125,3 +127,21 @@ class ShapeConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReturnConfig:
+    """``--algo.advantage.gamma`` and ``--algo.advantage.no_std_norm``: how OpenRLHF's outcome estimators
+    (:mod:`openrlhf_shape.algorithms.reinforce`) turn per-token rewards into advantages.
+
+    ``gamma``: the return's discount per token, in [0, 1] (only ``reinforce`` discounts; the others need 1).
+    ``no_std_norm``: whitening keeps the mean subtraction and drops the std division (only for the
+    estimators that whiten: ``reinforce``, ``reinforce_baseline``).
+    """
+
+    gamma: float = 1.0
+    no_std_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.gamma) <= 1.0:
+            raise ValueError(f"--algo.advantage.gamma: the return's per-token discount must lie in [0, 1], got {self.gamma}")

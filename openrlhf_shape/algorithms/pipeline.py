@@ -1,4 +1,4 @@
-"""Batched SHAPE/MRT/GRPO advantages for a padded batch of responses.
+"""Batched advantages (SHAPE, MRT, and OpenRLHF's outcome estimators) for a padded batch of responses.
 
 Two stages, because potentials come from probes sampled at the boundaries:
 
@@ -17,7 +17,7 @@ import torch
 
 from openrlhf_shape.algorithms.advantages import group_reward_scale, outcome_baseline, segment_to_token_advantages
 from openrlhf_shape.algorithms.config import ShapeConfig
-from openrlhf_shape.algorithms.estimators import AdvantageEstimator, SegmentInputs
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator, SegmentInputs, SequenceInputs
 from openrlhf_shape.algorithms.metrics import (
     advantage_by_outcome,
     describe,
@@ -73,7 +73,7 @@ class AdvantageResult:
     """Output of :func:`compute_token_advantages`."""
 
     token_advantages: torch.Tensor  # [B, T] float32, 0 at padding
-    segment_advantages: torch.Tensor | None  # [B, K] (0 for absent segments); None for GRPO
+    segment_advantages: torch.Tensor | None  # [B, K] (0 for absent segments); None for outcome estimators
     segment_ids: torch.Tensor | None  # [B, T]
     metrics: dict[str, float]
 
@@ -87,6 +87,8 @@ def compute_token_advantages(
     entropy: torch.Tensor | None = None,
     boundaries: torch.Tensor | None = None,
     potentials: torch.Tensor | None = None,
+    token_rewards: torch.Tensor | None = None,
+    reward_clip_range: tuple[float, float] | None = None,
 ) -> AdvantageResult:
     """Token advantages from ``estimator`` (:func:`~openrlhf_shape.algorithms.estimators.get_estimator`: the
     registered name bound to its :class:`ShapeConfig`) over a padded batch.
@@ -95,6 +97,9 @@ def compute_token_advantages(
         mask: ``[B, T]`` bool; rewards: ``[B]`` outcomes R (B = prompts * group_size, samples of
         one prompt contiguous); group_size: n samples per prompt; max_response_len: for L_ref.
         entropy: ``[B, T]`` (TCR); boundaries: ``[B, K-1]``; potentials: ``[B, K+1]`` padded.
+        token_rewards: ``[B, T]`` reward added on every token before the returns (KL in the reward:
+        ``-kl_coef * KL_t``); outcome estimators only. reward_clip_range: outcome estimators clip their
+        outcome term into it after the baseline (``--reward.clip_range``; SHAPE/MRT get R clipped already).
     """
     mask = mask.bool()
     batch = mask.shape[0]
@@ -106,10 +111,9 @@ def compute_token_advantages(
     grouped = rewards.view(-1, group_size)
     cfg = estimator.cfg
     if not estimator.needs_segments:
-        return _sequence_level(estimator, grouped, mask, rewards)
+        return _sequence_level(estimator, SequenceInputs(rewards, mask, group_size, token_rewards, reward_clip_range))
 
-    if boundaries is None or potentials is None:
-        raise ValueError(f"estimator {estimator.name!r} needs boundaries and potentials")
+    _check_segment_inputs(estimator, boundaries, potentials, token_rewards)
     seg_len, n_seg = segment_lengths(boundaries, _valid_lengths(mask))  # [B, K], [B]
     kmax = seg_len.shape[1]
     phi, phi_valid = _checked_potentials(potentials, rewards, n_seg, kmax)
@@ -126,26 +130,50 @@ def compute_token_advantages(
     seg_adv = torch.where(seg_valid, seg_adv, torch.zeros_like(seg_adv))
     metrics.update(shaping_to_outcome(seg_adv, r_term, seg_valid))
     seg_ids = boundaries_to_segment_ids(boundaries, mask.shape[1])
-    tok = segment_to_token_advantages(seg_adv, seg_ids, mask)
-    if cfg.tcr and entropy is not None:
-        w = tcr_weights(entropy, seg_ids, mask, cfg.tcr_beta, cfg.tcr_delta_min, cfg.tcr_delta_max, cfg.tcr_eps)
-        tok = torch.where(mask, tok * w, torch.zeros_like(tok))
-        metrics.update(describe(w[mask], "shape/tcr_weight"))
-    elif cfg.tcr:
-        raise ValueError("TCR needs the token entropy (or pass --shape.tcr off)")
+    tok, tcr_metrics = _token_credit(estimator, segment_to_token_advantages(seg_adv, seg_ids, mask), seg_ids, mask,
+                                     entropy)
+    metrics.update(tcr_metrics)
     metrics.update(describe(n_seg.float(), "shape/segments_per_response"))
     metrics.update(describe(seg_len[seg_valid].float(), "shape/segment_length"))
     metrics.update(_potential_metrics(phi, phi_valid, n_seg, seg_adv, seg_valid, tok, mask, rewards))
     return AdvantageResult(tok, seg_adv, seg_ids, metrics)
 
 
-def _sequence_level(estimator, grouped: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor) -> AdvantageResult:
-    """GRPO-like estimators: one advantage per response ``[B]`` broadcast over its tokens ``[B, T]``."""
-    adv = estimator.sequence_advantages(grouped).reshape(-1)
-    tok = torch.where(mask, adv[:, None].expand_as(mask).to(torch.float32), torch.zeros(mask.shape))
+def _check_segment_inputs(estimator: AdvantageEstimator, boundaries: torch.Tensor | None,
+                          potentials: torch.Tensor | None, token_rewards: torch.Tensor | None) -> None:
+    if boundaries is None or potentials is None:
+        raise ValueError(f"estimator {estimator.name!r} needs boundaries and potentials")
+    if token_rewards is not None:
+        raise ValueError(f"estimator {estimator.name!r} takes no per-token reward (KL in the reward is defined for "
+                         "the outcome estimators: grpo, reinforce, reinforce_baseline, rloo, dr_grpo, flash_reinforce)")
+
+
+def _token_credit(estimator: AdvantageEstimator, tok: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tensor,
+                  entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``[B, T]`` segment advantages on their tokens -> after TCR when the estimator uses it (SHAPE by default;
+    MRT keeps the paper's uniform credit inside a segment unless ``--shape.tcr on``), and TCR's metrics."""
+    if not estimator.uses_tcr:
+        return tok, {}
+    if entropy is None:
+        raise ValueError("TCR needs the token entropy (or pass --shape.tcr off)")
+    cfg = estimator.cfg
+    w = tcr_weights(entropy, seg_ids, mask, cfg.tcr_beta, cfg.tcr_delta_min, cfg.tcr_delta_max, cfg.tcr_eps)
+    return torch.where(mask, tok * w, torch.zeros_like(tok)), describe(w[mask], "shape/tcr_weight")
+
+
+def _sequence_level(estimator: AdvantageEstimator, x: SequenceInputs) -> AdvantageResult:
+    """Outcome estimators (GRPO, REINFORCE++, ...): token advantages ``[B, T]`` from the outcomes, no segments.
+    ``adv/sequence`` describes each response's mean token advantage (its one advantage when gamma is 1 and
+    there is no per-token reward)."""
+    tok = estimator.token_advantages(x)
+    mask = x.mask
+    if tok.shape != mask.shape:
+        raise RuntimeError(f"{estimator.name} returned advantages of shape {tuple(tok.shape)} for a {tuple(mask.shape)} batch")
+    tok = torch.where(mask, tok.to(torch.float32), torch.zeros(mask.shape))
+    per_response = tok.sum(-1) / mask.sum(-1).clamp(min=1)
     metrics: dict[str, float] = {}
-    metrics.update(describe(adv, "adv/sequence"))
-    metrics.update(advantage_by_outcome(tok, mask, rewards))
+    metrics.update(describe(per_response, "adv/sequence"))
+    metrics.update(advantage_by_outcome(tok, mask, x.rewards))
     return AdvantageResult(tok, None, None, metrics)
 
 

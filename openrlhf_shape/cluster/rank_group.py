@@ -67,7 +67,7 @@ class RankActor(WeightSenderMixin):
             for _ in buckets:
                 pass
             return {}
-        return self.stream_weights(buckets, sync_id)
+        return self.stream_weights(buckets, sync_id, bucket_bytes=bucket_bytes)
 
 
 class RankGroup:

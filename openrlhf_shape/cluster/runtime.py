@@ -93,7 +93,8 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
         transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
         log.info("weight sync: %s (%s)", transport, why)
         sync = EngineWeightSync(engines.engines, cfg.vllm.tensor_parallel_size, transport=transport,
-                                backend=platform.collective_backend, timeout_s=r.weight_sync_timeout)
+                                backend=platform.collective_backend, timeout_s=r.weight_sync_timeout,
+                                pin_memory=platform.pin_memory)
     except BaseException:
         placement.remove()
         raise

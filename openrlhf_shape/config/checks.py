@@ -11,7 +11,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Callable
 
-from openrlhf_shape.algorithms.estimators import AdvantageEstimator, get_estimator
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.config.tree import TrainConfig
@@ -33,24 +33,27 @@ def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
 
 def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
-    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # a known name; the paper's bounds for it
+    estimator = cfg.advantage_estimator()  # a known name; the bounds and return settings that apply to it
     cfg.data.validate()
-    _check_rollout(cfg)
+    _check_rollout(cfg, estimator)
     _check_batches(cfg)
     _check_backend(cfg)
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
     _check_kl(cfg)
+    _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
+    _check_agent(cfg, check_paths)
 
 
-def _check_rollout(cfg: "TrainConfig") -> None:
+def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
     r, a = cfg.rollout, cfg.algo.advantage
     reworded(r.sampling_config, "SamplingConfig",
              lambda f: {"n": "rollout.n_samples_per_prompt", "max_tokens": "rollout.max_new_tokens"}.get(f, f"rollout.{f}"))
-    if a.estimator == "grpo" or cfg.shape.outcome_baseline != "none":
+    if estimator.needs_group or (estimator.needs_segments and cfg.shape.outcome_baseline != "none"):
         _need(r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt",
-              "GRPO and group baselines need >= 2 samples per prompt")
+              f"--algo.advantage.estimator {a.estimator} and group baselines compare the samples of a prompt: "
+              "they need >= 2 samples per prompt")
     _need(r.batch_size >= 1, "rollout.batch_size", "must be >= 1 prompt per step")
     _need(cfg.vllm.num_engines >= 1, "vllm.num_engines", "must be >= 1")
     _need(r.temperature > 0, "rollout.temperature", "must be > 0 (entropy is taken at this temperature)")
@@ -60,7 +63,7 @@ def _check_rollout(cfg: "TrainConfig") -> None:
               "needs --rollout.top_p 1 and --rollout.top_k -1: under top-p/top-k vLLM's log-probs are of the "
               "truncated distribution, so every importance weight would carry the truncation mass")
     _need(r.weight_sync_timeout > 0, "rollout.weight_sync_timeout",
-          f"{r.weight_sync_timeout}: use a positive number of seconds (the longest one weight sync may take)")
+          f"{r.weight_sync_timeout}: use a positive number of seconds (the longest a weight sync may go without a bucket completing)")
     _need(r.max_logprob_gap >= 0, "rollout.max_logprob_gap",
           f"{r.max_logprob_gap}: use 0 (warn past the dtype's expected gap) or a gap in nats past which the run stops")
     _need(r.weight_sync in ("auto", "collective", "object_store", "cuda_ipc"), "rollout.weight_sync",
@@ -77,8 +80,10 @@ def _check_batches(cfg: "TrainConfig") -> None:
           f"{t.batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
           f"(e.g. --train.batch_size {samples})")
     _need(t.max_epochs >= 1, "train.max_epochs", "must be >= 1")
-    if not isinstance(t.max_tokens_per_gpu, int) or t.max_tokens_per_gpu < 1:
-        raise ValueError(f"--train.max_tokens_per_gpu must be an integer >= 1, got {t.max_tokens_per_gpu!r}")
+    for flag, budget in (("train", t.max_tokens_per_gpu), ("rollout", r.max_tokens_per_gpu)):
+        if (budget is not None or flag == "train") and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"--{flag}.max_tokens_per_gpu must be an integer >= 1 (tokens of one micro-batch on one "
+                             f"GPU), got {budget!r}")
     world = cfg.actor.world_size
     _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
     mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
@@ -153,6 +158,20 @@ def _check_kl(cfg: "TrainConfig") -> None:
           "(or leave both --ref.* unset)")
 
 
+def _check_reward_shaping(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
+    """``--reward.stop_properly_penalty_coef``: OpenRLHF's range, and the [0, 1] outcome SHAPE/MRT need."""
+    coef = cfg.reward.stop_properly_penalty_coef
+    if coef is None:
+        return
+    _need(coef <= 1, "reward.stop_properly_penalty_coef",
+          f"{coef}: use a factor in [0, 1] (a truncated response's reward is multiplied by it) or a negative number "
+          "(a truncated response's reward is set to it), as in OpenRLHF")
+    _need(coef >= 0 or not estimator.needs_segments, "reward.stop_properly_penalty_coef",
+          f"{coef} would set truncated responses' reward to {coef}, but {cfg.algo.advantage.estimator} uses the outcome "
+          "as the final potential, so rewards must lie in [0, 1]: use a factor in [0, 1], or "
+          "--algo.advantage.estimator group_norm")
+
+
 def _check_probes(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
     """Appendix A.2 against the most probes a state can get: m, or the adaptive cap."""
     p = cfg.probe
@@ -173,3 +192,16 @@ def _check_paths(cfg: "TrainConfig", check_paths: bool) -> None:
     if check_paths and model != "demo" and not os.path.isdir(model):
         raise FileNotFoundError(
             f"--actor.model_name_or_path: {model} is not a Hugging Face model directory (or use 'demo')")
+
+
+def _check_agent(cfg: "TrainConfig", check_paths: bool) -> None:
+    """An agent file is a .py file (OpenRLHF loads nothing else); its episodes cannot replay MoE routing."""
+    path = cfg.train.agent_func_path
+    if not path:
+        return
+    _need(str(path).endswith(".py"), "train.agent_func_path",
+          f"{path!r}: give a .py file that defines AgentExecutor (OpenRLHF's agent interface)")
+    _need(not check_paths or os.path.isfile(path), "train.agent_func_path", f"file {path} does not exist")
+    _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
+          "r3 replays the engines' routing of one generate call per sample; an agent's episode spans several "
+          "calls and the environment's replies: use r2 with --train.agent_func_path")

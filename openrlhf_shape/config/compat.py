@@ -9,6 +9,10 @@ the ``(flag, value)`` pairs of a command line or a YAML file into such paths:
   flags that set other flags are expanded (:func:`_combined`).
 
 Only names an OpenRLHF user types are translated; every other name goes to the parser as it is.
+:func:`notes` and :func:`implied` say (once, at load) what an accepted OpenRLHF flag does here when that
+is not simply "the same setting": a switch that is always on, and the settings OpenRLHF's meaning implies
+across flags (a ZeRO stage selects the DeepSpeed backend; ``--train.colocate_all`` under
+``--train.async_enable`` colocates only the training models).
 """
 
 from __future__ import annotations
@@ -77,4 +81,36 @@ def _combined(ours: dict[str, Any], given: dict[str, Any]) -> list[tuple[str, An
             out.append(("rollout.max_new_tokens", total - int(prompt if prompt is not None else DEFAULT_MAX_PROMPT_LEN)))
         elif prompt is None:
             out.append(("data.max_prompt_len", total - int(new)))
+    return out
+
+
+def notes(pairs: list[tuple[str, Any]]) -> list[str]:
+    """One line per accepted OpenRLHF flag of ``pairs`` that switches on what is always on here (no effect)."""
+    out: list[str] = []
+    for name, _ in pairs:
+        f = BY_NAME.get(name)
+        if f is not None and f.kind == ALWAYS:
+            out.append(f"--{name}: accepted, no switch here: {f.why}")
+    return out
+
+
+def implied(values: dict[str, Any]) -> list[str]:
+    """OpenRLHF's meaning across flags, applied to ``values`` (resolved flag paths -> values, everything the
+    YAML file and the command line gave); returns one line per change, to log.
+
+    * ``--ds.zero_stage`` / ``--ds.adam_offload`` without ``--actor.backend``: OpenRLHF trains with DeepSpeed
+      ZeRO, so the DeepSpeed backend (our default backend is Megatron, which has no ZeRO stage).
+    * ``--train.colocate_all`` with ``--train.async_enable``: OpenRLHF then colocates only its training models
+      and gives the engines their own GPUs (nothing could overlap otherwise), so the engines are disaggregated.
+    """
+    out: list[str] = []
+    if "actor.backend" not in values and ("ds.zero_stage" in values or values.get("ds.adam_offload")):
+        values["actor.backend"] = "deepspeed"
+        given = "--ds.zero_stage" if "ds.zero_stage" in values else "--ds.adam_offload"
+        out.append(f"{given} without --actor.backend: --actor.backend deepspeed (ZeRO is OpenRLHF's backend; "
+                   "give --actor.backend megatron for Megatron)")
+    if values.get("train.async_enable") and values.get("train.colocate_all"):
+        values["train.colocate_all"] = False
+        out.append("--train.colocate_all with --train.async_enable: as in OpenRLHF, only the training models share "
+                   "GPUs; the vLLM engines get their own (--train.colocate_all false for the engines)")
     return out

@@ -1,19 +1,13 @@
 """Dotted flags over nested config dataclasses: one generic mechanism for every command.
 
 A config is a tree of dataclasses; each leaf field is reachable as ``--a.b.c VALUE`` (the path of
-attribute names). :class:`FlagSpace` lists the leaves of a root dataclass, converts strings to the
-field's type, and applies values by rebuilding the touched dataclasses with
-:func:`dataclasses.replace` (so each component validates itself in ``__post_init__``). Two
-declared tables shape the surface:
-
-- ``aliases``: another name of a flag -> its path (the training config has none: flag = path;
-  its project's old names are handled before, in :mod:`openrlhf_shape.config.compat`).
-- ``derived``: canonical paths that are computed from other settings (never a flag), with the
-  flag that sets them instead, for the error message.
-
-A path may name one element of a tuple field (``actor.adam.betas[1]``): the old single-value
-names of a pair still set their half. Errors raised by a component (``EngineConfig.block_size
-must ...``) are re-worded to the flag (``--vllm.block_size``) by :meth:`FlagSpace.build`.
+attribute names; flag = path, no other names: OpenRLHF's are translated before, in
+:mod:`openrlhf_shape.config.compat`). :class:`FlagSpace` lists the leaves of a root dataclass,
+converts strings to the field's type, and applies values by rebuilding the touched dataclasses with
+:func:`dataclasses.replace` (so each component validates itself in ``__post_init__``). ``derived``
+names the paths computed from other settings (never a flag), with the flag that sets them instead,
+for the error message. Errors raised by a component (``EngineConfig.block_size must ...``) are
+re-worded to the flag (``--vllm.block_size``) by :meth:`FlagSpace.build`.
 """
 
 from __future__ import annotations
@@ -24,8 +18,6 @@ import re
 import types
 import typing
 from typing import Any
-
-Alias = typing.Union[str, tuple[str, ...]]
 
 
 def _is_config(tp: Any) -> bool:
@@ -142,58 +134,34 @@ def _is_number(s: str) -> bool:
 
 
 class FlagSpace:
-    """The flags of one root config class, with its alias and derived tables."""
+    """The flags of one root config class, with its derived table."""
 
-    def __init__(self, root: type, aliases: dict[str, Alias] | None = None, derived: dict[str, str] | None = None):
+    def __init__(self, root: type, derived: dict[str, str] | None = None):
         self.root = root
         self.types = leaf_types(root)
-        self.aliases = dict(aliases or {})
         self.derived = dict(derived or {})
         self.sections = config_classes(root)
-        for name, target in self.aliases.items():
-            for path in (target,) if isinstance(target, str) else target:
-                if path not in self.types:
-                    raise AssertionError(f"alias --{name} points at unknown field {path}")
 
     def flags(self) -> list[str]:
-        """Every accepted flag: canonical paths (minus derived ones) and aliases."""
-        return [p for p in self.types if p not in self.derived] + list(self.aliases)
+        """Every accepted flag: the canonical paths minus the derived ones."""
+        return [p for p in self.types if p not in self.derived]
 
     def is_leaf(self, name: str) -> bool:
-        return name in self.types or name in self.aliases
+        return name in self.types
 
     def resolve(self, flag: str, value: Any) -> list[tuple[str, Any]]:
         """``(canonical path, typed value)`` pairs for one flag; errors name the flag and the fix."""
-        target = self.aliases.get(flag, flag)
-        element = re.fullmatch(r"(.+)\[(\d)\]", target) if isinstance(target, str) else None
-        if element and element.group(1) in self.types:  # one half of a pair: ("path[i]", typed element)
-            return [(target, convert(value, typing.get_args(self.types[element.group(1)])[int(element.group(2))], flag))]
-        if isinstance(target, tuple):  # one flag, several fields: a tuple value split over them
-            parts = convert(value, tuple[tuple(self.types[p] for p in target)], flag)
-            return list(zip(target, parts))
-        if target in self.derived:
-            raise ValueError(f"--{flag} is derived from other settings and cannot be set; use {self.derived[target]}")
-        if target not in self.types:
+        if flag in self.derived:
+            raise ValueError(f"--{flag} is derived from other settings and cannot be set; use {self.derived[flag]}")
+        if flag not in self.types:
             close = difflib.get_close_matches(flag, self.flags(), n=3)
             hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
             raise ValueError(f"unknown option --{flag}{hint}")
-        return [(target, convert(value, self.types[target], flag))]
+        return [(flag, convert(value, self.types[flag], flag))]
 
     def build(self, base: Any, values: dict[str, Any]) -> Any:
-        """``base`` with ``values`` (canonical path -> typed value) applied, sections re-validated.
-        A ``path[i]`` key sets one element of the tuple at ``path`` (its value given, else ``base``'s)."""
-        values = dict(values)
-        for key in [k for k in values if k.endswith("]")]:
-            path, i = key[:-1].split("[")
-            current = values.get(path)
-            if current is None:
-                current = base
-                for part in path.split("."):
-                    current = getattr(current, part)
-            items = list(current)
-            items[int(i)] = values.pop(key)
-            values[path] = tuple(items)
-        return self._replace(base, "", values)
+        """``base`` with ``values`` (canonical path -> typed value) applied, sections re-validated."""
+        return self._replace(base, "", dict(values))
 
     def _replace(self, obj: Any, prefix: str, values: dict[str, Any]) -> Any:
         changes: dict[str, Any] = {}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import yaml
 
 from openrlhf_shape.config.checks import validate
-from openrlhf_shape.config.compat import translate
+from openrlhf_shape.config.compat import implied, notes, translate
 from openrlhf_shape.config.flags import FlagSpace, flatten_mapping, parse_overrides
 from openrlhf_shape.config.tree import TrainConfig
 
@@ -20,6 +21,7 @@ DERIVED: dict[str, str] = {
     "vllm.return_routed_experts": "--megatron.routing_replay r3",
 }
 FLAGS = FlagSpace(TrainConfig, derived=DERIVED)
+log = logging.getLogger(__name__)
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -45,17 +47,25 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
 
     Flags and YAML keys go through :func:`~openrlhf_shape.config.compat.translate` first: OpenRLHF
     flags for parts this trainer does not have are refused (all of them, one line each), OpenRLHF's
-    value encodings are translated. ``check_paths=False`` (the
+    value encodings are translated, and what an accepted OpenRLHF flag implies here is logged once
+    (:func:`~openrlhf_shape.config.compat.notes`, :func:`~openrlhf_shape.config.compat.implied`). ``check_paths=False`` (the
     dry run) skips the checks that the data and model paths exist on this machine."""
     values: dict[str, Any] = {}
+    said: list[str] = []
     if yaml_path:
         try:
-            values.update(_resolved(flatten_mapping(_read_yaml(yaml_path), FLAGS)))
+            pairs = flatten_mapping(_read_yaml(yaml_path), FLAGS)
+            values.update(_resolved(pairs))
         except ValueError as exc:
             raise ValueError(f"{yaml_path}: {exc}") from None
-    values.update(_resolved(parse_overrides(list(overrides or []))))
+        said += notes(pairs)
+    pairs = parse_overrides(list(overrides or []))
+    values.update(_resolved(pairs))
+    said += notes(pairs) + implied(values)
     cfg = FLAGS.build(TrainConfig(), values)
     validate(cfg, check_paths)
+    for line in dict.fromkeys(said):  # once each, after the config is known to be valid
+        log.warning("%s", line)
     return cfg
 
 

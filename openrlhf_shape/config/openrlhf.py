@@ -32,7 +32,8 @@ class OpenRLHFFlag:
     accept: dict[Any, Any] = field(default_factory=dict)  # values kind: OpenRLHF value -> our value
 
 
-_NO_CRITIC = "no critic here (GRPO, MRT and SHAPE are critic-free); use --algo.advantage.estimator group_norm|shape|mrt"
+_NO_CRITIC = ("no critic here; use a critic-free --algo.advantage.estimator (group_norm, reinforce, reinforce_baseline, "
+              "rloo, dr_grpo, flash_reinforce, shape, mrt)")
 _REF_RANKS = ("the reference model's ranks (started when --algo.kl.init_coef > 0; unset: as many as the actor's): "
               "the actor's backend and TP/PP layout, on the actor's GPUs under --train.colocate_all, else on their own")
 _REF_OFFLOAD = ("under --train.colocate_all the colocation lifecycle keeps the reference's parameters in host memory "
@@ -44,6 +45,13 @@ _DS = "not a switch of this trainer's DeepSpeed backend (--actor.backend deepspe
 _NO_VLM = "text-only: vision-language models are not supported"
 _NO_LORA = "LoRA / 4-bit loading are not supported on either backend: full fine-tuning"
 _TOKEN_BUDGET = "micro-batches are packed by a token budget here (--train.max_tokens_per_gpu)"
+# The flags of the "Long reasoning" work (issue 36): refused until it lands, with this reason.
+_LONG = 'comes with the "Long reasoning" work (issue 36), not yet here'
+_NO_RM_NORM = ("OpenRLHF divides the reward model's (and critic's) output by the mean/std stored in its config.json; "
+               f"a reward_func is never normalised; {_NO_RM}")
+_SLEEP = ("whenever --train.colocate_all is set the engines sleep while the ranks work and the ranks (either backend) "
+          "offload to host while the engines generate; without colocation nothing shares their GPUs (OpenRLHF, too, "
+          "turns vLLM's sleep off then)")
 
 
 def _f(name: str, default: Any, kind: str, ours: str | None = None, why: str = "", accept: dict | None = None) -> OpenRLHFFlag:
@@ -76,7 +84,8 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     *_critic_optim(),
     _f("actor.num_nodes", 1, SAME, why="Megatron ranks = num_nodes x num_gpus_per_node = TP x PP x DP"),
     _f("actor.num_gpus_per_node", 8, SAME, why="Megatron ranks = num_nodes x num_gpus_per_node = TP x PP x DP"),
-    _f("train.colocate_all", False, SAME, why="vLLM engines sleep while the Megatron ranks train on the same GPUs"),
+    _f("train.colocate_all", False, SAME, why="vLLM engines sleep while the actor ranks train on the same GPUs; with "
+       "--train.async_enable, as in OpenRLHF, only the training models share GPUs and the engines get their own"),
     _f("train.colocate_actor_ref", False, REFUSED, why=_REF_COLOCATE),
     _f("train.colocate_critic_reward", False, REFUSED, why=_NO_CRITIC),
     # ---- vLLM
@@ -85,7 +94,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("vllm.gpu_memory_utilization", 0.95, SAME),
     _f("vllm.enforce_eager", False, SAME),
     _f("vllm.enable_prefix_caching", False, SAME, why="on by default here: the potential probes rely on it"),
-    _f("vllm.enable_sleep", False, ALWAYS, why="engines sleep whenever --train.colocate_all is set"),
+    _f("vllm.enable_sleep", False, ALWAYS, why=_SLEEP),
     _f("vllm.sync_backend", "nccl", VALUES, accept={"nccl": None},
        why="weights go to vLLM through the trainer's streamed weight sync (--rollout.weight_sync: a collective group "
            "over NCCL, gloo on CPU; the object store; CUDA IPC when colocated)"),
@@ -97,11 +106,12 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.advantage.is_correction_gating", "ratio", SAME),
     _f("algo.advantage.is_correction_threshold", [0.5, 5.0], SAME),
     # ---- async
-    _f("train.async_enable", False, SAME, why="one step off: the next batch is made while the ranks train (docs/architecture.md)"),
+    _f("train.async_enable", False, SAME, why="one step off: the next batch is made while the ranks train (docs/architecture.md); "
+       "with --train.colocate_all the engines get their own GPUs, as in OpenRLHF"),
     _f("train.async_queue_size", 1, REFUSED,
        why="the depth of the asynchronous pipeline is --train.max_staleness (1 or 2); drop it"),
     _f("train.partial_rollout_enable", False, REFUSED,
-       why="requests are never interrupted: new weights stream in between batches (--train.async_enable); drop it"),
+       why=f"{_LONG}: requests are never interrupted (new weights stream in between batches); drop it"),
     _f("rollout.vllm_generate_batch_size", None, REFUSED,
        why="one generation batch per step (= --rollout.batch_size), with or without --train.async_enable; drop it"),
     # ---- checkpoints, eval, logging
@@ -125,21 +135,23 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     # ---- DeepSpeed and model-loading switches of the DeepSpeed actor
     _f("local_rank", -1, REFUSED, why="ranks are placed by Ray (no deepspeed launcher); drop it"),
     _f("ds.use_universal_ckpt", False, REFUSED, why="universal checkpoints are not written; resume a DeepSpeed checkpoint with the same --ds.zero_stage and rank count"),
-    _f("ds.zero_stage", 2, SAME, why="ZeRO stage of --actor.backend deepspeed (0-3); on Megatron shard with --megatron.use_distributed_optimizer"),
+    _f("ds.zero_stage", 2, SAME, why="ZeRO stage of --actor.backend deepspeed (0-3); given without --actor.backend it selects "
+       "the DeepSpeed backend (OpenRLHF's); on Megatron shard with --megatron.use_distributed_optimizer"),
     _f("ds.deepcompile", False, REFUSED, why=f"{_DS}: the model runs eagerly; drop it"),
     _f("ds.param_dtype", "bf16", SAME, why="bf16 or fp32 (default auto: bf16 on GPU, fp32 on CPU); fp16 is refused (no loss scaling); Megatron picks the same automatically"),
     _f("ds.zpg", 1, REFUSED, why=f"{_DS}: ZeRO++ hierarchical partitioning is not configured; drop it"),
-    _f("ds.adam_offload", False, SAME, why="Adam states in host memory (DeepSpeedCPUAdam) with --actor.backend deepspeed"),
+    _f("ds.adam_offload", False, SAME, why="Adam states in host memory (DeepSpeedCPUAdam) with --actor.backend deepspeed; "
+       "given without --actor.backend it selects the DeepSpeed backend"),
     _f("ds.attn_implementation", "flash_attention_2", SAME, why="the HF attention kernel of --actor.backend deepspeed (default sdpa); Megatron picks its own"),
     _f("ds.experts_implementation", None, REFUSED, why="dense models only (no MoE); drop it"),
     _f("ds.use_liger_kernel", False, REFUSED, why=f"{_DS}: the chunked log-prob head already avoids full logits; drop it"),
     _f("ds.grad_accum_dtype", None, REFUSED, why=f"{_DS}: gradients are reduced once per step into the fp32 master partitions; drop it"),
     _f("ds.overlap_comm", False, REFUSED, why=f"{_DS}: gradients are reduced once, after the last micro-batch; drop it"),
-    _f("ds.enable_sleep", False, REFUSED, why="--train.colocate_all offloads the actor ranks (either backend) while vLLM rolls out; drop it"),
+    _f("ds.enable_sleep", False, ALWAYS, why=_SLEEP),
     _f("ds.tensor_parallel_size", 1, REFUSED, why="the DeepSpeed backend is data-parallel only; for TP use --actor.backend megatron --megatron.tensor_model_parallel_size"),
-    _f("ds.packing_samples", False, REFUSED, why=f"samples are not packed into one row on either backend; {_TOKEN_BUDGET}, always"),
-    _f("ds.ring_attn_size", 1, REFUSED, why="ring attention (context parallelism) is not implemented on either backend"),
-    _f("ds.ring_attn_head_stride", 1, REFUSED, why="ring attention (context parallelism) is not implemented on either backend"),
+    _f("ds.packing_samples", False, ALWAYS, why="a micro-batch's samples are concatenated into one row without padding wherever the attention supports it (Megatron: THD; DeepSpeed: HF position-id packing; docs/packing.md)"),
+    _f("ds.ring_attn_size", 1, REFUSED, why=f"{_LONG}: ring attention (context parallelism); drop it"),
+    _f("ds.ring_attn_head_stride", 1, REFUSED, why=f"{_LONG}: ring attention (context parallelism); drop it"),
     _f("ds.value_head_prefix", "score", REFUSED, why=_NO_CRITIC),
     _f("ds.load_in_4bit", False, REFUSED, why=_NO_LORA),
     _f("ds.lora.rank", 0, REFUSED, why=_NO_LORA),
@@ -154,8 +166,12 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("train.ema_beta", 0.992, REFUSED, why="EMA weights are not implemented; drop it"),
     # ---- batching and schedule
     _f("train.dynamic_batch_enable", False, ALWAYS, why=_TOKEN_BUDGET),
-    _f("train.max_tokens_per_gpu", 16192, SAME, why="the token budget of a micro-batch (forward and train)"),
-    _f("rollout.max_tokens_per_gpu", None, REFUSED, why="one token budget for forward and train: --train.max_tokens_per_gpu"),
+    _f("train.max_tokens_per_gpu", 16192, SAME,
+       why="prompt + response tokens of one training micro-batch on one data-parallel rank (and of a forward-only one "
+           "unless --rollout.max_tokens_per_gpu)"),
+    _f("rollout.max_tokens_per_gpu", None, SAME,
+       why="prompt + response tokens of one forward-only micro-batch (the old log-probs and entropy pass) on one "
+           "data-parallel rank; unset: --train.max_tokens_per_gpu, as in OpenRLHF"),
     _f("rollout.micro_batch_size", 1, ALWAYS, why=_TOKEN_BUDGET),
     _f("train.micro_batch_size", 1, ALWAYS, why=_TOKEN_BUDGET),
     _f("train.num_episodes", 1, SAME, why="passes over the prompt set (sets the number of steps unless --train.num_steps)"),
@@ -207,26 +223,32 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.kl.horizon", 10000, SAME, why="the adaptive KL controller's horizon in samples"),
     # ---- advantages
     _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator",
-       accept={"group_norm": "group_norm", "grpo": "group_norm", "shape": "shape", "mrt": "mrt"},
-       why="estimators here: group_norm (GRPO: (r - group mean) / group std on every token), shape, mrt; "
-           "gae needs a critic, rloo / reinforce / reinforce_baseline / dr_grpo / flash_reinforce are not implemented"),
-    _f("algo.advantage.gamma", 1, VALUES, accept={1: None, 1.0: None},
-       why="no return discounting (the outcome reward reaches every token); SHAPE's own discount is --shape.gamma_min"),
+       accept={"group_norm": "group_norm", "grpo": "group_norm", "reinforce": "reinforce",
+               "reinforce_baseline": "reinforce_baseline", "rloo": "rloo", "dr_grpo": "dr_grpo",
+               "flash_reinforce": "flash_reinforce", "shape": "shape", "mrt": "mrt"},
+       why="gae needs a critic, and there is none here; the critic-free estimators are OpenRLHF's group_norm (GRPO), "
+           "reinforce (REINFORCE++), reinforce_baseline, rloo, dr_grpo, flash_reinforce (its semantics, "
+           "docs/algorithms.md) and the paper's shape and mrt"),
+    _f("algo.advantage.gamma", 1, SAME,
+       why="the return's per-token discount; only reinforce discounts (other estimators refuse a gamma other than 1, "
+           "where OpenRLHF resets it to 1 with a warning); SHAPE's own discount is --shape.gamma_min"),
     _f("algo.advantage.lambd", 1, VALUES, accept={1: None, 1.0: None}, why=f"GAE's lambda: {_NO_CRITIC}"),
-    _f("algo.advantage.no_std_norm", False, ALWAYS,
-       why="OpenRLHF applies it to gae/reinforce/reinforce_baseline only; group_norm always divides by the group std"),
+    _f("algo.advantage.no_std_norm", False, SAME,
+       why="whitening without the std division, for reinforce and reinforce_baseline (the estimators that whiten; "
+           "refused with the others, which OpenRLHF ignores it for)"),
     _f("algo.dynamic_filtering_enable", False, SAME),
     _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside"),
     # ---- rewards
     _f("reward.remote_url", None, SAME),
     _f("reward.clip_range", (-10, 10), SAME),
-    _f("reward.normalize_enable", False, REFUSED,
-       why="running reward normalisation is not implemented (SHAPE/MRT need rewards in [0, 1]); drop it"),
+    _f("reward.normalize_enable", False, REFUSED, why=_NO_RM_NORM),
     _f("reward.overlong_buffer_len", None, REFUSED, why="DAPO's overlong penalty is not implemented; drop it"),
     _f("reward.overlong_penalty_factor", 1, VALUES, accept={1: None, 1.0: None},
        why="DAPO's overlong penalty is not implemented"),
-    _f("reward.stop_properly_penalty_coef", None, REFUSED, why="the truncation penalty is not implemented; drop it"),
-    _f("train.agent_func_path", None, REFUSED, why="multi-turn agents are not supported; single-turn reward via --reward.remote_url"),
+    _f("reward.stop_properly_penalty_coef", None, SAME,
+       why="responses cut at --rollout.max_new_tokens (finish reason 'length'): reward x coef for coef in [0, 1], "
+           "reward = coef for coef < 0; before --reward.clip_range and any baseline, as in OpenRLHF"),
+    _f("train.agent_func_path", None, SAME, why="OpenRLHF agent files run unchanged on the engines; the environment's replies get no loss and no credit (the Agents section of this page)"),
     # ---- data and eval
     _f("actor.model_name_or_path", None, SAME),
     _f("data.prompt_dataset", None, SAME),
@@ -297,6 +319,15 @@ def translated_value(f: OpenRLHFFlag, value: Any) -> Any:
     raise KeyError(value)
 
 
+def summary() -> str:
+    """One sentence with the table's counts (docs/openrlhf_compat.md carries it above the table)."""
+    c = counts()
+    return (f"Of OpenRLHF 0.11.2's {len(OPENRLHF_PPO_FLAGS)} PPO flags, {c[SAME]} are honoured under the same name and "
+            f"meaning, {c[ALWAYS]} switch on what is always on here (accepted, said once in the log), {c[VALUES]} are "
+            f"accepted for the values that match what this trainer does, and {c[REFUSED]} are refused, each with "
+            "the reason and what to use.")
+
+
 def markdown_table() -> str:
     """The table of docs/openrlhf_compat.md: OpenRLHF flag -> ours."""
     lines = ["| OpenRLHF 0.11.2 flag | here |", "| --- | --- |"]
@@ -312,3 +343,19 @@ def markdown_table() -> str:
             target = f"refused: {f.why}"
         lines.append(f"| `--{f.name}` | {target} |")
     return "\n".join(lines)
+
+
+def render_doc(text: str) -> str:
+    """``text`` (docs/openrlhf_compat.md) with its summary sentence and flag table regenerated: the sentence is
+    the paragraph that starts "Of OpenRLHF 0.11.2's", the table runs from its header to its last row."""
+    lines = text.split("\n")
+    head = lines.index(markdown_table().split("\n")[0])
+    end = head + 1
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    lines[head:end] = markdown_table().split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Of OpenRLHF 0.11.2's"))
+    stop = next(i for i in range(start, len(lines)) if not lines[i].strip())
+    lines[start:stop] = [summary()]
+    return "\n".join(lines)
+

@@ -48,10 +48,15 @@ class RolloutSection:
     # auto (decided per plan: cluster/placement.py:resolve_weight_sync) | collective (gloo on CPU, NCCL on GPU)
     # | object_store | cuda_ipc
     weight_sync: str = "auto"
-    # Seconds any one weight sync (and the sync group's forming) may take, and every wait inside it: past
-    # it, or as soon as an engine dies mid-sync, the run stops naming the engine (a hang otherwise).
+    # Seconds a weight sync may go without a bucket completing on any side (the sync's progress bound, not
+    # its total: a slow sync that keeps completing buckets runs as long as it needs; also the longest the sync
+    # group's forming may take). Past it, or as soon as an engine dies mid-sync, the run stops naming who holds
+    # the sync up, the bucket and the step (a hang otherwise). openrlhf_shape/weight_sync/README.md
     weight_sync_timeout: float = 600.0
     num_gpus: int | None = None  # disaggregated engine pool; None: vllm.num_engines x vllm.tensor_parallel_size
+    # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;
+    # None: --train.max_tokens_per_gpu (OpenRLHF's rule). No gradients or optimizer in flight: it may be larger.
+    max_tokens_per_gpu: int | None = None
 
     def sampling_config(self) -> SamplingConfig:
         """One generate call's :class:`SamplingConfig` (``n`` samples of ``max_new_tokens``)."""
@@ -95,6 +100,8 @@ class TrainSection:
     ray_address: str | None = None  # None: start a local Ray; "auto": join `ray start --head`
     gpus_per_node: int = 8  # GPUs per cluster node (placement keeps TP groups and engines inside one)
     num_nodes: int | None = None  # cluster nodes; None: as many as the layout needs (checked against Ray)
+    # An OpenRLHF agent file (AgentExecutor over AgentInstanceBase): the samples are its episodes (rollout/agents.py)
+    agent_func_path: str | None = None
 
 
 @dataclass
@@ -156,7 +163,10 @@ class AdvantageSection:
     """``--algo.advantage.*``: the estimator and the rollout/trainer mismatch correction
     (algorithms/rollout_correction.py)."""
 
-    estimator: str = "shape"  # shape | mrt | grpo (OpenRLHF's group_norm)
+    # shape | mrt | grpo (OpenRLHF's group_norm) | reinforce | reinforce_baseline | rloo | dr_grpo | flash_reinforce
+    estimator: str = "shape"
+    gamma: float = 1.0  # the return's per-token discount (reinforce only; OpenRLHF's --algo.advantage.gamma)
+    no_std_norm: bool = False  # whitening without the std division (reinforce, reinforce_baseline)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
@@ -266,10 +276,11 @@ class TrainConfig:
 
     def optim_config(self) -> OptimConfig:
         """What both backends train with: the ``actor.*`` settings (same names) plus what the run decides:
-        the schedule's length, ``--train.max_tokens_per_gpu`` and ``--train.seed``."""
+        the schedule's length, ``--train.max_tokens_per_gpu``, ``--rollout.max_tokens_per_gpu`` and ``--train.seed``."""
         own = {f.name: getattr(self.actor, f.name) for f in dataclasses.fields(OptimSettings)}
         return OptimConfig(**own, total_steps=self.total_optimizer_steps(),
-                           micro_batch_max_tokens=self.train.max_tokens_per_gpu, seed=self.train.seed)
+                           micro_batch_max_tokens=self.train.max_tokens_per_gpu,
+                           forward_max_tokens=self.rollout.max_tokens_per_gpu, seed=self.train.seed)
 
     def megatron_config(self) -> MegatronConfig:
         """What each Megatron rank gets: ``megatron.*`` (same names) and :meth:`optim_config`."""
@@ -280,6 +291,14 @@ class TrainConfig:
         """What each DeepSpeed rank gets: ``ds.*`` (same names) and :meth:`optim_config`."""
         own = {f.name: getattr(self.ds, f.name) for f in dataclasses.fields(ZeroSettings)}
         return ZeroConfig(**own, optim=self.optim_config())
+
+    def advantage_estimator(self):
+        """``--algo.advantage.estimator`` bound to ``--shape.*`` and ``--algo.advantage.gamma`` / ``no_std_norm``
+        (:func:`~openrlhf_shape.algorithms.estimators.get_estimator`; raises on settings it cannot honour)."""
+        from openrlhf_shape.algorithms import ReturnConfig, get_estimator
+
+        a = self.algo.advantage
+        return get_estimator(a.estimator, self.shape, ReturnConfig(a.gamma, a.no_std_norm))
 
     def rollout_correction(self):
         """``--algo.advantage.is_correction_*`` as a :class:`RolloutCorrectionConfig`."""

@@ -73,14 +73,15 @@ def transformer_config_overrides(cfg: MegatronConfig, *, on_cpu: bool, local_spe
 
 
 def moe_config_overrides(cfg: MegatronConfig) -> dict[str, Any]:
-    """The MoE router losses of ``cfg`` as TransformerConfig overrides (applied to MoE models only).
+    """The MoE router losses and router kernel of ``cfg`` as TransformerConfig overrides (MoE models only).
 
     0 keeps mbridge's RL default (``moe_router_load_balancing_type="none"``, no z-loss); a positive
     ``moe_aux_loss_coeff`` turns on Megatron's per-micro-batch switch load-balancing loss ("aux_loss"), a
     positive ``moe_z_loss_coeff`` the router z-loss. How they are scaled in the gradient: the worker
-    (``_router_loss_scale``).
+    (``_router_loss_scale``). ``moe_router_fusion``: megatron-core's fused top-k kernel (GPU, transformer-engine).
     """
-    out: dict[str, Any] = {"moe_z_loss_coeff": float(cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff > 0 else None}
+    out: dict[str, Any] = {"moe_z_loss_coeff": float(cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff > 0 else None,
+                           "moe_router_fusion": bool(cfg.moe_router_fusion)}
     if cfg.moe_aux_loss_coeff > 0:
         out.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(cfg.moe_aux_loss_coeff))
     else:
@@ -114,6 +115,7 @@ class _ShapeBridgeMixin:
     _shape_local_attention: str = "megatron"
     _shape_on_cpu: bool = False
     _shape_moe_overrides: dict[str, Any] = {}
+    _shape_loading_dense_only: bool = False  # set by load_weights while mbridge loads all but the local experts
 
     def _build_base_config(self, text_config_key=None, **kwargs):  # type: ignore[override]
         kwargs.update(self._shape_overrides)
@@ -162,12 +164,54 @@ class _ShapeBridgeMixin:
         # experts under their global ids. Renamed later, the export of an EP rank would carry its own experts only.
         mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)  # type: ignore[misc]
         offset = self._expert_offset() if consider_ep else 0
-        for local_name, global_name in mapping.items():
+        for local_name, global_name in list(mapping.items()):
             m = _LOCAL_EXPERT.search(global_name)
-            if m:
+            if m and self._shape_loading_dense_only:
+                del mapping[local_name]  # load_weights reads these itself (_load_local_experts)
+            elif m:
                 mapping[local_name] = _LOCAL_EXPERT.sub(rf"mlp.experts.\g<fc>.weight{int(m.group('e')) + offset}",
                                                         global_name)
         return mapping
+
+    def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:  # type: ignore[override]
+        """mbridge's load, except the local spec's experts, which each rank reads itself (:meth:`_load_local_experts`).
+
+        mbridge picks the expert path by the parameter's own name (``.mlp.experts.linear_fc``: TE's grouped experts);
+        the local spec's ``mlp.experts.local_experts.E.linear_fcN.weight`` take its dense path instead: read by TP rank 0
+        with its own expert ids and scattered over the TP group as TP shards. That equals the expert path only when
+        expert TP = TP; with ``--megatron.expert_tensor_parallel_size 1`` at TP 2 it fails (each rank holds whole,
+        different experts)."""
+        if not (self._shape_local_spec and self.config.num_moe_experts):
+            return super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+        self._shape_loading_dense_only = True
+        try:
+            super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+        finally:
+            self._shape_loading_dense_only = False
+        for model in models:
+            self._load_local_experts(model)
+
+    def _load_local_experts(self, model) -> None:
+        """This rank's experts of ``model`` (local spec, SequentialMLP) from the HF files: the global expert id from the
+        EP rank's offset, HF's gate/up/down tensors to Megatron's fc1 [2 I, h] / fc2 [h, I], then this rank's
+        expert-TP shard (mbridge's own split: gate and up split separately, fc2 along its input dim)."""
+        import torch
+
+        etp_size, etp_rank = self.mpu.etp_size, self.mpu.etp_rank
+        params = model.state_dict()
+        for local_name, global_name in self._weight_name_mapping_mcore_local_to_global(model).items():
+            if not _LOCAL_EXPERT.search(local_name):
+                continue
+            hf_names = self._weight_name_mapping_mcore_to_hf(global_name)
+            hf = self.safetensor_io.load_some_hf_weight(hf_names)
+            weight = self._weight_to_mcore_format(global_name, [hf[n] for n in hf_names])
+            param = params[local_name]
+            shard = list(self._weight_split_across_tp(global_name, weight, param, etp_size))[etp_rank]
+            if shard.shape != param.shape:
+                raise ValueError(f"{global_name}: expert shard {tuple(shard.shape)} for a parameter of "
+                                 f"{tuple(param.shape)} (expert TP {etp_size})")
+            with torch.no_grad():
+                param.copy_(shard.to(param.device, dtype=param.dtype))
 
     def _expert_offset(self) -> int:
         """The first global expert id on this expert-parallel rank (local ids start at 0)."""

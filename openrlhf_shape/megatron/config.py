@@ -32,8 +32,13 @@ class MegatronSettings:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    # MoE experts sharded over this many data-parallel ranks (--megatron.expert_model_parallel_size); 1 for dense
+    # MoE experts sharded over this many ranks (--megatron.expert_model_parallel_size); 1 for dense
     expert_model_parallel_size: int = 1
+    # Each expert's weights split this many ways (--megatron.expert_tensor_parallel_size: megatron-core's
+    # expert_tensor_parallel_size, handed to parallel_state). None = the TP size (megatron-core's default). Expert
+    # ranks are laid out as ETP x EP x DP x PP, so ETP x EP x PP must divide the world; ETP 1 with EP = TP puts
+    # whole experts on the TP ranks of one replica instead of splitting each over them.
+    expert_tensor_parallel_size: Optional[int] = None
     # MoE router losses (docs/moe.md). 0 = off, the default: mbridge's RL default and the paper's runs (dense)
     # have no load-balancing loss, and the policy should not be pulled towards balance the rollouts did not have.
     # > 0: Megatron's switch load-balancing loss ("aux_loss": num_experts x sum_e f_e P_e per micro-batch and
@@ -58,6 +63,10 @@ class MegatronSettings:
     # MoE routing replay (megatron/routing_replay.py): "none"; "r2" = the old-log-prob pass records each token's
     # experts and the update replays them; "r3" = the rollout engine's experts are replayed in both passes
     routing_replay: str = "none"
+    # megatron-core's fused top-k router kernel (TransformerConfig.moe_router_fusion: transformer-engine >= 2.6 on a
+    # GPU). Off by default. Its path returns the kernel's own top-k before router replay applies, so
+    # routing_replay refuses it.
+    moe_router_fusion: bool = False
 
     def __post_init__(self) -> None:
         self._check_layout()
@@ -70,6 +79,10 @@ class MegatronSettings:
             value = getattr(self, size)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{size} must be an integer >= 1, got {value!r}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and (not isinstance(etp, int) or isinstance(etp, bool) or etp < 1):
+            raise ValueError(f"{name}.expert_tensor_parallel_size must be an integer >= 1 or None (the TP size), "
+                             f"got {etp!r}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(f"{name}.sequence_parallel=True needs tensor_model_parallel_size > 1; "
                              "set sequence_parallel=False or raise the TP size")
@@ -101,6 +114,14 @@ class MegatronSettings:
             if self.routing_replay != "none" and getattr(self, size) > 1:
                 raise ValueError(f"{name}.routing_replay={self.routing_replay!r} with {size}={getattr(self, size)} "
                                  f"is not built ({why}); use {size}=1 or routing_replay='none' (docs/moe.md)")
+        if self.routing_replay != "none" and self.moe_router_fusion:
+            # megatron-core 0.16.1 moe_utils.topk_routing_with_score_function: `if fused: return
+            # fused_topk_with_score_function(...)` comes before the router_replay branch (tests/megatron holds it)
+            raise ValueError(f"{name}.routing_replay={self.routing_replay!r} with {name}.moe_router_fusion=True: "
+                             "megatron-core's fused router returns its own top-k before router replay applies, so "
+                             "the replayed experts would be ignored without an error; set --megatron.moe_router_fusion "
+                             "false (the default) to replay, or --megatron.routing_replay none to keep the fused router "
+                             "(docs/moe.md)")
 
 
 @dataclass
@@ -113,6 +134,11 @@ class MegatronConfig(MegatronSettings):
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The expert TP size in effect: ``expert_tensor_parallel_size``, or the TP size when None."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def use_bf16(self) -> bool:
@@ -144,6 +170,9 @@ class MegatronConfig(MegatronSettings):
             raise ValueError(
                 "MegatronConfig.bf16=True needs a GPU; on CPU leave bf16=None (auto) or set False"
             )
+        if self.moe_router_fusion and not platform.on_gpu:
+            raise ValueError("MegatronConfig.moe_router_fusion=True needs transformer-engine's fused router kernel on a "
+                             "GPU; on CPU leave moe_router_fusion=False")
         if self.layer_spec_on(platform) == "te":
             if not platform.on_gpu:
                 raise ValueError(
@@ -189,32 +218,51 @@ class MegatronConfig(MegatronSettings):
                 f"pipeline_model_parallel_size={pp} must divide num_hidden_layers={layers}; "
                 "pick a PP size that divides the layer count"
             )
-        experts = int(getattr(hf_config, "num_experts", None) or 0)  # qwen3_moe's name for the routed expert count
-        ep = self.expert_model_parallel_size
-        if not experts and (ep > 1 or self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
-            raise ValueError(
-                f"{getattr(hf_config, 'model_type', 'this')} model has no routed experts: leave "
-                "--megatron.expert_model_parallel_size at 1 and --megatron.moe_aux_loss_coeff / moe_z_loss_coeff at 0"
-            )
-        if experts and experts % ep:
-            raise ValueError(
-                f"expert_model_parallel_size={ep} must divide num_experts={experts}; pick an EP size that divides it"
-            )
-        if experts and tp > 1 and not self.sequence_parallel:
-            raise ValueError(
-                f"a mixture-of-experts model with tensor_model_parallel_size={tp} trains only with sequence parallelism "
-                "(megatron-core's MoE layer refuses TP without it in training); set --megatron.sequence_parallel true"
-            )
-        dp = world_size // (tp * pp)
-        if ep > 1 and dp % ep:
-            raise ValueError(
-                f"expert_model_parallel_size={ep} must divide the data-parallel size {dp} (world {world_size} / "
-                f"(TP {tp} x PP {pp})): experts are sharded over data-parallel ranks; change --megatron.expert_model_parallel_size "
-                "or the world size"
-            )
+        self._validate_experts(hf_config, world_size)
         vocab = int(hf_config.vocab_size)
         if vocab % tp:
             raise ValueError(
                 f"tensor_model_parallel_size={tp} must divide vocab_size={vocab} (no vocab padding, "
                 "so exported weights match the HF shapes); lower the TP size"
             )
+
+    def _validate_experts(self, hf_config: Any, world_size: int) -> None:
+        """The expert layout against the model: EP divides the experts, expert TP divides each expert's FFN, ETP x EP
+        x PP divides the world (megatron-core's expert rank layout), MoE under TP has sequence parallelism; a dense
+        model leaves every expert flag at its default."""
+        tp, pp, ep, etp = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                           self.expert_model_parallel_size, self.expert_tensor_parallel)
+        experts = int(getattr(hf_config, "num_experts", None) or 0)  # qwen3_moe's name for the routed expert count
+        if not experts:
+            if ep > 1 or self.expert_tensor_parallel_size is not None or self.moe_aux_loss_coeff or self.moe_z_loss_coeff:
+                raise ValueError(
+                    f"{getattr(hf_config, 'model_type', 'this')} model has no routed experts: leave "
+                    "--megatron.expert_model_parallel_size at 1, --megatron.expert_tensor_parallel_size unset and "
+                    "--megatron.moe_aux_loss_coeff / moe_z_loss_coeff at 0")
+            return
+        if experts % ep:
+            raise ValueError(f"expert_model_parallel_size={ep} must divide num_experts={experts}; pick an EP size "
+                             "that divides it")
+        ffn = int(getattr(hf_config, "moe_intermediate_size", None) or 0)
+        if ffn and ffn % etp:
+            raise ValueError(f"expert tensor parallel size {etp} (--megatron.expert_tensor_parallel_size, unset = TP) "
+                             f"must divide each expert's moe_intermediate_size={ffn}; pick a divisor")
+        if tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"a mixture-of-experts model with tensor_model_parallel_size={tp} trains only with sequence parallelism "
+                "(megatron-core's MoE layer refuses TP without it in training); set --megatron.sequence_parallel true")
+        if ep == 1 and etp != tp:
+            raise ValueError(
+                f"expert tensor parallel size {etp} (--megatron.expert_tensor_parallel_size) differs from "
+                f"tensor_model_parallel_size={tp} with expert_model_parallel_size=1: mbridge 0.15.1's export gathers "
+                "experts that are not expert-parallel over the TP group, as TP shards; leave "
+                "--megatron.expert_tensor_parallel_size unset or raise --megatron.expert_model_parallel_size")
+        if world_size % (etp * ep * pp):
+            dp = world_size // (tp * pp)
+            same = (f"; with expert TP = TP, EP must divide the data-parallel size {dp}" if etp == tp else "")
+            raise ValueError(
+                f"expert_model_parallel_size={ep} x expert tensor parallel size {etp} "
+                f"(--megatron.expert_tensor_parallel_size, unset = TP {tp}) x pipeline_model_parallel_size={pp} = "
+                f"{etp * ep * pp} must divide the world size {world_size} (megatron-core lays expert ranks out as "
+                f"ETP x EP x expert-DP x PP){same}; change --megatron.expert_model_parallel_size, "
+                "--megatron.expert_tensor_parallel_size (1: whole experts, EP may then span the TP ranks) or the world size")

@@ -23,7 +23,9 @@ last row is filled with a fixed placeholder. Padding positions of a micro-batch 
 
 Limits (refused where they would be wrong): pipeline parallelism (recorded indices would have to be gathered
 over stages, and with 1F1B plus activation recompute the backward needs megatron-core's REPLAY_BACKWARD
-queue: MoE with PP does not run on CPU, where this could be tested) and context parallelism.
+queue: MoE with PP does not run on CPU, where this could be tested), context parallelism, and megatron-core's
+fused router (``--megatron.moe_router_fusion``: ``moe_utils.topk_routing_with_score_function`` returns the fused
+kernel's top-k before its router-replay branch, so replay would be ignored without an error).
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ class RoutingReplay:
         if not routers:
             raise ValueError("routing replay needs a mixture-of-experts model (no MoE router in this one); set "
                              "--megatron.routing_replay none for a dense policy")
+        if any(getattr(r.config, "moe_router_fusion", False) for r in routers):
+            # the fused top-k path returns before router replay applies: replay would be a silent no-op
+            raise ValueError("routing replay with megatron-core's fused router (TransformerConfig.moe_router_fusion) "
+                             "would be ignored; set --megatron.moe_router_fusion false or --megatron.routing_replay none")
         for router in routers:
             if getattr(router, "router_replay", None) is None:
                 # megatron-core builds one when TransformerConfig.moe_enable_routing_replay is set; the bridge builds
@@ -218,14 +224,35 @@ class MicroBatchRouting:
             yield self
 
     def before(self, mb) -> None:
-        """Before ``mb``'s forward (``mb``: an ``actor.batching.MicroBatch``, ``input_ids`` ``[rows, s]``)."""
-        if not self.records:
-            rows, seq_len = mb.input_ids.shape
-            self.replay.replay([self.routed[r] for r in mb.rows], int(seq_len), int(rows))
+        """Before ``mb``'s forward (``mb``: an ``actor.batching.MicroBatch``, ``input_ids`` ``[rows, s]``; packed:
+        one row holding its samples one after another)."""
+        if self.records:
+            return
+        rows, seq_len = mb.input_ids.shape
+        routed = [self.routed[r] for r in mb.rows]
+        if mb.packed and routed:  # one row: each sample's routing at its offset, every position covered
+            routed = [torch.cat([_cover(torch.as_tensor(r), n, self.replay.num_layers, self.replay.top_k)
+                                 for r, n in zip(routed, mb.seq_lens)])]
+        self.replay.replay(routed, int(seq_len), int(rows))
 
     def after(self, mb) -> None:
         """After ``mb``'s forward: keep what each of its samples was routed to (recording)."""
-        if self.records:
-            rows, seq_len = mb.input_ids.shape
+        if not self.records:
+            return
+        rows, seq_len = mb.input_ids.shape
+        if mb.packed:
+            (full,) = self.replay.take_recorded([int(seq_len)], int(seq_len), 1)
+            got = [full[a:a + n].clone() for _, a, n in mb.segments()]
+        else:
             got = self.replay.take_recorded([len(self.sequences[r]) for r in mb.rows], int(seq_len), int(rows))
-            self.recorded.update(zip(mb.rows, got))
+        self.recorded.update(zip(mb.rows, got))
+
+
+def _cover(routed: torch.Tensor, n: int, layers: int, top_k: int) -> torch.Tensor:
+    """A sample's ``[L_i, layers, top_k]`` routing over all its ``n`` tokens: a missing last token (the engine
+    never feeds it) gets experts ``0..top_k-1``, as padding does; its output feeds no log-prob."""
+    missing = n - int(routed.shape[0])
+    if missing <= 0:
+        return routed.to(torch.long)
+    fill = torch.arange(top_k, dtype=torch.long).expand(missing, layers, top_k)
+    return torch.cat([routed.to(torch.long), fill])

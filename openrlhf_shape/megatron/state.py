@@ -55,6 +55,9 @@ class ActorState:
             "dp": self.dp_size,
             "world_size": self.world_size,
             "use_distributed_optimizer": cfg.use_distributed_optimizer,
+            # the expert-parallel RNG stream is per expert rank: it lines up only within one EP x ETP layout
+            "ep": cfg.expert_model_parallel_size,
+            "etp": cfg.expert_tensor_parallel,
         }
 
     def require_model(self) -> None:

@@ -19,20 +19,15 @@ import functools
 import math
 import os
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron import cpu as cpu_compat
-from openrlhf_shape.actor.batching import (
-    MicroBatch,
-    build_micro_batch,
-    plan_micro_batches,
-    shard_for_dp,
-    validate_batch,
-)
+from openrlhf_shape.megatron.attention import packed_seq_params, varlen_kernel
+from openrlhf_shape.actor.batching import MicroBatch, micro_batch_budget, rank_micro_batches, validate_batch
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.checkpoint_dir import latest_checkpoint  # noqa: F401  (re-exported: module-level API of the worker)
 from openrlhf_shape.megatron.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
@@ -121,6 +116,7 @@ class MegatronRankWorker:
                 tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                 expert_model_parallel_size=cfg.expert_model_parallel_size,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,  # None: the TP size (megatron's default)
             )
             seed_all(cfg.optim.seed)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.optim.seed)
@@ -235,10 +231,14 @@ class MegatronRankWorker:
     def _model_info(self, gpt) -> dict:
         cfg, hf_config = self.cfg, self.hf_config
         n_local = sum(p.numel() for p in gpt.parameters())
-        # Each parameter once: dense ones from data-parallel rank 0; experts (``allreduce=False``: sharded over the
-        # expert-parallel ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
+        # Each parameter once: dense ones from data-parallel rank 0, and of those replicated over the TP group (norms,
+        # the router) TP rank 0's only; experts (``allreduce=False``: sharded over the expert-parallel and expert-TP
+        # ranks, replicated over the expert-data-parallel group) from expert-DP rank 0.
         n_expert = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
-        count = (n_local - n_expert if self.mpu.get_data_parallel_rank() == 0 else 0) + (
+        n_tp_replicated = sum(p.numel() for p in gpt.parameters()
+                              if getattr(p, "allreduce", True) and not getattr(p, "tensor_model_parallel", False))
+        dense = n_local - n_expert - (n_tp_replicated if self.mpu.get_tensor_model_parallel_rank() else 0)
+        count = (dense if self.mpu.get_data_parallel_rank() == 0 else 0) + (
             n_expert if self.mpu.get_expert_data_parallel_rank() == 0 else 0)
         totals = torch.tensor([count], dtype=torch.long, device=self.device)
         dist.all_reduce(totals)
@@ -259,38 +259,29 @@ class MegatronRankWorker:
         if not getattr(tc, "num_moe_experts", None):
             return {}
         return {"moe": {"num_experts": int(tc.num_moe_experts), "ep": self.cfg.expert_model_parallel_size,
+                        # what reached megatron-core: its expert groups (parallel_state) and TransformerConfig
+                        "etp": self.mpu.get_expert_tensor_parallel_world_size(),
+                        "ep_group": self.mpu.get_expert_model_parallel_world_size(),
+                        "config_etp": tc.expert_tensor_parallel_size, "router_fusion": tc.moe_router_fusion,
                         "token_dispatcher": tc.moe_token_dispatcher_type,
                         "load_balancing": tc.moe_router_load_balancing_type,
                         "aux_loss_coeff": tc.moe_aux_loss_coeff, "z_loss_coeff": tc.moe_z_loss_coeff}}
 
     # ------------------------------------------------------------------ micro-batching
-    def _plan(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
-        """This DP rank's sample indices and its padded micro-batches (same on TP/PP peers)."""
-        seqs, plens = batch.sequences, batch.prompt_lens
-        lengths = [len(s) for s in seqs]
-        shards = shard_for_dp(lengths, self.dp_size)
-        shard = shards[self.mpu.get_data_parallel_rank()]
-        pad_multiple = self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1
-        pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        budget = self.cfg.optim.micro_batch_max_tokens
-        groups = plan_micro_batches([lengths[i] for i in shard], budget, pad_multiple=pad_multiple) if shard else []
-        mbs = [
-            build_micro_batch(seqs, plens, [shard[k] for k in g], pad_id=pad_id, pad_multiple=pad_multiple)
-            for g in groups
-        ]
-        # At least one micro-batch (more DP ranks than samples: a dummy keeps the collectives in step). With
-        # expert parallelism every MoE layer's forward and backward is an all-to-all over the data-parallel
-        # ranks of the expert group, so all DP ranks run as many micro-batches as the longest plan (every rank
-        # computes every rank's plan; no communication).
-        target = 1
-        if self.cfg.expert_model_parallel_size > 1:
-            target = max([1] + [len(plan_micro_batches([lengths[i] for i in s], budget, pad_multiple=pad_multiple))
-                                for s in shards if s])
-        while len(mbs) < target:
-            filler = build_micro_batch([[pad_id, pad_id]], [2], [0], pad_id=pad_id, pad_multiple=pad_multiple)
-            filler.rows = []  # carries no sample: the shared loss masks it out entirely
-            mbs.append(filler)
-        return shard, mbs
+    def _plan(self, batch: SequenceBatch, *, forward_only: bool) -> tuple[list[int], list[MicroBatch]]:
+        """This DP rank's sample indices and its micro-batches (same on TP/PP peers): packed into one THD row
+        each (every attention of this backend takes them: ``megatron/attention.py``, TE) unless
+        ``optim.pack_samples`` is off, under ``--rollout.max_tokens_per_gpu`` for a forward-only pass. With expert
+        parallelism every MoE layer's forward and backward is an all-to-all over the data-parallel ranks of the
+        expert group, so all DP ranks run as many micro-batches as the longest plan."""
+        optim = self.cfg.optim
+        return rank_micro_batches(
+            batch, dp_size=self.dp_size, dp_rank=self.mpu.get_data_parallel_rank(),
+            max_tokens=micro_batch_budget(optim, forward_only=forward_only), packed=optim.pack_samples,
+            pad_id=int(getattr(self.hf_config, "pad_token_id", None) or 0),
+            # sequence parallel splits the sequence dimension over the TP ranks
+            pad_multiple=self.cfg.tensor_model_parallel_size if self.cfg.sequence_parallel else 1,
+            equal_counts=self.cfg.expert_model_parallel_size > 1)
 
     def _response_logprobs(self, hidden: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool):
         """hidden [s(/tp under SP), b, h] on the last stage -> (logp [N], entropy [N]) for mb's responses."""
@@ -325,11 +316,14 @@ class MegatronRankWorker:
         gpt = self._gpt()
         device = self.device
         masked = self._router_losses_on() and not forward_only
+        kernel = varlen_kernel(self.platform)  # flash-attn's varlen kernel only under a GPU profile
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             # Router losses: keep pads and fillers out of them (the policy loss never sees them).
             extra = {"padding_mask": _router_padding_mask(mb).to(device)} if masked else {}
+            if mb.packed:
+                extra["packed_seq_params"] = packed_seq_params(mb.cu_seqlens, device=device, kernel=kernel)
             if routing is not None:
                 routing.before(mb)
             with _hidden_states_only(gpt):
@@ -417,13 +411,15 @@ class MegatronRankWorker:
         position j is the log-prob / full-vocab entropy (logits / temperature) of response token j.
         With ``--megatron.routing_replay`` r2 (recorded here) or r3 (``batch.routed_experts`` replayed) the output
         also carries ``"routed_experts"``: per sample ``[L_i, layers, top_k]``, to hand to :meth:`train_step`.
+        ``"micro_batches"``: how many forward micro-batches of at most ``optim.forward_budget`` tokens
+        (``--rollout.max_tokens_per_gpu``) this data-parallel rank ran.
         """
         self._require_onloaded(("params",), "compute_logprobs_and_entropy")
         self._require_model()
         batch = validate_batch(batch)
         temperature = float(batch.temperature)
         with self._mode():
-            shard, mbs = self._plan(batch)
+            shard, mbs = self._plan(batch, forward_only=True)
             self.model.eval()
 
             def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
@@ -437,7 +433,7 @@ class MegatronRankWorker:
             self.model.train()
         if not self.holds_results or not shard:
             return {}
-        out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
+        out: dict[str, Any] = {"indices": [], "log_probs": [], "entropy": [], "micro_batches": len(mbs)}
         if routing is not None:
             out["routed_experts"] = []
         for rec in store:
@@ -480,7 +476,7 @@ class MegatronRankWorker:
             return loss, torch.tensor(int(stats["num_tokens"]), dtype=torch.int), stats
 
         with self._mode():
-            shard, mbs = self._plan(batch)
+            shard, mbs = self._plan(batch, forward_only=False)
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -572,8 +568,8 @@ def _unwrap(model):
 
 
 def _router_padding_mask(mb: MicroBatch) -> torch.Tensor:
-    """[rows, seq] bool for Megatron's MoE router, True = left out of the router losses: right padding, and all
-    but the first token of a filler micro-batch (a fully masked one would divide by zero token counts inside
+    """[rows, seq] bool for Megatron's MoE router, True = left out of the router losses: padding (right padding of
+    a padded micro-batch, the tail of a packed one), and all but the first token of a filler micro-batch (a fully masked one would divide by zero token counts inside
     Megatron's loss functions; its one token is a pad).
 
     Without it a pad position whose embedding is zero (HF zero-initialises the ``padding_idx`` row) sends the

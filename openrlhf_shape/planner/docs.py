@@ -223,7 +223,7 @@ def moe_section() -> list[str]:
         *rows,
         "",
         "A Megatron rank holds `num_experts / EP` experts per sparse layer of its stage, each split by expert TP",
-        "(megatron-core's `expert_tensor_parallel_size`, which is the TP size unless set), plus the non-expert weights",
+        "(`--megatron.expert_tensor_parallel_size`, megatron-core's own; unset: the TP size), plus the non-expert weights",
         "split by TP/PP; the distributed optimizer shards the experts' fp32 master and Adam state over the expert-data-",
         "parallel group `EDP = world / (ETP x EP x PP)` and the rest over DP. With 18 bytes per parameter (bf16 weight,",
         "fp32 grad buffer, fp32 master, Adam m and v) the experts dominate: Qwen3-235B-A22B needs EP x ETP x PP = 128",

@@ -20,7 +20,7 @@ What the Megatron rank holds (our worker, megatron-core 0.16.1):
 
 Mixture-of-experts models (``qwen3_moe``; megatron-core's process groups, ``parallel_state.initialize_model_parallel``):
 a rank holds ``num_experts / EP`` experts of each sparse layer of its stage, each split ``ETP`` ways
-(``expert_tensor_parallel_size``, which defaults to the TP size when not given, as our worker leaves it),
+(``--megatron.expert_tensor_parallel_size``, megatron-core's ``expert_tensor_parallel_size``; unset: the TP size),
 plus the non-expert parameters (attention, norms, the router ``[E, h]`` kept whole on every TP rank,
 embeddings) split by TP/PP as for a dense model. Expert parameters are replicated over the expert-data-parallel
 group of ``EDP = world / (ETP x EP x PP)`` ranks, so the distributed optimizer shards their fp32 master and Adam

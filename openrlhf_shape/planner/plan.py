@@ -40,6 +40,7 @@ FLAG_RECOMPUTE = "--actor.gradient_checkpointing_enable"
 FLAG_SP = "--megatron.sequence_parallel"
 FLAG_DISTOPT = "--megatron.use_distributed_optimizer"
 FLAG_EP = "--megatron.expert_model_parallel_size"
+FLAG_EXPERT_TP = "--megatron.expert_tensor_parallel_size"
 
 
 @dataclass
@@ -115,6 +116,9 @@ class Plan:
     ref_world: int = 0  # reference model ranks (0: no KL, no reference model)
     reference: MegatronMemory | None = None  # one reference rank, its worst PP stage
     ref_phases: list[PhaseMemory] = field(default_factory=list)  # disaggregated reference GPUs
+    sync: Any = None  # planner/sync_time.py:SyncEstimate of one weight sync (GPU configs with a placement)
+    sync_timeout_s: float = 0.0  # --rollout.weight_sync_timeout
+    sync_warnings: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -176,6 +180,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     if refs:
         _reference_phases(plan, cfg, megs, refs)
     _check_kv_cache(plan, cfg)
+    _sync_estimate(plan, cfg)
     if plan.placement is not None:
         _host_memory(plan, cfg, meg, dtype)
     # -- per-phase verdicts on the worst rank GPU of each phase
@@ -203,24 +208,38 @@ def _check_layout(plan: Plan, cfg: TrainConfig) -> None:
         msg = str(exc).replace("tensor_model_parallel_size", FLAG_TP).replace("pipeline_model_parallel_size", FLAG_PP)
         plan.refusals.append(f"layout: {msg}")
     ep = int(cfg.megatron.expert_model_parallel_size)
-    etp = getattr(cfg.megatron, "expert_tensor_parallel_size", None) or tp
+    etp = cfg.megatron.expert_tensor_parallel_size or tp  # unset: the TP size, as megatron-core decides
     plan.ep, plan.etp = ep, etp
     if model.is_moe:
         if model.num_experts % ep:
             plan.refusals.append(f"layout: {FLAG_EP}={ep} must divide num_experts={model.num_experts} (each expert-parallel "
                                  "rank holds an equal share of the experts); pick a divisor")
+        if model.moe_intermediate % etp:
+            plan.refusals.append(f"layout: expert TP {etp} ({FLAG_EXPERT_TP}, unset = TP) must divide each expert's "
+                                 f"moe_intermediate_size={model.moe_intermediate}; pick a divisor")
+            etp = plan.etp = tp  # size the rest at megatron-core's default, so every other refusal still shows
+        if ep == 1 and etp != tp:
+            plan.refusals.append(f"layout: expert TP {etp} ({FLAG_EXPERT_TP}) differs from {FLAG_TP}={tp} with {FLAG_EP}=1: "
+                                 "the export (mbridge) gathers experts that are not expert-parallel over the TP group; "
+                                 f"leave {FLAG_EXPERT_TP} unset or raise {FLAG_EP}")
+            etp = plan.etp = tp
         if world % (etp * ep * pp):
             plan.refusals.append(
                 f"layout: {FLAG_EP}={ep} x expert TP {etp} x {FLAG_PP}={pp} = {etp * ep * pp} must divide "
-                f"{FLAG_WORLD}={world} (megatron-core's expert layout); change {FLAG_EP} or {FLAG_WORLD}")
-            ep = plan.ep = 1  # size the rest as if experts were not expert-parallel, so every other refusal still shows
+                f"{FLAG_WORLD}={world} (megatron-core's expert layout; expert TP is {FLAG_EXPERT_TP}, unset = TP); "
+                f"change {FLAG_EP}, {FLAG_EXPERT_TP} or {FLAG_WORLD}")
+            # size the rest as if experts were not expert-parallel (at the default expert TP), so every other
+            # refusal still shows
+            ep, etp = plan.ep, plan.etp = 1, tp
         if cfg.actor.backend == "deepspeed":
             plan.refusals.append("layout: a mixture-of-experts model on --actor.backend deepspeed: the planner sizes MoE "
                                  "on the Megatron backend only (experts sharded by expert parallelism); use --actor.backend megatron")
         plan.edp = world // (etp * ep * pp) if world % (etp * ep * pp) == 0 else 1
-    elif ep > 1:
-        plan.notes.append(f"{FLAG_EP}={ep} has no effect on a dense model ({model.name} has no experts)")
-        plan.ep = 1
+    else:
+        for flag, value, default in ((FLAG_EP, ep, 1), (FLAG_EXPERT_TP, cfg.megatron.expert_tensor_parallel_size, None)):
+            if value != default:
+                plan.notes.append(f"{flag}={value} has no effect on a dense model ({model.name} has no experts)")
+        plan.ep, plan.etp = 1, tp
 
 
 def _place(plan: Plan, cfg: TrainConfig) -> None:
@@ -255,7 +274,7 @@ def _size_workload(plan: Plan, cfg: TrainConfig) -> None:
     if mbt > cfg.train.max_tokens_per_gpu:
         plan.notes.append(f"a full-length sequence ({max_seq} tokens) exceeds {FLAG_MBT} {cfg.train.max_tokens_per_gpu}: "
                           f"it forms a micro-batch of its own, so activations are sized at {mbt} tokens")
-    shape_on = cfg.algo.advantage.estimator != "grpo"
+    shape_on = cfg.advantage_estimator().needs_segments  # SHAPE and MRT probe; the outcome estimators do not
     probes_per_response = cfg.shape.num_segments * cfg.probe.num_probes if shape_on else 0
     suffix = _suffix_tokens(cfg.probe.think_suffix)
     probe_tokens = suffix + cfg.probe.max_tokens
@@ -271,6 +290,9 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
     from openrlhf_shape.platform import cpu_platform, gpu_platform
 
     model, mbt, max_seq, dp = plan.model, plan.micro_batch_tokens, plan.inputs["max_seq"], plan.dp
+    # forward-only micro-batches (old log-probs) have their own budget, --rollout.max_tokens_per_gpu
+    fwd_mbt = max(cfg.optim_config().forward_budget, max_seq)
+    fwd_size = dict(micro_batch_tokens=fwd_mbt, seq_len=min(fwd_mbt, max_seq), forward_only=True)
     target = gpu_platform() if plan.on_gpu else cpu_platform()
     dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.megatron_dtype]
     spec = target.layer_spec
@@ -281,7 +303,7 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
         zkw = dict(dp=dp, stage=cfg.ds.zero_stage, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
                    dtype=dtype, adam_offload=cfg.ds.adam_offload, logprob_chunk=cfg.actor.entropy_chunk_size, spec=spec,
                    gather_bucket_bytes=int(cfg.vllm.weight_sync_bucket_mb) << 20)
-        return [zero_memory(model, **zkw)], [zero_memory(model, **{**zkw, "forward_only": True})], dtype
+        return [zero_memory(model, **zkw)], [zero_memory(model, **{**zkw, **fwd_size})], dtype
     sp = bool(cfg.megatron.sequence_parallel and plan.tp > 1)
     kw = dict(tp=plan.tp, pp=plan.pp, dp=dp, micro_batch_tokens=mbt, seq_len=min(mbt, max_seq), recompute=recompute,
               sequence_parallel=sp, dtype=dtype, distributed_optimizer=cfg.megatron.use_distributed_optimizer,
@@ -289,7 +311,7 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
               num_micro_batches=plan.inputs["micro_batches_per_dp"])
     if model.is_moe:
         kw.update(ep=plan.ep, etp=plan.etp, moe_imbalance=plan.options.moe_load_imbalance)
-    return megatron_memory_stages(model, **kw), megatron_memory_stages(model, **{**kw, "forward_only": True}), dtype
+    return megatron_memory_stages(model, **kw), megatron_memory_stages(model, **{**kw, **fwd_size}), dtype
 
 
 def _reference_memory(plan: Plan, cfg: TrainConfig, dtype: str) -> list[MegatronMemory]:
@@ -384,6 +406,24 @@ def _check_kv_cache(plan: Plan, cfg: TrainConfig) -> None:
         plan.notes.append(
             f"KV cache {vm.kv_tokens:,} tokens < {conc} concurrent full-length sequences x {resp_kv} = "
             f"{plan.kv_need['rollout_concurrent']:,}: vLLM runs fewer at once (the step-time estimate accounts for it)")
+
+
+def _sync_estimate(plan: Plan, cfg: TrainConfig) -> None:
+    """One weight sync over the transport the trainer picks for this layout (``planner/sync_time.py``) and what
+    it means for ``--rollout.weight_sync_timeout``; an explicit transport the layout cannot serve is refused."""
+    from openrlhf_shape.cluster.placement import resolve_weight_sync
+    from openrlhf_shape.planner.sync_time import estimate_sync
+
+    plan.sync_timeout_s = float(cfg.rollout.weight_sync_timeout)
+    if plan.placement is None:
+        return
+    try:
+        transport, why = resolve_weight_sync(cfg.rollout.weight_sync, plan.placement, on_gpu=True)
+    except ValueError as exc:
+        plan.refusals.append(f"weight sync: {exc}")
+        return
+    plan.sync = estimate_sync(plan.model, plan.placement, transport, why, cfg.vllm.weight_sync_bucket_mb, plan.options)
+    plan.sync_warnings = plan.sync.warnings(plan.sync_timeout_s)
 
 
 def _host_memory(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, dtype: str) -> None:

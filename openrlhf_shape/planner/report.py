@@ -81,6 +81,7 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     lines += step_time_lines(plan)
     lines += async_lines(plan)
+    lines += weight_sync_lines(plan)
     lines.append("")
     lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
         f"{f.name}={getattr(plan.options, f.name)}" for f in dataclasses.fields(plan.options)))
@@ -154,6 +155,15 @@ def step_time_lines(plan: Plan) -> list[str]:
     for p in plan.phases:
         lines.append(f"  {p.seconds:8.1f} s  {p.name}: {p.how}")
     return lines
+
+
+def weight_sync_lines(plan: Plan) -> list[str]:
+    """One sync's estimate on its transport (``planner/sync_time.py``) and the warnings about its time bound."""
+    from openrlhf_shape.planner.sync_time import sync_lines
+
+    if plan.on_gpu and plan.sync is None:
+        return ["weight sync estimate: n/a (no placement)"]
+    return sync_lines(plan.sync, plan.sync_timeout_s) + [f"warning: {w}" for w in plan.sync_warnings]
 
 
 def verdict_lines(plan: Plan) -> list[str]:

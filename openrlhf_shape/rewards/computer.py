@@ -24,6 +24,9 @@ class RewardConfig:
     remote_timeout_s: float = 180.0
     remote_retries: int = 4
     clip_range: tuple[float, float] = (-10.0, 10.0)  # rewards are clamped into it (OpenRLHF's --reward.clip_range)
+    # Truncated responses (finish reason "length"): reward x coef (coef in [0, 1]) or = coef (coef < 0); None off.
+    # Applied by the experience maker (algorithms/length_penalty.py), before the clip.
+    stop_properly_penalty_coef: float | None = None
 
 
 class RewardComputer:

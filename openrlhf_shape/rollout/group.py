@@ -1,6 +1,6 @@
 """The trainer's rollout engines as one group: the Ray actor factory (:func:`create_ray_engines`,
 :func:`start_engines`) and :class:`EngineGroup`, which dispatches prompts across engines (prefix
-affinity for probes) and fans out sleep/wake/reseed. One engine is :class:`~openrlhf_shape.rollout.engine.VLLMEngine`.
+affinity for probes) and fans out sleep/wake. One engine is :class:`~openrlhf_shape.rollout.engine.VLLMEngine`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def create_ray_engines(
             planned = placement.engine_options(i, num_cpus)
             opts.update(planned["options"])
             opts["runtime_env"] = {"env_vars": {**env, **planned["env"]}}
-        engine_cfg = EngineConfig(**{**asdict(cfg), "seed": cfg.seed + i})  # distinct streams per engine
+        engine_cfg = EngineConfig(**{**asdict(cfg), "seed": cfg.seed + i})  # distinct streams for unseeded calls
         handles.append(actor_cls.options(**opts).remote(engine_cfg, platform.to_dict()))
     if wait_ready:
         ray.get([h.ready.remote() for h in handles])
@@ -89,6 +89,11 @@ def start_engines(
 # ---------------------------------------------------------------------------------------------------
 # Groups
 # ---------------------------------------------------------------------------------------------------
+
+
+def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None:
+    """One engine's share of a per-prompt list of a call (token limits, request seeds; None: none given)."""
+    return None if max_tokens is None else [int(max_tokens[i]) for i in idxs]
 
 
 def _is_actor(engine) -> bool:
@@ -161,14 +166,19 @@ class EngineGroup:
         prompt_token_ids: list[list[int]],
         sampling: SamplingConfig,
         affinity_keys: Sequence[Hashable] | None = None,
+        max_tokens: Sequence[int] | None = None,
+        request_seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list)."""
+        """Same contract as :meth:`VLLMEngine.generate` (prompt_index refers to this call's list; ``max_tokens``:
+        an optional limit per prompt; ``request_seeds``: an optional seed per prompt). A seeded call (``sampling.seed``) samples the same whatever the number of
+        engines and the dispatch: each engine is told its prompts' indices in this call, from which every
+        request's seed derives."""
         if not prompt_token_ids:
             return []
         with self.clock.working():
-            return self._generate(prompt_token_ids, sampling, affinity_keys)
+            return self._generate(prompt_token_ids, sampling, affinity_keys, max_tokens, request_seeds)
 
-    def _generate(self, prompt_token_ids, sampling, affinity_keys) -> list[Generation]:
+    def _generate(self, prompt_token_ids, sampling, affinity_keys, max_tokens=None, request_seeds=None) -> list[Generation]:
         assign = self.plan(prompt_token_ids, sampling.n, affinity_keys)
         per_engine: list[list[int]] = [[] for _ in self.engines]
         for i, e in enumerate(assign):
@@ -180,13 +190,15 @@ class EngineGroup:
             refs = {}
             for e, idxs in enumerate(per_engine):
                 if idxs:
-                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling)
+                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling, idxs,
+                                                              _caps(max_tokens, idxs), _caps(request_seeds, idxs))
             for e, out in zip(refs.keys(), ray.get(list(refs.values()))):
                 results[e] = out
         else:
             for e, idxs in enumerate(per_engine):
                 if idxs:
-                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling)
+                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling, idxs,
+                                                          _caps(max_tokens, idxs), _caps(request_seeds, idxs))
         merged: list[Generation] = []
         for e, idxs in enumerate(per_engine):
             for g in results[e] or []:
@@ -234,16 +246,6 @@ class EngineGroup:
     def reset_prefix_cache(self) -> None:
         self._affinity.clear()
         self._call_all("reset_prefix_cache")
-
-    def reseed(self, seed: int) -> None:
-        """Engine i gets ``seed + i`` (distinct streams, reproducible per step)."""
-        if all(self.remote):
-            import ray
-
-            ray.get([e.reseed.remote(seed + i) for i, e in enumerate(self.engines)])
-        else:
-            for i, e in enumerate(self.engines):
-                e.reseed(seed + i)
 
     def sleep(self, level: int = 1) -> None:
         self._call_all("sleep", level)

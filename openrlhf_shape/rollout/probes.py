@@ -20,6 +20,7 @@ from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, StateTa
 from openrlhf_shape.rewards.probe_scoring import score_key
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.group import EngineGroup
+from openrlhf_shape.rollout.seeds import derive_seed
 
 DEFAULT_THINK_SUFFIX = (
     "\n\nTime is up. I should stop thinking and give the final answer now.\n</think>\n\n"
@@ -159,19 +160,28 @@ def estimate_potentials(
     scorer: Callable | object,
     cfg: ProbeConfig,
     suffixes: ProbeSuffixes | None = None,
+    policy_tokens: list[list[bool]] | None = None,
+    seed: int | None = None,
 ) -> PotentialResult:
     """Probe every state of a step in one batch and return Phi per boundary.
 
     prompt_ids[i] / response_ids[i] / labels[i] / outcomes[i] describe response i; boundaries[i] are
     its interior boundaries (sorted, 0 < b < T_i). Phi(s_0) is probed once per distinct prompt and
     shared by all its samples; the last potential is outcomes[i] with no probe.
+    ``policy_tokens[i]`` (agents: ``[T_i]``, True at the policy's own tokens, False in the environment's
+    replies): every boundary must sit at a policy token, so a probe's prefix ends in the policy's turn or
+    right after a whole reply, never inside one (refused otherwise). ``seed``: the probes' seed
+    stream (``rollout/seeds.py``): the round that starts at sample c of each state samples with stream
+    ``derive_seed(seed, c)``, so the potentials repeat whatever the engines; None: the engines' own generators.
     """
     n = len(response_ids)
     _check_probe_inputs(prompt_ids, response_ids, boundaries, labels, outcomes)
+    if policy_tokens is not None:
+        _check_states_in_policy_turns(boundaries, policy_tokens, response_ids)
     if suffixes is None:
         suffixes = ProbeSuffixes.from_tokenizer(engines.get_tokenizer(), cfg)
     batch = _probe_requests(prompt_ids, response_ids, boundaries, labels, suffixes)
-    run = _run_probe_rounds(engines, batch, scorer, cfg)
+    run = _run_probe_rounds(engines, batch, scorer, cfg, seed)
     phi = torch.tensor([t.estimate() for t in run.tallies], dtype=torch.float32)
 
     potentials, probe_scores = [], []
@@ -195,6 +205,21 @@ def _check_probe_inputs(prompt_ids: list[list[int]], response_ids: list[list[int
             raise ValueError(
                 f"boundaries[{i}]={list(bs)} must be strictly increasing interior positions in (0, {t})"
             )
+
+
+def _check_states_in_policy_turns(boundaries: list[list[int]], policy_tokens: list[list[bool]],
+                                  response_ids: list[list[int]]) -> None:
+    """Each boundary b of response i has ``policy_tokens[i][b]``: the state prompt + y[:b] is where the policy
+    was about to sample y[b], so its last token is the policy's own or closes an environment reply."""
+    if len(policy_tokens) != len(response_ids):
+        raise ValueError(f"estimate_potentials: len(policy_tokens)={len(policy_tokens)} != {len(response_ids)}")
+    for i, (bs, mask) in enumerate(zip(boundaries, policy_tokens)):
+        if len(mask) != len(response_ids[i]):
+            raise ValueError(f"policy_tokens[{i}] has {len(mask)} entries for a response of {len(response_ids[i])}")
+        inside = [b for b in bs if not mask[b]]
+        if inside:
+            raise ValueError(f"boundaries {inside} of response {i} lie inside an environment reply (agents): a "
+                             "probe's prefix would end mid-reply; segment the policy's tokens only")
 
 
 @dataclass
@@ -275,8 +300,9 @@ class _ProbeRun:
 
 
 def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Callable | object,
-                      cfg: ProbeConfig) -> _ProbeRun:
-    """Sample and score every state: one round of m (fixed), or rounds until the adaptive rule stops each state."""
+                      cfg: ProbeConfig, seed: int | None = None) -> _ProbeRun:
+    """Sample and score every state: one round of m (fixed), or rounds until the adaptive rule stops each state.
+    ``seed``: see :func:`estimate_potentials` (a round's requests are its active states in order)."""
     rule = cfg.rule()
     cap = rule.max_probes if rule is not None else cfg.num_probes
     checkpoints = rule.checkpoints() if rule is not None else [cap]
@@ -289,9 +315,8 @@ def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Calla
         if not active:
             break
         k = c - prev
-        sampling = SamplingConfig(
-            n=k, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, logprobs=False
-        )
+        sampling = SamplingConfig(n=k, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                                  logprobs=False, seed=None if seed is None else derive_seed(seed, prev))
         # one batch per round, in response order, each state keyed to its response's engine
         t0 = time.perf_counter()
         gens = engines.generate([requests[i] for i in active], sampling, affinity_keys=[keys[i] for i in active])

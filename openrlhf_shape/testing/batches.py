@@ -38,3 +38,13 @@ def train_batches(batch: dict, steps: int, seed: int) -> list[TrainBatch]:
         out.append(TrainBatch.from_ragged(batch["sequences"], batch["prompt_lens"], old, adv, mask,
                                           temperature=batch["temperature"]))
     return out
+
+
+def long_batch(seed: int = 0, vocab_size: int = 1024) -> dict:
+    """8 sequences of 33..1900 token ids (the packing tests: a micro-batch of long and short samples), prompts
+    of 2..60 tokens, sequence 6 all prompt (an empty response): ``{"sequences", "prompt_lens", "temperature"}``."""
+    rng = random.Random(seed)
+    lengths = [1900, 700, 420, 300, 260, 150, 90, 33]
+    seqs = [[rng.randint(5, vocab_size - 1) for _ in range(n)] for n in lengths]
+    plens = [n if i == 6 else rng.randint(2, min(60, n - 1)) for i, n in enumerate(lengths)]
+    return {"sequences": seqs, "prompt_lens": plens, "temperature": TEMPERATURE}

@@ -58,7 +58,8 @@ class TensorHolder(WeightSenderMixin):
             yield bucket
 
     def push(self, payload, bucket_bytes: int, pause_s: float = 0.0) -> dict[str, float]:
-        return self.stream_weights(self._buckets(bucket_bytes, pause_s), payload, model_bytes=self.model_bytes())
+        return self.stream_weights(self._buckets(bucket_bytes, pause_s), payload, model_bytes=self.model_bytes(),
+                                   bucket_bytes=bucket_bytes)
 
 
 @dataclass

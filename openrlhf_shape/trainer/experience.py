@@ -25,6 +25,7 @@ import torch
 from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 from openrlhf_shape.algorithms.kl import KLPenalty, approx_kl, kl_penalty_returns, masked_sample_mean
+from openrlhf_shape.algorithms.length_penalty import check_stop_properly_coef, stop_properly_penalty
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
@@ -33,6 +34,7 @@ from openrlhf_shape.algorithms.rollout_correction import (
 from openrlhf_shape.batch import ExperienceBatch, LogProbs, SequenceBatch, length_mask, pad_rows
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_potentials
+from openrlhf_shape.rollout.seeds import PROBES, ROLLOUT, derive_seed
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 
@@ -66,7 +68,14 @@ class ShapeExperienceMaker:
         dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
             ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
-        reward_clip_range: rewards are clamped into it (``--reward.clip_range``).
+        reward_clip_range: ``--reward.clip_range``: SHAPE/MRT clamp the outcome into it as it comes; the outcome
+            estimators (GRPO, REINFORCE++, ...) clamp their baselined outcome, as OpenRLHF.
+        stop_properly_penalty_coef: truncated responses' rewards scaled by it (in [0, 1]) or set to it (< 0),
+            before any clip or baseline (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
+        agent: an :class:`~openrlhf_shape.rollout.agents.AgentRunner` (``--train.agent_func_path``): the
+            samples are its episodes, their rewards its own (the reward function scores the episodes it leaves
+            without one). Credit (segments, probes, advantages), the loss and the KL then cover only the
+            policy's turns (``ExperienceBatch.action_mask``), never the environment's replies.
         ref_logprobs_fn: the reference model's log-probs of a batch (the reference ranks, through the lifecycle);
             None without a reference model (``--algo.kl.init_coef 0``).
         kl: the KL settings and coefficient (``--algo.kl.*``, algorithms/kl.py); needed with ``ref_logprobs_fn``.
@@ -79,8 +88,9 @@ class ShapeExperienceMaker:
                  reward, tokenizer, dynamic_filtering: bool = False,
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
-                 reward_clip_range: tuple[float, float] = (-10.0, 10.0), ref_logprobs_fn: LogProbFn | None = None,
-                 kl: KLPenalty | None = None):
+                 reward_clip_range: tuple[float, float] = (-10.0, 10.0),
+                 stop_properly_penalty_coef: float | None = None, agent=None,
+                 ref_logprobs_fn: LogProbFn | None = None, kl: KLPenalty | None = None):
         if (ref_logprobs_fn is None) != (kl is None):
             raise ValueError("the KL to the reference model needs both the reference's log-probs and the KL settings")
         self.ref_logprobs_fn, self.kl = ref_logprobs_fn, kl
@@ -96,29 +106,35 @@ class ShapeExperienceMaker:
             sampling = dataclasses.replace(sampling, logprobs=True)
         self.dynamic_filtering_range = tuple(dynamic_filtering_range)
         self.reward_clip_range = tuple(reward_clip_range)
+        self.stop_properly_coef = None if stop_properly_penalty_coef is None else check_stop_properly_coef(
+            stop_properly_penalty_coef)
         self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
+        self.agent = agent
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
         self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
                         else None)
 
-    def make_experience(self, items: Sequence, log: StepLog | None = None) -> ExperienceBatch:
+    def make_experience(self, items: Sequence, log: StepLog | None = None,
+                        seed: int | None = None) -> ExperienceBatch:
         """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label), timed
         into ``log`` (the step's :class:`StepLog`; a fresh one when None). ``exp.metrics`` is the log's metrics
-        so far. The batch may be empty (every group filtered): then only generate and rewards ran."""
+        so far. The batch may be empty (every group filtered): then only generate and rewards ran. ``seed``: the
+        step's seed (``rollout/seeds.py:step_seed``), from which every rollout and probe request's seed derives
+        (None: the engines' own generators)."""
         log = log if log is not None else StepLog()
-        exp = self.rollout(items, log)
+        exp = self.rollout(items, log, seed)
         if len(exp):
-            exp = self.credit(self.old_policy(exp, log), log)
+            exp = self.credit(self.old_policy(exp, log), log, seed)
         exp.metrics = log.metrics
         return exp
 
     # The three stages of make_experience, by the side of the cluster that does the work (the asynchronous
     # schedule, trainer/schedule.py, runs them in other windows and threads; the phases stay in one list).
-    def rollout(self, items: Sequence, log: StepLog) -> ExperienceBatch:
-        """Engines (and the reward pool): ``generate``, ``rewards``."""
-        exp = log.phase("generate", self.generate, items)
+    def rollout(self, items: Sequence, log: StepLog, seed: int | None = None) -> ExperienceBatch:
+        """Engines (and the reward pool): ``generate``, ``rewards`` (``seed``: see :meth:`make_experience`)."""
+        exp = log.phase("generate", self.generate, items, seed)
         return log.phase("rewards", self.rewards, exp)
 
     def old_policy(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
@@ -128,20 +144,26 @@ class ShapeExperienceMaker:
             exp = log.phase("ref_logprobs", self.ref_logprobs, exp)
         return exp
 
-    def credit(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
-        """Engines (probes) and the driver: ``segment``, ``probes``, ``advantages``."""
+    def credit(self, exp: ExperienceBatch, log: StepLog, seed: int | None = None) -> ExperienceBatch:
+        """Engines (probes) and the driver: ``segment``, ``probes``, ``advantages`` (``seed``: the step's, as the
+        batch's :meth:`rollout` had)."""
         boundaries = log.phase("segment", self.segment, exp)
-        potentials = log.phase("probes", self.probes, exp, boundaries)
+        potentials = log.phase("probes", self.probes, exp, boundaries, seed)
         return log.phase("advantages", self.advantages, exp, boundaries, potentials)
 
     # ------------------------------------------------------------------ phases
-    def generate(self, items: Sequence) -> PhaseOutput:
-        """n samples per prompt from the engines -> an :class:`ExperienceBatch` (no rewards yet)."""
+    def generate(self, items: Sequence, seed: int | None = None) -> PhaseOutput:
+        """n samples per prompt from the engines -> an :class:`ExperienceBatch` (no rewards yet); sample j of
+        prompt i samples with ``request_seed(derive_seed(seed, ROLLOUT), i, j)`` when ``seed`` is given."""
         import time
 
+        sampling = self.sampling if seed is None else dataclasses.replace(self.sampling,
+                                                                          seed=derive_seed(seed, ROLLOUT))
+        if self.agent is not None:
+            return self._generate_episodes(items, sampling)
         n = self.sampling.n
         t0 = time.perf_counter()
-        gens = self.engines.generate([list(it.prompt_ids) for it in items], self.sampling)
+        gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
         seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
@@ -158,6 +180,7 @@ class ShapeExperienceMaker:
             items=sample_items, sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
             prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
             response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
+            truncated=torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool),
             routed_experts=[g.routed_experts for g in gens] if all(g.routed_experts is not None for g in gens) else None,
         )
         lf = lengths.float()
@@ -170,8 +193,20 @@ class ShapeExperienceMaker:
             "rollout/tokens_per_s": float(lf.sum()) / max(seconds, 1e-9),
         })
 
-    def rewards(self, exp: ExperienceBatch) -> PhaseOutput:
-        """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
+    def _generate_episodes(self, items: Sequence, sampling: SamplingConfig) -> PhaseOutput:
+        """The agent's episodes (``--train.agent_func_path``), n per prompt, as an :class:`ExperienceBatch`
+        with its ``action_mask`` and, when the agent gave them, rewards and scores."""
+        from openrlhf_shape.rollout.agent_batch import agent_metrics, episodes_to_batch, parse_episode
+
+        run = self.agent.run(self.engines, items, sampling)  # sampling.seed: the step's stream (episode turns)
+        n = self.sampling.n
+        episodes = [parse_episode(out, items[e // n], self.agent.max_length, e) for e, out in enumerate(run.outputs)]
+        return PhaseOutput(episodes_to_batch(episodes, self.tokenizer), agent_metrics(episodes, run.stats))
+
+    def _outcomes(self, exp: ExperienceBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``(rewards [B], scores [B], extra-log metrics)``: an agent's own, else the reward function's."""
+        if exp.rewards is not None:  # the agent's (rollout/agent_batch.py); its extra logs came with generate
+            return exp.rewards, exp.scores, {}
         # OpenRLHF hands reward_func the decoded prompt + response tokens, special tokens kept.
         out = self.reward.compute(
             queries=[self.tokenizer.decode(seq, skip_special_tokens=False) for seq in exp.sequences],
@@ -179,13 +214,27 @@ class ShapeExperienceMaker:
             labels=[it.label for it in exp.items],
             responses=exp.texts,
         )
-        exp.rewards, exp.scores = out["rewards"].float().clamp(*self.reward_clip_range), out["scores"].float()
-        metrics: dict[str, Any] = dict(out.get("extra_logs", {}))
+        return out["rewards"], out["scores"], dict(out.get("extra_logs", {}))
+
+    def rewards(self, exp: ExperienceBatch) -> PhaseOutput:
+        """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
+        rewards, scores, metrics = self._outcomes(exp)
+        rewards = rewards.float()
+        if self.stop_properly_coef is not None:  # OpenRLHF: on the raw rewards, before the clip and any baseline
+            if exp.truncated is None:
+                raise RuntimeError("--reward.stop_properly_penalty_coef: this batch carries no truncation flags "
+                                   "(ExperienceBatch.truncated); whoever made it must record the finish reasons")
+            rewards = stop_properly_penalty(rewards, exp.truncated, self.stop_properly_coef)
+            metrics["rollout/stop_properly_penalized"] = float(exp.truncated.sum())
+        # SHAPE/MRT: R is the last potential, clipped as it comes; the outcome estimators clip their baselined
+        # outcome instead (OpenRLHF's order), in the advantages phase.
+        exp.rewards = rewards.clamp(*self.reward_clip_range) if self.estimator.needs_segments else rewards
+        exp.scores = scores.float()
         if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
                 "SHAPE/MRT use the outcome as the final potential, so rewards must lie in [0, 1]; the reward "
-                "function (--reward.remote_url) returned values outside it. Rescale it, or use "
-                "--algo.advantage.estimator group_norm (GRPO)"
+                "function (--reward.remote_url) or the agent (--train.agent_func_path) returned values outside it. "
+                "Rescale it, or use --algo.advantage.estimator group_norm (GRPO)"
             )
         grouped = exp.rewards.view(-1, self.sampling.n)
         metrics["rollout/accuracy"] = float(exp.scores.mean())
@@ -216,7 +265,11 @@ class ShapeExperienceMaker:
         lp, ent = out.padded(mask.shape[1])
         exp.old_log_probs = torch.where(mask, lp.float(), torch.zeros_like(lp, dtype=torch.float32))
         exp.entropy = torch.where(mask, ent.float(), torch.zeros_like(ent, dtype=torch.float32))
+        mask = exp.loss_mask()  # the policy's tokens: an agent's environment replies carry no sampled log-prob
         metrics: dict[str, Any] = {"actor/old_entropy/mean": float(exp.entropy[mask].mean())}
+        if exp.rollout_log_probs is None and self.correction.level != "off":
+            raise ValueError("--algo.advantage.is_correction_level needs the engines' log-probs of every sampled "
+                             "token; the agent's episodes came without them (its sampling_params dropped logprobs)")
         if exp.rollout_log_probs is not None:  # vLLM's vs the trainer's log-probs of the sampled tokens
             for k, v in rollout_mismatch_metrics(exp.old_log_probs, exp.rollout_log_probs, mask).items():
                 metrics[f"rollout/mismatch/{k}"] = v
@@ -228,9 +281,11 @@ class ShapeExperienceMaker:
 
     def ref_logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
         """The reference model's log-probs ``[B, T]`` of the sampled tokens (same temperature, free MoE routing) and
-        the per-token KL estimate of the old policy against it (``--algo.kl.estimator``). Metrics with OpenRLHF's
-        names: ``kl`` (KL in the reward: the mean over samples of each sample's token-mean KL; in the loss the
-        trainer logs the update's), ``logprobs_diff`` (the same mean of log pi_old - log pi_ref)."""
+        the per-token KL estimate of the old policy against it (``--algo.kl.estimator``), 0 at an agent's
+        environment replies: only the policy's own tokens are penalised (OpenRLHF's action mask). Metrics with
+        OpenRLHF's names, over the policy's tokens: ``kl`` (KL in the reward: the mean over samples of each sample's
+        token-mean KL; in the loss the trainer logs the update's), ``logprobs_diff`` (the same mean of
+        log pi_old - log pi_ref)."""
         mask = exp.response_mask
         out = self.ref_logprobs_fn(SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens,
                                                  temperature=self.sampling.temperature))
@@ -239,11 +294,13 @@ class ShapeExperienceMaker:
             raise RuntimeError(f"reference returned log-probs of {got[:8]} tokens for responses of {want[:8]}")
         ref, _ = out.padded(mask.shape[1])
         exp.ref_log_probs = torch.where(mask, ref.float(), torch.zeros_like(ref, dtype=torch.float32))
+        policy = exp.response_mask
         kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, self.kl.estimator)
-        exp.kl = torch.where(mask, kl, torch.zeros_like(kl))
-        per_sample = masked_sample_mean(exp.kl, mask)
-        metrics = {"ref/kl/mean": float(per_sample.mean()), "ref/kl/max": float(exp.kl[mask].max()),
-                   "logprobs_diff": float(masked_sample_mean(exp.old_log_probs - exp.ref_log_probs, mask).mean())}
+        exp.kl = torch.where(policy, kl, torch.zeros_like(kl))
+        per_sample = masked_sample_mean(exp.kl, policy)
+        metrics = {"ref/kl/mean": float(per_sample.mean()),
+                   "ref/kl/max": float(exp.kl[policy].max()) if bool(policy.any()) else 0.0,
+                   "logprobs_diff": float(masked_sample_mean(exp.old_log_probs - exp.ref_log_probs, policy).mean())}
         if not self.kl.in_loss:
             metrics["kl"] = metrics["ref/kl/mean"]
         return PhaseOutput(exp, metrics)
@@ -252,18 +309,25 @@ class ShapeExperienceMaker:
         """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""
         if not self.estimator.needs_segments:
             return PhaseOutput(None, {})
-        ids = exp.response_ids() if self._delims is not None else None
-        return PhaseOutput(segment_batch(exp.entropy, exp.response_mask, self.shape, token_ids=ids,
+        cols = exp.action_columns()  # boundaries counted in the policy's tokens (an agent's replies left out)
+        ids = cols.gather(exp.response_ids()) if self._delims is not None else None
+        return PhaseOutput(segment_batch(cols.gather(exp.entropy), cols.mask, self.shape, token_ids=ids,
                                          delimiter_token_ids=self._delims), {})
 
-    def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None) -> PhaseOutput:
-        """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state."""
+    def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None, seed: int | None = None) -> PhaseOutput:
+        """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state; ``boundaries``
+        are counted in the policy's tokens (:meth:`segment`), the states are prompt + response up to them (seed
+        stream ``derive_seed(seed, PROBES)`` when the step's ``seed`` is given)."""
         if boundaries is None:
             return PhaseOutput(None, {})
+        policy = exp.loss_mask()
         pot = estimate_potentials(
-            self.engines, [list(it.prompt_ids) for it in exp.items], exp.responses, boundaries_as_lists(boundaries),
-            [it.label for it in exp.items], [float(x) for x in exp.rewards], self.reward, self.probe_cfg,
-            suffixes=self.suffixes,
+            self.engines, [s[:p] for s, p in zip(exp.sequences, exp.prompt_lens)], exp.responses,
+            boundaries_as_lists(exp.action_columns().to_response(boundaries)), [it.label for it in exp.items],
+            [float(x) for x in exp.rewards], self.reward, self.probe_cfg, suffixes=self.suffixes,
+            policy_tokens=None if exp.action_mask is None else [row[:len(r)].tolist() for row, r in
+                                                                zip(policy, exp.responses)],
+            seed=None if seed is None else derive_seed(seed, PROBES),
         )
         metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
         metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]
@@ -272,18 +336,32 @@ class ShapeExperienceMaker:
 
     def advantages(self, exp: ExperienceBatch, boundaries: torch.Tensor | None,
                    potentials: torch.Tensor | None) -> PhaseOutput:
-        """Token advantages ``[B, T]`` from the registered estimator (and TCR)."""
+        """Token advantages ``[B, T]`` from the registered estimator (and TCR); 0 at an agent's environment replies.
+        SHAPE/MRT work on the policy's tokens only (segment lengths, TCR statistics); the outcome estimators on
+        the response with the policy's tokens as their mask (OpenRLHF's action mask: a discount still steps over
+        a reply's positions, as there). KL in the reward: each token's advantage gains -coef x the KL still to come
+        (``adv/kl_return/mean``)."""
+        policy = exp.loss_mask()
+        in_reward = self.kl is not None and not self.kl.in_loss
+        kl_returns = kl_penalty_returns(exp.kl, exp.response_mask, self.kl.coef) if in_reward else None
+        token_rewards = None
+        if self.estimator.needs_segments:
+            cols = exp.action_columns()
+            mask, entropy = cols.mask, cols.gather(exp.entropy)
+        else:
+            cols, mask, entropy = None, policy, exp.entropy
         res = compute_token_advantages(
-            self.estimator, exp.response_mask, exp.rewards,
+            self.estimator, mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
-            max_response_len=self.sampling.max_tokens, entropy=exp.entropy, boundaries=boundaries,
-            potentials=potentials,
+            max_response_len=self.sampling.max_tokens, entropy=entropy, boundaries=boundaries,
+            potentials=potentials, token_rewards=token_rewards, reward_clip_range=self.reward_clip_range,
         )
-        exp.advantages, metrics = res.token_advantages, dict(res.metrics)
+        exp.advantages = res.token_advantages if cols is None else cols.scatter(res.token_advantages)
+        metrics = dict(res.metrics)
         if self.kl is not None:
             metrics["kl_coef"] = self.kl.coef
-            if not self.kl.in_loss:  # KL in the reward: each token's return gains -coef x the KL still to come
-                exp.advantages = exp.advantages + kl_penalty_returns(exp.kl, exp.response_mask, self.kl.coef)
-                metrics["adv/kl_return/mean"] = float((exp.advantages - res.token_advantages)[exp.response_mask].mean())
-        metrics["adv/token/mean"] = float(exp.advantages[exp.response_mask].mean())
+        if kl_returns is not None:
+            exp.advantages = exp.advantages + kl_returns
+            metrics["adv/kl_return/mean"] = float(kl_returns[policy].mean())
+        metrics["adv/token/mean"] = float(exp.advantages[policy].mean())
         return PhaseOutput(exp, metrics)

@@ -136,8 +136,10 @@ class ShapeTrainer:
         """Held-out avg@N pass@1 and mean response length with 95% CIs (openrlhf_shape/trainer/heldout.py),
         at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples;
         per-problem results go to ``<run_dir>/evals/step_XXXXXX.jsonl`` (for pooling seeds).
-        The engines are reseeded first, so the same weights always give the same numbers."""
+        Every request's seed derives from ``--train.seed`` alone (``rollout/seeds.py``), so the same weights always
+        give the same numbers, whatever the step, the engine count or a resume."""
         from openrlhf_shape.rollout.engine import SamplingConfig
+        from openrlhf_shape.rollout.seeds import EVAL, derive_seed
         from openrlhf_shape.eval.pooling import write_problem_results
         from openrlhf_shape.trainer.heldout import group_results, heldout_metrics
 
@@ -145,10 +147,9 @@ class ShapeTrainer:
         if not items:
             return PhaseOutput(None, {})
         e, seed = self.cfg.eval, self.cfg.train.seed
-        self.run.cluster.engines.reseed(seed * 7_000_003 + 1)
         n = 1 if e.temperature == 0 else e.n_samples_per_prompt
         sampling = SamplingConfig(n=n, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-                                  max_tokens=self.cfg.rollout.max_new_tokens)
+                                  max_tokens=self.cfg.rollout.max_new_tokens, seed=derive_seed(seed, EVAL))
         log.info("held-out eval: %d problems x %d samples at T %.2f (up to %d tokens each)", len(items), n,
                  e.temperature, sampling.max_tokens)
         gens = self.run.cluster.engines.generate([list(it.prompt_ids) for it in items], sampling)

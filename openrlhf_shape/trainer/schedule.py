@@ -24,8 +24,9 @@ the engines' and the trainer's log-probs is then the policy's drift (``rollout/m
 ``--algo.advantage.is_correction_level``); whether the engines compute the trained policy is checked on a few
 re-scored sequences instead (``rollout/fidelity/*``, the gap guard's metric in this mode).
 
-Engines are re-seeded before every generation (by the step that trains on it, as in synchronous training) and
-before every probe round (``probe_seed``), so a batch's content depends only on (seed, step, weights). A
+Every request a batch makes carries its own seed, derived from the step that trains on the batch
+(``rollout/seeds.py:step_seed``, in both schedules), so a batch's content depends only on (seed, step, weights),
+whatever the engines' count or state. A
 checkpoint stores the batches in flight (:meth:`OneStepOffSchedule.save_pending`): a resumed run continues
 with them and repeats the uninterrupted run step for step (the weights that generated them are gone).
 """
@@ -40,21 +41,12 @@ from typing import Any, Callable
 import torch
 
 from openrlhf_shape.batch import ExperienceBatch, SequenceBatch
+from openrlhf_shape.rollout.seeds import step_seed
 from openrlhf_shape.trainer.experience import ShapeExperienceMaker
 from openrlhf_shape.trainer.phases import StepLog
 
 PENDING_DIR = "async_pending"  # beside the step_XXXXXX checkpoints: the batches in flight when each was written
 FIDELITY_ROWS = 2  # sequences per engine that the engines re-score each step (asynchronous training)
-
-
-def generation_seed(seed: int, step: int) -> int:
-    """The engines' seed before generating the batch that trains at ``step`` (both schedules)."""
-    return seed * 1_000_003 + step
-
-
-def probe_seed(seed: int, step: int) -> int:
-    """The engines' seed before the probes of the batch that trains at ``step`` (asynchronous schedule)."""
-    return seed * 2_000_029 + step
 
 
 def check_resumable(extra: dict, async_enable: bool, staleness: int) -> None:
@@ -86,8 +78,8 @@ class SyncSchedule:
     def experience(self, step: int, rec: StepLog) -> ExperienceBatch:
         items = self.batcher.next_batch()
         # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
-        self.engines.reseed(generation_seed(self.seed, step))
-        return self.maker.make_experience(items, rec)  # generate, rewards, logprobs, segment, probes, advantages
+        # generate, rewards, logprobs, segment, probes, advantages
+        return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step))
 
     def settle(self, rec: StepLog, updated: bool) -> None:
         """Nothing runs beside the update."""
@@ -187,8 +179,7 @@ class OneStepOffSchedule(SyncSchedule):
         """Engines: generate and score the batch that trains at ``step``, with the weights they hold now."""
         t0, log = time.perf_counter(), StepLog()
         items = self.batcher.next_batch()
-        self.engines.reseed(generation_seed(self.seed, step))
-        exp = self.maker.rollout(items, log)
+        exp = self.maker.rollout(items, log, seed=step_seed(self.seed, step))
         exp.metrics, exp.policy_version = log.metrics, self.updates
         self.events.append(("generate", step, t0, time.perf_counter()))
         return exp
@@ -206,12 +197,11 @@ class OneStepOffSchedule(SyncSchedule):
         return exp
 
     def _engine_side(self, exp: ExperienceBatch, step: int) -> ExperienceBatch:
-        """Segments from the entropy, the probes (engines, re-seeded), the advantages."""
+        """Segments from the entropy, the probes (engines, seeded by the batch's step), the advantages."""
         if not len(exp):
             return exp
         t0 = time.perf_counter()
-        self.engines.reseed(probe_seed(self.seed, step))
-        exp = self.maker.credit(exp, _log_into(exp.metrics))
+        exp = self.maker.credit(exp, _log_into(exp.metrics), seed=step_seed(self.seed, step))
         self.events.append(("credit", step, t0, time.perf_counter()))
         return exp
 

@@ -119,13 +119,26 @@ def _check_model_fits_backend(cfg: TrainConfig, mcfg, model_config, model_dir: s
                          "policy on --actor.backend megatron; set --megatron.routing_replay none (docs/moe.md)")
 
 
+def build_agent(cfg: TrainConfig, tokenizer):
+    """The agent runner of ``--train.agent_func_path`` (None without one): episodes of up to
+    ``--data.max_prompt_len`` + ``--rollout.max_new_tokens`` tokens, OpenRLHF's ``--data.max_len``."""
+    if not cfg.train.agent_func_path:
+        return None
+    from openrlhf_shape.rollout.agents import AgentRunner
+
+    runner = AgentRunner(cfg.train.agent_func_path, tokenizer, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    log.info("agent: %s (episodes of up to %d tokens; the environment's replies get no loss and no credit)%s",
+             cfg.train.agent_func_path, runner.max_length,
+             "; held-out eval stays single-turn (Math-Verify on one generation)" if cfg.eval.dataset else "")
+    return runner
+
+
 def build_run(cfg: TrainConfig) -> Run:
     """Build every component; the engines and the Megatron ranks start concurrently."""
     from transformers import AutoConfig, AutoTokenizer
 
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
-    from openrlhf_shape.algorithms.estimators import get_estimator
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
     from openrlhf_shape.trainer.schedule import make_schedule
@@ -162,13 +175,15 @@ def build_run(cfg: TrainConfig) -> Run:
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    estimator = get_estimator(cfg.algo.advantage.estimator, cfg.shape)  # --algo.advantage.estimator over --shape.*
+    estimator = cfg.advantage_estimator()  # --algo.advantage.estimator over --shape.* and --algo.advantage.gamma
     maker = ShapeExperienceMaker(estimator, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
                                  reward, tokenizer,
                                  dynamic_filtering=cfg.algo.dynamic_filtering_enable,
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range),
+                                 stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef,
+                                 agent=build_agent(cfg, tokenizer),
                                  ref_logprobs_fn=lifecycle.ref_logprobs if cluster.refs is not None else None,
                                  kl=cfg.kl_penalty() if cluster.refs is not None else None)
     schedule = make_schedule(cfg, maker, batcher, engines)

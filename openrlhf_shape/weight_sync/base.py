@@ -13,7 +13,9 @@ A transport has three sides, each running in a different process:
 
 Transports register by name (:data:`TRANSPORTS`); nothing switches on the name elsewhere. Buckets are
 ``list[(hf_name, tensor)]`` as the bridge export produces them; each leaves the sender as soon as it is
-produced (no full-model gather). Every wait is bounded by the sync's timeout (``--rollout.weight_sync_timeout``).
+produced (no full-model gather). Every side reports its progress per bucket (``progress.py``): the driver fails a
+sync in which no bucket completed for ``--rollout.weight_sync_timeout``, naming who holds it up and at which bucket;
+every wait on either side is bounded too (a little longer: the driver's verdict comes first while it lives).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
+from openrlhf_shape.weight_sync.progress import SENDER, ProgressReporter, worker_member
+
 QUEUE_DEPTH = 2  # buckets a sender may be ahead of the slowest receiver
-DEFAULT_TIMEOUT_S = 600.0  # --rollout.weight_sync_timeout: any one wait of a sync, either side
+DEFAULT_TIMEOUT_S = 600.0  # --rollout.weight_sync_timeout: the longest a sync may go without a bucket completing
 Bucket = list[tuple[str, torch.Tensor]]
 
 
@@ -63,18 +67,28 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 
-def pack_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device | str) -> tuple[bytes, torch.Tensor]:
-    """(JSON index, flat uint8 buffer [total bytes]) of a bucket; tensors keep their dtype bits."""
-    index = []
-    off = 0
+def bucket_index(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
+    """([[name, dtype, shape, offset, bytes], ...], total bytes) of a bucket packed tensor after tensor."""
+    index, off = [], 0
     for name, t in bucket:
         nb = tensor_bytes(t)
         index.append([name, str(t.dtype).replace("torch.", ""), list(t.shape), off, nb])
         off += nb
-    flat = torch.empty(off, dtype=torch.uint8, device=device)
+    return index, off
+
+
+def copy_into(bucket: list[tuple[str, torch.Tensor]], index: list, flat: torch.Tensor, non_blocking: bool = False) -> None:
+    """Each tensor's bytes into ``flat`` (uint8, at least the bucket's bytes) at its index offset."""
     for (_name, t), (_, _, _, o, nb) in zip(bucket, index):
         if nb:
-            flat[o : o + nb].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            flat[o : o + nb].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device | str) -> tuple[bytes, torch.Tensor]:
+    """(JSON index, flat uint8 buffer [total bytes]) of a bucket; tensors keep their dtype bits."""
+    index, total = bucket_index(bucket)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    copy_into(bucket, index, flat)
     return json.dumps(index).encode(), flat
 
 
@@ -105,18 +119,41 @@ class SyncStats:
 
 class WeightSender:
     """Sender side of one transport: ``begin()``, ``send(bucket)`` per bucket as it is produced,
-    ``finish()`` -> :class:`SyncStats`."""
+    ``finish()`` -> :class:`SyncStats`. Each transport implements ``_send`` (one bucket, calling
+    ``_account``) and ``_end`` (the end marker); this class reports the progress around them (``progress``:
+    set by :meth:`Transport.make_sender`; a sender made by hand reports nothing)."""
 
-    def begin(self) -> None:
+    progress: ProgressReporter = ProgressReporter(None, SENDER)
+
+    def begin(self, bucket_bytes: int | None = None) -> None:
+        """Start a sync; ``bucket_bytes``: its bucket limit (a staging buffer is sized to it), None if unknown."""
         self.stats = SyncStats()
         self._t0 = time.perf_counter()
+        self.bucket_bytes = bucket_bytes
+        self.progress.report(0, "producing")
+        self.progress.start()
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        if not bucket:
+            return
+        done = self.stats.buckets
+        self.progress.report(done, "sending")
+        self._send(bucket)
+        self.progress.completed(done + 1, "producing")
 
     def finish(self) -> SyncStats:
+        self.progress.report(self.stats.buckets, "finishing")
+        self._end()
         self.stats.seconds = time.perf_counter() - self._t0
+        self.progress.completed(self.stats.buckets, "finished")
+        self.progress.stop()
         return self.stats
+
+    def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _end(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
 
     def close(self) -> None:
         pass
@@ -170,8 +207,11 @@ class Transport:
 
     Driver side (an instance per ``EngineWeightSync``): ``engines`` are the engine actors, each with
     ``engine_tp`` workers that all receive the whole stream; ``backend`` is the collective backend the
-    platform chose (gloo on CPU, NCCL on GPU). Sender and worker sides are classmethods: they run in
-    other processes, with only the plain parts :meth:`connect` handed them."""
+    platform chose (gloo on CPU, NCCL on GPU); ``pin_memory``: the platform's (host staging through pinned
+    memory, GPU). Sender and worker sides are classmethods: they run in other processes, with only the plain
+    parts :meth:`connect` handed them. A transport implements :meth:`parts`, :meth:`sender_for`,
+    :meth:`receiver_for` and :meth:`buckets`; the public :meth:`make_sender`, :meth:`open_receiver` and
+    :meth:`stream` wrap those with the progress reports (``progress.py``), the same for every transport."""
 
     name: ClassVar[str]
 
@@ -179,21 +219,24 @@ class Transport:
         super().__init_subclass__(**kw)
         TRANSPORTS[cls.name] = cls
 
-    def __init__(self, engines: list, engine_tp: int, backend: str, timeout_s: float):
+    def __init__(self, engines: list, engine_tp: int, backend: str, timeout_s: float, pin_memory: bool = False):
         self.engines, self.engine_tp, self.backend, self.timeout_s = list(engines), int(engine_tp), backend, timeout_s
+        self.pin_memory = bool(pin_memory)
 
     # ---- driver ---------------------------------------------------------------------------------
-    def connect(self, sender, sync_id: str) -> list:
+    def connect(self, sender, sync_id: str, progress: dict | None = None) -> list:
         """Start handing out the parts: returns the refs of the sender's ``init_weight_sender`` and every
         engine's ``init_weight_receiver`` (awaited together by the driver: a group forms only when all
-        members join)."""
+        members join). ``progress``: the driver's board (``ProgressBoard.address``), handed to every side."""
         sender_part, engine_parts = self.parts(sender)
+        sender_part = {**sender_part, "progress": progress, "member": SENDER}
+        engine_parts = [{**part, "progress": progress, "member": f"engine {i}"} for i, part in enumerate(engine_parts)]
         return ([sender.init_weight_sender.remote(self.name, sync_id, sender_part, self.timeout_s)]
                 + [e.init_weight_receiver.remote(self.name, sync_id, part, self.timeout_s)
                    for e, part in zip(self.engines, engine_parts)])
 
-    def parts(self, sender) -> tuple[Any, list]:  # pragma: no cover - interface
-        """(the sender's part, one part per engine)."""
+    def parts(self, sender) -> tuple[dict, list[dict]]:  # pragma: no cover - interface
+        """(the sender's part, one part per engine): plain dicts."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -201,19 +244,55 @@ class Transport:
 
     # ---- sender -----------------------------------------------------------------------------------
     @classmethod
-    def make_sender(cls, part: Any, timeout_s: float) -> "WeightSender":  # pragma: no cover - interface
+    def make_sender(cls, part: dict, timeout_s: float) -> "WeightSender":
+        sender = cls.sender_for(part, timeout_s)
+        sender.progress = ProgressReporter(part.get("progress"), part.get("member", SENDER), timeout_s)
+        return sender
+
+    @classmethod
+    def sender_for(cls, part: dict, timeout_s: float) -> "WeightSender":  # pragma: no cover - interface
         raise NotImplementedError
 
     # ---- engine worker ------------------------------------------------------------------------------
     @classmethod
-    def open_receiver(cls, worker, part: Any, timeout_s: float) -> Any:  # pragma: no cover - interface
+    def open_receiver(cls, worker, part: dict, timeout_s: float) -> "Receiver":
         """What this worker keeps between syncs (``worker``: the vLLM worker, rank and device)."""
+        member = worker_member(part.get("member", "engine ?"), worker_rank(worker))
+        return Receiver(cls.receiver_for(worker, part, timeout_s), ProgressReporter(part.get("progress"), member, timeout_s))
+
+    @classmethod
+    def stream(cls, worker, state: "Receiver", timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+        """One sync's tensors, as they arrive. A bucket counts as completed when the loader asks for the
+        tensor after its last one (it has taken the whole bucket)."""
+        report, done = state.progress, 0
+        report.report(done, "waiting")
+        report.start()
+        try:
+            for bucket in cls.buckets(worker, state.inner, timeout_s):
+                report.report(done, "loading")
+                yield from bucket
+                done += 1
+                report.completed(done, "waiting")
+            report.completed(done, "finished")
+        finally:
+            report.stop()
+
+    @classmethod
+    def receiver_for(cls, worker, part: dict, timeout_s: float) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
 
     @classmethod
-    def stream(cls, worker, state: Any, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:  # pragma: no cover
-        """One sync's tensors, as they arrive."""
+    def buckets(cls, worker, inner: Any, timeout_s: float) -> Iterator[Bucket]:  # pragma: no cover - interface
+        """One sync's buckets, as they arrive, until the sender's end marker."""
         raise NotImplementedError
+
+
+@dataclass
+class Receiver:
+    """An engine worker's side of a connected sync: the transport's own state and the progress reporter."""
+
+    inner: Any
+    progress: ProgressReporter
 
 
 def worker_rank(worker) -> int:

@@ -14,7 +14,6 @@ import torch
 
 from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
-    SyncStats,
     Transport,
     WeightSender,
     pack_bucket,
@@ -94,16 +93,13 @@ class CollectiveSender(WeightSender):
         self.device = torch.device(device)
         self.world = world
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        if not bucket:
-            return
+    def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         src = sum(tensor_bytes(t) for _, t in bucket)
         n = broadcast_bucket(self.pg, bucket, self.device)
         self._account(n, src + n)  # the bucket's copies + its packed buffer
 
-    def finish(self) -> SyncStats:
+    def _end(self) -> None:
         broadcast_bucket(self.pg, [], self.device)
-        return super().finish()
 
     def close(self) -> None:
         self.pg = None
@@ -113,7 +109,7 @@ class CollectiveSender(WeightSender):
 class Collective(Transport):
     name = "collective"
 
-    def parts(self, sender) -> tuple[Any, list]:
+    def parts(self, sender) -> tuple[dict, list[dict]]:
         import ray
 
         ep = ray.get(sender.endpoint.remote())  # the sender's node IP and a free port there
@@ -122,18 +118,17 @@ class Collective(Transport):
         return group, [{**group, "rank_offset": 1 + i * self.engine_tp} for i in range(len(self.engines))]
 
     @classmethod
-    def make_sender(cls, part: dict, timeout_s: float) -> WeightSender:
+    def sender_for(cls, part: dict, timeout_s: float) -> WeightSender:
         device = "cuda" if part["backend"] == "nccl" else "cpu"  # the driver's Platform.collective_backend
         return CollectiveSender(part["host"], int(part["port"]), int(part["world"]), part["backend"], device, timeout_s)
 
     @classmethod
-    def open_receiver(cls, worker, part: dict, timeout_s: float) -> Any:
+    def receiver_for(cls, worker, part: dict, timeout_s: float) -> Any:
         """Join the group as rank ``rank_offset + worker rank`` (blocks until every member joined)."""
         rank = int(part["rank_offset"]) + worker_rank(worker)
         return make_group(part["host"], int(part["port"]), rank, int(part["world"]), part["backend"], timeout_s)
 
     @classmethod
-    def stream(cls, worker, state: Any, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
-        _store, pg = state
-        for bucket in receive_buckets(pg, worker_device(worker)):
-            yield from bucket
+    def buckets(cls, worker, inner: Any, timeout_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        _store, pg = inner
+        yield from receive_buckets(pg, worker_device(worker))

@@ -14,7 +14,6 @@ import torch
 from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
     QUEUE_DEPTH,
-    SyncStats,
     Transport,
     WeightSender,
     get_or_raise,
@@ -73,11 +72,9 @@ class CudaIpcSender(WeightSender):
         self.timeout_s = float(timeout_s)
         self._alive: list[torch.Tensor] = []
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        if not bucket:
-            return
         device = torch.cuda.current_device()
         index, flat = pack_bucket(bucket, torch.device("cuda", device))
         torch.cuda.synchronize()
@@ -95,19 +92,18 @@ class CudaIpcSender(WeightSender):
         for i, a in enumerate(self.acks):
             get_or_raise(a, self.timeout_s, f"engine worker {i}'s acknowledgements")
 
-    def finish(self) -> SyncStats:
+    def _end(self) -> None:
         for i, q in enumerate(self.queues):
             put_or_raise(q, None, self.timeout_s, f"engine worker {i}'s queue")
         for _ in self._alive:
             self._await_acks()
         self._alive.clear()
-        return super().finish()
 
 
 class CudaIpc(Transport):
     name = "cuda_ipc"
 
-    def parts(self, sender) -> tuple[Any, list]:
+    def parts(self, sender) -> tuple[dict, list[dict]]:
         self.queues = [[make_queue(QUEUE_DEPTH) for _ in range(self.engine_tp)] for _ in self.engines]
         self.acks = [[make_queue() for _ in range(self.engine_tp)] for _ in self.engines]
         flat = lambda xs: [q for qs in xs for q in qs]  # noqa: E731
@@ -126,19 +122,19 @@ class CudaIpc(Transport):
         self.queues, self.acks = [], []
 
     @classmethod
-    def make_sender(cls, part: dict, timeout_s: float) -> WeightSender:
+    def sender_for(cls, part: dict, timeout_s: float) -> WeightSender:
         return CudaIpcSender(part["queues"], part["acks"], timeout_s)
 
     @classmethod
-    def open_receiver(cls, worker, part: dict, timeout_s: float) -> Any:
+    def receiver_for(cls, worker, part: dict, timeout_s: float) -> Any:
         rank = worker_rank(worker)
         return part["queues"][rank], part["acks"][rank]
 
     @classmethod
-    def stream(cls, worker, state: Any, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+    def buckets(cls, worker, inner: Any, timeout_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Per bucket ``(index_json, (rebuild, args), sender GPU uuid)``, then None: opened on this
         process's index of the sender's GPU, copied out (the sender may free it after the ack)."""
-        q, ack = state
+        q, ack = inner
         rank = worker_rank(worker)
         visible = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
         while True:
@@ -150,4 +146,4 @@ class CudaIpc(Transport):
             flat = rebuild(*ipc_args_on_device(args, device)).clone()
             torch.cuda.synchronize(device)
             put_or_raise(ack, True, timeout_s, f"engine worker {rank}'s acknowledgements")
-            yield from unpack_bucket(index, flat.to(worker_device(worker)))
+            yield unpack_bucket(index, flat.to(worker_device(worker)))

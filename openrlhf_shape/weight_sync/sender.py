@@ -32,15 +32,19 @@ class WeightSenderMixin:
         return sender
 
     def stream_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], sync_id: str,
-                       model_bytes: int | None = None) -> dict[str, float]:
-        """Send every bucket as it comes out of ``buckets``; metrics of this sync (bytes, MB/s,
-        peak in-flight bucket bytes, peak RSS growth of this process, both relative to the model)."""
+                       model_bytes: int | None = None, bucket_bytes: int | None = None) -> dict[str, float]:
+        """Send every bucket as it comes out of ``buckets`` (``bucket_bytes``: their limit, which sizes a host
+        staging buffer; None: sized by the buckets); metrics of this sync (bytes, MB/s, peak in-flight bucket
+        bytes, peak RSS growth of this process, both relative to the model)."""
         sender = self._weight_sender(sync_id)
         with RssSampler() as rss:
-            sender.begin()
-            for bucket in buckets:
-                sender.send(bucket)
-            stats = sender.finish()
+            try:
+                sender.begin(bucket_bytes)
+                for bucket in buckets:
+                    sender.send(bucket)
+                stats = sender.finish()
+            finally:
+                sender.progress.stop()  # a failed sync: no heartbeat past it
         out = stats.as_metrics()
         out["sync/sender_peak_rss_delta_bytes"] = float(rss.peak_delta)
         total = float(model_bytes or stats.bytes or 1)

@@ -2,7 +2,11 @@
 by the chunked log-prob / entropy code, never as full logits.
 
 ``PolicyModule.forward(input_ids, position_ids, resp_rows, resp_pos, targets)`` runs the HF decoder
-(``model.model``: embeddings, layers, final norm) on a padded ``[rows, seq]`` micro-batch, picks the
+(``model.model``: embeddings, layers, final norm) on a micro-batch (``actor/batching.py``): packed, one
+``[1, T]`` row whose position ids restart at 0 at every sample, which Hugging Face's attention turns into
+document-causal attention (transformers' mask builder finds the samples from the position ids for the
+``sdpa``/``eager``/``flex_attention`` masks; its flash-attention path runs flash-attn's varlen kernel, on
+GPU, not run here); or padded ``[rows, seq]`` with causal attention. It picks the
 hidden states that predict response tokens (``[N, h]``) and hands them with the output weight
 ``[V, h]`` to :func:`~openrlhf_shape.actor.logprobs.vocab_parallel_logprobs_entropy` (one vocab
 shard: no TP group), which works in chunks of ``chunk_size`` positions so the largest float32
@@ -19,6 +23,17 @@ import torch
 from torch import nn
 
 from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
+
+
+# Hugging Face attention implementations that honour position-id packing (transformers 5: the mask
+# builders of masking_utils for sdpa / eager / flex_attention, the varlen path of the flash-attention ones).
+# Any other kernel would attend across samples: it gets padded micro-batches.
+PACKING_ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def packs_samples(attn_implementation: str) -> bool:
+    """Whether micro-batches are packed into one row for this HF attention implementation."""
+    return attn_implementation in PACKING_ATTENTIONS
 
 
 class ChunkedLogprobHead(nn.Module):
@@ -57,9 +72,10 @@ class PolicyModule(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, resp_rows: torch.Tensor,
                 resp_pos: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``input_ids``/``position_ids`` ``[rows, seq]``; ``resp_rows``/``resp_pos``/``targets`` ``[N]``.
+        """``input_ids``/``position_ids`` ``[rows, seq]`` (packed: ``[1, T]``); ``resp_rows``/``resp_pos``/``targets`` ``[N]``.
 
-        Right padding and causal attention: pads never influence real positions, so no mask."""
+        No attention mask: padded, right padding and causal attention keep pads out of every real position;
+        packed, the restarting position ids make the attention document-causal."""
         hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         h = hidden[resp_rows, resp_pos]  # [N, h]
         return self.head(h, targets)

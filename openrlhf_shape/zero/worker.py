@@ -19,19 +19,13 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
-from openrlhf_shape.actor.batching import (
-    MicroBatch,
-    build_micro_batch,
-    plan_micro_batches,
-    shard_for_dp,
-    validate_batch,
-)
+from openrlhf_shape.actor.batching import MicroBatch, micro_batch_budget, rank_micro_batches, validate_batch
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.rng import seed_all
@@ -213,24 +207,20 @@ class ZeroRankWorker:
             self.state.engine = self.state.base_optimizer = None
 
     # ------------------------------------------------------------------ micro-batching
-    def _plans(self, batch: SequenceBatch) -> tuple[list[int], list[MicroBatch]]:
-        """This rank's sample indices and micro-batches, topped up with fillers to the longest plan."""
-        lengths = [len(s) for s in batch.sequences]
-        pad_id = int(getattr(self.state.hf_config, "pad_token_id", None) or 0)
-        shards = shard_for_dp(lengths, self.dp_size)
-        budget = self.cfg.optim.micro_batch_max_tokens
-        counts = [len(plan_micro_batches([lengths[i] for i in s], budget)) if s else 0 for s in shards]
-        shard = shards[self.dp_rank]
-        mbs = []
-        if shard:
-            groups = plan_micro_batches([lengths[i] for i in shard], budget)
-            mbs = [build_micro_batch(batch.sequences, batch.prompt_lens, [shard[k] for k in g], pad_id=pad_id)
-                   for g in groups]
-        filler = build_micro_batch([[pad_id, pad_id]], [2], [0], pad_id=pad_id)
-        filler.rows = []  # a filler carries no sample
-        while len(mbs) < max(max(counts), 1):
-            mbs.append(filler)
-        return shard, mbs
+    def _plans(self, batch: SequenceBatch, *, forward_only: bool) -> tuple[list[int], list[MicroBatch]]:
+        """This rank's sample indices and micro-batches, topped up with fillers to the longest plan (ZeRO-3's
+        parameter gathers are collectives). Packed into one row each (position-id packing: the HF model's
+        attention masks each sample to itself) where the attention implementation supports it
+        (:func:`~openrlhf_shape.zero.model.packs_samples`), under ``--rollout.max_tokens_per_gpu`` for a
+        forward-only pass."""
+        from openrlhf_shape.zero.model import packs_samples
+
+        optim = self.cfg.optim
+        return rank_micro_batches(
+            batch, dp_size=self.dp_size, dp_rank=self.dp_rank,
+            max_tokens=micro_batch_budget(optim, forward_only=forward_only),
+            packed=optim.pack_samples and packs_samples(self.cfg.attn_implementation),
+            pad_id=int(getattr(self.state.hf_config, "pad_token_id", None) or 0), equal_counts=True)
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
@@ -242,13 +232,14 @@ class ZeroRankWorker:
         """Forward only; ``{"indices", "log_probs", "entropy"}`` of this rank's shard (``{}`` without one).
 
         Position j of a sample's tensors is response token j: log-prob and full-vocab entropy of
-        ``logits / temperature`` in float32 (see :mod:`openrlhf_shape.zero.model`)."""
+        ``logits / temperature`` in float32 (see :mod:`openrlhf_shape.zero.model`). ``"micro_batches"``: how many
+        forward micro-batches of at most ``optim.forward_budget`` tokens (``--rollout.max_tokens_per_gpu``) it took."""
         self._require_model()
         self._require_onloaded(("params",), "compute_logprobs_and_entropy")
         batch = validate_batch(batch)
         self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
-        shard, mbs = self._plans(batch)
-        out: dict[str, list] = {"indices": [], "log_probs": [], "entropy": []}
+        shard, mbs = self._plans(batch, forward_only=True)
+        out: dict[str, Any] = {"indices": [], "log_probs": [], "entropy": [], "micro_batches": len(mbs)}
         self.state.engine.eval()
         with torch.no_grad():
             for mb in mbs:
@@ -271,23 +262,8 @@ class ZeroRankWorker:
         if not isinstance(batch, TrainBatch):
             raise TypeError(f"train_step needs an openrlhf_shape.batch.TrainBatch, got {type(batch).__name__}")
         batch.validate()
-        masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
-        num_global_tokens = max(int(masks.sum()), 1)
-        self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
-        shard, mbs = self._plans(batch)
         lr_used = self.state.apply_lr()
-        eps_low, eps_high = self.cfg.optim.eps_clip_low_high
-        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
-        self.state.engine.train()
-        for k, mb in enumerate(mbs):
-            self.state.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
-            lp, en = self._forward(mb)
-            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
-                                           eps_high=eps_high, dual_clip=self.cfg.optim.dual_clip)
-            for j, key in enumerate(METRIC_KEYS):
-                sums[j] += float(stats[key])
-            # DeepSpeed averages gradients over the DP ranks; the loss is already a global token mean.
-            self.state.engine.backward(loss * self.dp_size)
+        sums = self._accumulate_gradients(batch)
         self.state.engine.step()
         sums = sums.to(self.device)  # NCCL reduces device tensors only (gloo: this is the CPU already)
         dist.all_reduce(sums)
@@ -301,6 +277,27 @@ class ZeroRankWorker:
         if ok:
             self.state.step += 1
         return step_metrics(sums, grad_norm=grad_norm, lr=lr_used, ok=ok, step=self.state.step)
+
+    def _accumulate_gradients(self, batch: TrainBatch) -> torch.Tensor:
+        """Forward and backward of every micro-batch of this rank (gradients reduced at the last one, the
+        accumulation boundary); returns this rank's metric sums ``[len(METRIC_KEYS)]`` float64."""
+        masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
+        num_global_tokens = max(int(masks.sum()), 1)
+        self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
+        shard, mbs = self._plans(batch, forward_only=False)
+        eps_low, eps_high = self.cfg.optim.eps_clip_low_high
+        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+        self.state.engine.train()
+        for k, mb in enumerate(mbs):
+            self.state.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+            lp, en = self._forward(mb)
+            loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
+                                           eps_high=eps_high, dual_clip=self.cfg.optim.dual_clip)
+            for j, key in enumerate(METRIC_KEYS):
+                sums[j] += float(stats[key])
+            # DeepSpeed averages gradients over the DP ranks; the loss is already a global token mean.
+            self.state.engine.backward(loss * self.dp_size)
+        return sums
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:

@@ -120,13 +120,15 @@ def test_estimators_are_registered_objects():
     import openrlhf_shape.algorithms.config as algo_config
     from openrlhf_shape.algorithms import ESTIMATOR_REGISTRY
 
-    assert tuple(ESTIMATOR_REGISTRY) == ("shape", "mrt", "grpo")
+    names = ("shape", "mrt", "grpo", "reinforce", "reinforce_baseline", "rloo", "dr_grpo", "flash_reinforce")
+    assert tuple(ESTIMATOR_REGISTRY) == names
     assert not hasattr(algo_config, "ESTIMATORS") and "estimator" not in ShapeConfig.__dataclass_fields__
     assert get_estimator("grpo", ShapeConfig()).needs_segments is False
     assert get_estimator("shape", ShapeConfig()).needs_segments is True
     assert get_estimator("mrt", ShapeConfig()).name == "mrt"
     with pytest.raises(ValueError, match=r"--algo.advantage.estimator: unknown estimator 'ppo'; choose one of "
-                                         r"\('shape', 'mrt', 'grpo'\)"):
+                                         r"\('shape', 'mrt', 'grpo', 'reinforce', 'reinforce_baseline', 'rloo', "
+                                         r"'dr_grpo', 'flash_reinforce'\)"):
         get_estimator("ppo", ShapeConfig())
 
 
@@ -140,3 +142,33 @@ def test_mrt_with_group_baseline_uses_baselined_lead_term_and_raw_outcome():
     for i, row in enumerate(boundaries_as_lists(bnd)):
         want = mrt_segment_advantages(per[i], rewards[i], alpha=0.3, outcome_term=lead.reshape(-1)[i])
         assert torch.allclose(res.segment_advantages[i, : len(row) + 1], want, atol=1e-6)
+
+
+def test_mrt_credit_is_uniform_inside_a_segment_by_default():
+    """The paper gives MRT the segment advantage on every token of the segment (section 3, "Uniform Token
+    Credit"); TCR is SHAPE's by default, and ``--shape.tcr`` overrides either way.
+
+    One response of 6 tokens, boundary at 3, Phi = [1/4, 1/2, R = 1], alpha 0.3: MRT A_0 = 1 + 0.3 * (1 - 1/4)
+    = 1.225, A_1 = 1 + 0.3 * (1 - 1/2) = 1.15; SHAPE (fixed gamma 1) A_0 = 1 + 0.3 * (1/2 - 1/4) = 1.075,
+    A_1 = 1 + 0.3 * (1 - 1/2) = 1.15."""
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    ent = torch.tensor([[0.1, 2.0, 0.5, 3.0, 0.2, 1.0]])  # distinct entropies: TCR would change every token
+    bnd, phi, r = torch.tensor([[3]]), torch.tensor([[0.25, 0.5, 1.0]]), torch.tensor([1.0])
+
+    def tokens(name, **kw):
+        est = get_estimator(name, ShapeConfig(num_segments=2, fixed_gamma=1.0, **kw))
+        res = compute_token_advantages(est, mask, r, 1, 6, ent, bnd, phi)
+        return res.token_advantages[0], res.metrics
+
+    mrt, metrics = tokens("mrt")
+    assert torch.allclose(mrt, torch.tensor([1.225] * 3 + [1.15] * 3))
+    assert not any(k.startswith("shape/tcr_weight") for k in metrics)
+    shape, metrics = tokens("shape")
+    assert metrics["shape/tcr_weight/std"] > 0.1 and not torch.allclose(shape, torch.tensor([1.075] * 3 + [1.15] * 3))
+    seg_ids = boundaries_to_segment_ids(torch.tensor([3]), 6)
+    assert torch.allclose(shape, redistribute_token_credit(torch.tensor([1.075] * 3 + [1.15] * 3), ent[0], seg_ids,
+                                                           mask[0]))
+    # --shape.tcr overrides the default in both directions
+    assert torch.allclose(tokens("mrt", tcr=True)[0], redistribute_token_credit(mrt, ent[0], seg_ids, mask[0]))
+    assert torch.allclose(tokens("shape", tcr=False)[0], torch.tensor([1.075] * 3 + [1.15] * 3))
+    assert get_estimator("mrt", ShapeConfig()).uses_tcr is False and get_estimator("shape", ShapeConfig()).uses_tcr

@@ -101,8 +101,6 @@ def test_adaptive_probe_flags():
 @pytest.mark.parametrize(
     "flags, match",
     [
-        # one-step-off needs the engines on their own devices: colocated, nothing could overlap
-        (["--train.async_enable", "true", "--train.colocate_all"], r"--train\.async_enable.*disaggregated layout"),
         (["--train.max_staleness", "3"], r"--train\.max_staleness.*3: 1 .* or 2"),
         (["--train.max_staleness", "0", "--train.async_enable", "true"], r"--train\.max_staleness"),
         (["--train.async_queue_size", "2"], r"--train\.async_queue_size.*--train\.max_staleness"),
@@ -112,6 +110,23 @@ def test_adaptive_probe_flags():
 def test_async_flags_refused_with_their_reason(flags, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, flags)
+
+
+def test_async_with_colocate_all_disaggregates_the_engines_as_openrlhf(caplog):
+    """OpenRLHF's --train.colocate_all under --train.async_enable colocates only the training models; one-step-off
+    needs the engines on their own devices (colocated, nothing could overlap), which a config built by hand that
+    asks for both is still refused for."""
+    import dataclasses
+
+    from openrlhf_shape.config.checks import validate
+
+    with caplog.at_level("WARNING", logger="openrlhf_shape.config"):
+        cfg = load_config(None, ["--train.async_enable", "true", "--train.colocate_all"])
+    assert cfg.train.async_enable is True and cfg.train.colocate_all is False
+    assert [r.getMessage() for r in caplog.records if "--train.colocate_all with --train.async_enable" in r.getMessage()]
+    both = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, colocate_all=True))
+    with pytest.raises(ValueError, match=r"--train\.async_enable.*disaggregated layout"):
+        validate(both)
 
 
 def test_async_flags_accepted_disaggregated():

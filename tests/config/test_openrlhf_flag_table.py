@@ -57,14 +57,22 @@ def test_every_refusal_is_one_line_that_says_why():
     assert refusal("logger.logging_steps", 1) is None and refusal("logger.logging_steps", "5")
 
 
-@pytest.mark.parametrize("name", ["ds.packing_samples", "critic.model_name_or_path", "ref.offload"])
+@pytest.mark.parametrize("name", ["ds.ring_attn_size", "critic.model_name_or_path", "ref.offload"])
 def test_parts_we_do_not_have_are_named(name):
     assert refusal(name, True).startswith(f"--{name}: ")
 
 
+def test_packing_samples_is_accepted_as_always_on():
+    # samples are packed into one row on both backends (actor/batching.py); OpenRLHF's switch has no effect
+    assert refusal("ds.packing_samples", True) is None and refusal("ds.packing_samples", False) is None
+
+
 def test_compat_doc_table_is_the_table():
-    from openrlhf_shape.config.openrlhf import markdown_table
+    from openrlhf_shape.config.openrlhf import markdown_table, render_doc, summary
 
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                "docs", "openrlhf_compat.md")).read()
-    assert markdown_table() in readme, "docs/openrlhf_compat.md's OpenRLHF flag table is stale: paste openrlhf_flags.markdown_table()"
+    stale = "docs/openrlhf_compat.md is stale: python scripts/render_openrlhf_compat.py"
+    assert markdown_table() in readme and summary() in readme, stale
+    assert render_doc(readme) == readme, stale
+    assert readme.count("\n| `--") == len(OPENRLHF_PPO_FLAGS)  # one row per flag, nothing else

@@ -32,7 +32,8 @@ def test_llm_constructor_takes_every_engine_argument_we_pass():
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     ours = {"model", "seed", "tensor_parallel_size", "max_model_len", "enable_prefix_caching", "dtype",
             "enforce_eager", "logprobs_mode", "worker_extension_cls", "distributed_executor_backend",
-            "block_size", "gpu_memory_utilization", "enable_sleep_mode"}
+            "block_size", "gpu_memory_utilization", "enable_sleep_mode", "enable_chunked_prefill",
+            "max_num_batched_tokens"}
     assert ours <= fields, f"EngineArgs lost {sorted(ours - fields)} (rollout/engine.py passes them)"
 
 
@@ -137,15 +138,17 @@ def test_collective_rpc_argument_passing():
     """How ``llm.collective_rpc(method, args=...)`` reaches the workers on each engine-core/executor path:
 
     * our engine actors always run the engine core IN PROCESS (rollout/engine.py sets
-      VLLM_ENABLE_V1_MULTIPROCESSING=0): the client hands the args to the core by reference, so
-      ``shape_load_weights`` may pass a generator and the queues stay Ray handles;
+      VLLM_ENABLE_V1_MULTIPROCESSING=0): the client hands the args to the core by reference; at engine TP 1 the
+      uniprocess executor calls the worker with them, so ``shape_load_weights`` may pass a generator;
     * the multiprocessing core client would msgpack them, refusing queues and generators unless
       VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the reason we never use it);
-    * GPU TP > 1 runs vLLM's Ray executor: args travel as Ray task arguments (pickled by Ray, so a Ray
-      queue handle works in the worker, which is a Ray process), functions by cloudpickle.
+    * at engine TP > 1 the executor (GPU: ``"ray"``, which 0.32 maps to RayExecutorV2, test below; CPU: ``"mp"``)
+      sends ``(method, args, kwargs, output_rank)`` through a shared-memory MessageQueue with PLAIN pickle
+      (a callable method cloudpickled first); tests/rollout/test_rpc_args_through_vllm_queue.py sends every
+      argument of ours through that queue.
     """
     from vllm.v1.engine import core, core_client
-    from vllm.v1.executor import ray_executor
+    from vllm.v1.executor import uniproc_executor
     from vllm.v1 import serial_utils
 
     assert "return self.engine_core.collective_rpc(method, timeout, args, kwargs)" in _src(core_client.InprocClient)
@@ -153,8 +156,59 @@ def test_collective_rpc_argument_passing():
     assert 'call_utility("collective_rpc"' in _src(core_client.SyncMPClient) or \
         'call_utility("collective_rpc"' in _src(core_client)
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" in _src(serial_utils.MsgpackEncoder.enc_hook)
-    rpc = _src(ray_executor.RayDistributedExecutor.collective_rpc)
-    assert "execute_method.remote(" in rpc and "*args" in rpc and "cloudpickle.dumps(method)" in rpc
+    assert "run_method(self.driver_worker, method, args, kwargs)" in _src(uniproc_executor.UniProcExecutor.collective_rpc)
+
+
+def test_tp_engines_on_gpu_use_ray_executor_v2_and_its_shared_memory_queue():
+    """The executor GPU engines at TP > 1 get (rollout/engine.py:_llm_kwargs passes ``"ray"`` inside a Ray actor):
+    0.32 maps ``"ray"`` to RayExecutorV2 (VLLM_USE_RAY_V2_EXECUTOR_BACKEND defaults to 1), a MultiprocExecutor whose
+    ``collective_rpc`` puts the call on a MessageQueue (shared memory for workers on the engine's node, TCP for
+    the others) pickled with plain ``pickle`` (CPU tensors out of band), and whose Ray worker actors (RayWorkerProc)
+    dequeue it and call the worker's method, replying through a queue of their own. The older Ray executor, which
+    sent arguments as Ray task arguments, is no longer taken."""
+    import os
+
+    from vllm import envs
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.v1.executor import abstract, multiproc_executor, ray_executor_v2
+
+    from openrlhf_shape.rollout import engine
+
+    get_class = _src(abstract.Executor.get_class)
+    assert 'elif distributed_executor_backend == "ray":' in get_class
+    assert "if envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND:" in get_class and "executor_class = RayExecutorV2" in get_class
+    if "VLLM_USE_RAY_V2_EXECUTOR_BACKEND" not in os.environ:
+        assert envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND is True
+    assert 'os.getenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1")' in _src(envs)
+    assert '"ray" if executor == "ray" and _inside_ray_actor() else "mp"' in _src(engine._llm_kwargs)
+
+    v2 = ray_executor_v2.RayExecutorV2
+    assert issubclass(v2, multiproc_executor.MultiprocExecutor) and "collective_rpc" not in vars(v2)
+    rpc = _src(multiproc_executor.MultiprocExecutor.collective_rpc)
+    assert "cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)" in rpc
+    assert "self.rpc_broadcast_mq.enqueue((send_method, args, kwargs, output_rank))" in rpc
+    assert "status, result = mq.dequeue(timeout=dequeue_timeout)" in rpc
+    init = _src(v2._init_executor)
+    assert "self.rpc_broadcast_mq = MessageQueue(" in init and "max_chunk_bytes=max_chunk_bytes," in init
+    assert "MessageQueue.create_from_handle(result[\"handle\"], 0)" in init  # the reply queues
+    assert "self.futures_queue = deque[FutureWrapper]()" in init
+
+    proc = ray_executor_v2.RayWorkerProc
+    assert issubclass(proc, multiproc_executor.WorkerProc)
+    queues = _src(proc._init_message_queues)
+    assert "MessageQueue.create_from_handle(" in queues and "input_shm_handle, self.worker.rank" in queues
+    assert "self.worker_response_mq = MessageQueue(" in queues and "n_local_reader=n_local," in queues
+    assert "self.worker_busy_loop()" in _src(proc.run)
+    dispatch = _src(multiproc_executor.WorkerProc._execute_worker_rpc)
+    assert "func = getattr(self.worker, method)" in dispatch
+    assert "func = partial(cloudpickle.loads(method), self.worker)" in dispatch
+    assert "response_mq.enqueue(result)" in _src(multiproc_executor.WorkerProc.enqueue_output)
+
+    enqueue = _src(shm_broadcast.MessageQueue.enqueue)
+    assert "pickler = pickle.Pickler(" in enqueue and "dispatch_table[torch.Tensor] = _reduce_tensor" in enqueue
+    assert "cloudpickle" not in enqueue  # a lambda or generator argument cannot cross
+    assert "pickle.loads(all_buffers[0], buffers=all_buffers[1:])" in _src(shm_broadcast.MessageQueue.dequeue)
+    assert "return pickle.loads(recv, buffers=recv_oob)" in _src(shm_broadcast.MessageQueue.recv)
 
 
 def test_engine_actors_run_the_engine_core_in_process():

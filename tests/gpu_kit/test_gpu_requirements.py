@@ -42,3 +42,17 @@ def test_parse_pins_reads_extras_and_ignores_comments(tmp_path):
     req = tmp_path / "r.txt"
     req.write_text("# c\nray[default]==2.60.0  # x\nFoo_Bar==1.0; python_version > '3'\nloose\n")
     assert chk.parse_pins(str(req)) == {"ray": "2.60.0", "foo-bar": "1.0"}
+
+
+def test_missing_from_lock_names_unpinned_and_unsatisfied_requirements():
+    """What the image installs with dependencies resolved (transformer-engine-torch, deepspeed, flash-attn) must find
+    each runtime requirement in the lock; extras and other platforms' requirements are not the image's."""
+    requires = ["torch>=2.1", "onnx", "pydantic>=3", "wandb; extra == 'dev'", "pywin32; sys_platform == 'win32'",
+                "transformer_engine_cu13==2.20.2"]
+    lock = {"torch": "2.13.0", "pydantic": "2.14.3", "transformer-engine-cu13": "2.20.2"}
+    problems = chk.missing_from_lock("te-torch", requires, lock, source={})
+    assert len(problems) == 2
+    assert problems[0].startswith("te-torch requires onnx, which requirements/gpu.lock.txt does not pin")
+    assert problems[1] == "te-torch requires pydantic>=3, but the lock pins pydantic==2.14.3"
+    # a requirement met by another source-built pin counts as pinned
+    assert chk.missing_from_lock("x", ["deepspeed>=0.19"], {}, source={"deepspeed": "0.19.8"}) == []

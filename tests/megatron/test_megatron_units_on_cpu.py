@@ -190,3 +190,41 @@ def test_moe_router_gating_runs_without_transformer_engine_under_a_gpu_profile()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < 1e-6
+
+
+# ---------------------------------------------------------------- packed (THD) micro-batches
+def test_packed_seq_params_describe_the_documents_on_cpu():
+    from openrlhf_shape.megatron.attention import _documents, packed_seq_params
+
+    p = packed_seq_params([0, 4, 7, 8], device=torch.device("cpu"))
+    assert p.qkv_format == "thd" and p.cu_seqlens_q.dtype == torch.int32 and p.cu_seqlens_q.tolist() == [0, 4, 7, 8]
+    assert p.cu_seqlens_kv is p.cu_seqlens_q and p.max_seqlen_q == p.max_seqlen_kv == 4  # RoPE's table length
+    assert _documents(p) == [(0, 4), (4, 7), (7, 8)] and p.varlen_kernel == "torch"
+    for bad in ([0], [1, 3], [0, 3, 3]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            packed_seq_params(bad, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="varlen kernel"):
+        packed_seq_params([0, 2], device=torch.device("cpu"), kernel="ring")
+
+
+def test_local_attentions_refuse_packs_they_would_get_wrong_on_cpu():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from openrlhf_shape.megatron.attention import _documents
+
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    assert _documents(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)) == [(0, 2), (2, 4)]
+    with pytest.raises(ValueError, match="THD"):
+        _documents(PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    with pytest.raises(ValueError, match="cu_seqlens_q_padded"):  # padded documents (context parallelism's layout)
+        _documents(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu))
+
+
+def test_varlen_kernel_follows_the_platform_profile_on_cpu():
+    import importlib.util
+
+    from openrlhf_shape.megatron.attention import varlen_kernel
+
+    assert varlen_kernel(cpu_platform()) == "torch"  # the CPU twin: torch SDPA per document
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    assert varlen_kernel(gpu_platform()) == ("flash_attn" if has_flash else "torch")

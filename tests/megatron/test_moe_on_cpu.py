@@ -99,6 +99,32 @@ def test_ep2_parity_and_trajectory_equal_world1_on_cpu(ep2, world1, moe_dir, rag
     assert max_abs_diff(a, b) <= PARITY_TOL
 
 
+def test_ep2_over_the_tp_ranks_with_whole_experts_etp1_on_cpu(world1, moe_dir, ragged_batch):
+    """--megatron.expert_tensor_parallel_size 1 with TP2 + SP and EP2 on 2 ranks (one data-parallel replica): the two
+    TP ranks form the expert-parallel group and each holds 4 of the 8 experts whole, which megatron-core lays out
+    only with ETP 1 (ETP = TP = 2 would need 4 ranks: refused, test_moe_layout_flags.py). The value reaches
+    parallel_state and TransformerConfig; log-probs equal HF's and 3 steps follow world 1's."""
+    n = len(ragged_batch["sequences"])
+    cfg = {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+           "expert_tensor_parallel_size": 1}
+    res = run_layout(2, cfg=cfg, model_dirs={"moe": moe_dir}, batch=ragged_batch, train_dir=moe_dir, train_steps=3)
+    ref_lp, ref_ent = hf_logprobs_entropy(moe_dir, ragged_batch)
+    got = merge_rank_outputs([r["logprobs"]["moe"] for r in res], n)
+    assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL
+    assert max_abs_diff(got.entropy, ref_ent) <= PARITY_TOL
+    for r in res:
+        info = r["info"]
+        assert (info["tp"], info["dp"]) == (2, 1)
+        assert info["moe"]["etp"] == 1 and info["moe"]["config_etp"] == 1 and info["moe"]["ep_group"] == 2
+        assert info["num_parameters"] == world1["res"][0]["info"]["num_parameters"]  # experts split, none lost
+    ref = world1["res"][0]["metrics"]
+    for r in res:
+        assert [m["loss"] for m in r["metrics"]] == pytest.approx([m["loss"] for m in ref], abs=2e-5)
+        assert [m["grad_norm"] for m in r["metrics"]] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4)
+    trained = merge_rank_outputs([r["after_train"] for r in res], n).log_probs
+    assert max_abs_diff(trained, merge_rank_outputs([r["after_train"] for r in world1["res"]], n).log_probs) <= PARITY_TOL
+
+
 def test_ep2_with_unequal_micro_batch_counts_per_rank_on_cpu(ep2, moe_dir, ragged_batch):
     """A 40-token budget plans 3 micro-batches on one DP rank and 4 on the other: the short plan is topped up
     with masked fillers (each MoE layer is an all-to-all over both ranks), nothing else changes."""

@@ -96,17 +96,24 @@ def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _seen_as_per_sample(seen: list, batch: dict, num_layers: int) -> list[torch.Tensor]:
-    """Router routing maps of one single-micro-batch forward -> per sample [len, L, experts] bool (rows of the
-    micro-batch are the samples longest first: actor/batching.py plan_micro_batches)."""
+    """Router routing maps of one single-micro-batch forward -> per sample [len, L, experts] bool. The micro-batch
+    holds the samples longest first (actor/batching.py plan_micro_batches), packed one after another in one row
+    (the default: [sum of lengths, E]) or as padded rows ([s, b, E], the router flattens s-major)."""
     seqs = batch["sequences"]
     order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
-    maps = {}
-    for layer, m in seen:
-        maps[layer] = m.reshape(-1, len(order), m.shape[-1])  # [s, b, E]: the router flattens s-major
+    maps = dict(seen)
     assert sorted(maps) == list(range(num_layers))
+    packed = next(iter(maps.values())).shape[0] == sum(len(s) for s in seqs)
     out = [None] * len(seqs)
+    start = 0
     for b, i in enumerate(order):
-        out[i] = torch.stack([maps[l][: len(seqs[i]), b] for l in range(num_layers)], dim=1)
+        n = len(seqs[i])
+        if packed:
+            per_layer = [maps[layer][start:start + n] for layer in range(num_layers)]
+        else:
+            per_layer = [maps[layer].reshape(-1, len(order), maps[layer].shape[-1])[:n, b] for layer in range(num_layers)]
+        out[i] = torch.stack(per_layer, dim=1)
+        start += n
     return out
 
 

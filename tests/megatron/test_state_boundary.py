@@ -80,7 +80,8 @@ def test_both_workers_implement_the_rank_interface(backend: str) -> None:
 def test_state_layout_and_guards() -> None:
     st = ActorState(cfg=MegatronConfig(tensor_model_parallel_size=2, use_distributed_optimizer=True),
                     platform=cpu_platform(), rank=0, world_size=4, dp_size=2)
-    assert st.layout() == {"tp": 2, "pp": 1, "dp": 2, "world_size": 4, "use_distributed_optimizer": True}
+    assert st.layout() == {"tp": 2, "pp": 1, "dp": 2, "world_size": 4, "use_distributed_optimizer": True,
+                           "ep": 1, "etp": 2}
     assert st.model_chunks == [] and st.step == 0
     with pytest.raises(RuntimeError, match="init_model"):
         st.require_model()

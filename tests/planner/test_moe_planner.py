@@ -191,6 +191,55 @@ def test_layouts_that_cannot_hold_the_experts_are_refused_naming_the_flag(capsys
 def test_expert_parallel_on_a_dense_model_is_noted(capsys):
     rc, out = _dry_run(capsys, "--config", "configs/qwen3-8b.yaml", "--megatron.expert_model_parallel_size", "2")
     assert rc == 0 and "has no effect on a dense model" in out
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-8b.yaml", "--megatron.expert_tensor_parallel_size", "1")
+    assert rc == 0 and "--megatron.expert_tensor_parallel_size=1 has no effect on a dense model" in out
+
+
+def _update_terms(plan) -> dict[str, int]:
+    return {t.name: t.bytes for t in next(ph for ph in plan.gpu_phases if ph.name == "update").terms}
+
+
+def _alltoall_seconds(plan) -> float:
+    return sum(ph.seconds for ph in plan.phases if ph.name == "MoE all-to-all")
+
+
+def test_the_plan_follows_expert_tensor_parallel_size():
+    """The 30B-A3B preset (16 GPUs, TP 2, EP 8) with --megatron.expert_tensor_parallel_size 1 instead of the default (the
+    TP size): each rank holds its 16 experts per layer whole instead of halved, so twice the expert parameters; their
+    bf16 weights and fp32 grads grow with them, their fp32 master + Adam state does not (expert DP doubles,
+    16 / (1 x 8) = 2, and the distributed optimizer shards it over that); the EP group (ETP x EP = 8 ranks) fits one
+    node, so the all-to-all runs over NVLink and has no expert-TP all-gather."""
+    from openrlhf_shape.planner.docs import REPO_ROOT, _plan
+
+    preset = REPO_ROOT / "configs" / "qwen3-30b-a3b.yaml"
+    base, one = _plan(preset), _plan(preset, ["--megatron.expert_tensor_parallel_size", "1"])
+    explicit = _plan(preset, ["--megatron.expert_tensor_parallel_size", "2"])
+    assert (base.ep, base.etp, base.edp) == (8, 2, 1) and (one.ep, one.etp, one.edp) == (8, 1, 2)
+    per_ep_rank = 48 * (128 // 8) * 3 * 2048 * 768  # sparse layers x experts per EP rank x SwiGLU 3 h I_e
+    assert one.megatron.n_local - base.megatron.n_local == per_ep_rank // 2
+    b, o = _update_terms(base), _update_terms(one)
+    assert o["weights"] - b["weights"] == 2 * per_ep_rank // 2  # bf16
+    assert o["grads"] - b["grads"] == 4 * per_ep_rank // 2  # fp32 grad buffer, not sharded
+    assert o["optimizer"] == b["optimizer"]  # 12 B/param over expert DP 2 instead of 1
+    assert _alltoall_seconds(one) < _alltoall_seconds(base) / 3
+    assert _update_terms(explicit) == b and explicit.step_seconds == base.step_seconds  # 2 = TP: the default
+
+
+def test_expert_tensor_parallel_sizes_megatron_cannot_lay_out_are_refused_naming_the_flag(capsys):
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-30b-a3b.yaml", "--megatron.expert_tensor_parallel_size", "3")
+    assert rc == 2, out
+    assert ("--megatron.expert_model_parallel_size=8 x expert TP 3 x --megatron.pipeline_model_parallel_size=1 = 24 "
+            "must divide --actor.num_nodes x --actor.num_gpus_per_node=16") in out
+    assert "change --megatron.expert_model_parallel_size, --megatron.expert_tensor_parallel_size or" in out
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-30b-a3b.yaml", "--megatron.expert_tensor_parallel_size", "5")
+    assert rc == 2 and "expert TP 5 (--megatron.expert_tensor_parallel_size, unset = TP) must divide each expert's " \
+                       "moe_intermediate_size=768" in out
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-30b-a3b.yaml", "--megatron.expert_tensor_parallel_size", "1",
+                       "--megatron.expert_model_parallel_size", "1")
+    assert rc == 2 and ("expert TP 1 (--megatron.expert_tensor_parallel_size) differs from "
+                        "--megatron.tensor_model_parallel_size=2 with --megatron.expert_model_parallel_size=1") in out
+    rc, out = _dry_run(capsys, "--config", "configs/qwen3-30b-a3b.yaml", "--megatron.expert_tensor_parallel_size", "0")
+    assert rc != 0 and "--megatron.expert_tensor_parallel_size must be an integer >= 1 or None" in out
 
 
 def test_other_moe_architectures_are_refused_not_sized():

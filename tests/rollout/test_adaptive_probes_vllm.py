@@ -32,9 +32,6 @@ class CountingGroup:
     def get_tokenizer(self):
         return self.group.get_tokenizer()
 
-    def reseed(self, seed):
-        self.group.reseed(seed)
-
 
 def parity_scorer(texts, labels):
     """A real, deterministic scorer with a success rate near 1/2 on random text."""
@@ -46,8 +43,7 @@ def setup(tiny_model_dir, chat_ids, tiny_tokenizer):
     engine = VLLMEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32"), platform=detect_platform())
     group = EngineGroup([engine])
     prompts = [chat_ids(q) for q in QUESTIONS]
-    group.reseed(7)
-    rollout = group.generate(prompts, SamplingConfig(n=2, max_tokens=64, temperature=1.0))
+    rollout = group.generate(prompts, SamplingConfig(n=2, max_tokens=64, temperature=1.0, seed=7))
     resp = [g.token_ids for g in rollout]
     prm = [prompts[g.prompt_index] for g in rollout]
     bounds = [sorted({len(r) * j // 4 for j in (1, 2, 3)} - {0, len(r)}) for r in resp]
@@ -56,10 +52,10 @@ def setup(tiny_model_dir, chat_ids, tiny_tokenizer):
 
 
 def _run(group, prm, resp, bounds, cfg, seed, tokenizer):
-    group.reseed(seed)
     suf = ProbeSuffixes.from_tokenizer(tokenizer, cfg)
     outcomes = [float(i % 2) for i in range(len(resp))]
-    return estimate_potentials(group, prm, resp, bounds, ["1"] * len(resp), outcomes, parity_scorer, cfg, suffixes=suf)
+    return estimate_potentials(group, prm, resp, bounds, ["1"] * len(resp), outcomes, parity_scorer, cfg, suffixes=suf,
+                               seed=seed)
 
 
 def test_tol_zero_equals_fixed_m(setup, tiny_tokenizer):

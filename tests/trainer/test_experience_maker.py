@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.algorithms import AdvantageEstimator, RolloutCorrectionConfig, ShapeConfig, get_estimator, grpo_advantages
+from openrlhf_shape.algorithms import (
+    AdvantageEstimator,
+    ReturnConfig,
+    RolloutCorrectionConfig,
+    ShapeConfig,
+    get_estimator,
+    grpo_advantages,
+)
 from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
@@ -93,10 +100,13 @@ def test_shape_step_is_well_formed(engines, parts, estimator):
     alpha = 0.3
     for i in range(len(exp)):
         adv = exp.advantages[i][exp.response_mask[i]]
-        if exp.rewards[i] == 1:
+        if estimator == "mrt":  # no TCR (the paper): A_k = R + alpha (R - Phi_k) on every token, >= 1 or <= 0
+            assert adv.min() >= 1 - 1e-6 if exp.rewards[i] == 1 else adv.max() <= 1e-6
+        elif exp.rewards[i] == 1:
             assert adv.min() >= (1 - alpha) * 0.5 - 1e-6  # TCR delta_min = 0.5
         else:
             assert adv.max() <= alpha * 1.5 + 1e-6
+    assert ("shape/tcr_weight/mean" in m) is (estimator == "shape")  # TCR is SHAPE's by default
 
 
 def test_adaptive_probes_in_the_step(engines, parts):
@@ -124,6 +134,58 @@ def test_grpo_step_matches_formula(engines, parts):
         adv = exp.advantages[i][exp.response_mask[i]]
         assert torch.allclose(adv, torch.full_like(adv, float(want[i])))
     assert "probe/requests" not in exp.metrics  # GRPO sends no probes
+
+
+def _whitened(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(A - mean) / population std over the batch's valid tokens."""
+    vals = adv[mask]
+    return (adv - vals.mean()) / vals.std(unbiased=False)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "dr_grpo", "flash_reinforce"])
+def test_openrlhf_estimator_step_matches_formula(engines, parts, estimator):
+    """One experience step per OpenRLHF estimator; its token advantages equal the estimator's formula written
+    out here from the step's own rewards and masks (reinforce with gamma 0.9: R_i * 0.9^(T_i - 1 - t))."""
+    tok, items, actor, reward = parts
+    returns = ReturnConfig(gamma=0.9) if estimator == "reinforce" else ReturnConfig()
+    maker = _build(engines, actor.compute_logprobs_and_entropy, reward, tok,
+                   get_estimator(estimator, ShapeConfig(), returns), 48)
+    exp = maker.make_experience(items)
+    mask, r = exp.response_mask, exp.rewards.view(-1, N)
+    assert r.max() > r.min()  # the step has a signal to compare
+    lengths = mask.sum(-1)
+    positions = torch.arange(mask.shape[1])[None, :]
+    if estimator == "reinforce":
+        want = exp.rewards[:, None] * 0.9 ** (lengths[:, None] - 1 - positions).clamp(min=0)
+    else:
+        outcome = {"reinforce_baseline": r - r.mean(-1, keepdim=True), "dr_grpo": r - r.mean(-1, keepdim=True),
+                   "rloo": r - (r.sum(-1, keepdim=True) - r) / (N - 1), "flash_reinforce": r - r.mean()}[estimator]
+        want = outcome.reshape(-1, 1).expand_as(mask)
+    if estimator in ("reinforce", "reinforce_baseline"):
+        want = _whitened(want, mask)
+    assert torch.allclose(exp.advantages[mask], want[mask], atol=1e-5)
+    assert (exp.advantages[~mask] == 0).all() and "probe/requests" not in exp.metrics  # no segments, no probes
+    assert exp.metrics["adv/sequence/mean"] == pytest.approx(
+        float((exp.advantages.sum(-1) / lengths).mean()), abs=1e-5)
+
+
+def test_outcome_estimators_clip_the_baselined_outcome(engines, parts, tmp_path):
+    """As OpenRLHF, the outcome estimators clip r_i after the baseline into --reward.clip_range, not the raw
+    reward: a reward of 30 in a group of 30s and 0s is 30 - mean before the clip (clipping first gives 10 - mean)."""
+    from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
+
+    big = tmp_path / "big_reward.py"
+    big.write_text("import torch\ndef reward_func(queries, prompts, labels, **kw):\n"
+                   "    r = torch.tensor([30.0 * ((len(q) - len(p)) % 2 == 0) for q, p in zip(queries, prompts)])\n"
+                   "    return {'rewards': r, 'scores': (r > 0).float(), 'extra_logs': {}}\n")
+    tok, items, actor, _ = parts
+    with RewardComputer(RewardConfig(remote_url=str(big), num_workers=1)) as reward:
+        exp = _build(engines, actor.compute_logprobs_and_entropy, reward, tok,
+                     get_estimator("dr_grpo", ShapeConfig()), 48).make_experience(items)
+    r = exp.rewards.view(-1, N)
+    assert r.max() == 30 and ((r.max(-1).values > r.min(-1).values).any())  # raw rewards kept; a mixed group
+    want = (r - r.mean(-1, keepdim=True)).clamp(-10, 10).reshape(-1, 1).expand_as(exp.response_mask)
+    assert torch.allclose(exp.advantages[exp.response_mask], want[exp.response_mask])
 
 
 def test_dynamic_filtering_drops_constant_groups(engines, parts):

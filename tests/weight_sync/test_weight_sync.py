@@ -257,7 +257,7 @@ def test_tied_tp1_direct_load_transports_colocation_and_cached_probe(ray_local, 
         # Probe on a cached prefix after a sync, vs a fresh engine on the same weights (in this process:
         # started from the synced checkpoint, nothing cached, no reload).
         prefix = [(7 * i) % 900 + 20 for i in range(100)]  # > 3 KV blocks of 32
-        probe = SamplingConfig(n=1, temperature=1.0, max_tokens=8, logprobs=True)
+        probe = SamplingConfig(n=1, temperature=1.0, max_tokens=8, logprobs=True, seed=6)
         group.generate([prefix], probe)  # the prefix is cached with the OLD weights
         ray.get(holder.perturb.remote(123, 0.05))
         _sync(collective, holder)
@@ -266,13 +266,10 @@ def test_tied_tp1_direct_load_transports_colocation_and_cached_probe(ray_local, 
         fresh = VLLMEngine(EngineConfig(model_path=str(synced_dir), max_model_len=512, kv_cache_gib=0.5,
                                         dtype="float32"), platform=detect_platform())
         first_suffix, probe_suffix = [11, 12, 13], [21, 22, 23, 24]
-        group.reseed(5)
         after_sync = group.generate([prefix + first_suffix], probe)[0]
         assert after_sync.num_cached_tokens == 0, "the prefix cache survived the sync: stale KV would be reused"
-        group.reseed(6)
         cached = group.generate([prefix + probe_suffix], probe)[0]
         assert cached.num_cached_tokens >= 96, "the probe should reuse the prefix cached after the sync"
-        fresh.reseed(6)
         ref = fresh.generate([prefix + probe_suffix], probe)[0]
         assert ref.num_cached_tokens == 0 and cached.token_ids == ref.token_ids
         gap = mean_abs_gap([cached.logprobs], [torch.tensor(ref.logprobs)])

@@ -1,0 +1,96 @@
+"""OpenRLHF 0.11.2's own advantage code, run on CPU (imported by module name: tests/algorithms is on sys.path
+under pytest).
+
+``openrlhf.trainer.ppo_utils.experience_maker`` cannot be imported here: it imports ``openrlhf.models`` (peft,
+flash_attn: CUDA only) and the Ray launcher. So its class ``RemoteExperienceMaker`` and
+``openrlhf.models.utils.compute_reward`` are taken from the installed files' source with ``ast``, unchanged,
+and executed with the names they use: torch, itertools, and the real ``apply_length_penalties`` and
+``init_logger`` from openrlhf modules that do import. Nothing of OpenRLHF is re-implemented; annotations are
+not evaluated (``RayActorGroup`` is only a type annotation). The arguments come from OpenRLHF's own CLI
+parser (``cli/train_ppo_ray.py``'s argparse block) and ``openrlhf.utils.config.hierarchize``, so every
+setting the method reads has OpenRLHF's default unless the test passes its flag.
+"""
+
+from __future__ import annotations
+
+import __future__
+import argparse
+import ast
+import datetime
+import itertools
+import os
+import textwrap
+from typing import List, Tuple
+
+import torch
+
+
+def _package_dir() -> str:
+    import openrlhf
+
+    return os.path.dirname(openrlhf.__file__)
+
+
+def _definitions(path: str, names: set[str]) -> ast.Module:
+    tree = ast.parse(open(path).read(), filename=path)
+    nodes = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in names]
+    found = {n.name for n in nodes}
+    assert found == names, f"{path} no longer defines {sorted(names - found)}"
+    return ast.Module(body=nodes, type_ignores=[])
+
+
+def _exec(module: ast.Module, path: str, scope: dict) -> None:
+    code = compile(module, path, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, scope)
+
+
+def load_experience_maker():
+    """OpenRLHF's ``RemoteExperienceMaker`` class, defined from its installed source."""
+    from typing import Union, Optional
+
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
+    from openrlhf.utils.logging_utils import init_logger
+
+    base = _package_dir()
+    utils_path = os.path.join(base, "models", "utils.py")
+    scope: dict = {"torch": torch, "Union": Union, "Optional": Optional, "Tuple": Tuple, "List": List}
+    _exec(_definitions(utils_path, {"compute_reward"}), utils_path, scope)
+    maker_path = os.path.join(base, "trainer", "ppo_utils", "experience_maker.py")
+    scope.update(itertools=itertools, Experience=Experience, apply_length_penalties=apply_length_penalties,
+                 logger=init_logger("openrlhf_source"))
+    _exec(_definitions(maker_path, {"RemoteExperienceMaker"}), maker_path, scope)
+    return scope["RemoteExperienceMaker"]
+
+
+def openrlhf_args(argv: list[str]):
+    """OpenRLHF's hierarchical args for a PPO command line (its own parser and defaults)."""
+    from openrlhf.utils.config import hierarchize
+
+    path = os.path.join(_package_dir(), "cli", "train_ppo_ray.py")
+    src = open(path).read()
+    block = src.split('if __name__ == "__main__":', 1)[1].split("args = parser.parse_args()", 1)[0]
+    scope = {"argparse": argparse, "datetime": datetime.datetime}
+    exec(textwrap.dedent(block), scope)  # only parser.add_argument(...) calls
+    return hierarchize(scope["parser"].parse_args(argv))
+
+
+def openrlhf_advantages(argv: list[str], rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None,
+                        kl_coef: float, splits: int = 2) -> torch.Tensor:
+    """Advantages ``[B, T]`` from OpenRLHF's ``compute_advantages_and_returns`` for outcomes ``rewards`` ``[B]``
+    (prompt-major, n contiguous), ``mask`` ``[B, T]``, KL ``[B, T]`` (None: 0) at coefficient ``kl_coef``, the
+    batch split into ``splits`` experiences (its whitening is global over them)."""
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    args = openrlhf_args(argv)
+    maker = load_experience_maker()(None, None, None, None, FixedKLController(kl_coef),
+                                    SimpleNamespace(args=args), None)
+    kl = torch.zeros(mask.shape) if kl is None else kl
+    parts = torch.arange(rewards.numel()).tensor_split(splits)
+    exps = [Experience(action_mask=mask[idx].clone(), rewards=rewards[idx].clone(), kl=kl[idx].clone(),
+                       response_length=mask[idx].sum(-1), index=idx.tolist(), info={}) for idx in parts]
+    exps = maker.compute_advantages_and_returns(exps)
+    return torch.cat([e.advantages for e in exps], dim=0)
