@@ -13,9 +13,11 @@ KL(pi || pi_ref) (Schulman's k1 / k2 / k3):
 Clamping, as OpenRLHF does it: k3 is evaluated with ``r`` clamped at -10 first (exp(10) bounds the value and
 its derivative), and every estimate is clamped to ``[-10, 10]``.
 
-In the reward (``--algo.kl.use_loss`` off): token t gets the reward ``-coef * kl_t`` besides the outcome, so with
-OpenRLHF's undiscounted return a token's advantage gains ``-coef * sum_{s >= t} kl_s`` (:func:`kl_penalty_returns`),
-computed from the old (rollout) policy's log-probs once per step.
+In the reward (``--algo.kl.use_loss`` off): token t gets the reward ``-coef * kl_t`` besides the outcome
+(:func:`kl_token_rewards`), computed from the old (rollout) policy's log-probs once per step. The outcome
+estimators (GRPO, REINFORCE++, ...) take these rewards into their returns before any discount and whitening, as
+OpenRLHF; SHAPE/MRT add the undiscounted KL still to come, ``-coef * sum_{s >= t} kl_s``
+(:func:`kl_penalty_returns`), to each token's advantage.
 
 In the loss (``--algo.kl.use_loss``): the actor adds ``coef * sum_t kl_t / N`` to the policy loss, kl at the
 policy being trained and N the mini-batch's global valid-token count, the same token mean as the policy
@@ -81,16 +83,22 @@ def masked_sample_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return (values * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
-def kl_penalty_returns(kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """The KL penalty as per-token rewards ``-coef * kl_t``, returned as each token's undiscounted return
-    ``[B, T]``: ``-coef * sum_{s >= t} kl_s`` over valid tokens (0 at padding). ``coef <= 0`` gives zeros
-    (OpenRLHF treats a negative coefficient as 0)."""
+def kl_token_rewards(kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """The KL penalty as per-token rewards ``[B, T]``: ``-coef * kl_t`` where ``mask`` is True (the policy's own
+    tokens), 0 elsewhere (padding, an agent's environment replies). ``coef <= 0`` gives zeros (OpenRLHF treats a
+    negative coefficient as 0). The outcome estimators add these to their token rewards before the returns."""
     if kl.shape != mask.shape:
         raise ValueError(f"kl and mask must share one shape [B, T], got {tuple(kl.shape)} and {tuple(mask.shape)}")
-    m = mask.bool()
-    rewards = torch.where(m, -max(float(coef), 0.0) * kl.float(), torch.zeros_like(kl, dtype=torch.float32))
+    return torch.where(mask.bool(), -max(float(coef), 0.0) * kl.float(), torch.zeros_like(kl, dtype=torch.float32))
+
+
+def kl_penalty_returns(kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """The per-token KL rewards (:func:`kl_token_rewards`) as each token's undiscounted return ``[B, T]``:
+    ``-coef * sum_{s >= t} kl_s`` over the tokens ``mask`` keeps (0 elsewhere). SHAPE/MRT add it to their
+    advantages; the outcome estimators fold the rewards into their own returns instead."""
+    rewards = kl_token_rewards(kl, mask, coef)
     to_go = rewards.flip(-1).cumsum(-1).flip(-1)  # sum over s >= t
-    return torch.where(m, to_go, torch.zeros_like(to_go))
+    return torch.where(mask.bool(), to_go, torch.zeros_like(to_go))
 
 
 def kl_loss_sum(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor, estimator: str, *,

@@ -24,7 +24,7 @@ import torch
 
 from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
-from openrlhf_shape.algorithms.kl import KLPenalty, approx_kl, kl_penalty_returns, masked_sample_mean
+from openrlhf_shape.algorithms.kl import KLPenalty, approx_kl, kl_penalty_returns, kl_token_rewards, masked_sample_mean
 from openrlhf_shape.algorithms.length_penalty import check_stop_properly_coef, stop_properly_penalty
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
@@ -294,7 +294,7 @@ class ShapeExperienceMaker:
             raise RuntimeError(f"reference returned log-probs of {got[:8]} tokens for responses of {want[:8]}")
         ref, _ = out.padded(mask.shape[1])
         exp.ref_log_probs = torch.where(mask, ref.float(), torch.zeros_like(ref, dtype=torch.float32))
-        policy = exp.response_mask
+        policy = exp.loss_mask()  # environment replies: the policy did not sample them, no KL is charged there
         kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, self.kl.estimator)
         exp.kl = torch.where(policy, kl, torch.zeros_like(kl))
         per_sample = masked_sample_mean(exp.kl, policy)
@@ -339,17 +339,25 @@ class ShapeExperienceMaker:
         """Token advantages ``[B, T]`` from the registered estimator (and TCR); 0 at an agent's environment replies.
         SHAPE/MRT work on the policy's tokens only (segment lengths, TCR statistics); the outcome estimators on
         the response with the policy's tokens as their mask (OpenRLHF's action mask: a discount still steps over
-        a reply's positions, as there). KL in the reward: each token's advantage gains -coef x the KL still to come
-        (``adv/kl_return/mean``)."""
+        a reply's positions, as there).
+
+        KL in the reward (a reference model, ``--algo.kl.use_loss`` off): the outcome estimators get
+        ``-coef * kl_t`` as a reward on every policy token before their returns, discount and whitening (OpenRLHF's
+        order: ``compute_reward``, then the returns, then REINFORCE++'s whitening); SHAPE/MRT, which have no
+        token returns, add the undiscounted KL still to come, ``-coef * sum_{s >= t} kl_s``, to each token's
+        advantage after TCR. ``adv/kl_return/mean`` is that KL-to-go's mean over policy tokens (for the outcome
+        estimators: their return's KL part before discount and whitening)."""
         policy = exp.loss_mask()
         in_reward = self.kl is not None and not self.kl.in_loss
-        kl_returns = kl_penalty_returns(exp.kl, exp.response_mask, self.kl.coef) if in_reward else None
+        kl_returns = kl_penalty_returns(exp.kl, policy, self.kl.coef) if in_reward else None
         token_rewards = None
         if self.estimator.needs_segments:
             cols = exp.action_columns()
             mask, entropy = cols.mask, cols.gather(exp.entropy)
         else:
             cols, mask, entropy = None, policy, exp.entropy
+            if in_reward:
+                token_rewards = kl_token_rewards(exp.kl, policy, self.kl.coef)
         res = compute_token_advantages(
             self.estimator, mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
@@ -361,7 +369,8 @@ class ShapeExperienceMaker:
         if self.kl is not None:
             metrics["kl_coef"] = self.kl.coef
         if kl_returns is not None:
-            exp.advantages = exp.advantages + kl_returns
+            if self.estimator.needs_segments:
+                exp.advantages = exp.advantages + kl_returns
             metrics["adv/kl_return/mean"] = float(kl_returns[policy].mean())
         metrics["adv/token/mean"] = float(exp.advantages[policy].mean())
         return PhaseOutput(exp, metrics)
