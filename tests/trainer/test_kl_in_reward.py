@@ -1,7 +1,7 @@
 """The KL to the reference model in the experience maker's phases, on hand-made batches with real forwards:
 
 * agents (``--train.agent_func_path``): only the model's own tokens carry a KL. An agent episode whose environment
-  replies the reference model finds far less likely than the policy does (k3 > 5 per reply token, against 0.03-3.6
+  replies the reference model finds far less likely than the policy does (k3 > 5 per reply token, against 0.0002-3.6
   at the policy's tokens) gets no KL there: not in ``exp.kl``, the ``kl`` / ``logprobs_diff`` / ``ref/kl/*``
   metrics, the KL in the reward (GRPO and SHAPE), nor the KL in the loss (the actor's micro-batch loss).
 * REINFORCE++ (``reinforce``) and ``reinforce_baseline`` take the KL rewards before their returns, discount and
