@@ -148,19 +148,33 @@ class SequenceBatch:
                              "(one [L_i, layers, top_k] tensor per sample)")
 
 
+@dataclass(frozen=True)
+class KLLossTerm:
+    """The KL term of the policy loss (``--algo.kl.use_loss``, algorithms/kl.py): ``coef`` x the token mean of the
+    ``estimator`` (k1 | k2 | k3) of the trained policy against the reference; ``unbiased_gradient``: its
+    importance-weighted reverse-KL gradient. The coefficient is this step's (the adaptive controller moves it)."""
+
+    coef: float
+    estimator: str = "k1"
+    unbiased_gradient: bool = False
+
+
 @dataclass(kw_only=True)
 class TrainBatch(SequenceBatch):
     """Input of one optimizer step: a :class:`SequenceBatch` plus ``[B, T]`` per-token tensors.
 
     ``old_log_probs``: float32 log-probs of the policy that sampled (at ``temperature``);
     ``advantages``: float32 per-token advantages; ``loss_mask``: bool, tokens that enter the loss
-    (False at padding).
+    (False at padding). With ``kl_loss`` (KL in the loss) ``ref_log_probs``: float32 log-probs of the
+    reference model (the initial weights) at ``temperature``.
     """
 
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
     loss_mask: torch.Tensor
     is_weights: torch.Tensor | None = None  # float32 rollout-correction weights (algorithms/rollout_correction.py)
+    ref_log_probs: torch.Tensor | None = None
+    kl_loss: KLLossTerm | None = None
 
     @classmethod
     def from_ragged(cls, sequences: list[list[int]], prompt_lens: list[int], old_log_probs: Sequence[torch.Tensor],
@@ -177,7 +191,10 @@ class TrainBatch(SequenceBatch):
     def validate(self) -> None:
         super().validate()
         shape = (len(self), self.response_width)
-        for name in ("old_log_probs", "advantages", "loss_mask") + (("is_weights",) if self.is_weights is not None else ()):
+        if self.kl_loss is not None and self.ref_log_probs is None:
+            raise ValueError("batch.kl_loss (--algo.kl.use_loss) needs batch.ref_log_probs, the reference model's log-probs")
+        optional = tuple(n for n in ("is_weights", "ref_log_probs") if getattr(self, n) is not None)
+        for name in ("old_log_probs", "advantages", "loss_mask") + optional:
             t = getattr(self, name)
             if tuple(t.shape[:1]) != shape[:1] or t.dim() != 2 or t.shape[1] < shape[1]:
                 raise ValueError(f"batch.{name} must be [B, T] = [{shape[0]}, >= {shape[1]}], got {tuple(t.shape)}")
@@ -214,7 +231,9 @@ class ExperienceBatch:
     bool; ``rollout_log_probs`` ``[B, T]`` vLLM's sampled-token log-probs (when sampled with
     ``logprobs``); ``rewards`` / ``scores`` ``[B]``; ``old_log_probs`` / ``entropy`` /
     ``advantages`` ``[B, T]`` float32, 0 at padding; ``is_weights`` ``[B, T]`` the rollout-correction
-    weights (None when the correction is off).
+    weights (None when the correction is off); ``ref_log_probs`` / ``kl`` ``[B, T]`` float32 the reference
+    model's log-probs and the per-token KL estimate of the old policy against it (None without a reference model;
+    ``kl`` is 0 at environment tokens: only the policy's own tokens are penalised).
 
     ``action_mask`` ``[B, T]`` bool (agents, ``--train.agent_func_path``): True at the tokens the policy
     sampled (its turns), False at the environment's replies between and after them, which the policy
@@ -234,6 +253,8 @@ class ExperienceBatch:
     entropy: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
     truncated: torch.Tensor | None = None  # [B] bool: the engine stopped the response at the token limit
     metrics: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few decoded samples for the log
@@ -286,7 +307,7 @@ class ExperienceBatch:
             texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
             rewards=take(self.rewards), scores=take(self.scores), old_log_probs=take(self.old_log_probs),
             entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
-            truncated=take(self.truncated),
+            ref_log_probs=take(self.ref_log_probs), kl=take(self.kl), truncated=take(self.truncated),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
             action_mask=take(self.action_mask), token_versions=take(self.token_versions),
         )
@@ -295,12 +316,16 @@ class ExperienceBatch:
         return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature,
                              routed_experts=self.routed_experts)
 
-    def train_batch(self, rows: Sequence[int], temperature: float) -> TrainBatch:
-        """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch)."""
+    def train_batch(self, rows: Sequence[int], temperature: float, kl_loss: KLLossTerm | None = None) -> TrainBatch:
+        """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch); with ``kl_loss`` (KL in the
+        loss) it carries the reference log-probs."""
         idx = torch.as_tensor(list(rows), dtype=torch.long)
-        mask = self.loss_mask()[idx]  # environment replies (agents) enter no loss
+        mask = self.loss_mask()[idx]  # environment replies (agents) enter no loss, nor the KL term
         width = max(int(self.response_mask[idx].sum(-1).max()), 0) if len(idx) else 0
+        if kl_loss is not None and self.ref_log_probs is None:
+            raise ValueError("a KL term in the loss needs the reference log-probs (the maker's ref_logprobs phase)")
         return TrainBatch(
+            ref_log_probs=None if kl_loss is None else self.ref_log_probs[idx, :width], kl_loss=kl_loss,
             sequences=[self.sequences[i] for i in rows], prompt_lens=[self.prompt_lens[i] for i in rows],
             temperature=temperature, old_log_probs=self.old_log_probs[idx, :width],
             advantages=self.advantages[idx, :width], loss_mask=mask[:, :width],

@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from openrlhf_shape.actor.batching import MicroBatch, take_rows
+from openrlhf_shape.algorithms.kl import kl_loss_sum
 from openrlhf_shape.algorithms.loss import policy_loss
 from openrlhf_shape.batch import TrainBatch
 
+# kl_sum / kl_tokens: the KL to the reference (KL in the loss only; kl_tokens 0 when the batch has no KL term)
 METRIC_KEYS = ("pg_loss_sum", "clipfrac_low_sum", "clipfrac_high_sum", "approx_kl_sum", "num_tokens",
-               "entropy_sum", "nonfinite")
+               "entropy_sum", "nonfinite", "kl_sum", "kl_tokens")
 
 
 def micro_batch_loss(lp: torch.Tensor, en: torch.Tensor, mb: MicroBatch, batch: TrainBatch, masks: torch.Tensor,
@@ -28,7 +30,8 @@ def micro_batch_loss(lp: torch.Tensor, en: torch.Tensor, mb: MicroBatch, batch: 
     concatenated in ``mb.resp_offsets`` order; ``masks``: the batch's ``[B, T]`` valid-token mask;
     ``num_global_tokens``: valid tokens of the whole mini-batch on all ranks (the loss's denominator).
     A filler micro-batch (``mb.rows`` empty: a rank with fewer micro-batches than its peers, or none
-    of the samples) is fully masked and contributes zero loss and zero metrics.
+    of the samples) is fully masked and contributes zero loss and zero metrics. With ``batch.kl_loss`` (KL in the
+    loss) the loss gains ``coef x`` the KL estimate summed over the valid tokens / ``num_global_tokens``.
     """
     rows = max(len(mb.resp_offsets), 1)
     tmax = max([1] + [b - a for a, b in mb.resp_offsets])
@@ -54,6 +57,15 @@ def micro_batch_loss(lp: torch.Tensor, en: torch.Tensor, mb: MicroBatch, batch: 
                           num_global_tokens=max(num_global_tokens, 1), is_weights=isw)
     stats = {k: float(m[k]) for k in METRIC_KEYS if k in m}
     stats["entropy_sum"] = float((ent * msk).sum())
+    stats["kl_sum"] = stats["kl_tokens"] = 0.0
+    if batch.kl_loss is not None:
+        term = batch.kl_loss
+        ref = (take_rows(batch.ref_log_probs, torch.tensor(mb.rows, dtype=torch.long), tmax).float().to(dev)
+               if mb.rows else torch.zeros_like(old))
+        kl = kl_loss_sum(lp2.float(), ref, msk, term.estimator, old_log_probs=old,
+                         unbiased_gradient=term.unbiased_gradient)
+        loss = loss + term.coef * kl / max(num_global_tokens, 1)
+        stats["kl_sum"], stats["kl_tokens"] = float(kl.detach()), float(msk.sum())
     stats["nonfinite"] = 0.0 if bool(torch.isfinite(loss.detach())) else 1.0
     return loss, stats
 
@@ -68,7 +80,10 @@ def step_metrics(sums: torch.Tensor, *, grad_norm: float, lr: float, ok: bool, s
         return sums[METRIC_KEYS.index(key)].item() / n_tok
 
     low, high = mean("clipfrac_low_sum"), mean("clipfrac_high_sum")
+    kl_tokens = sums[METRIC_KEYS.index("kl_tokens")].item()
+    kl = {"kl": sums[METRIC_KEYS.index("kl_sum")].item() / kl_tokens} if kl_tokens > 0 else {}  # KL in the loss
     return {
+        **kl,
         "loss": mean("pg_loss_sum"),
         "pg_clipfrac_low": low,
         "pg_clipfrac_high": high,

@@ -35,6 +35,11 @@ class RankWorker(Protocol):
         """Build the model (and optimizer) from an HF directory; returns a description
         (``num_parameters``, ``model_type``, layout, ``backend``). Collective."""
 
+    def init_reference(self, hf_dir: str) -> dict:
+        """Build the reference model (``--algo.kl.init_coef`` > 0) from an HF directory: the same layout as
+        :meth:`init_model` (TP/PP/EP, ZeRO partitioning), forward only: no gradients, no optimizer (``train_step``
+        and checkpoints refuse). Returns :meth:`init_model`'s description with ``"reference": True``. Collective."""
+
     def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> dict:
         """Forward only: ``{"indices": [i], "log_probs": [Tensor[T_i]], "entropy": [Tensor[T_i]]}`` (float32,
         CPU, response token j at position j) for the samples this rank holds results for, ``{}`` for a

@@ -21,6 +21,11 @@ Colocated (one rank and one engine worker per GPU), per step:
 
 Not colocated: Megatron and the engines never share memory, so only the sync (and the cache
 resets) happen; the same calls are made with no sleep/offload.
+
+The reference model (``refs``, with ``--algo.kl.init_coef`` > 0) has parameters only. Colocated it is offloaded
+at the start and onloaded only around its own forward in phase 2 (``ref_logprobs``, right after the actor's
+parameters went back to host), so it is in host memory while the engines generate and probe, during the update
+and the sync; not colocated it stays on its own GPUs.
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ class Lifecycle:
             ``SendingRanks``.
         bucket_bytes: weight-sync bucket size.
         colocate: engines share the ranks' GPUs.
+        refs: the reference model's ``RankGroup`` (forward only; on the ranks' GPUs when colocated), or None.
     """
 
-    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool):
+    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool, refs=None):
         self.ranks = ranks
+        self.refs = refs  # the reference model's RankGroup (None without KL)
         self.engines = engines
         self.sync = sync
         self.bucket_bytes = int(bucket_bytes)
@@ -58,6 +65,8 @@ class Lifecycle:
         """After start-up: engines loaded the initial weights themselves; Megatron to host."""
         if self.colocate:
             self._do("megatron.offload(all)", self.ranks.offload_states, ALL_STATES)
+            if self.refs is not None:
+                self._do("reference.offload(params)", self.refs.offload_states, ("params",))
         self.phase = "rollout"
 
     # ---- forward for old log-probs ----------------------------------------------------------------
@@ -75,6 +84,19 @@ class Lifecycle:
         """The rank group's old log-probs and entropy of ``batch`` (a :class:`~openrlhf_shape.batch.LogProbs`),
         inside :meth:`forward` (the experience maker's ``logprobs_fn``)."""
         return self.forward(self.ranks.compute_logprobs_and_entropy, batch)
+
+    def ref_logprobs(self, batch) -> Any:
+        """The reference model's log-probs of ``batch`` (a :class:`~openrlhf_shape.batch.LogProbs`; the maker's
+        ``ref_logprobs_fn``); colocated, its parameters are on the device only for this forward."""
+        if self.refs is None:
+            raise RuntimeError("no reference model runs (--algo.kl.init_coef 0)")
+        if self.colocate:
+            self._do("reference.onload(params)", self.refs.onload_states, ("params",))
+        try:
+            return self._do("reference.forward", self.refs.compute_logprobs_and_entropy, batch)
+        finally:
+            if self.colocate:
+                self._do("reference.offload(params)", self.refs.offload_states, ("params",))
 
     # ---- update -------------------------------------------------------------------------------------
     def before_update(self) -> None:

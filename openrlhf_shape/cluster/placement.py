@@ -16,6 +16,10 @@ Rules (each one a failure mode on a real cluster):
   (two processes per GPU: one rank, one engine worker; vLLM sleeps while Megatron trains).
 * Disaggregated: engines get their own bundles after the ranks' (``rollout_gpus``, default
   ``num_engines * engine_tp``), disjoint from the ranks' GPUs.
+* The reference model's ranks (``ref_world_size`` > 0, ``--algo.kl.init_coef`` > 0), in the actor's TP/PP
+  layout: colocated, reference rank ``r`` shares actor rank ``r``'s bundle (three processes per GPU, the
+  colocation lifecycle keeps the reference on host except during its forward); disaggregated, they get bundles
+  of their own after the actor's and before the engines' (OpenRLHF's separate reference group).
 
 Errors are ``ValueError`` naming the flags to change.
 """
@@ -79,6 +83,7 @@ class PlacementPlan:
     pp: int
     dp: int
     engine_tp: int
+    refs: tuple[RankSlot, ...] = ()  # the reference model's ranks (none without KL)
 
     def bundle_node(self, bundle: int) -> tuple[int, int]:
         """(node, local index on that node) of a global bundle index."""
@@ -136,8 +141,9 @@ def plan_placement(
     gpus_per_node: int,
     num_nodes: int | None = None,
     rollout_gpus: int | None = None,
+    ref_world_size: int = 0,
 ) -> PlacementPlan:
-    """Plan Megatron ranks and vLLM engine workers on GPUs (see the module docstring for the rules).
+    """Plan Megatron ranks, reference ranks and vLLM engine workers on GPUs (see the module docstring for the rules).
 
     Args:
         world_size, tp, pp: Megatron world and its tensor / pipeline parallel sizes (DP derived).
@@ -146,44 +152,68 @@ def plan_placement(
         gpus_per_node: GPUs of every node.
         num_nodes: nodes available; None means as many as the plan needs.
         rollout_gpus: disaggregated only: GPUs of the engine pool (default ``num_engines * engine_tp``).
-    Raises:
-        ValueError naming the flags when the shape is impossible.
-    """
+        ref_world_size: the reference model's ranks (0: none); colocated it must equal ``world_size``.
+    Raises ``ValueError`` naming the flags when the shape is impossible."""
     _check_shape(world_size=world_size, tp=tp, pp=pp, num_engines=num_engines, engine_tp=engine_tp,
                  gpus_per_node=gpus_per_node, num_nodes=num_nodes)
-    dp = world_size // (tp * pp)
-    total = _total_gpus(world_size, num_engines, engine_tp, colocate, rollout_gpus)
+    _check_ref(ref_world_size, world_size, tp, pp, colocate)
+    own_ref = 0 if colocate else ref_world_size  # GPUs of the reference's own
+    total = _total_gpus(world_size, num_engines, engine_tp, colocate, rollout_gpus) + own_ref
 
-    # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole).
+    # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole); the reference's
+    # on the same GPUs (colocated) or right after them (world and ref sizes are multiples of TP: groups stay whole).
     rank_gpu = list(range(world_size))
-    engine_gpu = _engine_gpus(world_size, num_engines, engine_tp, colocate, gpus_per_node)
+    ref_gpu = list(range(ref_world_size)) if colocate else list(range(world_size, world_size + ref_world_size))
+    engine_gpu = _engine_gpus(world_size + own_ref, num_engines, engine_tp, colocate, gpus_per_node)
 
-    used = sorted(set(rank_gpu) | {g for grp in engine_gpu for g in grp})
-    last_gpu = used[-1]
-    nodes_needed = last_gpu // gpus_per_node + 1
+    used = sorted(set(rank_gpu) | set(ref_gpu) | {g for grp in engine_gpu for g in grp})
+    nodes_needed = used[-1] // gpus_per_node + 1
     if num_nodes is not None:
         _need(nodes_needed <= num_nodes,
               f"the layout needs {nodes_needed} nodes of {gpus_per_node} GPUs ({world_size} rank GPUs"
-              + ("" if colocate else f" + {total - world_size} engine GPUs")
+              + (f" + {own_ref} reference GPUs" if own_ref else "")
+              + ("" if colocate else f" + {total - world_size - own_ref} engine GPUs")
               + f", TP groups and engines kept inside a node) but {FLAG_NUM_NODES} = {num_nodes}; add nodes or "
               f"lower {FLAG_WORLD} / {FLAG_ENGINES} / {FLAG_ENGINE_TP}")
 
     bundle_of, local_of, per_node = _number_bundles(used, gpus_per_node, nodes_needed)
-    ranks = []
-    for r, g in enumerate(rank_gpu):
-        t, p, d = megatron_coords(r, tp, pp, world_size)
-        ranks.append(RankSlot(rank=r, node=g // gpus_per_node, gpu=local_of[g], bundle=bundle_of[g],
-                              tp_rank=t, pp_rank=p, dp_rank=d))
+    ranks = _rank_slots(rank_gpu, tp, pp, gpus_per_node, bundle_of, local_of)
+    refs = _rank_slots(ref_gpu, tp, pp, gpus_per_node, bundle_of, local_of)
     engines = []
     for e, grp in enumerate(engine_gpu):
         for w, g in enumerate(grp):
             engines.append(EngineSlot(engine=e, worker=w, node=g // gpus_per_node, gpu=local_of[g],
                                       bundle=bundle_of[g]))
     return PlacementPlan(
-        ranks=tuple(ranks), engines=tuple(engines), num_bundles=len(used), num_nodes=nodes_needed,
+        ranks=ranks, engines=tuple(engines), num_bundles=len(used), num_nodes=nodes_needed,
         colocate=colocate, master_rank_node=ranks[0].node, gpus_per_node=gpus_per_node,
-        node_bundles=tuple(per_node), tp=tp, pp=pp, dp=dp, engine_tp=engine_tp,
+        node_bundles=tuple(per_node), tp=tp, pp=pp, dp=world_size // (tp * pp), engine_tp=engine_tp, refs=refs,
     )
+
+
+FLAG_REF = "--ref.num_nodes x --ref.num_gpus_per_node"
+
+
+def _rank_slots(gpus: list[int], tp: int, pp: int, gpus_per_node: int, bundle_of: dict[int, int],
+                local_of: dict[int, int]) -> tuple[RankSlot, ...]:
+    """Rank ``r`` of a world of ``len(gpus)`` ranks on global GPU ``gpus[r]``, with its Megatron coordinates."""
+    out = []
+    for r, g in enumerate(gpus):
+        t, p, d = megatron_coords(r, tp, pp, len(gpus))
+        out.append(RankSlot(rank=r, node=g // gpus_per_node, gpu=local_of[g], bundle=bundle_of[g],
+                            tp_rank=t, pp_rank=p, dp_rank=d))
+    return tuple(out)
+
+
+def _check_ref(ref_world: int, world: int, tp: int, pp: int, colocate: bool) -> None:
+    """The reference runs the actor's TP x PP layout; colocated it pairs with the actor's ranks one for one."""
+    if not ref_world:
+        return
+    _need(ref_world % (tp * pp) == 0,
+          f"{FLAG_REF} = {ref_world}: the reference runs the actor's layout, so TP x PP = {tp * pp} must divide it")
+    _need(not colocate or ref_world == world,
+          f"{FLAG_COLOCATE}: the reference shares the actor's GPUs one for one, so {FLAG_REF} = {ref_world} must equal "
+          f"{FLAG_WORLD} = {world}")
 
 
 def _check_shape(*, world_size: int, tp: int, pp: int, num_engines: int, engine_tp: int, gpus_per_node: int,
@@ -314,11 +344,12 @@ def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
     """The plan for a TrainConfig (``on_gpu``: ``Platform.on_gpu``). CPU: every slot on the local
     node (gpus_per_node = all slots)."""
     m, t, v, world = cfg.megatron, cfg.train, cfg.vllm, cfg.actor.world_size
+    ref = cfg.ref.world_size(world) if cfg.algo.kl.enabled else 0  # no KL: no reference ranks at all
     etp = v.tensor_parallel_size
     if on_gpu:
         gpn, nodes = t.gpus_per_node, t.num_nodes
     else:
-        gpn, nodes = max(world + v.num_engines * etp, etp, m.tensor_model_parallel_size), None
+        gpn, nodes = max(world + ref + v.num_engines * etp, etp, m.tensor_model_parallel_size), None
     return plan_placement(world_size=world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                           num_engines=v.num_engines, engine_tp=etp, colocate=t.colocate_all, gpus_per_node=gpn,
-                          num_nodes=nodes, rollout_gpus=cfg.rollout.num_gpus)
+                          num_nodes=nodes, rollout_gpus=cfg.rollout.num_gpus, ref_world_size=ref)

@@ -71,7 +71,7 @@ class RankActor(WeightSenderMixin):
 
 
 class RankGroup:
-    """All ranks of the actor model, each a :class:`RankActor` hosting a ``worker_cls``.
+    """All ranks of the actor model (or of the reference model), each a :class:`RankActor` hosting a ``worker_cls``.
 
     Args:
         worker_cls: the backend's rank worker (a :class:`~openrlhf_shape.actor.protocol.RankWorker`).
@@ -79,17 +79,23 @@ class RankGroup:
         world_size: number of ranks.
         placement: an ``openrlhf_shape.cluster.ray_placement.RayPlacement``; rank r on its bundle.
         platform: the run's profile (CPU shares and threads of each rank; handed to every rank).
+        reference: the reference model's ranks (the plan's ``refs``: a torch.distributed world of their own);
+            build them with :meth:`init_reference`.
     """
 
-    def __init__(self, worker_cls: type, cfg: Any, world_size: int, placement, platform: Platform):
+    def __init__(self, worker_cls: type, cfg: Any, world_size: int, placement, platform: Platform,
+                 reference: bool = False):
         from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
 
-        if len(placement.plan.ranks) != world_size:
-            raise ValueError(f"placement plan has {len(placement.plan.ranks)} ranks, --actor.num_nodes x --actor.num_gpus_per_node = {world_size}")
+        planned = len(placement.plan.refs if reference else placement.plan.ranks)
+        if planned != world_size:
+            flag = "--ref.num_nodes x --ref.num_gpus_per_node" if reference else "--actor.num_nodes x --actor.num_gpus_per_node"
+            raise ValueError(f"placement plan has {planned} ranks, {flag} = {world_size}")
         self.worker_cls, self.cfg, self.world_size, self.platform = worker_cls, cfg, world_size, platform
+        self.reference = reference
         handed = platform.to_dict()
         self.actors, self.rendezvous = spawn_rank_actors(
-            placement, ray.remote(RankActor), num_cpus=platform.cpus_per_rank,
+            placement, ray.remote(RankActor), num_cpus=platform.cpus_per_rank, reference=reference,
             args_for_rank=lambda r: (worker_cls, cfg, r, world_size, handed))
         ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
         self.clock = BusyClock()  # ranks at work (a call in flight); the weight stream is timed by the sync
@@ -100,6 +106,10 @@ class RankGroup:
 
     def init_model(self, hf_dir: str) -> dict:
         return self._all("init_model", hf_dir)[0]
+
+    def init_reference(self, hf_dir: str) -> dict:
+        """The reference model from ``hf_dir`` on every rank (forward only)."""
+        return self._all("init_reference", hf_dir)[0]
 
     def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> LogProbs:
         """Float32 log-probs and entropy of every response token, per sample in batch order (with MoE routing

@@ -7,7 +7,8 @@ group of all bundles with ``PACK`` lets Ray spread bundles wherever it likes, an
 straddle two nodes.
 
 * Megatron rank ``r`` runs on its bundle with ``num_gpus`` 1 (0.5 when colocated: the engine worker
-  on the same bundle takes the other half, so Ray refuses a second rank on that GPU).
+  on the same bundle takes the other half, so Ray refuses a second rank on that GPU; a third each when the
+  reference model's rank shares the bundle too). Reference rank ``r`` runs on its own bundle the same way.
 * Engine ``e`` at TP 1: the engine actor IS the vLLM worker (in-process executor) and takes the GPU
   share of its bundle. At TP > 1: the engine actor sits on its worker-0 bundle with no GPU, inside
   the node's group with ``placement_group_capture_child_tasks=True``; vLLM's Ray executor then
@@ -22,6 +23,7 @@ straddle two nodes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from openrlhf_shape.cluster.placement import (
@@ -102,20 +104,26 @@ class RayPlacement:
             placement_group_capture_child_tasks=capture_child_tasks,
         )
 
-    def rank_gpu_share(self) -> float:
+    def _gpu_share(self) -> float:
+        """What each process on a shared GPU takes: rank + engine worker colocated (+ a reference rank), else 1
+        (rounded down, so that the shares of one GPU never add up to more than 1)."""
         if not self.gpus:
             return 0.0
-        return 0.5 if self.plan.colocate else 1.0
+        if not self.plan.colocate:
+            return 1.0
+        sharers = 3 if self.plan.refs else 2
+        return math.floor(10_000 / sharers) / 10_000
+
+    def rank_gpu_share(self) -> float:
+        return self._gpu_share()
 
     def engine_gpu_share(self) -> float:
         """GPU share of each engine worker (vLLM's per-worker GPUs at TP > 1)."""
-        if not self.gpus:
-            return 0.0
-        return 0.5 if self.plan.colocate else 1.0
+        return self._gpu_share()
 
-    def rank_options(self, rank: int, num_cpus: float) -> dict[str, Any]:
-        """``actor_cls.options(**...)`` for Megatron rank ``rank``."""
-        slot = self.plan.ranks[rank]
+    def rank_options(self, rank: int, num_cpus: float, *, reference: bool = False) -> dict[str, Any]:
+        """``actor_cls.options(**...)`` for Megatron rank ``rank`` (of the reference model with ``reference``)."""
+        slot = (self.plan.refs if reference else self.plan.ranks)[rank]
         return dict(num_cpus=num_cpus, num_gpus=self.rank_gpu_share(), scheduling_strategy=self._strategy(slot.bundle))
 
     def engine_options(self, engine: int, num_cpus: float) -> dict[str, Any]:
@@ -172,8 +180,9 @@ def rendezvous_from(rank0_actor) -> dict[str, Any]:
 
 
 def spawn_rank_actors(placement: RayPlacement, actor_cls, *, num_cpus: float,
-                      args_for_rank) -> tuple[list, dict[str, Any]]:
-    """Start one actor of ``actor_cls`` (a ``ray.remote`` class) per Megatron rank on its bundle.
+                      args_for_rank, reference: bool = False) -> tuple[list, dict[str, Any]]:
+    """Start one actor of ``actor_cls`` (a ``ray.remote`` class) per Megatron rank on its bundle (per reference rank
+    with ``reference``: a world of its own, with its own rendezvous).
 
     ``args_for_rank(rank)`` gives the constructor's positional args. The actors must not join
     torch.distributed in their constructor: this function then asks rank 0's actor (method
@@ -181,7 +190,7 @@ def spawn_rank_actors(placement: RayPlacement, actor_cls, *, num_cpus: float,
     passes ``endpoint["ip"]`` / ``endpoint["port"]`` to every rank.
     """
     actors = []
-    for rank in range(len(placement.plan.ranks)):
-        opts = placement.rank_options(rank, num_cpus)
+    for rank in range(len(placement.plan.refs if reference else placement.plan.ranks)):
+        opts = placement.rank_options(rank, num_cpus, reference=reference)
         actors.append(actor_cls.options(**opts).remote(*args_for_rank(rank)))
     return actors, rendezvous_from(actors[0])

@@ -1,6 +1,6 @@
 """Start the trainer's cluster side in one call: placement plan -> placement groups -> Megatron
-rank actors (rendezvous on rank 0's node) and vLLM engine actors on their bundles -> the weight
-sync owned by the trainer's engine group -> the colocation lifecycle.
+rank actors (rendezvous on rank 0's node), the reference model's rank actors (with KL) and vLLM engine
+actors on their bundles -> the weight sync owned by the trainer's engine group -> the colocation lifecycle.
 
 The trainer uses this on CPU and GPU alike. On CPU (tests, the demo) the bundles are CPU slots
 (``{"CPU": c}``) on the local node; colocation then runs the same transitions (Megatron storages
@@ -35,6 +35,7 @@ class ClusterRuntime:
     engines: EngineGroup
     sync: EngineWeightSync
     lifecycle: Lifecycle
+    refs: RankGroup | None = None  # the reference model's ranks (--algo.kl.init_coef > 0; --ref.*)
 
     def shutdown(self) -> None:
         try:
@@ -43,18 +44,23 @@ class ClusterRuntime:
             self.placement.remove()
 
 
-def make_rank_group(cfg, mcfg, placement, platform: Platform) -> RankGroup:
+def make_rank_group(cfg, mcfg, placement, platform: Platform, reference: bool = False) -> RankGroup:
     """The ranks of ``--actor.backend`` (``cfg``: the TrainConfig; ``mcfg``: its rank-side training
-    settings) on ``placement``'s bundles under ``platform``: the one place that picks the worker class."""
+    settings) on ``placement``'s bundles under ``platform``: the one place that picks the worker class. With
+    ``reference``: the reference model's ranks (``--ref.*``), the same backend and layout (free MoE routing)."""
+    import dataclasses
+
     from openrlhf_shape.cluster.rank_group import RankGroup
 
+    world = cfg.ref.world_size(cfg.actor.world_size) if reference else cfg.actor.world_size
     if cfg.actor.backend == "deepspeed":
         from openrlhf_shape.zero.worker import ZeroRankWorker
 
-        return RankGroup(ZeroRankWorker, cfg.zero_config(), cfg.actor.world_size, placement, platform)
+        return RankGroup(ZeroRankWorker, cfg.zero_config(), world, placement, platform, reference=reference)
     from openrlhf_shape.megatron.worker import MegatronRankWorker
 
-    return RankGroup(MegatronRankWorker, mcfg, cfg.actor.world_size, placement, platform)
+    wcfg = dataclasses.replace(mcfg, routing_replay="none") if reference else mcfg
+    return RankGroup(MegatronRankWorker, wcfg, world, placement, platform, reference=reference)
 
 
 def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
@@ -74,12 +80,15 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     r = cfg.rollout
     plan = plan_for(cfg, platform.on_gpu)
     c_rank, c_engine = platform.cpus_per_rank, platform.cpus_per_engine
-    cpus = (c_rank + c_engine) if plan.colocate else max(c_rank, c_engine)
+    cpus = (c_rank * (2 if plan.refs else 1) + c_engine) if plan.colocate else max(c_rank, c_engine)
     placement = RayPlacement(plan, cpus_per_bundle=cpus, gpus=platform.gpus_per_bundle > 0)
+    refs = None
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
         engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False)
         ranks = make_rank_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
+        if plan.refs:  # --algo.kl.init_coef > 0: the reference model's ranks, a world of their own
+            refs = make_rank_group(cfg, mcfg, placement, platform, reference=True)
         ray.get([h.ready.remote() for h in engines.engines])
         transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
         log.info("weight sync: %s (%s)", transport, why)
@@ -89,8 +98,8 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     except BaseException:
         placement.remove()
         raise
-    lifecycle = Lifecycle(ranks, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate)
-    return ClusterRuntime(plan, placement, platform, ranks, engines, sync, lifecycle)
+    lifecycle = Lifecycle(ranks, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate, refs=refs)
+    return ClusterRuntime(plan, placement, platform, ranks, engines, sync, lifecycle, refs)
 
 
 def connect_sync(rt: ClusterRuntime) -> None:

@@ -40,6 +40,7 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     _check_backend(cfg)
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
+    _check_kl(cfg)
     _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
     _check_agent(cfg, check_paths)
@@ -170,6 +171,26 @@ def _check_partial(cfg: "TrainConfig") -> None:
     _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
           "r3 replays the engines' routing of one generate call per sample; a partial rollout spans several rounds "
           "and weight versions: use r2 with --train.partial_rollout_enable")
+
+
+def _check_kl(cfg: "TrainConfig") -> None:
+    """The KL settings, and the reference ranks' layout: the actor's TP x PP must divide them; colocated, they sit
+    on the actor's GPUs one for one (OpenRLHF's rule)."""
+    k = cfg.algo.kl
+    cfg.kl_penalty()  # estimator, init_coef, target, horizon, unbiased_gradient (errors name the flag)
+    if not k.enabled:
+        return
+    world, ref = cfg.actor.world_size, cfg.ref.world_size(cfg.actor.world_size)
+    m = cfg.megatron
+    cp = m.context_parallel_size if cfg.actor.backend == "megatron" else cfg.ds.ring_attn_size
+    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
+    _need(ref >= 1 and ref % mp == 0, "ref.num_gpus_per_node",
+          f"the reference runs the actor's layout, so its {ref} ranks (--ref.num_nodes x --ref.num_gpus_per_node) must "
+          f"be a multiple of TP x PP x CP = {mp}")
+    _need(not cfg.train.colocate_all or ref == world, "ref.num_gpus_per_node",
+          f"with --train.colocate_all the reference shares the actor's GPUs one for one: --ref.num_nodes x "
+          f"--ref.num_gpus_per_node = {ref} must equal --actor.num_nodes x --actor.num_gpus_per_node = {world} "
+          "(or leave both --ref.* unset)")
 
 
 def _check_reward_shaping(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:

@@ -34,8 +34,12 @@ class OpenRLHFFlag:
 
 _NO_CRITIC = ("no critic here; use a critic-free --algo.advantage.estimator (group_norm, reinforce, reinforce_baseline, "
               "rloo, dr_grpo, flash_reinforce, shape, mrt)")
-_NO_REF = "no reference model here (training runs without a KL term, as the paper); drop it"
-_NO_KL = "no KL term here (there is no reference model; the paper trains without KL); drop it"
+_REF_RANKS = ("the reference model's ranks (started when --algo.kl.init_coef > 0; unset: as many as the actor's): "
+              "the actor's backend and TP/PP layout, on the actor's GPUs under --train.colocate_all, else on their own")
+_REF_OFFLOAD = ("under --train.colocate_all the colocation lifecycle keeps the reference's parameters in host memory "
+                "except during its forward; without it they stay on the reference's own GPUs; drop it")
+_REF_COLOCATE = ("the reference shares the actor's GPUs under --train.colocate_all (offloaded by the colocation "
+                 "lifecycle); without it, it runs on its own GPUs (--ref.num_nodes x --ref.num_gpus_per_node)")
 _NO_RM = "no reward-model actor here; rewards come from Math-Verify or --reward.remote_url (a reward_func .py or HTTP server)"
 _DS = "not a switch of this trainer's DeepSpeed backend (--actor.backend deepspeed: ZeRO 0-3, adam offload, bf16/fp32, gradient checkpointing)"
 _NO_VLM = "text-only: vision-language models are not supported"
@@ -64,9 +68,9 @@ def _critic_optim() -> list[OpenRLHFFlag]:
 
 OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     # ---- placement: Ray actor groups
-    _f("ref.num_nodes", 1, REFUSED, why=_NO_REF),
-    _f("ref.num_gpus_per_node", 8, REFUSED, why=_NO_REF),
-    _f("ref.offload", False, REFUSED, why=_NO_REF),
+    _f("ref.num_nodes", 1, SAME, why=_REF_RANKS),
+    _f("ref.num_gpus_per_node", 8, SAME, why=_REF_RANKS),
+    _f("ref.offload", False, REFUSED, why=_REF_OFFLOAD),
     _f("reward.num_nodes", 1, REFUSED, why=_NO_RM),
     _f("reward.num_gpus_per_node", 8, REFUSED, why=_NO_RM),
     _f("reward.offload", False, REFUSED, why=_NO_RM),
@@ -82,7 +86,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("actor.num_gpus_per_node", 8, SAME, why="Megatron ranks = num_nodes x num_gpus_per_node = TP x PP x DP"),
     _f("train.colocate_all", False, SAME, why="vLLM engines sleep while the actor ranks train on the same GPUs; with "
        "--train.async_enable, as in OpenRLHF, only the training models share GPUs and the engines get their own"),
-    _f("train.colocate_actor_ref", False, REFUSED, why=_NO_REF),
+    _f("train.colocate_actor_ref", False, REFUSED, why=_REF_COLOCATE),
     _f("train.colocate_critic_reward", False, REFUSED, why=_NO_CRITIC),
     # ---- vLLM
     _f("vllm.num_engines", None, SAME),
@@ -215,12 +219,13 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("actor.lr_warmup_ratio", 0.03, SAME),
     _f("actor.min_lr_ratio", 0.1, SAME),
     _f("actor.max_norm", 1.0, SAME),
-    _f("algo.kl.init_coef", 0.01, VALUES, accept={0: None, 0.0: None}, why=f"{_NO_KL} (or give 0)"),
-    _f("algo.kl.use_loss", False, REFUSED, why=_NO_KL),
-    _f("algo.kl.estimator", "k1", REFUSED, why=_NO_KL),
-    _f("algo.kl.unbiased_gradient", False, REFUSED, why=_NO_KL),
-    _f("algo.kl.target", None, REFUSED, why=_NO_KL),
-    _f("algo.kl.horizon", 10000, REFUSED, why=_NO_KL),
+    _f("algo.kl.init_coef", 0.01, SAME,
+       why="the default here is 0 (no reference model, no KL: the paper's setting); > 0 starts the reference ranks"),
+    _f("algo.kl.use_loss", False, SAME, why="KL in the policy loss; without it -coef x kl per token in the reward"),
+    _f("algo.kl.estimator", "k1", SAME, why="k1 | k2 | k3 with OpenRLHF's clamping (openrlhf_shape/algorithms/kl.py)"),
+    _f("algo.kl.unbiased_gradient", False, SAME, why="with --algo.kl.use_loss only"),
+    _f("algo.kl.target", None, SAME, why="the adaptive KL controller (unset: a fixed coefficient)"),
+    _f("algo.kl.horizon", 10000, SAME, why="the adaptive KL controller's horizon in samples"),
     # ---- advantages
     _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator",
        accept={"group_norm": "group_norm", "grpo": "group_norm", "reinforce": "reinforce",

@@ -18,6 +18,7 @@ from typing import Any
 
 from openrlhf_shape.actor.optim import OptimConfig, OptimSettings
 from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.algorithms.kl import KLController, KLPenalty
 from openrlhf_shape.data.prompts import PromptDataConfig
 from openrlhf_shape.megatron.config import MegatronConfig, MegatronSettings
 from openrlhf_shape.rewards.computer import RewardConfig
@@ -135,6 +136,40 @@ class ActorSection(OptimSettings):
 
 
 @dataclass
+class RefSection:
+    """``--ref.*``: the reference model's ranks, started only when ``--algo.kl.init_coef`` > 0 (the initial
+    weights, forward only, the actor's backend and TP/PP/EP layout). Under ``--train.colocate_all`` they share the
+    actor's GPUs (so they must be as many: OpenRLHF's rule); otherwise they get their own."""
+
+    # ranks = num_nodes x num_gpus_per_node (both unset: as many as the actor's; one unset: 1 node / 8 GPUs per node)
+    num_nodes: int | None = None
+    num_gpus_per_node: int | None = None
+
+    def world_size(self, actor_world: int) -> int:
+        """Reference ranks; ``actor_world`` when neither flag is given."""
+        if self.num_nodes is None and self.num_gpus_per_node is None:
+            return actor_world
+        return (self.num_nodes or 1) * (self.num_gpus_per_node or 8)
+
+
+@dataclass
+class KLSection:
+    """``--algo.kl.*``: the KL penalty to the reference model (openrlhf_shape/algorithms/kl.py)."""
+
+    init_coef: float = 0.0  # 0: no reference model, no KL (the paper's setting; OpenRLHF's default is 0.01)
+    use_loss: bool = False  # KL in the policy loss; off: -coef * kl per token in the reward (OpenRLHF's default)
+    estimator: str = "k1"  # k1 | k2 | k3
+    target: float | None = None  # set: the adaptive controller aims the step's kl at this value
+    horizon: int = 10000  # samples over which the adaptive controller closes its error
+    unbiased_gradient: bool = False  # KL in the loss: the reverse-KL gradient, importance-weighted from the old policy
+
+    @property
+    def enabled(self) -> bool:
+        """A reference model runs (and KL is computed) only with a positive coefficient."""
+        return self.init_coef > 0
+
+
+@dataclass
 class AdvantageSection:
     """``--algo.advantage.*``: the estimator and the rollout/trainer mismatch correction
     (algorithms/rollout_correction.py)."""
@@ -152,6 +187,7 @@ class AdvantageSection:
 @dataclass
 class AlgoSection:
     advantage: AdvantageSection = field(default_factory=AdvantageSection)
+    kl: KLSection = field(default_factory=KLSection)
     dynamic_filtering_enable: bool = False  # DAPO: drop prompt groups whose mean score is not strictly inside the range
     dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
 
@@ -219,6 +255,7 @@ class TrainConfig:
     vllm: VllmSection = field(default_factory=VllmSection)
     train: TrainSection = field(default_factory=TrainSection)
     actor: ActorSection = field(default_factory=ActorSection)
+    ref: RefSection = field(default_factory=RefSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     eval: EvalSection = field(default_factory=EvalSection)
     ckpt: CkptSection = field(default_factory=CkptSection)
@@ -288,6 +325,13 @@ class TrainConfig:
         a = self.algo.advantage
         return RolloutCorrectionConfig(a.is_correction_level, a.is_correction_mode, a.is_correction_gating,
                                        tuple(a.is_correction_threshold))
+
+    def kl_penalty(self) -> KLPenalty:
+        """The KL settings (``--algo.kl.*``) with a fresh coefficient controller (``--algo.kl.init_coef``; adaptive
+        with ``--algo.kl.target``); whether a reference model runs at all is ``algo.kl.enabled``."""
+        k = self.algo.kl
+        ctl = KLController(float(k.init_coef), None if k.target is None else float(k.target), int(k.horizon))
+        return KLPenalty(ctl, k.estimator, bool(k.use_loss), bool(k.unbiased_gradient))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

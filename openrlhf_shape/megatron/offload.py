@@ -22,6 +22,17 @@ def _optimizers(optimizer) -> list:
     return list(subs) if subs else [optimizer]
 
 
+def _ddp_buffers(chunk) -> list:
+    """DDP's contiguous parameter/gradient buffers of a model chunk; none for a forward-only model (the reference
+    model's bare module, where ``buffers`` is ``nn.Module.buffers``, a method)."""
+    out = []
+    for name in ("buffers", "expert_parallel_buffers"):
+        bufs = getattr(chunk, name, None)
+        if isinstance(bufs, (list, tuple)):
+            out.extend(bufs)
+    return out
+
+
 def state_tensors(model_chunks: Iterable, optimizer) -> dict[str, list[torch.Tensor]]:
     """group -> tensors of the model chunks and the (possibly chained) Megatron optimizer."""
     out: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
@@ -31,7 +42,7 @@ def state_tensors(model_chunks: Iterable, optimizer) -> dict[str, list[torch.Ten
             g = getattr(p, "main_grad", None)
             if g is not None:
                 out["grads"].append(g)
-        for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+        for buf in _ddp_buffers(chunk):
             if getattr(buf, "param_data", None) is not None:
                 out["params"].append(buf.param_data)
             if getattr(buf, "grad_data", None) is not None:

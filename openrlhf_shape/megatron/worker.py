@@ -14,6 +14,7 @@ that the worker hands to the checkpoint and export functions (they never see the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -217,6 +218,12 @@ class MegatronRankWorker:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.tconfig = tconfig
         return self._model_info(gpt)
+
+    def init_reference(self, hf_dir: str) -> dict:
+        """The reference model: ``hf_dir``'s weights in this rank's layout, forward only (no DDP buffers, no optimizer;
+        free MoE routing: OpenRLHF's reference replays no rollout routing)."""
+        self.cfg = dataclasses.replace(self.cfg, routing_replay="none")
+        return {**self.init_model(hf_dir, train=False), "reference": True}
 
     def _build_gpt(self, bridge, hf_dir: str, load_weights: bool):
         """This rank's GPT stage from the bridge's provider, on its device, with HF weights when asked."""

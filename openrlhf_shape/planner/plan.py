@@ -10,6 +10,11 @@ Phases per GPU (what our trainer does, in order):
 * ``update``: the Megatron peak while vLLM sleeps (level 1: weights to host RAM; level 2:
   dropped; its CUDA context and graphs stay).
 
+With a reference model (``--algo.kl.init_coef`` > 0, :mod:`openrlhf_shape.planner.reference`): colocated, every
+phase also holds the reference rank's process (CUDA context, NCCL) and a ``reference log-probs`` phase follows
+the log-probs one (its weights and forward on the GPU, the actor back in its rollout state, vLLM awake);
+disaggregated, the reference GPUs have that phase of their own.
+
 Disaggregated (no colocation), rank GPUs and engine GPUs are separate and each only holds its own.
 """
 
@@ -109,6 +114,9 @@ class Plan:
     etp: int = 1  # expert tensor parallel (MoE; megatron-core's default: TP)
     edp: int = 1  # expert data parallel = world / (ETP x EP x PP)
     async_plan: AsyncPlan | None = None  # one-step-off estimates (GPU configs)
+    ref_world: int = 0  # reference model ranks (0: no KL, no reference model)
+    reference: MegatronMemory | None = None  # one reference rank, its worst PP stage
+    ref_phases: list[PhaseMemory] = field(default_factory=list)  # disaggregated reference GPUs
     sync: Any = None  # planner/sync_time.py:SyncEstimate of one weight sync (GPU configs with a placement)
     sync_timeout_s: float = 0.0  # --rollout.weight_sync_timeout
     sync_warnings: list[str] = field(default_factory=list)
@@ -137,7 +145,7 @@ class Plan:
 
     @property
     def min_free(self) -> tuple[str, int]:
-        phases = self.gpu_phases + self.engine_phases
+        phases = self.gpu_phases + self.engine_phases + self.ref_phases
         worst = min(phases, key=lambda p: p.free)
         return worst.name, worst.free
 
@@ -157,6 +165,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     dp = max(1, world // (tp * pp * cp))
     on_gpu = cfg.megatron.gpus_per_rank > 0
     plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None, cp=cp)
+    plan.ref_world = cfg.ref.world_size(world) if cfg.algo.kl.enabled else 0
     _check_layout(plan, cfg)
     if on_gpu:
         _place(plan, cfg)
@@ -166,6 +175,8 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     fwd = max(fwds, key=lambda x: x.peak)
     plan.megatron, plan.megatron_fwd = meg, fwd
     plan.worst_stage = meg.stage
+    refs = _reference_memory(plan, cfg, dtype)
+    plan.reference = max(refs, key=lambda x: x.peak) if refs else None
 
     if not on_gpu:
         _cpu_phases(plan, cfg, meg, fwd)
@@ -173,14 +184,17 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
         return plan
 
     _gpu_phases(plan, cfg, megs, fwds)
+    if refs:
+        _reference_phases(plan, cfg, megs, refs)
     _check_kv_cache(plan, cfg)
     _sync_estimate(plan, cfg)
     if plan.placement is not None:
         _host_memory(plan, cfg, meg, dtype)
     # -- per-phase verdicts on the worst rank GPU of each phase
-    for ph in plan.gpu_phases + plan.engine_phases:
+    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases:
         if ph.free < options.min_free_gib * GiB:
-            where = _where(plan, ph.stage) if ph.stage is not None else "every engine GPU"
+            where = (_where(plan, ph.stage, reference=ph in plan.ref_phases) if ph.stage is not None
+                     else "every engine GPU")
             plan.refusals.append(_refusal(plan, cfg, ph, where))
     _finish(plan, cfg, search)
     return plan
@@ -249,7 +263,7 @@ def _place(plan: Plan, cfg: TrainConfig) -> None:
         plan.placement = plan_placement(
             world_size=plan.world, tp=plan.tp * plan.cp, pp=plan.pp, num_engines=cfg.vllm.num_engines,
             engine_tp=cfg.vllm.tensor_parallel_size, colocate=cfg.train.colocate_all,
-            gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes,
+            gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes, ref_world_size=plan.ref_world,
         )
     except ValueError as exc:
         msg = str(exc)
@@ -323,6 +337,41 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
     if model.is_moe:
         kw.update(ep=plan.ep, etp=plan.etp, moe_imbalance=plan.options.moe_load_imbalance)
     return megatron_memory_stages(model, **kw), megatron_memory_stages(model, **{**kw, **fwd_size}), dtype
+
+
+def _reference_memory(plan: Plan, cfg: TrainConfig, dtype: str) -> list[MegatronMemory]:
+    """One reference rank per PP stage (empty without KL), on the profile the trainer would hand it."""
+    if not plan.ref_world:
+        return []
+    from openrlhf_shape.planner.reference import reference_memory
+    from openrlhf_shape.platform import cpu_platform, gpu_platform
+
+    spec = (gpu_platform() if plan.on_gpu else cpu_platform()).layer_spec
+    return reference_memory(plan.model, cfg, ref_world=plan.ref_world, micro_batch_tokens=plan.micro_batch_tokens,
+                            max_seq=plan.inputs["max_seq"], dtype=dtype, spec=spec)
+
+
+def _reference_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], refs: list[MegatronMemory]) -> None:
+    """Colocated: the reference rank's process in every phase of the rank GPU and a ``reference log-probs`` phase
+    after the log-probs one (the actor back in its rollout state, vLLM awake); disaggregated: that phase on the
+    reference GPUs (the worst PP stage)."""
+    from openrlhf_shape.planner.reference import PHASE, offloaded_terms, process_terms
+
+    o, cap = plan.options, int(plan.options.gpu_memory_gib * GiB)
+    ctx = [Term("CUDA context (rank)", int(o.cuda_context_gib * GiB), "--plan.cuda_context_gib"),
+           Term("NCCL buffers (rank)", int(o.nccl_gib * GiB), "--plan.nccl_gib")]
+    ref = max(refs, key=lambda x: x.peak)
+    if not cfg.train.colocate_all:
+        plan.ref_phases = [PhaseMemory(f"{PHASE} (reference GPU)", ref.peak_terms() + process_terms(o), cap, ref.stage)]
+        return
+    for ph in plan.gpu_phases:
+        ph.terms = ph.terms + offloaded_terms(refs[ph.stage], o)
+    vllm_awake = [t for t in plan.gpu_phases[0].terms if t.name.startswith("vLLM")]  # rollout: vLLM awake
+    per_stage = [PhaseMemory(PHASE, _resident(mg, o.megatron_offload) + ctx + vllm_awake + r.peak_terms()
+                             + process_terms(o), cap, st) for st, (mg, r) in enumerate(zip(megs, refs))]
+    worst = max(per_stage, key=lambda ph: ph.total)
+    at = next(i for i, ph in enumerate(plan.gpu_phases) if ph.name == "log-probs") + 1
+    plan.gpu_phases.insert(at, worst)
 
 
 def _gpu_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], fwds: list[MegatronMemory]) -> None:
@@ -418,6 +467,10 @@ def _host_memory(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, dtype: str) 
         Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
         Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
     ]
+    if plan.reference is not None and cfg.train.colocate_all:  # the lifecycle keeps it on host between its forwards
+        from openrlhf_shape.planner.reference import host_term
+
+        plan.host.append(host_term(plan.reference, sum(1 for x in plan.placement.refs if x.node == node0)))
     if cfg.actor.backend == "deepspeed" and cfg.ds.adam_offload:
         from openrlhf_shape.planner.zero_memory import zero_host_term
 
@@ -451,12 +504,15 @@ def _offloaded_bytes(meg: MegatronMemory, offload: str) -> int:
     return 0
 
 
-def _where(plan: Plan, stage: int) -> str:
-    """The first GPU whose rank sits on PP stage ``stage`` (all ranks of a stage hold the same)."""
-    if plan.placement is None:
+def _where(plan: Plan, stage: int, reference: bool = False) -> str:
+    """The first GPU whose rank (reference rank with ``reference``) sits on PP stage ``stage`` (all ranks of a stage
+    hold the same)."""
+    slots = (plan.placement.refs if reference else plan.placement.ranks) if plan.placement is not None else ()
+    slot = next((x for x in slots if x.pp_rank == stage), None)
+    if slot is None:
         return f"PP stage {stage}"
-    slot = next(x for x in plan.placement.ranks if x.pp_rank == stage)
-    return f"node {slot.node} GPU {slot.gpu} (rank {slot.rank}: {rank_coords(plan, slot)})"
+    who = "reference rank" if reference else "rank"
+    return f"node {slot.node} GPU {slot.gpu} ({who} {slot.rank}: {rank_coords(plan, slot)})"
 
 
 def rank_coords(plan: Plan, slot: Any) -> str:
@@ -485,6 +541,10 @@ def _refusal(plan: Plan, cfg: TrainConfig, ph: PhaseMemory, where: str) -> str:
                + (f", or a smaller {FLAG_MBT}" if ph.name == "log-probs" else "")
                + (f", or raise {FLAG_CP} (now {plan.cp}: a {plan.inputs['max_seq']}-token sequence is one micro-batch)"
                   if plan.micro_batch_tokens > cfg.train.max_tokens_per_gpu else ""))
+    elif ph.name.startswith("reference"):  # its weights are the actor's shard; colocated, vLLM is awake beside it
+        fix = (f"raise {FLAG_TP} / {FLAG_PP}" + (f", lower {FLAG_UTIL}" if cfg.train.colocate_all else "")
+               + f" or lower {FLAG_MBT}" + (" or use --ds.zero_stage 3 (partitions its weights)"
+                                            if cfg.actor.backend == "deepspeed" and cfg.ds.zero_stage != 3 else ""))
     elif ph.name.startswith("rollout"):
         fix = f"lower {FLAG_UTIL} or raise {FLAG_ETP}"
     else:
@@ -517,6 +577,11 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
                f"{cfg.vllm.num_engines} engine(s) x (--vllm.kv_cache_gib {cfg.vllm.kv_cache_gib:g} GiB + fp32 weights + --plan.cpu_engine_baseline_gib {o.cpu_engine_baseline_gib:g})")
     base = Term(f"{ranks} rank process baseline(s)", int(ranks * o.cpu_rank_baseline_gib * GiB), "--plan.cpu_rank_baseline_gib")
     terms = [Term(f"{ranks} rank(s) x " + t.name, ranks * t.bytes, t.formula) for t in meg.peak_terms()] + [base, eng]
+    if plan.reference is not None:  # on CPU "host" is the same RAM: the reference ranks' weights always count
+        n = plan.ref_world
+        terms += [Term(f"{n} reference rank(s) x " + t.name, n * t.bytes, t.formula) for t in plan.reference.peak_terms()]
+        terms.append(Term(f"{n} reference rank process baseline(s)", int(n * o.cpu_rank_baseline_gib * GiB),
+                          "--plan.cpu_rank_baseline_gib"))
     plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
     if plan.gpu_phases[0].free < o.min_free_gib * GiB:
         plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
@@ -544,6 +609,13 @@ def _finish(plan: Plan, cfg: TrainConfig, search: bool = True) -> None:
     )
     if plan.sync is not None:
         plan.phases = [_sync_phase(plan, cfg) if p.name == "weight sync" else p for p in plan.phases]
+    if plan.reference is not None:  # after the actor's log-probs, before the probes (the same place in the step)
+        from openrlhf_shape.planner.reference import reference_time
+
+        at = next(k for k, p in enumerate(plan.phases) if p.name == "log-probs + entropy") + 1
+        plan.phases.insert(at, reference_time(  # the tokens of the actor's log-prob pass: the packed micro-batches'
+            plan.model, ref_world=plan.ref_world, total_tokens=plan.packing.computed, seq=plan.packing.attention_seq,
+            colocate=cfg.train.colocate_all, weight_bytes=plan.reference.static_bytes, opt=plan.options))
     plan.async_plan = _async_plan(plan, cfg)
     if search and plan.async_plan is not None:
         from openrlhf_shape.planner.split import search_split

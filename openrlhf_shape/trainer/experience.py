@@ -24,6 +24,7 @@ import torch
 
 from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
+from openrlhf_shape.algorithms.kl import KLPenalty, approx_kl, kl_penalty_returns, kl_token_rewards, masked_sample_mean
 from openrlhf_shape.algorithms.length_penalty import check_stop_properly_coef, stop_properly_penalty
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
@@ -79,8 +80,11 @@ class ShapeExperienceMaker:
             before any clip or baseline (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
         agent: an :class:`~openrlhf_shape.rollout.agents.AgentRunner` (``--train.agent_func_path``): the
             samples are its episodes, their rewards its own (the reward function scores the episodes it leaves
-            without one). Credit (segments, probes, advantages) and the loss then cover only the policy's
-            turns (``ExperienceBatch.action_mask``), never the environment's replies.
+            without one). Credit (segments, probes, advantages), the loss and the KL then cover only the
+            policy's turns (``ExperienceBatch.action_mask``), never the environment's replies.
+        ref_logprobs_fn: the reference model's log-probs of a batch (the reference ranks, through the lifecycle);
+            None without a reference model (``--algo.kl.init_coef 0``).
+        kl: the KL settings and coefficient (``--algo.kl.*``, algorithms/kl.py); needed with ``ref_logprobs_fn``.
 
     With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
     log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
@@ -91,7 +95,11 @@ class ShapeExperienceMaker:
                  dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
                  rollout_correction: RolloutCorrectionConfig | None = None,
                  reward_clip_range: tuple[float, float] = (-10.0, 10.0),
-                 stop_properly_penalty_coef: float | None = None, agent=None):
+                 stop_properly_penalty_coef: float | None = None, agent=None,
+                 ref_logprobs_fn: LogProbFn | None = None, kl: KLPenalty | None = None):
+        if (ref_logprobs_fn is None) != (kl is None):
+            raise ValueError("the KL to the reference model needs both the reference's log-probs and the KL settings")
+        self.ref_logprobs_fn, self.kl = ref_logprobs_fn, kl
         self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
         untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
         if self.correction.level != "off" and not untruncated:
@@ -136,8 +144,11 @@ class ShapeExperienceMaker:
         return log.phase("rewards", self.rewards, exp)
 
     def old_policy(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
-        """Ranks: ``logprobs`` (old log-probs and entropy)."""
-        return log.phase("logprobs", self.logprobs, exp)
+        """Ranks: ``logprobs`` (old log-probs and entropy), then ``ref_logprobs`` with a reference model."""
+        exp = log.phase("logprobs", self.logprobs, exp)
+        if self.ref_logprobs_fn is not None:
+            exp = log.phase("ref_logprobs", self.ref_logprobs, exp)
+        return exp
 
     def credit(self, exp: ExperienceBatch, log: StepLog, seed: int | None = None) -> ExperienceBatch:
         """Engines (probes) and the driver: ``segment``, ``probes``, ``advantages`` (``seed``: the step's, as the
@@ -281,6 +292,32 @@ class ShapeExperienceMaker:
                 metrics.update({f"rollout/correction/{k}": v for k, v in wm.items()})
         return PhaseOutput(exp, metrics)
 
+    def ref_logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
+        """The reference model's log-probs ``[B, T]`` of the sampled tokens (same temperature, free MoE routing) and
+        the per-token KL estimate of the old policy against it (``--algo.kl.estimator``), 0 at an agent's
+        environment replies: only the policy's own tokens are penalised (OpenRLHF's action mask). Metrics with
+        OpenRLHF's names, over the policy's tokens: ``kl`` (KL in the reward: the mean over samples of each sample's
+        token-mean KL; in the loss the trainer logs the update's), ``logprobs_diff`` (the same mean of
+        log pi_old - log pi_ref)."""
+        mask = exp.response_mask
+        out = self.ref_logprobs_fn(SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens,
+                                                 temperature=self.sampling.temperature))
+        got, want = [int(lp.numel()) for lp in out.log_probs], mask.sum(-1).tolist()
+        if got != want:
+            raise RuntimeError(f"reference returned log-probs of {got[:8]} tokens for responses of {want[:8]}")
+        ref, _ = out.padded(mask.shape[1])
+        exp.ref_log_probs = torch.where(mask, ref.float(), torch.zeros_like(ref, dtype=torch.float32))
+        policy = exp.loss_mask()  # environment replies: the policy did not sample them, no KL is charged there
+        kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, self.kl.estimator)
+        exp.kl = torch.where(policy, kl, torch.zeros_like(kl))
+        per_sample = masked_sample_mean(exp.kl, policy)
+        metrics = {"ref/kl/mean": float(per_sample.mean()),
+                   "ref/kl/max": float(exp.kl[policy].max()) if bool(policy.any()) else 0.0,
+                   "logprobs_diff": float(masked_sample_mean(exp.old_log_probs - exp.ref_log_probs, policy).mean())}
+        if not self.kl.in_loss:
+            metrics["kl"] = metrics["ref/kl/mean"]
+        return PhaseOutput(exp, metrics)
+
     def segment(self, exp: ExperienceBatch) -> PhaseOutput:
         """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""
         if not self.estimator.needs_segments:
@@ -315,17 +352,38 @@ class ShapeExperienceMaker:
         """Token advantages ``[B, T]`` from the registered estimator (and TCR); 0 at an agent's environment replies.
         SHAPE/MRT work on the policy's tokens only (segment lengths, TCR statistics); the outcome estimators on
         the response with the policy's tokens as their mask (OpenRLHF's action mask: a discount still steps over
-        a reply's positions, as there)."""
+        a reply's positions, as there).
+
+        KL in the reward (a reference model, ``--algo.kl.use_loss`` off): the outcome estimators get
+        ``-coef * kl_t`` as a reward on every policy token before their returns, discount and whitening (OpenRLHF's
+        order: ``compute_reward``, then the returns, then REINFORCE++'s whitening); SHAPE/MRT, which have no
+        token returns, add the undiscounted KL still to come, ``-coef * sum_{s >= t} kl_s``, to each token's
+        advantage after TCR. ``adv/kl_return/mean`` is that KL-to-go's mean over policy tokens (for the outcome
+        estimators: their return's KL part before discount and whitening)."""
+        policy = exp.loss_mask()
+        in_reward = self.kl is not None and not self.kl.in_loss
+        kl_returns = kl_penalty_returns(exp.kl, policy, self.kl.coef) if in_reward else None
+        token_rewards = None
         if self.estimator.needs_segments:
             cols = exp.action_columns()
             mask, entropy = cols.mask, cols.gather(exp.entropy)
         else:
-            cols, mask, entropy = None, exp.loss_mask(), exp.entropy
+            cols, mask, entropy = None, policy, exp.entropy
+            if in_reward:
+                token_rewards = kl_token_rewards(exp.kl, policy, self.kl.coef)
         res = compute_token_advantages(
             self.estimator, mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
             max_response_len=self.sampling.max_tokens, entropy=entropy, boundaries=boundaries,
-            potentials=potentials, reward_clip_range=self.reward_clip_range,
+            potentials=potentials, token_rewards=token_rewards, reward_clip_range=self.reward_clip_range,
         )
         exp.advantages = res.token_advantages if cols is None else cols.scatter(res.token_advantages)
-        return PhaseOutput(exp, {**res.metrics, "adv/token/mean": float(exp.advantages[exp.loss_mask()].mean())})
+        metrics = dict(res.metrics)
+        if self.kl is not None:
+            metrics["kl_coef"] = self.kl.coef
+        if kl_returns is not None:
+            if self.estimator.needs_segments:
+                exp.advantages = exp.advantages + kl_returns
+            metrics["adv/kl_return/mean"] = float(kl_returns[policy].mean())
+        metrics["adv/token/mean"] = float(exp.advantages[policy].mean())
+        return PhaseOutput(exp, metrics)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from openrlhf_shape.batch import KLLossTerm
 from openrlhf_shape.config import TrainConfig
 from openrlhf_shape.trainer.console import RunConsole
 from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
@@ -107,14 +108,22 @@ class ShapeTrainer:
         n = len(exp)
         mb = min(cfg.train.batch_size, n)
         gen = torch.Generator().manual_seed(cfg.train.seed * 100003 + step)
-        rows = []
+        kl, rows = self.run.maker.kl, []
+        term = KLLossTerm(kl.coef, kl.estimator, kl.unbiased_gradient) if kl is not None and kl.in_loss else None
         for _epoch in range(cfg.train.max_epochs):
             order = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, mb):  # a short last mini-batch (after DAPO filtering) still trains
-                rows.append(self.run.cluster.ranks.train_step(exp.train_batch(order[start : start + mb], cfg.rollout.temperature)))
+                batch = exp.train_batch(order[start : start + mb], cfg.rollout.temperature, kl_loss=term)
+                rows.append(self.run.cluster.ranks.train_step(batch))
         out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
         out["actor/updates"] = float(len(rows))
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
+        if kl is not None:
+            if term is not None:  # OpenRLHF's kl in the loss: the update's token-mean KL to the reference
+                out["kl"] = out["actor/kl"]
+            # the coefficient for the next step (adaptive: from this step's kl over the step's samples, as OpenRLHF)
+            samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+            kl.controller.update(out.get("kl", exp.metrics.get("kl", 0.0)), samples)
         return PhaseOutput(None, out)
 
     def sync(self, step: int) -> PhaseOutput:
@@ -168,6 +177,8 @@ class ShapeTrainer:
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time(),
                  **self.run.schedule.save_pending(self.ckpt_root, step)}  # async: the batches in flight
+        if self.run.maker.kl is not None:  # the adaptive KL coefficient moves every step
+            extra["kl_controller"] = self.run.maker.kl.controller.state_dict()
         self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.ranks.save_checkpoint, path, extra)
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.ckpt.max_num]:
@@ -186,6 +197,8 @@ class ShapeTrainer:
         extra = self.run.cluster.ranks.load_checkpoint(path)
         self.run.batcher.load_state_dict(extra["batcher"])
         self.run.schedule.load_pending(extra, self.ckpt_root)
+        if self.run.maker.kl is not None and "kl_controller" in extra:
+            self.run.maker.kl.controller.load_state_dict(extra["kl_controller"])
         step = int(extra["step"])
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.run.batcher.epoch, self.run.batcher.position)
@@ -239,6 +252,8 @@ class ShapeTrainer:
             run.reward.close()
             run.cluster.engines.shutdown()
             run.cluster.ranks.shutdown()
+            if run.cluster.refs is not None:
+                run.cluster.refs.shutdown()
             run.cluster.shutdown()
         # without a Run, set-up failed: it started Ray only if Ray was down when it reached build_run
         own_ray = run.own_ray if run is not None else (self._ray_was_up is False and not self.cfg.train.ray_address)

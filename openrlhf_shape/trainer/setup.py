@@ -112,6 +112,8 @@ def _check_model_fits_backend(cfg: TrainConfig, mcfg, model_config, model_dir: s
             "(one fused mlp.experts.gate_up_proj per layer), not per expert as the engine's checkpoint does, so "
             "the weight sync cannot load them; use --actor.backend megatron (docs/moe.md)")
     mcfg.validate_against_model(model_config, cfg.actor.world_size)  # heads % TP, ...
+    if cfg.algo.kl.enabled:  # the reference model runs the same layout on its own rank count
+        mcfg.validate_against_model(model_config, cfg.ref.world_size(cfg.actor.world_size))
     if mcfg.routing_replay != "none" and (cfg.actor.backend != "megatron" or not getattr(model_config, "num_experts", None)):
         raise ValueError(f"--megatron.routing_replay {mcfg.routing_replay}: routing replay is for a mixture-of-experts "
                          "policy on --actor.backend megatron; set --megatron.routing_replay none (docs/moe.md)")
@@ -160,13 +162,16 @@ def build_run(cfg: TrainConfig) -> Run:
         dtype=platform.engine_dtype if cfg.vllm.dtype == "auto" else cfg.vllm.dtype,
         return_routed_experts=mcfg.routing_replay == "r3",  # R3: the engines return each token's experts
     )
-    log.info("starting %d vLLM engine(s) and %d %s rank(s) (TP %d, PP %d, DP %d)",
+    log.info("starting %d vLLM engine(s) and %d %s rank(s) (TP %d, PP %d, DP %d)%s",
              cfg.vllm.num_engines, cfg.actor.world_size, cfg.actor.backend, mcfg.tensor_model_parallel_size,
-             mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.actor.world_size))
+             mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.actor.world_size),
+             f" and {cfg.ref.world_size(cfg.actor.world_size)} reference rank(s)" if cfg.algo.kl.enabled else "")
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
     cluster = start_cluster(cfg, mcfg, engine_cfg, platform)
     engines, lifecycle = cluster.engines, cluster.lifecycle
     log.info("actor: %s", cluster.ranks.init_model(model_dir))
+    if cluster.refs is not None:  # --algo.kl.init_coef > 0: the initial weights, forward only
+        log.info("reference model (%d ranks): %s", cluster.refs.world_size, cluster.refs.init_reference(model_dir))
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
@@ -178,7 +183,9 @@ def build_run(cfg: TrainConfig) -> Run:
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range),
                                  stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef,
-                                 agent=build_agent(cfg, tokenizer))
+                                 agent=build_agent(cfg, tokenizer),
+                                 ref_logprobs_fn=lifecycle.ref_logprobs if cluster.refs is not None else None,
+                                 kl=cfg.kl_penalty() if cluster.refs is not None else None)
     schedule = make_schedule(cfg, maker, batcher, engines)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0

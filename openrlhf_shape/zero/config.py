@@ -125,3 +125,13 @@ class ZeroConfig(ZeroSettings):
             "wall_clock_breakdown": False,
         }
 
+    def ds_reference_config(self) -> dict[str, Any]:
+        """The DeepSpeed JSON of the reference model (forward only, no optimizer): ZeRO-3 partitions its
+        parameters as the actor's; any other stage shards nothing a model without optimizer has (stage 0)."""
+        zero: dict[str, Any] = {"stage": 3 if self.zero_stage == 3 else 0}
+        if self.zero_stage == 3:
+            zero.update({"stage3_param_persistence_threshold": self.zero3_param_persistence_threshold,
+                         "stage3_prefetch_bucket_size": self.reduce_bucket_elems})
+        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+                "bf16": {"enabled": self.use_bf16}, "fp16": {"enabled": False}, "steps_per_print": 1 << 30,
+                "wall_clock_breakdown": False}

@@ -86,6 +86,10 @@ def load_hf_model(hf_dir: str, *, dtype: torch.dtype, attn_implementation: str, 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.no_grad():  # own storage, not a view of the memory-mapped checkpoint: colocation frees storages
+        for p in model.parameters():
+            if not p.untyped_storage().resizable():
+                p.data = p.data.clone()
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

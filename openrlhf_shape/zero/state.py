@@ -52,3 +52,8 @@ class ZeroState:
     def require_model(self) -> None:
         if self.engine is None:
             raise RuntimeError("call init_model(hf_dir) before using the worker")
+
+    def require_optimizer(self, what: str) -> None:
+        if self.base_optimizer is None:
+            raise RuntimeError(f"{what} needs a model built with init_model(hf_dir) (this rank holds a forward-only "
+                               "reference model)")

@@ -192,6 +192,33 @@ class ZeroRankWorker:
                              f"num_key_value_heads={kv_heads} (KV heads are gathered that many at a time)")
         return ring_attention.register()
 
+    def init_reference(self, hf_dir: str) -> dict:
+        """The reference model: ``hf_dir``'s weights under a DeepSpeed engine without optimizer, partitioned as the
+        actor's (ZeRO-3: every parameter over the ranks; stages 0-2, which shard only optimizer states and
+        gradients: whole on every rank, as OpenRLHF's evaluation config does)."""
+        import deepspeed
+        from transformers import AutoConfig
+
+        from openrlhf_shape.zero.model import PolicyModule, load_hf_model, register_head_weight
+
+        cfg = self.cfg
+        self._release_engine()
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+        hf = load_hf_model(hf_dir, dtype=cfg.params_dtype, attn_implementation=self._attention(hf_config),
+                           gradient_checkpointing=False)
+        hf.requires_grad_(False)
+        n_params = sum(p.numel() for p in hf.parameters())
+        policy = PolicyModule(hf, cfg.optim.entropy_chunk_size)
+        engine, _, _, _ = deepspeed.initialize(model=policy, config=cfg.ds_reference_config(), dist_init_required=False)
+        if cfg.zero_stage == 3:
+            register_head_weight(engine.module)
+        self.state.engine, self.state.base_optimizer = engine, None
+        self.state.hf_config, self.state.hf_dir, self.state.step = hf_config, hf_dir, 0
+        local = sum(int(getattr(p, "ds_tensor", p).numel()) for p in engine.module.parameters())
+        return {"num_parameters": int(n_params), "num_parameters_local": local, "model_type": hf_config.model_type,
+                "tp": 1, "pp": 1, "dp": self.dp_size, "zero_stage": 3 if cfg.zero_stage == 3 else 0,
+                "dtype": str(cfg.params_dtype), "backend": "deepspeed", "reference": True}
+
     def _make_optimizer(self, policy) -> torch.optim.Optimizer:
         """AdamW (decoupled weight decay, as Megatron's CPU/GPU Adam) with Megatron's grouping: no weight
         decay on biases and 1-D (norm) weights. ``DeepSpeedCPUAdam`` under ``--ds.adam_offload``."""
@@ -297,6 +324,7 @@ class ZeroRankWorker:
         """One optimizer step over the whole mini-batch; float metrics identical on every rank
         (the same keys as the Megatron backend's ``train_step``)."""
         self._require_model()
+        self.state.require_optimizer("train_step")
         self._require_onloaded(("params", "grads", "optimizer"), "train_step")
         if not isinstance(batch, TrainBatch):
             raise TypeError(f"train_step needs an openrlhf_shape.batch.TrainBatch, got {type(batch).__name__}")
@@ -346,6 +374,7 @@ class ZeroRankWorker:
         from openrlhf_shape.zero.checkpoint import save_checkpoint
 
         self._require_model()
+        self.state.require_optimizer("save_checkpoint")
         self._require_onloaded(("params", "grads", "optimizer"), "save_checkpoint")
         save_checkpoint(self.state, ckpt_dir, extra or {})
 
@@ -354,6 +383,7 @@ class ZeroRankWorker:
         from openrlhf_shape.zero.checkpoint import load_checkpoint
 
         self._require_model()
+        self.state.require_optimizer("load_checkpoint")
         return load_checkpoint(self.state, ckpt_dir)
 
     # ------------------------------------------------------------------ weights out

@@ -205,3 +205,52 @@ def test_cuda_ipc_only_where_the_sender_gpu_hosts_every_receiver() -> None:
     with pytest.raises(ValueError, match="cuda_ipc: needs CUDA"):
         resolve_weight_sync("cuda_ipc", one_gpu, on_gpu=False)
     assert resolve_weight_sync("object_store", eight, on_gpu=True)[0] == "object_store"
+
+
+def test_reference_ranks_colocated_pair_with_the_actor_ranks() -> None:
+    """--train.colocate_all with KL: reference rank r on actor rank r's GPU, in the actor's layout; no GPU added."""
+    plan = plan_placement(world_size=8, tp=2, pp=2, num_engines=4, engine_tp=2, colocate=True, gpus_per_node=8,
+                          ref_world_size=8)
+    check_invariants(plan, world=8, tp=2, pp=2, engines=4, etp=2)
+    assert [(s.rank, s.node, s.gpu, s.bundle, s.tp_rank, s.pp_rank, s.dp_rank) for s in plan.refs] == \
+           [(s.rank, s.node, s.gpu, s.bundle, s.tp_rank, s.pp_rank, s.dp_rank) for s in plan.ranks]
+    assert plan.num_bundles == 8
+    assert not plan_placement(world_size=8, tp=2, pp=2, num_engines=4, engine_tp=2, colocate=True,
+                              gpus_per_node=8).refs  # no KL: no reference ranks
+
+
+def test_reference_ranks_disaggregated_get_their_own_gpus_before_the_engines() -> None:
+    """Separate pools: 6 actor GPUs (TP2), 4 reference GPUs (TP2, DP2: its own data-parallel size), then 2 engines of
+    TP 4; every TP group and engine inside one node of 8 (the second engine skips to node 2)."""
+    plan = plan_placement(world_size=6, tp=2, pp=1, num_engines=2, engine_tp=4, colocate=False, gpus_per_node=8,
+                          ref_world_size=4)
+    assert [(s.node, s.gpu) for s in plan.ranks] == [(0, g) for g in range(6)]
+    assert [(s.node, s.gpu) for s in plan.refs] == [(0, 6), (0, 7), (1, 0), (1, 1)]
+    assert [(s.tp_rank, s.dp_rank) for s in plan.refs] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [(s.engine, s.node) for s in plan.engines] == [(0, 1)] * 4 + [(1, 2)] * 4
+    taken = [(s.node, s.gpu) for s in (*plan.ranks, *plan.refs, *plan.engines)]
+    assert len(set(taken)) == len(taken) == 6 + 4 + 8  # disjoint
+    for s in (*plan.ranks, *plan.refs, *plan.engines):
+        assert plan.bundle_node(s.bundle) == (s.node, s.gpu)
+    assert plan.node_bundles == (8, 6, 4) and plan.num_bundles == 18
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(colocate=True, ref_world_size=4), r"--train\.colocate_all: .*--ref\.num_nodes x --ref\.num_gpus_per_node = 4 must equal"),
+    (dict(colocate=False, ref_world_size=3), r"--ref\.num_nodes x --ref\.num_gpus_per_node = 3: .*TP x PP = 2"),
+])
+def test_reference_layout_errors_name_the_flags(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_placement(world_size=8, tp=2, pp=1, num_engines=4, engine_tp=2, gpus_per_node=8, **kwargs)
+
+
+def test_trainer_config_places_the_reference_only_with_kl() -> None:
+    from openrlhf_shape.cluster.placement import plan_for
+    from openrlhf_shape.config import load_config
+
+    base = ["--actor.num_gpus_per_node", "4", "--train.batch_size", "128", "--vllm.num_engines", "2"]
+    assert plan_for(load_config(None, base), on_gpu=True).refs == ()
+    plan = plan_for(load_config(None, base + ["--algo.kl.init_coef", "0.01", "--ref.num_gpus_per_node", "2"]), on_gpu=True)
+    assert [s.bundle for s in plan.refs] == [4, 5] and [s.bundle for s in plan.engines] == [6, 7]
+    coloc = plan_for(load_config(None, base + ["--algo.kl.init_coef", "0.01", "--train.colocate_all"]), on_gpu=True)
+    assert [s.bundle for s in coloc.refs] == [0, 1, 2, 3] and coloc.num_bundles == 4

@@ -306,3 +306,25 @@ def test_cpu_rank_actor_sets_the_handed_threads(cluster) -> None:
     got = ray.get(a.platform_profile.remote())
     assert got.pop("torch_threads") == 2 and Platform.from_dict(got) == handed
     ray.kill(a)
+
+
+def test_colocated_reference_ranks_share_the_actor_gpus(cluster) -> None:
+    """--train.colocate_all with a reference model: three processes per GPU (actor rank, reference rank, engine
+    worker), each with a third of it; Ray admits all three at once on one bundle and they see one GPU."""
+    plan = plan_placement(world_size=2, tp=1, pp=1, num_engines=2, engine_tp=1, colocate=True, gpus_per_node=GPUS,
+                          ref_world_size=2)
+    placement = RayPlacement(plan, cpus_per_bundle=1.5, gpus=True, timeout_s=120)
+    try:
+        assert placement.rank_gpu_share() == placement.engine_gpu_share() == 0.3333
+        actors = [RankProbe.options(**placement.rank_options(r, 0.5, reference=ref)).remote(r)
+                  for ref in (False, True) for r in range(2)]
+        actors += [RankProbe.options(**placement.engine_options(e, 0.5)["options"]).remote(e) for e in range(2)]
+        reps = ray.get([a.report.remote() for a in actors], timeout=120)  # all six alive at once
+        for r in range(2):  # actor rank r, reference rank r and engine r on one GPU of one node
+            same = {(reps[k]["node_id"], tuple(reps[k]["gpu_ids"])) for k in (r, 2 + r, 4 + r)}
+            assert len(same) == 1 and len(next(iter(same))[1]) == 1, same
+        assert reps[0]["gpu_ids"] != reps[1]["gpu_ids"] or reps[0]["node_id"] != reps[1]["node_id"]
+        for a in actors:
+            ray.kill(a)
+    finally:
+        placement.remove()

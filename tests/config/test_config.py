@@ -154,3 +154,40 @@ def test_async_with_colocate_all_disaggregates_the_engines_as_openrlhf(caplog):
 def test_async_flags_accepted_disaggregated():
     cfg = load_config(None, ["--train.async_enable", "true", "--train.max_staleness", "2"])
     assert cfg.train.async_enable is True and cfg.train.max_staleness == 2 and not cfg.train.colocate_all
+
+
+def test_kl_and_reference_flags():
+    """--algo.kl.* and --ref.* land in the tree; KL is off (no reference model) by default; the reference follows the
+    actor's rank count unless given; colocated it must match the actor's GPUs (OpenRLHF's rule)."""
+    cfg = load_config(None, [])
+    assert cfg.algo.kl.init_coef == 0 and not cfg.algo.kl.enabled and cfg.ref.world_size(cfg.actor.world_size) == 1
+    cfg = load_config(None, ["--algo.kl.init_coef", "1e-3", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+                             "--algo.kl.target", "0.05", "--algo.kl.horizon", "500", "--actor.num_gpus_per_node", "2",
+                             "--train.batch_size", "128"])
+    k = cfg.algo.kl
+    assert (k.init_coef, k.use_loss, k.estimator, k.target, k.horizon) == (1e-3, True, "k3", 0.05, 500)
+    assert cfg.ref.world_size(cfg.actor.world_size) == 2  # both --ref.* unset: the actor's
+    pen = cfg.kl_penalty()
+    ctl = pen.controller
+    assert ctl.adaptive and (ctl.value, ctl.target, ctl.horizon) == (1e-3, 0.05, 500)
+    assert pen.in_loss and pen.estimator == "k3" and pen.coef == 1e-3
+    cfg = load_config(None, ["--algo.kl.init_coef", "0.01", "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "4"])
+    assert cfg.ref.world_size(cfg.actor.world_size) == 4  # disaggregated: its own GPUs, any multiple of TP x PP
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--algo.kl.estimator", "k4"], r"--algo\.kl\.estimator: unknown estimator 'k4'"),
+        (["--algo.kl.init_coef", "-0.1"], r"--algo\.kl\.init_coef must be >= 0"),
+        (["--algo.kl.target", "0"], r"--algo\.kl\.target must be > 0"),
+        (["--algo.kl.unbiased_gradient"], r"--algo\.kl\.unbiased_gradient changes only .*--algo\.kl\.use_loss"),
+        (["--algo.kl.init_coef", "0.1", "--train.colocate_all", "--ref.num_gpus_per_node", "2"],
+         r"--ref\.num_gpus_per_node: with --train\.colocate_all .* = 2 must equal .* = 1"),
+        (["--algo.kl.init_coef", "0.1", "--actor.num_gpus_per_node", "2", "--megatron.tensor_model_parallel_size", "2",
+          "--train.batch_size", "128", "--ref.num_gpus_per_node", "3"], r"--ref\.num_gpus_per_node: .* multiple of TP x PP x CP = 2"),
+    ],
+)
+def test_bad_kl_flags_name_the_flag(flags, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, flags)

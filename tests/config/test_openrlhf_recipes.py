@@ -2,10 +2,10 @@
 
 The five scripts' flags are data in ``openrlhf_recipes/*.txt`` (README there: source commit, what was changed).
 Each list is first parsed by the installed OpenRLHF 0.11.2's own parser (so every name and value is 0.11.2's),
-then by ``load_config``. Refused before this work (main at 814b8d9): dapo 7, prorlv2_math 9, reinforce_baseline 12,
-reinforce_baseline_agent_async 13, ppo 12. Refused now: the flags other issue-35 work owns (``PENDING``, each
-named with its owner; they may already be accepted when that work has landed), the "Long reasoning" flags of
-issue 36 (``LONG``), and the PPO script's critic and reward model (``PPO_PARTS``), each with its reason.
+then by ``load_config``. Refused before issue 35 (main at 814b8d9): dapo 7, prorlv2_math 9, reinforce_baseline 12,
+reinforce_baseline_agent_async 13, ppo 12. Refused now: dapo 0, prorlv2_math 0, reinforce_baseline 2,
+reinforce_baseline_agent_async 3 (the "Long reasoning" flags of issue 36, ``LONG``) and ppo 7 (its critic and
+reward model, ``PPO_PARTS``), each with its reason. ``PENDING`` lists flags other issue-35 work still owns (none).
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from test_openrlhf_flag_table import _openrlhf_parser
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPES = ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_agent_async", "ppo")
 
-# flag -> the issue-35 branch that owns it (the estimator only for the values that branch adds)
-PENDING = {
-    "ref.num_nodes": "i3x-kl", "ref.num_gpus_per_node": "i3x-kl", "algo.kl.init_coef": "i3x-kl",
-    "algo.kl.use_loss": "i3x-kl", "algo.kl.estimator": "i3x-kl",
-}
+# flag -> the issue-35 branch that owns it, while that work has not landed: empty now (the reference model and KL
+# came with i3x-kl, the estimators with i3x-est, agents with i3x-agent)
+PENDING: dict[str, str] = {}
 LONG: set[str] = set()  # issue 36's flags: packing, ring attention and partial rollouts are all honoured now
 PPO_PARTS = {  # flag -> the part its refusal names
     "critic.num_nodes": "no critic", "critic.num_gpus_per_node": "no critic", "critic.adam.lr": "no critic",
@@ -93,7 +91,7 @@ def test_only_other_work_long_reasoning_and_the_ppo_critic_are_refused(name):
           + ", ".join(f"{n} ({PENDING[n]})" for n in sorted(pending)) + ")")
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", [n for n in RECIPES if FINAL[n]])
 def test_one_error_names_every_refused_flag_one_line_each(name):
     with pytest.raises(FlagError) as err:
         load_config(None, recipe(name))
@@ -101,14 +99,34 @@ def test_one_error_names_every_refused_flag_one_line_each(name):
     assert sorted(ln.strip().split(":")[0].split()[0][2:] for ln in lines) == sorted(refused(recipe(name)))
 
 
-AGENT = os.path.join(os.path.dirname(HERE), "rollout", "agent_files", "calculator_agent.py")
+@pytest.mark.parametrize("name", ["dapo", "prorlv2_math"])
+def test_scripts_refused_nothing_load_whole(name):
+    """dapo and prorlv2_math: the whole command line (paths changed only) loads and validates, the reference model
+    and the KL in the loss as the script asks (its 8 reference ranks on the actor's 8 GPUs)."""
+    argv = recipe(name)
+    assert not refused(argv)
+    cfg = load_config(None, argv)
+    assert cfg.ref.num_nodes * cfg.ref.num_gpus_per_node == cfg.actor.world_size == 8 and cfg.train.colocate_all
+    kl = cfg.kl_penalty()
+    assert kl.in_loss and kl.estimator == {"dapo": "k3", "prorlv2_math": "k2"}[name]
+    assert kl.coef == pytest.approx({"dapo": 1e-3, "prorlv2_math": 1e-4}[name])
+
+
+def test_the_four_critic_free_scripts_are_refused_nothing():
+    """Issue 35's done-means (and issue 36's flags since "Long reasoning" landed): the four critic-free scripts pass
+    the flag check whole."""
+    for name in ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_agent_async"):
+        assert not refused(recipe(name)), name
+
+
+# The scripts' agent file is OpenRLHF's examples/python/agent_func.py (not shipped with the package): a path
+# changed like the model's, to our agent of the same interface.
+AGENT_FILE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "rollout", "agent_files", "calculator_agent.py")
 
 
 def _rest(name: str):
-    """The script minus what stays refused; its agent file (OpenRLHF's example, not shipped) is our calculator
-    agent, which has the same interface."""
-    argv = without(recipe(name), set(PENDING) | LONG | set(PPO_PARTS))
-    return load_config(None, [AGENT if a == "examples/python/agent_func.py" else a for a in argv])
+    argv = [AGENT_FILE if a == "examples/python/agent_func.py" else a for a in recipe(name)]
+    return load_config(None, without(argv, set(PENDING) | LONG | set(PPO_PARTS)))
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -137,6 +155,15 @@ def test_what_the_honoured_flags_set():
     # ring attention (context parallelism) on the DeepSpeed backend, OpenRLHF's flags
     for c in (rb, agent):
         assert (c.zero_config().ring_attn_size, c.zero_config().ring_attn_head_stride) == (2, 2)
+    # the reference model and KL as each script asks: KL in the loss (k2) for the REINFORCE++-baseline scripts,
+    # OpenRLHF's default (k1 in the reward) for PPO; the agent's reference ranks on GPUs of their own (async)
+    for cfg in (rb, agent):
+        kl = cfg.kl_penalty()
+        assert kl.in_loss and kl.estimator == "k2" and kl.coef == pytest.approx(1e-5)
+        assert cfg.ref.world_size(cfg.actor.world_size) == 4 and cfg.algo.advantage.estimator == "reinforce_baseline"
+    assert agent.train.agent_func_path == AGENT_FILE
+    ppo = _rest("ppo").kl_penalty()
+    assert not ppo.in_loss and ppo.estimator == "k1" and ppo.coef == pytest.approx(0.01)
 
 
 def test_accepted_switches_are_said_once(caplog):

@@ -63,6 +63,7 @@ def shared_world1(shared_results, tiny_models: dict, batch: dict) -> dict:
         res = run_layout(1, cfg=TRAIN_CFG, model_dirs=tiny_models, batch=batch, train_dir=tiny_models["qwen3"],
                          train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(folder / "ckpt"),
                          export_dir=str(folder / "hf"), bucket_bytes=200_000, wrong_qkv_arch="qwen3", nan_step=True,
+                         reference_dir=tiny_models["llama"],
                          variants={"recompute": {"gradient_checkpointing_enable": True}, "sdpa": SDPA})
         return {"res": res, "root": str(folder)}
 
@@ -76,7 +77,7 @@ def shared_tp2(shared_results, tiny_models: dict, batch: dict) -> list[dict]:
 
     def make(folder: Path) -> list[dict]:
         return run_layout(2, cfg={**TRAIN_CFG, "tensor_model_parallel_size": 2}, model_dirs=tiny_models, batch=batch,
-                          train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS,
+                          train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS, reference_dir=tiny_models["qwen3"],
                           variants={"sp": {"sequence_parallel": True}, "sdpa": SDPA,
                                     "sdpa_sp": {**SDPA, "sequence_parallel": True}})
 

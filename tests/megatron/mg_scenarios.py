@@ -17,6 +17,7 @@ from openrlhf_shape.testing.rank_configs import megatron_config, replaced
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
+from openrlhf_shape.testing.reference import reference_run
 
 
 def layout_run(
@@ -39,6 +40,7 @@ def layout_run(
     nan_step: bool = False,
     variants: dict | None = None,
     single_sequence_check: bool = False,
+    reference_dir: str | None = None,
 ) -> dict:
     """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export of ``train_dir``."""
     t0 = time.time()
@@ -80,6 +82,8 @@ def layout_run(
         if bucket_bytes is not None:
             buckets = list(worker.iter_hf_weights(bucket_bytes))
             res["buckets"] = [[(n, t.shape, t.dtype, float(t.double().sum())) for n, t in b] for b in buckets]
+    if reference_dir is not None:  # after the updates: the reference comes from the HF weights, not the trained ones
+        res["reference"] = reference_run(worker, reference_dir, batch)
     if single_sequence_check:
         # fewer sequences than DP ranks: the rank without data runs a fully masked filler
         one = {"sequences": batch["sequences"][:1], "prompt_lens": batch["prompt_lens"][:1], "temperature": batch["temperature"]}

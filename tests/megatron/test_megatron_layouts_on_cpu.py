@@ -39,7 +39,8 @@ def world1(shared_results, tiny_models, ragged_batch):
 def layouts(shared_results, tiny_models, ragged_batch):
     out = {"tp2": shared_tp2(shared_results, tiny_models, ragged_batch),
            "pp2": run_layout(2, cfg={**TRAIN_CFG, "pipeline_model_parallel_size": 2}, model_dirs=tiny_models,
-                             batch=ragged_batch, train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS)}
+                             batch=ragged_batch, train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS,
+                             reference_dir=tiny_models["qwen2"])}
     out["tp2_sp"] = [r["variants"]["sp"] for r in out["tp2"]]
     return out
 
@@ -81,6 +82,33 @@ def test_parallel_logprob_entropy_parity_with_hf_on_cpu(layouts, hf_refs, ragged
     assert max_abs_diff(got.entropy, ref_ent) <= PARITY_TOL
     # only the last PP stage / TP rank 0 returns results
     assert sum(bool(r["logprobs"][arch]) for r in layouts[layout]) == 1
+
+
+REF_TOL = 1e-5  # the reference model's log-probs vs HF's on the initial weights (fp32)
+REF_ARCH = {"world1": "llama", "tp2": "qwen3", "pp2": "qwen2"}  # llama: a tied head; each after 5 updates of qwen3
+
+
+@pytest.mark.parametrize("layout", ["world1", "tp2", "pp2"])
+def test_reference_model_equals_hf_on_the_initial_weights_on_cpu(world1, layouts, hf_refs, ragged_batch, layout):
+    """``init_reference`` on ranks that just trained: the HF weights again (not the trained ones), in the actor's
+    layout, forward only: log-probs equal HF's within 1e-5; it holds no gradient buffers or optimizer state (their
+    offload moves 0 bytes), its parameters offload and come back exactly; ``train_step`` is refused."""
+    runs = world1["res"] if layout == "world1" else layouts[layout]
+    refs = [r["reference"] for r in runs]
+    n = len(ragged_batch["sequences"])
+    got = merge_rank_outputs([r["logprobs"] for r in refs], n)
+    assert max_abs_diff(got.log_probs, hf_refs[REF_ARCH[layout]][0]) <= REF_TOL
+    assert got.log_probs[3].numel() == 0
+    trained = _merged(runs, "after_train", n)  # the same ranks' policy after its updates: far from HF(qwen3)
+    if REF_ARCH[layout] == "qwen3":
+        assert max_abs_diff(trained.log_probs, got.log_probs) > 100 * REF_TOL
+    for r in refs:
+        assert r["info"]["reference"] is True and r["info"]["tp"] * r["info"]["pp"] == len(runs)
+        assert r["offload_grads_optimizer"]["offloaded_bytes"] == 0 and r["offload"]["offloaded_bytes"] > 0
+        assert r["onload"]["onloaded_bytes"] == r["offload"]["offloaded_bytes"] and r["onload"]["offloaded"] == []
+        assert "init_model(hf_dir, train=True)" in r["train_refused"]
+    again = merge_rank_outputs([r["after_onload"] for r in refs], n)
+    assert max_abs_diff(again.log_probs, got.log_probs) == 0.0
 
 
 def test_wrong_qkv_layout_is_caught_by_parity_on_cpu(world1, hf_refs, ragged_batch):

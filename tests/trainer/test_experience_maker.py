@@ -267,3 +267,67 @@ def test_openrlhf_style_reward_files_through_a_step(engines, parts, reward_file)
     if reward_file == "tensor_reward.py":  # the mean of the per-sample response lengths in characters
         texts = [tok.decode(s[p:], skip_special_tokens=False) for s, p in zip(exp.sequences, exp.prompt_lens)]
         assert extra["reward/response_chars"] == pytest.approx(sum(map(len, texts)) / len(texts), rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory):
+    """A reference model with the policy's tokenizer and shapes but other weights (seed 1): KL clearly above 0."""
+    from openrlhf_shape.testing import make_tiny_model
+
+    return HFActor(str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_seed1"), arch="qwen3", seed=1)))
+
+
+def _kl_maker(engines, parts, ref_actor, kl):
+    tok, items, actor, reward = parts
+    return ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=24),
+                                ProbeConfig(num_probes=1, max_tokens=4), engines, actor.compute_logprobs_and_entropy,
+                                reward, tok, ref_logprobs_fn=ref_actor.compute_logprobs_and_entropy, kl=kl)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_in_the_reward_through_a_step(engines, parts, other_weights, estimator):
+    """KL in the reward (OpenRLHF's default): every token's advantage is GRPO's plus -coef x the KL still to come,
+    the KL of the old policy's log-probs against the reference model's, recomputed here by hand (the reference's own
+    forward, the estimator's formula, the sum to the end of the response); OpenRLHF's ``kl`` and ``logprobs_diff``."""
+    from openrlhf_shape.algorithms.kl import KLController, KLPenalty
+
+    coef = 0.05
+    exp = _kl_maker(engines, parts, other_weights, KLPenalty(KLController(coef), estimator)).make_experience(parts[1][:2])
+    ref = other_weights.compute_logprobs_and_entropy(
+        SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens, temperature=1.0)).log_probs
+    grpo = grpo_advantages(exp.rewards.view(-1, N)).reshape(-1)
+    kl_means, diffs = [], []
+    for i in range(len(exp)):
+        t = int(exp.response_mask[i].sum())
+        old = exp.old_log_probs[i, :t]
+        assert torch.allclose(exp.ref_log_probs[i, :t], ref[i], atol=1e-6)
+        r = old - ref[i]
+        kl = r if estimator == "k1" else torch.exp(-r) - 1 + r
+        to_go = torch.tensor([float(kl[j:].sum()) for j in range(t)])
+        assert torch.allclose(exp.advantages[i, :t], grpo[i] - coef * to_go, atol=1e-5), i
+        assert (exp.advantages[i, t:] == 0).all()
+        kl_means.append(float(kl.mean()))
+        diffs.append(float(r.mean()))
+    m = exp.metrics
+    assert m["kl"] == pytest.approx(sum(kl_means) / len(exp), abs=1e-6) and m["kl"] != 0
+    assert m["logprobs_diff"] == pytest.approx(sum(diffs) / len(exp), abs=1e-6)
+    assert m["kl_coef"] == coef and m["time/ref_logprobs"] >= 0
+
+
+def test_kl_in_the_loss_leaves_the_advantages_and_hands_the_reference_to_the_update(engines, parts, other_weights):
+    """KL in the loss: the advantages stay the estimator's; the update's batch carries the reference log-probs
+    and the term (its coefficient is the controller's of this step); ``kl`` is left to the update's metrics."""
+    from openrlhf_shape.algorithms.kl import KLController, KLPenalty
+    from openrlhf_shape.batch import KLLossTerm
+
+    kl = KLPenalty(KLController(0.01), "k3", in_loss=True)
+    exp = _kl_maker(engines, parts, other_weights, kl).make_experience(parts[1][:1])
+    want = grpo_advantages(exp.rewards.view(-1, N)).reshape(-1)
+    for i in range(len(exp)):
+        adv = exp.advantages[i][exp.response_mask[i]]
+        assert torch.allclose(adv, torch.full_like(adv, float(want[i])))
+    assert "kl" not in exp.metrics and exp.metrics["ref/kl/mean"] > 0
+    batch = exp.train_batch([1, 2], 1.0, KLLossTerm(kl.coef, kl.estimator))
+    batch.validate()
+    assert torch.equal(batch.ref_log_probs, exp.ref_log_probs[[1, 2], : batch.ref_log_probs.shape[1]])
+    assert exp.train_batch([1, 2], 1.0).ref_log_probs is None  # no term, nothing carried

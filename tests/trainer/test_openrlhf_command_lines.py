@@ -41,7 +41,7 @@ DAPO = COMMON + [
     "--ckpt.save_steps", "20", "--rollout.batch_size", "128", "--rollout.n_samples_per_prompt", "8",
     "--data.max_samples", "20000", "--ds.enable_sleep", "--algo.advantage.is_correction_level", "token",
 ]
-REFUSED_COMMON = {"ref.num_nodes", "ref.num_gpus_per_node", "algo.kl.use_loss", "algo.kl.estimator", "algo.kl.init_coef"}
+REFUSED_COMMON: set[str] = set()  # the reference model and KL flags, and packing (always on), are accepted now
 REFUSED = {
     "grpo": REFUSED_COMMON | {"reward.num_nodes", "reward.num_gpus_per_node", "reward.model_name_or_path",
                               "reward.normalize_enable"},
@@ -70,15 +70,14 @@ def _refused_lines(flags: list[str], capsys) -> list[str]:
     return [ln.strip() for ln in msg.splitlines()[1:] if ln.strip()]
 
 
-@pytest.mark.parametrize("name, flags", [("grpo", GRPO), ("dapo", DAPO)])
+@pytest.mark.parametrize("name, flags", [("grpo", GRPO)])  # DAPO's is refused nothing: the next test runs it whole
 def test_example_command_line_refuses_exactly_the_parts_we_do_not_have(name, flags, capsys):
     lines = _refused_lines(flags, capsys)
     named = {ln.split(":")[0].split()[0][2:] for ln in lines}
     assert named == REFUSED[name], lines
     assert len(lines) == len(REFUSED[name])  # one line each
     by = {ln.split(":")[0].split()[0][2:]: ln for ln in lines}
-    assert "reference model" in by["ref.num_nodes"]
-    assert "ds.packing_samples" not in by  # packing is always on (actor/batching.py): accepted
+    assert not {"ref.num_nodes", "algo.kl.init_coef", "ds.packing_samples"} & set(by)  # accepted now
 
 
 @pytest.mark.parametrize("name, flags", [("grpo", GRPO), ("dapo", DAPO)])
@@ -90,6 +89,10 @@ def test_example_command_line_resolves_without_them(name, flags, capsys):
     cfg = yaml.safe_load(out.out)
     assert cfg["algo"]["advantage"]["estimator"] == "grpo"  # group_norm: GRPO's group normalisation
     assert cfg["actor"]["num_nodes"] * cfg["actor"]["num_gpus_per_node"] == 8
+    # the reference model and the KL in the loss, as the examples ask (k3, colocated on the actor's 8 GPUs)
+    assert cfg["ref"] == {"num_nodes": 1, "num_gpus_per_node": 8}
+    assert cfg["algo"]["kl"]["use_loss"] is True and cfg["algo"]["kl"]["estimator"] == "k3"
+    assert cfg["algo"]["kl"]["init_coef"] == pytest.approx(1e-6 if name == "grpo" else 1e-3)
     assert cfg["train"]["batch_size"] == 128 and cfg["train"]["colocate_all"] is True
     assert cfg["actor"]["adam"]["lr"] == pytest.approx(5e-7)
     assert cfg["actor"]["gradient_checkpointing_enable"] is True and cfg["vllm"]["enforce_eager"] is True

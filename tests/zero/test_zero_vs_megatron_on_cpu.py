@@ -53,7 +53,8 @@ def ds_runs(tiny_models, ragged_batch, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     first = _ds(train_cfg=TRAIN_CFG, stages=STAGES, model_dirs=tiny_models, batch=ragged_batch,
                 train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(root / "ckpt"),
-                export_dir=str(root / "hf"), bucket_bytes=200_000, nan_step=True, offload_check=True)
+                export_dir=str(root / "hf"), bucket_bytes=200_000, nan_step=True, offload_check=True,
+                reference_dir=tiny_models["qwen3"])
     resumed = _ds(train_cfg=TRAIN_CFG, stages=STAGES, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
                   train_steps=TRAIN_STEPS, resume_from=str(root / "ckpt"))
     return {"first": first, "resumed": resumed, "root": root}
@@ -90,6 +91,29 @@ def test_logprob_entropy_parity_with_megatron_and_hf(ds_runs, mg_runs, hf_refs, 
     for name, ref in refs.items():
         assert max_abs_diff(got.log_probs, ref.log_probs) <= PARITY_TOL, name
         assert max_abs_diff(got.entropy, ref.entropy) <= PARITY_TOL, name
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_reference_model_equals_hf_on_the_initial_weights(ds_runs, hf_refs, ragged_batch, stage):
+    """``init_reference`` on the ranks that just trained qwen3: its initial weights again under a DeepSpeed engine
+    without optimizer, log-probs equal HF's within 1e-5; under ZeRO-3 each rank holds half of every parameter
+    (partitioned as the actor's), otherwise all of them; no gradient or optimizer state; ``train_step`` refused."""
+    n = len(ragged_batch["sequences"])
+    refs = [r[stage]["reference"] for r in ds_runs["first"]]
+    got = merge_rank_outputs([r["logprobs"] for r in refs], n)
+    assert max_abs_diff(got.log_probs, hf_refs["qwen3"][0]) <= PARITY_TOL
+    trained = _ds_merged(ds_runs, stage, "after_train", n)
+    assert max_abs_diff(trained.log_probs, got.log_probs) > 100 * PARITY_TOL  # not the trained weights
+    for r in refs:
+        info = r["info"]
+        assert info["reference"] is True and info["zero_stage"] == (3 if stage == "zero3" else 0)
+        want_local = info["num_parameters"] // 2 if stage == "zero3" else info["num_parameters"]
+        assert abs(info["num_parameters_local"] - want_local) <= 64, info  # ZeRO-3 pads partitions a little
+        assert r["offload_grads_optimizer"]["offloaded_bytes"] == 0 and r["offload"]["offloaded_bytes"] > 0
+        assert r["onload"]["onloaded_bytes"] == r["offload"]["offloaded_bytes"]
+        assert "reference model" in r["train_refused"]
+    again = merge_rank_outputs([r["after_onload"] for r in refs], n)
+    assert max_abs_diff(again.log_probs, got.log_probs) == 0.0
 
 
 def _traj(metrics: list[dict], key: str) -> list[float]:

@@ -16,11 +16,12 @@ import torch
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.rank_configs import zero_config
+from openrlhf_shape.testing.reference import reference_run
 
 
 def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_steps: int, save_at: int | None,
          ckpt_root: str | None, resume_from: str | None, export_dir: str | None, bucket_bytes: int | None,
-         nan_step: bool, offload_check: bool) -> dict:
+         nan_step: bool, offload_check: bool, reference_dir: str | None = None) -> dict:
     res: dict = {"logprobs": {}, "timing": {}}
     t0 = time.time()
     for arch, path in model_dirs.items():
@@ -67,6 +68,8 @@ def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_
     if bucket_bytes is not None:
         buckets = list(worker.iter_hf_weights(bucket_bytes))
         res["buckets"] = [[(n, tuple(t.shape), t.dtype, float(t.double().sum())) for n, t in b] for b in buckets]
+    if reference_dir is not None:  # after the updates: the reference comes from the HF weights, not the trained ones
+        res["reference"] = reference_run(worker, reference_dir, batch)
     return res
 
 
@@ -74,7 +77,7 @@ def zero_run(*, rank: int, world_size: int, master_addr: str, master_port: int, 
              model_dirs: dict, batch: dict, train_dir: str | None = None, train_steps: int = 0,
              save_at: int | None = None, ckpt_root: str | None = None, resume_from: str | None = None,
              export_dir: str | None = None, bucket_bytes: int | None = None, nan_step: bool = False,
-             offload_check: bool = False) -> dict:
+             offload_check: bool = False, reference_dir: str | None = None) -> dict:
     """For each named ZeRO variant in ``stages`` (ZeroConfig overrides), in this one process group:
     parity forward for every arch, then optional training / checkpoint / export of ``train_dir``.
     Checkpoint, export and buckets go to ``<path>/<variant>``."""
@@ -92,7 +95,7 @@ def zero_run(*, rank: int, world_size: int, master_addr: str, master_port: int, 
         out[name] = _one(worker, model_dirs=model_dirs, batch=batch, train_dir=train_dir, train_steps=train_steps,
                          save_at=save_at, ckpt_root=sub(ckpt_root), resume_from=sub(resume_from),
                          export_dir=sub(export_dir), bucket_bytes=bucket_bytes, nan_step=nan_step,
-                         offload_check=offload_check)
+                         offload_check=offload_check, reference_dir=reference_dir)
     from deepspeed.comm import comm as ds_comm
 
     # the training process group never compiled DeepSpeed's shared-memory op (zero/worker.py: skip_cpu_shm_comm_op)
