@@ -5,6 +5,7 @@ cross-checks' tiny models and ragged batch)."""
 import os
 import pickle
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,12 +33,25 @@ def pytest_addoption(parser) -> None:
                      help="run the collected tests in reverse order (the suite must not depend on its order)")
 
 
+def scheduling_unit(config, item) -> str:
+    """The test's file, or its file's scheduling group (``SCHEDULING_GROUPS``)."""
+    path = Path(str(item.path)).relative_to(config.rootpath).as_posix()
+    return SCHEDULING_GROUPS.get(path, path)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files holding slow tests first (a stable sort: each file keeps its order, files keep theirs among themselves).
-    Under pytest-xdist (``-n 2 --dist loadfile``, the README's command) the long files then start at once and the
-    many short ones fill both workers' last minutes instead of one worker finishing a long file alone."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    """Files holding slow tests first (a stable sort: each file keeps its order, files keep theirs among themselves),
+    the files of a scheduling group next to each other (where the first of them was). Under pytest-xdist (``-n 2
+    --dist loadfile``, the README's command) the long files then start at once and the many short ones fill both
+    workers' last minutes instead of one worker finishing a long file alone; in one process, a group's kept actors
+    start once too."""
+    units = [scheduling_unit(config, item) for item in items]
+    slow_units = {u for u, item in zip(units, items) if item.get_closest_marker("slow")}
+    first = {}
+    for i, u in enumerate(units):
+        first.setdefault(u, i)
+    order = {id(item): (u not in slow_units, first[u]) for u, item in zip(units, items)}
+    items.sort(key=lambda item: order[id(item)])
     if config.getoption("--reverse-order"):
         items.reverse()
 
@@ -121,8 +135,9 @@ class SharedRay:
                 if attempt == 2:
                     raise
 
-    def release(self, wait_s: float = 15.0) -> None:
-        """A module's end: keep Ray if every CPU is free again (freed resources show up after a short delay)."""
+    def release(self, module: str, wait_s: float = 15.0) -> None:
+        """``module``'s end: keep Ray if every CPU is free again (freed resources show up after a short delay), else
+        stop it, with a warning naming the module (its leak would otherwise only slow the next one down)."""
         import ray
 
         if not ray.is_initialized():
@@ -134,6 +149,7 @@ class SharedRay:
             if all(free.get(k, 0.0) >= total[k] - held.get(k, 0.0) - 1e-6 for k in ("CPU", "GPU") if k in total):
                 return
             time.sleep(0.2)
+        warnings.warn(f"{module} left Ray resources held ({free} free of {total}, kept actors {held}): Ray stopped")
         self.down()
 
     def down(self) -> None:
@@ -153,13 +169,13 @@ def shared_ray():
 
 
 @pytest.fixture(scope="module")
-def ray_local(shared_ray):
+def ray_local(request, shared_ray):
     """A local 2-CPU Ray for the module (workers get this PYTHONPATH): the process's shared one (:class:`SharedRay`),
     started if it is not up; kept at the module's end only if the module freed every CPU it took."""
     pytest.importorskip("ray")
     shared_ray.up()
     yield
-    shared_ray.release()
+    shared_ray.release(request.node.nodeid)
 
 
 @pytest.fixture(scope="module")
