@@ -4,6 +4,7 @@ cross-checks' tiny models and ragged batch)."""
 
 import os
 import pickle
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -153,10 +154,9 @@ class SharedRay:
         self.down()
 
     def down(self) -> None:
-        import ray
-
+        ray = sys.modules.get("ray")  # a process that never imported Ray has none to stop
         self.kept = {}  # their actors end with this driver's Ray
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
 
 
