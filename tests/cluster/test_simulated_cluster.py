@@ -56,7 +56,7 @@ def preset_shape(name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(no_ray):
     with simulated_gpu_cluster(NODES, GPUS, cpus_per_node=8) as c:
         yield c
 

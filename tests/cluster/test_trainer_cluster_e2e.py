@@ -129,20 +129,10 @@ ROLLOUT_KEYS = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tok
 
 
 @pytest.fixture(scope="module")
-def ray_once():
-    """One local Ray for the module's runs (the trainer leaves a Ray it did not start running)."""
-    for attempt in range(3):  # a loaded shared machine can miss Ray's fixed 30 s raylet start-up window
-        try:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-                                               "TOKENIZERS_PARALLELISM": "false"}})
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
+def ray_once(ray_local):
+    """The local Ray of the module's runs (the trainer leaves a Ray it did not start running): the test process's
+    shared one (tests/conftest.py, ``ray_local``)."""
     yield
-    ray.shutdown()
 
 
 EVALS = {"eval.dataset": "bundled:test", "eval.max_samples": "4", "eval.steps": "1"}

@@ -8,15 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from openrlhf_shape.platform import Platform, cpu_platform
+from openrlhf_shape.platform import Platform
 from openrlhf_shape.testing.engine_weights import load_into_engines
 from openrlhf_shape.rollout import (
-    EngineConfig,
     EngineGroup,
     ProbeConfig,
     SamplingConfig,
     estimate_potentials,
-    start_engines,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -25,21 +23,11 @@ QUESTIONS = [f"Compute {a} times {a + 3} and then subtract {a} from the result; 
 
 
 @pytest.fixture(scope="module")
-def ray_group(tiny_model_dir):
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32")
-    # Fields the engines would not detect themselves (the thread counts are set only from a config)
-    # show they run under the handed profile.
-    handed = cpu_platform(threads_per_rank=7, threads_per_engine=2)
-    group = start_engines(cfg, 2, platform=handed, num_cpus_per_engine=0.5)
-    group.handed_platform = handed
-    yield group
-    group.shutdown()
-    if started:
-        ray.shutdown()
+def ray_group(two_tiny_engines):
+    """Two engine actors of the tiny Qwen3, shared with tests/weight_sync/test_sync_progress.py (tests/conftest.py:
+    ``two_tiny_engines``): both hold the same weights, the directory's or a sync's. Their handed profile has thread
+    counts the engines would not detect themselves (set only from a config), which shows they run under it."""
+    return two_tiny_engines
 
 
 def test_balanced_dispatch_and_same_weights_same_greedy(ray_group, chat_ids):
@@ -141,8 +129,9 @@ def test_seeded_probes_are_the_same_on_one_or_two_engines(ray_group, chat_ids):
 def test_weights_through_ray_buckets(ray_group, chat_ids, tiny_model_dir):
     prompt = [chat_ids(QUESTIONS[0] + QUESTIONS[1] + QUESTIONS[2])]
     greedy = SamplingConfig(max_tokens=16, temperature=0.0)
-    before = ray_group.generate(prompt, greedy)[0].token_ids
     original = load_file(f"{tiny_model_dir}/model.safetensors")
+    load_into_engines(ray_group, iter([list(original.items())]))  # the shared engines may hold a sync's weights
+    before = ray_group.generate(prompt, greedy)[0].token_ids
     gen = torch.Generator().manual_seed(2)
     noisy = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
     load_into_engines(ray_group, iter([[(k, v)] for k, v in noisy.items()]))  # one tensor per bucket

@@ -127,10 +127,7 @@ def _worker_side():
 
 
 @pytest.fixture(scope="module")
-def rpc_path():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def rpc_path(ray_local):
     engine = _engine_side().remote(2, 1)  # world 2, one worker on the engine's node
     handle = ray.get(engine.broadcast_handle.remote())
     worker_cls = _worker_side()
@@ -143,8 +140,6 @@ def rpc_path():
     for actor in [engine, *workers]:
         ray.kill(actor)
     del running
-    if started:
-        ray.shutdown()
 
 
 def _drain():

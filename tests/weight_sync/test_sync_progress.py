@@ -28,9 +28,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from openrlhf_shape.platform import detect_platform  # noqa: E402
-from openrlhf_shape.rollout.engine import EngineConfig  # noqa: E402
-from openrlhf_shape.rollout.group import create_ray_engines  # noqa: E402
 from openrlhf_shape.testing.hf_reference import hf_token_logprobs, mean_abs_gap  # noqa: E402
 from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from openrlhf_shape.weight_sync.driver import POLL_S, EngineWeightSync, WeightSyncError  # noqa: E402
@@ -46,11 +43,10 @@ SEQS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 300, 301, 302, 500, 17]]
 
 
 @pytest.fixture(scope="module")
-def rig(ray_local, tiny_model_dir):
-    """Two engines, a tensor holder as the sender, one connected sync per transport; the processes' ids."""
-    cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=256, kv_cache_gib=0.25, dtype="float32")
-    engines = create_ray_engines(2, cfg, num_cpus_per_engine=0.5,
-                                 platform=detect_platform(engine_tp=cfg.tensor_parallel_size))
+def rig(two_tiny_engines, tiny_model_dir):
+    """Two engines (the tiny Qwen3's, shared with tests/rollout/test_ray_engines.py: tests/conftest.py,
+    ``two_tiny_engines``), a tensor holder as the sender, one connected sync per transport; the processes' ids."""
+    engines = two_tiny_engines.engines
     holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(tiny_model_dir)
     syncs = {t: EngineWeightSync(engines, engine_tp=1, transport=t, backend="gloo", timeout_s=BOUND) for t in TRANSPORTS}
     try:
@@ -62,8 +58,7 @@ def rig(ray_local, tiny_model_dir):
     finally:
         for s in syncs.values():
             s.close()
-        for h in engines + [holder]:
-            ray.kill(h)
+        ray.kill(holder)
 
 
 def assert_engines_compute_the_holders_policy(rig: dict, what: str) -> None:
