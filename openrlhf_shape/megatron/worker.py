@@ -388,9 +388,15 @@ class MegatronRankWorker:
         rank)`` to the backward and expects ``finalize_model_grads`` to divide every gradient by the global
         token count; we skip that division (the policy loss is already a global token mean), so the schedule's
         backward scale for the router losses (``MoEAuxLossAutoScaler``, set to 1 after each forward) is replaced
-        by 1 / (unpadded tokens of every micro-batch on every data-parallel rank; :func:`_router_padding_mask`).
+        by S / (unpadded tokens of every micro-batch on every data-parallel rank; :func:`_router_padding_mask`),
+        S the size of the router's TP x CP group (1 without SP / CP).
+        Why S: under sequence or context parallelism each of the S ranks holds 1/S of a micro-batch's tokens and
+        its router losses are its share of the micro-batch's (the load-balancing loss a partial sum with the token
+        counts reduced over the group; the z-loss a local mean divided by S), weighted by its own token count;
+        S x that weight, made the micro-batch's token count / S on every rank (:func:`_router_token_weight`, so
+        pads falling unevenly on the ranks do not tilt it), gives the micro-batch's token count again.
         Result: ``coeff x sum over layers of the token-weighted mean over micro-batches of Megatron's
-        per-micro-batch loss``, whatever the data-parallel or micro-batch layout.
+        per-micro-batch loss``, whatever the data, tensor, context parallel or micro-batch layout.
         """
         if forward_only or not self._router_losses_on():
             yield
@@ -400,7 +406,7 @@ class MegatronRankWorker:
         valid = sum(int((~_router_padding_mask(mb)).sum()) for mb in mbs)
         tokens = torch.tensor([float(valid)], dtype=torch.float64, device=self.device)
         dist.all_reduce(tokens, group=self.mpu.get_data_parallel_group())
-        factor = 1.0 / float(tokens.item())
+        factor = self.mpu.get_tensor_and_context_parallel_world_size() / float(tokens.item())
         orig = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
 
         def set_loss_scale(scale: torch.Tensor) -> None:
@@ -408,7 +414,8 @@ class MegatronRankWorker:
 
         MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
         try:
-            yield
+            with _router_token_weight():
+                yield
         finally:
             MoEAuxLossAutoScaler.set_loss_scale = orig
 
@@ -596,6 +603,27 @@ def _unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+@contextlib.contextmanager
+def _router_token_weight() -> Iterator[None]:
+    """Megatron's load-balancing loss weighs each rank's share by the rank's own unpadded token count (``local_num_tokens``
+    of ``get_tokens_per_expert_and_token_count``); under SP / CP the shares are partial sums of one micro-batch's loss,
+    so every rank's share needs the same weight: the micro-batch's token count over the reduce group / its size. Equal
+    to the local count without SP / CP (a group of one)."""
+    from megatron.core.transformer.moe import router as moe_router
+
+    orig = moe_router.get_tokens_per_expert_and_token_count
+
+    def counts(routing_map: torch.Tensor, reduce_group, topk: int | None = None, with_padding_mask: bool = False):
+        per_expert, _local, total = orig(routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask)
+        return per_expert, total / reduce_group.size(), total
+
+    moe_router.get_tokens_per_expert_and_token_count = counts
+    try:
+        yield
+    finally:
+        moe_router.get_tokens_per_expert_and_token_count = orig
 
 
 def _router_padding_mask(mb: MicroBatch) -> torch.Tensor:

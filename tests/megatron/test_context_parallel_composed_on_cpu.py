@@ -55,14 +55,21 @@ def models(tiny_models, tmp_path_factory) -> dict[str, str]:
     return {"qwen3": tiny_models["qwen3"], "qwen3_moe": str(moe)}
 
 
-def _run(world: int, cfg: dict, model_dirs: dict, batch: dict) -> list[dict]:
+# MoE router losses on (the load-balancing and z losses, each with a weight that makes it visible in the gradient)
+# The load-balancing loss is per micro-batch, so world 1 runs CP2's micro-batches: CP x the per-GPU budget.
+ROUTER_LOSSES = {"router_losses": ({"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}, ["qwen3_moe"])}
+ROUTER_LOSSES_W1 = {"router_losses": ({**ROUTER_LOSSES["router_losses"][0],
+                                       "micro_batch_max_tokens": 2 * CFG["micro_batch_max_tokens"]}, ["qwen3_moe"])}
+
+
+def _run(world: int, cfg: dict, model_dirs: dict, batch: dict, variants: dict | None = None) -> list[dict]:
     return run_ranks("cp_scenarios:cp_run", world, timeout=900, extra_pythonpath=[HERE],
-                     kwargs=dict(cfg=cfg, model_dirs=model_dirs, batch=batch))
+                     kwargs=dict(cfg=cfg, model_dirs=model_dirs, batch=batch, variants=variants))
 
 
 @pytest.fixture(scope="module")
 def world1(models, batch) -> list[dict]:
-    return _run(1, CFG, models, batch)
+    return _run(1, CFG, models, batch, ROUTER_LOSSES_W1)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,7 @@ def cp2_pp2(models, batch) -> list[dict]:
 @pytest.fixture(scope="module")
 def cp2_ep2(models, batch) -> list[dict]:
     world, extra, arch = LAYOUTS["cp2_ep2"]
-    return _run(world, {**CFG, **extra}, {arch: models[arch]}, batch)
+    return _run(world, {**CFG, **extra}, {arch: models[arch]}, batch, ROUTER_LOSSES)
 
 
 @pytest.mark.parametrize("name, layout", CASES)
@@ -132,3 +139,21 @@ def test_cp2_ep2_expert_group_spans_the_cp_pair_on_cpu(request):
         moe = r["qwen3_moe"]["packed"]["info"]["moe"]
         assert moe["ep_group"] == 2 and moe["num_experts"] == 8
         assert r["qwen3_moe"]["packed"]["info"]["num_parameters_local"] < r["qwen3_moe"]["packed"]["info"]["num_parameters"]
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_cp2_router_losses_give_the_world1_gradient_on_cpu(request, world1, layout):
+    """--megatron.moe_aux_loss_coeff 0.1 and --megatron.moe_z_loss_coeff 0.01 at CP2 x EP2: every parameter's
+    gradient after one step equals world 1's (the router losses are partial sums over the CP ranks, each to be
+    weighted by the micro-batch's token count, not the rank's: MegatronRankWorker._router_loss_scale); and the losses
+    do move the gradient (against the run without them)."""
+    ref = world1[0]["variants"]["router_losses"]["qwen3_moe"][layout]
+    plain = world1[0]["qwen3_moe"][layout]
+    assert worst_grad_rel_diff(ref["grads"], plain["grads"])[0] > 1e-3
+    for rank_res in request.getfixturevalue("cp2_ep2"):
+        res = rank_res["variants"]["router_losses"]["qwen3_moe"][layout]
+        worst, where = worst_grad_rel_diff(res["grads"], ref["grads"])
+        print(f"cp2_ep2 router losses {layout}: worst gradient {worst:.2e} relative ({where})")
+        assert worst <= GRAD_RTOL, where
+        assert res["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+        assert res["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], abs=1e-6)
