@@ -141,19 +141,28 @@ def test_cp2_ep2_expert_group_spans_the_cp_pair_on_cpu(request):
         assert r["qwen3_moe"]["packed"]["info"]["num_parameters_local"] < r["qwen3_moe"]["packed"]["info"]["num_parameters"]
 
 
+@pytest.fixture(scope="module")
+def tp2_sp(models, batch) -> list[dict]:
+    """TP2 + sequence parallel (world 2, Qwen3-MoE): each TP rank routes half of every micro-batch, as under CP."""
+    cfg = {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+           "micro_batch_max_tokens": 2 * CFG["micro_batch_max_tokens"]}
+    return _run(2, cfg, {"qwen3_moe": models["qwen3_moe"]}, batch, ROUTER_LOSSES)
+
+
+@pytest.mark.parametrize("name", ["cp2_ep2", "tp2_sp"])
 @pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_cp2_router_losses_give_the_world1_gradient_on_cpu(request, world1, layout):
-    """--megatron.moe_aux_loss_coeff 0.1 and --megatron.moe_z_loss_coeff 0.01 at CP2 x EP2: every parameter's
+def test_sp_cp_router_losses_give_the_world1_gradient_on_cpu(request, world1, name, layout):
+    """--megatron.moe_aux_loss_coeff 0.1 and --megatron.moe_z_loss_coeff 0.01 at CP2 x EP2 and TP2 + SP: every parameter's
     gradient after one step equals world 1's (the router losses are partial sums over the CP ranks, each to be
     weighted by the micro-batch's token count, not the rank's: MegatronRankWorker._router_loss_scale); and the losses
     do move the gradient (against the run without them)."""
     ref = world1[0]["variants"]["router_losses"]["qwen3_moe"][layout]
     plain = world1[0]["qwen3_moe"][layout]
     assert worst_grad_rel_diff(ref["grads"], plain["grads"])[0] > 1e-3
-    for rank_res in request.getfixturevalue("cp2_ep2"):
+    for rank_res in request.getfixturevalue(name):
         res = rank_res["variants"]["router_losses"]["qwen3_moe"][layout]
         worst, where = worst_grad_rel_diff(res["grads"], ref["grads"])
-        print(f"cp2_ep2 router losses {layout}: worst gradient {worst:.2e} relative ({where})")
+        print(f"{name} router losses {layout}: worst gradient {worst:.2e} relative ({where})")
         assert worst <= GRAD_RTOL, where
         assert res["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
         assert res["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], abs=1e-6)
