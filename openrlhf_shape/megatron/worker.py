@@ -390,11 +390,12 @@ class MegatronRankWorker:
         backward scale for the router losses (``MoEAuxLossAutoScaler``, set to 1 after each forward) is replaced
         by S / (unpadded tokens of every micro-batch on every data-parallel rank; :func:`_router_padding_mask`),
         S the size of the router's TP x CP group (1 without SP / CP).
-        Why S: under sequence or context parallelism each of the S ranks holds 1/S of a micro-batch's tokens and
-        its router losses are its share of the micro-batch's (the load-balancing loss a partial sum with the token
-        counts reduced over the group; the z-loss a local mean divided by S), weighted by its own token count;
-        S x that weight, made the micro-batch's token count / S on every rank (:func:`_router_token_weight`, so
-        pads falling unevenly on the ranks do not tilt it), gives the micro-batch's token count again.
+        Why S: under sequence or context parallelism each of the S ranks holds 1/S of a micro-batch's tokens. The
+        z-loss share is the local mean x coeff / S, weighted by the local token count: the S shares add up to 1/S
+        of the micro-batch's z-loss x its token count, hence x S. The load-balancing shares are partial sums of the
+        micro-batch's loss whose weight is already the group's token count (``get_tokens_per_expert_and_token_count``
+        all-reduces the per-expert counts in place, so its "local" count is the group's); x S would count them S
+        times, so :func:`_router_token_weight` sets that weight to the group's count / S.
         Result: ``coeff x sum over layers of the token-weighted mean over micro-batches of Megatron's
         per-micro-batch loss``, whatever the data, tensor, context parallel or micro-batch layout.
         """
@@ -607,10 +608,10 @@ def _unwrap(model):
 
 @contextlib.contextmanager
 def _router_token_weight() -> Iterator[None]:
-    """Megatron's load-balancing loss weighs each rank's share by the rank's own unpadded token count (``local_num_tokens``
-    of ``get_tokens_per_expert_and_token_count``); under SP / CP the shares are partial sums of one micro-batch's loss,
-    so every rank's share needs the same weight: the micro-batch's token count over the reduce group / its size. Equal
-    to the local count without SP / CP (a group of one)."""
+    """The load-balancing loss share's token weight on every rank = the micro-batch's unpadded tokens over the
+    router's reduce group / the group's size, so that :meth:`MegatronRankWorker._router_loss_scale`'s factor S
+    (which the z-loss needs) counts it once. megatron-core 0.16.1 returns the group's count as ``local_num_tokens``
+    (its all-reduce of the per-expert counts is in place); the weight set here does not depend on that."""
     from megatron.core.transformer.moe import router as moe_router
 
     orig = moe_router.get_tokens_per_expert_and_token_count
