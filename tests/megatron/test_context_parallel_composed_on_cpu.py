@@ -11,7 +11,9 @@ item 2: "composes with TP/PP/EP/SP and packing"; TP and SP are in test_context_p
 Same weights and tokens as world 1 (the 8 sequences of 33..1900 tokens of the CP test, 3853 in all, one with an empty
 response), packed and padded micro-batches: log-probs and entropy within 1e-5, and after one step the loss, token
 count, grad norm and every parameter's gradient (full HF-named tensors, gathered over TP/PP/EP by the bridge's export)
-within 1e-5 relative.
+within 1e-5 relative. With the MoE router losses on (aux 0.1, z 0.01), CP2 x EP2 and TP2 + SP (world 2) give world
+1's gradient on the same micro-batches (MegatronRankWorker._router_loss_scale; 0.25 relative error before it
+scaled by the TP x CP group size).
 """
 
 from __future__ import annotations
