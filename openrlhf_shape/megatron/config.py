@@ -123,11 +123,6 @@ class MegatronSettings:
             if self.routing_replay != "none" and getattr(self, size) > 1:
                 raise ValueError(f"{name}.routing_replay={self.routing_replay!r} with {size}={getattr(self, size)} "
                                  f"is not built ({why}); use {size}=1 or routing_replay='none' (docs/moe.md)")
-        if self.context_parallel_size > 1 and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
-            raise ValueError(f"{name}.moe_aux_loss_coeff / moe_z_loss_coeff > 0 with context_parallel_size="
-                             f"{self.context_parallel_size} is not built: the router losses' token-mean scale "
-                             "(megatron/worker.py _router_loss_scale) has not been checked against megatron-core's CP "
-                             "reduction of them; set --megatron.context_parallel_size 1 or the coefficients to 0")
         if self.routing_replay != "none" and self.moe_router_fusion:
             # megatron-core 0.16.1 moe_utils.topk_routing_with_score_function: `if fused: return
             # fused_topk_with_score_function(...)` comes before the router_replay branch (tests/megatron holds it)

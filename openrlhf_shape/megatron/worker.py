@@ -395,9 +395,16 @@ class MegatronRankWorker:
         rank)`` to the backward and expects ``finalize_model_grads`` to divide every gradient by the global
         token count; we skip that division (the policy loss is already a global token mean), so the schedule's
         backward scale for the router losses (``MoEAuxLossAutoScaler``, set to 1 after each forward) is replaced
-        by 1 / (unpadded tokens of every micro-batch on every data-parallel rank; :func:`_router_padding_mask`).
+        by S / (unpadded tokens of every micro-batch on every data-parallel rank; :func:`_router_padding_mask`),
+        S the size of the router's TP x CP group (1 without SP / CP).
+        Why S: under sequence or context parallelism each of the S ranks holds 1/S of a micro-batch's tokens. The
+        z-loss share is the local mean x coeff / S, weighted by the local token count: the S shares add up to 1/S
+        of the micro-batch's z-loss x its token count, hence x S. The load-balancing shares are partial sums of the
+        micro-batch's loss whose weight is already the group's token count (``get_tokens_per_expert_and_token_count``
+        all-reduces the per-expert counts in place, so its "local" count is the group's); x S would count them S
+        times, so :func:`_router_token_weight` sets that weight to the group's count / S.
         Result: ``coeff x sum over layers of the token-weighted mean over micro-batches of Megatron's
-        per-micro-batch loss``, whatever the data-parallel or micro-batch layout.
+        per-micro-batch loss``, whatever the data, tensor, context parallel or micro-batch layout.
         """
         if forward_only or not self._router_losses_on():
             yield
@@ -407,7 +414,7 @@ class MegatronRankWorker:
         valid = sum(int((~_router_padding_mask(mb)).sum()) for mb in mbs)
         tokens = torch.tensor([float(valid)], dtype=torch.float64, device=self.device)
         dist.all_reduce(tokens, group=self.mpu.get_data_parallel_group())
-        factor = 1.0 / float(tokens.item())
+        factor = self.mpu.get_tensor_and_context_parallel_world_size() / float(tokens.item())
         orig = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
 
         def set_loss_scale(scale: torch.Tensor) -> None:
@@ -415,7 +422,8 @@ class MegatronRankWorker:
 
         MoEAuxLossAutoScaler.set_loss_scale = staticmethod(set_loss_scale)
         try:
-            yield
+            with _router_token_weight():
+                yield
         finally:
             MoEAuxLossAutoScaler.set_loss_scale = orig
 
@@ -603,6 +611,27 @@ def _unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+@contextlib.contextmanager
+def _router_token_weight() -> Iterator[None]:
+    """The load-balancing loss share's token weight on every rank = the micro-batch's unpadded tokens over the
+    router's reduce group / the group's size, so that :meth:`MegatronRankWorker._router_loss_scale`'s factor S
+    (which the z-loss needs) counts it once. megatron-core 0.16.1 returns the group's count as ``local_num_tokens``
+    (its all-reduce of the per-expert counts is in place); the weight set here does not depend on that."""
+    from megatron.core.transformer.moe import router as moe_router
+
+    orig = moe_router.get_tokens_per_expert_and_token_count
+
+    def counts(routing_map: torch.Tensor, reduce_group, topk: int | None = None, with_padding_mask: bool = False):
+        per_expert, _local, total = orig(routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask)
+        return per_expert, total / reduce_group.size(), total
+
+    moe_router.get_tokens_per_expert_and_token_count = counts
+    try:
+        yield
+    finally:
+        moe_router.get_tokens_per_expert_and_token_count = orig
 
 
 def _router_padding_mask(mb: MicroBatch) -> torch.Tensor:

@@ -10,6 +10,7 @@ split against megatron-core's own ``get_batch_on_this_cp_rank``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from openrlhf_shape.actor.cp_split import cp_shard
 from openrlhf_shape.batch import SequenceBatch
@@ -34,8 +35,11 @@ def cp_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cf
         worker.cfg = replaced(worker.cfg, **overrides)
         res.setdefault("variants", {})[vname] = {
             arch: {name: cp_pass(worker, model_dirs[arch], batch, pack) for name, pack in LAYOUTS} for arch in archs}
-    res["ranks"] = {"cp": worker.mpu.get_context_parallel_rank(), "tp": worker.mpu.get_tensor_model_parallel_rank(),
-                    "dp_size": worker.dp_size}
+    mpu = worker.mpu
+    res["ranks"] = {"cp": mpu.get_context_parallel_rank(), "tp": mpu.get_tensor_model_parallel_rank(),
+                    "pp": mpu.get_pipeline_model_parallel_rank(), "dp_size": worker.dp_size,
+                    "cp_group": sorted(dist.get_process_group_ranks(mpu.get_context_parallel_group())),
+                    "ep_group": sorted(dist.get_process_group_ranks(mpu.get_expert_model_parallel_group()))}
     worker.shutdown()
     return res
 
