@@ -630,8 +630,7 @@ def _sync_phase(plan: Plan, cfg: TrainConfig) -> Phase:
     (the cost model's PCIe assumption)."""
     from openrlhf_shape.planner.sync_time import weight_sync_phase
 
-    w = plan.model.total_params() * 2
-    wake = (w / cfg.vllm.tensor_parallel_size / (plan.options.pcie_gbs * 1e9)
+    wake = (plan.sync.sync_bytes / cfg.vllm.tensor_parallel_size / (plan.options.pcie_gbs * 1e9)
             if cfg.train.colocate_all and plan.options.vllm_sleep_level == 1 else 0.0)
     return weight_sync_phase(plan.sync, wake)
 
