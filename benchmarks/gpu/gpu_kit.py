@@ -217,18 +217,10 @@ class Kit:
         self._lock = threading.Lock()  # sections may record from several threads (--jobs, smoke only)
 
     def _run(self, target: str, kwargs: dict, module: str = "kit_sections") -> Any:
-        from openrlhf_shape.actor.launch import RankFailure, run_ranks
+        from openrlhf_shape.actor.launch import run_ranks
 
-        for attempt in range(3):
-            try:
-                return run_ranks(f"{module}:{target}", 1, kwargs=kwargs, timeout=self.timeout,
-                                 extra_pythonpath=[HERE], threads_per_rank=1 if self.smoke else 8)[0]
-            except RankFailure as exc:
-                # free_port() can race with other processes on a shared machine: retry on a new port
-                if "EADDRINUSE" not in str(exc) or attempt == 2:
-                    raise
-                print(f"[gpu_kit] {target}: port taken by another process, retrying", flush=True)
-        raise AssertionError("unreachable")
+        return run_ranks(f"{module}:{target}", 1, kwargs=kwargs, timeout=self.timeout,
+                         extra_pythonpath=[HERE], threads_per_rank=1 if self.smoke else 8)[0]
 
     def _record(self, name: str, fn) -> None:
         t0 = time.time()

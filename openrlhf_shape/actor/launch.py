@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import random
 import socket
 import subprocess
 import sys
@@ -27,12 +28,33 @@ class RankFailure(RuntimeError):
     """A rank exited non-zero or timed out; the message holds the logs' tails."""
 
 
+# Ports below Linux's ephemeral range (32768-60999, where the kernel draws the source ports of
+# outgoing connections: Ray opens hundreds) and above Ray's worker ports (10002-19999).
+_PORT_RANGE = (20000, 32767)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host`` ("" = every interface: a rendezvous other
-    nodes connect to). The one helper for rendezvous ports (subprocess ranks, Ray rank 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    nodes connect to). The one helper for rendezvous ports (subprocess ranks, Ray rank 0).
+
+    Drawn at random from ``_PORT_RANGE`` so that neither outgoing connections nor Ray's workers take
+    it between this check and the rendezvous; another process can still win the race, which
+    ``run_ranks`` answers by retrying on a new port."""
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randint(*_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is crowded: any port
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_PORT_ATTEMPTS = 3
 
 
 def run_ranks(
@@ -45,14 +67,38 @@ def run_ranks(
     threads_per_rank: int = 1,
     extra_pythonpath: Optional[list[str]] = None,
 ) -> list[Any]:
-    """Run ``target`` on ``world_size`` ranks; return their results in rank order."""
+    """Run ``target`` on ``world_size`` ranks; return their results in rank order.
+
+    A launch whose rendezvous port was taken by another process in the meantime (rank 0 fails
+    with EADDRINUSE before any work) is retried on a new port, ``_PORT_ATTEMPTS`` times in all."""
     if ":" not in target:
         raise ValueError(f"target must be 'module:function', got {target!r}")
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="shape_ranks_")
-    with open(os.path.join(workdir, "kwargs.pkl"), "wb") as f:
-        pickle.dump(kwargs or {}, f)
     rank_env = _rank_env(threads_per_rank, extra_pythonpath, env)
+    for attempt in range(1, _PORT_ATTEMPTS + 1):
+        workdir = tempfile.mkdtemp(prefix="shape_ranks_")
+        failed = _launch_once(target, world_size, workdir, free_port(), kwargs or {}, rank_env, timeout)
+        if not failed:
+            break
+        tails = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"rank{rank}.log")) as f:
+                tails.append(f"--- rank {rank} ---\n" + f.read()[-4000:])
+        if "EADDRINUSE" in tails[0] and attempt < _PORT_ATTEMPTS:
+            print(f"[launch] {target}: the rendezvous port was taken meanwhile; retrying on a new one", file=sys.stderr)
+            continue
+        raise RankFailure(f"{target} on {world_size} ranks: {failed}\n" + "\n".join(tails))
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(workdir, f"result{rank}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def _launch_once(target: str, world_size: int, workdir: str, port: int, kwargs: dict, rank_env: dict,
+                 timeout: float) -> Optional[str]:
+    """Start every rank on ``port``, wait for them; None on success, else why not (logs in ``workdir``)."""
+    with open(os.path.join(workdir, "kwargs.pkl"), "wb") as f:
+        pickle.dump(kwargs, f)
     procs, logs = [], []
     for rank in range(world_size):
         log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
@@ -60,7 +106,7 @@ def run_ranks(
         cmd = [sys.executable, "-m", "openrlhf_shape.actor.launch", target, workdir, str(rank), str(world_size), str(port)]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env))
     try:
-        failed = _wait_for_ranks(procs, timeout)
+        return _wait_for_ranks(procs, timeout)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -69,17 +115,6 @@ def run_ranks(
             p.wait()
         for log in logs:
             log.close()
-    if failed:
-        tails = []
-        for rank in range(world_size):
-            with open(os.path.join(workdir, f"rank{rank}.log")) as f:
-                tails.append(f"--- rank {rank} ---\n" + f.read()[-4000:])
-        raise RankFailure(f"{target} on {world_size} ranks: {failed}\n" + "\n".join(tails))
-    results = []
-    for rank in range(world_size):
-        with open(os.path.join(workdir, f"result{rank}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-    return results
 
 
 def _rank_env(threads_per_rank: int, extra_pythonpath: Optional[list[str]], env: Optional[dict]) -> dict:
