@@ -11,6 +11,8 @@ against megatron-core's own ``get_batch_on_this_cp_rank``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -56,6 +58,7 @@ def cp_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cf
 def cp_pass(worker, path: str, batch: dict, pack: bool) -> dict:
     """Log-probs + entropy (results on the rank that holds them), one step's metrics, its HF-named gradients
     (``grads``) and this rank's gradient shards (``shard_grads``), the step's micro-batches and their CP split."""
+    t0 = time.time()
     worker.cfg = replaced(worker.cfg, pack_samples=pack)
     info = worker.init_model(path)
     out = {"info": info, "logprobs": worker.compute_logprobs_and_entropy(batch)}
@@ -67,6 +70,7 @@ def cp_pass(worker, path: str, batch: dict, pack: bool) -> dict:
     out["micro_batches"] = [{"rows": list(mb.rows), "shape": tuple(mb.input_ids.shape), "packed": mb.packed}
                             for mb in mbs]
     out["split"] = split_record(worker, mbs)
+    out["seconds"] = time.time() - t0  # the record (where a launch's time goes)
     return out
 
 
