@@ -74,11 +74,27 @@ def shared_world1(shared_results, tiny_models: dict, batch: dict) -> dict:
 def shared_tp2(shared_results, tiny_models: dict, batch: dict) -> list[dict]:
     """Megatron TP2 on the backend models: parity forward and the 5 updates of ``TRAIN_CFG``, then again with
     sequence parallel, SDPA attention (2 query heads and 1 KV group per rank: GQA inside SDPA), and both."""
+    return shared_world2(shared_results, tiny_models, batch)["tp2"]
 
-    def make(folder: Path) -> list[dict]:
-        return run_layout(2, cfg={**TRAIN_CFG, "tensor_model_parallel_size": 2}, model_dirs=tiny_models, batch=batch,
-                          train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS, reference_dir=tiny_models["qwen3"],
-                          variants={"sp": {"sequence_parallel": True}, "sdpa": SDPA,
-                                    "sdpa_sp": {**SDPA, "sequence_parallel": True}})
 
-    return shared_results.get("megatron_tp2", make)
+def shared_world2(shared_results, tiny_models: dict, batch: dict) -> dict:
+    """The world-2 layouts of the backend models, one launch on the same two ranks (rank_sequence.py): ``tp2``
+    (:func:`shared_tp2`); ``pp2``: parity forward and the 5 updates (the reference model: qwen2); ``dp2_distopt``:
+    DP2 with the distributed optimizer, the 5 updates with a checkpoint after ``SAVE_AT`` under ``root``/ckpt
+    (read-only: the resume reads it)."""
+    from rank_sequence import run_sequence
+
+    def make(folder: Path) -> dict:
+        common = dict(model_dirs=tiny_models, batch=batch, train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS)
+        runs = {"tp2": dict(cfg={**TRAIN_CFG, "tensor_model_parallel_size": 2}, **common,
+                            reference_dir=tiny_models["qwen3"],
+                            variants={"sp": {"sequence_parallel": True}, "sdpa": SDPA,
+                                      "sdpa_sp": {**SDPA, "sequence_parallel": True}}),
+                "pp2": dict(cfg={**TRAIN_CFG, "pipeline_model_parallel_size": 2}, **common,
+                            reference_dir=tiny_models["qwen2"]),
+                "dp2_distopt": dict(cfg={**TRAIN_CFG, "use_distributed_optimizer": True}, **{**common, "model_dirs": {}},
+                                    save_at=SAVE_AT, ckpt_root=str(folder / "ckpt"))}
+        results = run_sequence(2, [("mg_scenarios:layout_run", kw) for kw in runs.values()], timeout=420 * len(runs))
+        return {**dict(zip(runs, results)), "root": str(folder)}
+
+    return shared_results.get("megatron_world2", make)

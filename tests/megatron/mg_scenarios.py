@@ -18,6 +18,7 @@ from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
 from openrlhf_shape.testing.reference import reference_run
+from rank_sequence import release_megatron
 
 
 def layout_run(
@@ -41,6 +42,7 @@ def layout_run(
     variants: dict | None = None,
     single_sequence_check: bool = False,
     reference_dir: str | None = None,
+    keep_group: bool = False,
 ) -> dict:
     """Parity forward for every arch in ``model_dirs``, then optional training/ckpt/export of ``train_dir``."""
     t0 = time.time()
@@ -103,7 +105,7 @@ def layout_run(
         var["metrics"] = [worker.train_step(b) for b in batches]
         res.setdefault("variants", {})[vname] = var
         res["timing"][f"{vname}_s"] = time.time() - t3
-    worker.shutdown()
+    release_megatron(worker, keep_group)
     return res
 
 

@@ -16,6 +16,7 @@ from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.logits_watch import LogitsWatch
 from openrlhf_shape.testing.rank_configs import megatron_config, replaced
+from rank_sequence import release_megatron, release_zero
 
 LAYOUTS = (("packed", True), ("padded", False))
 UNCHUNKED = 1 << 20  # a head chunk larger than any micro-batch
@@ -23,7 +24,7 @@ UNCHUNKED = 1 << 20  # a head chunk larger than any micro-batch
 
 def megatron_packing_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict,
                          model_dirs: dict, batch: dict, watch_arch: str | None = None,
-                         variants: dict | None = None) -> dict:
+                         variants: dict | None = None, keep_group: bool = False) -> dict:
     """For every arch: packed and padded passes (:func:`layout_pass`); the logits watch on ``watch_arch``; then
     for each of ``variants`` (name -> (config overrides, archs)) the same passes on the same ranks."""
     worker = MegatronRankWorker(megatron_config(cfg), rank=rank, world_size=world_size, master_addr=master_addr,
@@ -36,7 +37,7 @@ def megatron_packing_run(*, rank: int, world_size: int, master_addr: str, master
         worker.cfg = replaced(worker.cfg, **overrides)
         res.setdefault("variants", {})[vname] = {
             arch: {name: layout_pass(worker, model_dirs[arch], batch, pack) for name, pack in LAYOUTS} for arch in archs}
-    worker.shutdown()
+    release_megatron(worker, keep_group)
     return res
 
 
@@ -93,7 +94,7 @@ def _vocab_shard(worker) -> int:
 
 
 def zero_packing_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, zero: dict,
-                     model_dirs: dict, batch: dict, watch_arch: str | None = None) -> dict:
+                     model_dirs: dict, batch: dict, watch_arch: str | None = None, keep_group: bool = False) -> dict:
     """The DeepSpeed backend's packed and padded passes (and the logits watch) as :func:`megatron_packing_run`."""
     from openrlhf_shape.testing.rank_configs import zero_config
     from openrlhf_shape.zero.worker import ZeroRankWorker
@@ -104,5 +105,5 @@ def zero_packing_run(*, rank: int, world_size: int, master_addr: str, master_por
                  for arch, path in model_dirs.items()}
     if watch_arch is not None:
         res["watch"] = watch_head(worker, model_dirs[watch_arch], batch)
-    worker.shutdown()
+    release_zero(worker, keep_group)
     return res

@@ -14,29 +14,25 @@ count, grad norm and every parameter's gradient (full HF-named tensors, gathered
 within 1e-5 relative. With the MoE router losses on (aux 0.1, z 0.01), CP2 x EP2 and TP2 + SP (world 2) give world
 1's gradient on the same micro-batches (MegatronRankWorker._router_loss_scale; 0.25 relative error before it
 scaled by the TP x CP group size).
+
+The launches are long_runs.py's, shared with the other CP, packing and pad-token tests: world 1's reference passes
+at 1024 tokens per micro-batch are its ``cp_budget`` variant; CP2 x EP2 and TP2 + SP are layouts of the world-2
+launch, CP2 x PP2 one of the world-4 launch.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from long_runs import CP2, batch as long_batch, long_models, shared_world1, shared_world2, shared_world4
 from mg_helpers import max_abs_diff
-from openrlhf_shape.actor.launch import run_ranks
-from openrlhf_shape.testing.batches import long_batch
 from packing_checks import merged, worst_grad_rel_diff
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 CP_TOL = 1e-5  # log-probs / entropy vs world 1
 GRAD_RTOL = 1e-5  # per parameter vs world 1
-# 1024 tokens per GPU: under CP2 a micro-batch holds 2048, so the pipeline runs several micro-batches of unequal length
-CFG = dict(lr=2e-3, lr_scheduler="constant", total_steps=2, micro_batch_max_tokens=1024, max_norm=0.0,
-           entropy_chunk_size=256)
-CP2 = {"context_parallel_size": 2}
-LAYOUTS = {  # name -> (world size, config, arch)
+LAYOUTS = {  # name -> (world size, config, arch); 1024 tokens per GPU (long_runs.CP_BUDGET)
     "cp2_pp2": (4, {**CP2, "pipeline_model_parallel_size": 2}, "qwen3"),
     "cp2_ep2": (2, {**CP2, "expert_model_parallel_size": 2}, "qwen3_moe"),
 }
@@ -45,45 +41,30 @@ CASES = [(name, layout) for name in LAYOUTS for layout in ("packed", "padded")]
 
 @pytest.fixture(scope="module")
 def batch() -> dict:
-    return long_batch(seed=0, vocab_size=1024)
+    return long_batch()
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> dict[str, str]:
-    from openrlhf_shape.testing import make_tiny_model
-
-    moe = make_tiny_model(tmp_path_factory.mktemp("cpx_moe") / "qwen3_moe", arch="qwen3_moe", seed=3, num_layers=2,
-                          vocab_size=1024)
-    return {"qwen3": tiny_models["qwen3"], "qwen3_moe": str(moe)}
-
-
-# MoE router losses on (the load-balancing and z losses, each with a weight that makes it visible in the gradient)
-# The load-balancing loss is per micro-batch, so world 1 runs CP2's micro-batches: CP x the per-GPU budget.
-ROUTER_LOSSES = {"router_losses": ({"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}, ["qwen3_moe"])}
-ROUTER_LOSSES_W1 = {"router_losses": ({**ROUTER_LOSSES["router_losses"][0],
-                                       "micro_batch_max_tokens": 2 * CFG["micro_batch_max_tokens"]}, ["qwen3_moe"])}
-
-
-def _run(world: int, cfg: dict, model_dirs: dict, batch: dict, variants: dict | None = None) -> list[dict]:
-    return run_ranks("cp_scenarios:cp_run", world, timeout=900, extra_pythonpath=[HERE],
-                     kwargs=dict(cfg=cfg, model_dirs=model_dirs, batch=batch, variants=variants))
+def models(shared_results, tiny_models) -> dict[str, str]:
+    return long_models(shared_results, tiny_models)
 
 
 @pytest.fixture(scope="module")
-def world1(models, batch) -> list[dict]:
-    return _run(1, CFG, models, batch, ROUTER_LOSSES_W1)
+def world1(shared_results, models) -> list[dict]:
+    """World 1 at 1024 tokens per micro-batch (``cp_budget``), with the router-loss variant at CP2's 2048: the
+    load-balancing loss is per micro-batch, so world 1 runs CP2's micro-batches there."""
+    w1 = shared_world1(shared_results, models)["world1"]
+    return [{**r, **r["variants"]["cp_budget"]} for r in w1]
 
 
 @pytest.fixture(scope="module")
-def cp2_pp2(models, batch) -> list[dict]:
-    world, extra, arch = LAYOUTS["cp2_pp2"]
-    return _run(world, {**CFG, **extra}, {arch: models[arch]}, batch)
+def cp2_pp2(shared_results, models) -> list[dict]:
+    return shared_world4(shared_results, models)["cp2_pp2"]
 
 
 @pytest.fixture(scope="module")
-def cp2_ep2(models, batch) -> list[dict]:
-    world, extra, arch = LAYOUTS["cp2_ep2"]
-    return _run(world, {**CFG, **extra}, {arch: models[arch]}, batch, ROUTER_LOSSES)
+def cp2_ep2(shared_results, models) -> list[dict]:
+    return shared_world2(shared_results, models)["cp2_ep2"]
 
 
 @pytest.mark.parametrize("name, layout", CASES)
@@ -144,11 +125,10 @@ def test_cp2_ep2_expert_group_spans_the_cp_pair_on_cpu(request):
 
 
 @pytest.fixture(scope="module")
-def tp2_sp(models, batch) -> list[dict]:
-    """TP2 + sequence parallel (world 2, Qwen3-MoE): each TP rank routes half of every micro-batch, as under CP."""
-    cfg = {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True,
-           "micro_batch_max_tokens": 2 * CFG["micro_batch_max_tokens"]}
-    return _run(2, cfg, {"qwen3_moe": models["qwen3_moe"]}, batch, ROUTER_LOSSES)
+def tp2_sp(shared_results, models) -> list[dict]:
+    """TP2 + sequence parallel (world 2, 2048 tokens per micro-batch): each TP rank routes half of every
+    micro-batch, as under CP."""
+    return shared_world2(shared_results, models)["tp2_sp"]
 
 
 @pytest.mark.parametrize("name", ["cp2_ep2", "tp2_sp"])

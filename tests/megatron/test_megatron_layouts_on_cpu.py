@@ -1,8 +1,9 @@
 """Megatron actor on CPU/gloo: HF parity, layout-invariant training, resume, export, SDPA attention.
 
-Each layout is one subprocess launch (world 1 or 2) that checks several things at once; the
-assertions here compare its results against Hugging Face and against the other layouts. The world-1
-and TP2 launches are shared with the DeepSpeed cross-checks (tests/zero) through ``mg_helpers``.
+Each layout is one subprocess run (world 1 or 2) that checks several things at once; the
+assertions here compare its results against Hugging Face and against the other layouts. The world-2 layouts
+(TP2, PP2, DP2 with the distributed optimizer) run one after another in one launch (rank_sequence.py). The world-1
+and world-2 launches are shared with the DeepSpeed cross-checks (tests/zero) through ``mg_helpers``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from mg_helpers import (SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, run_layout,
-                        shared_tp2, shared_world1)
+                        shared_world1, shared_world2)
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.batch import LogProbs
 from openrlhf_shape.megatron.worker import latest_checkpoint
@@ -37,24 +38,22 @@ def world1(shared_results, tiny_models, ragged_batch):
 
 @pytest.fixture(scope="module")
 def layouts(shared_results, tiny_models, ragged_batch):
-    out = {"tp2": shared_tp2(shared_results, tiny_models, ragged_batch),
-           "pp2": run_layout(2, cfg={**TRAIN_CFG, "pipeline_model_parallel_size": 2}, model_dirs=tiny_models,
-                             batch=ragged_batch, train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS,
-                             reference_dir=tiny_models["qwen2"])}
+    world2 = shared_world2(shared_results, tiny_models, ragged_batch)
+    out = {"tp2": world2["tp2"], "pp2": world2["pp2"]}
     out["tp2_sp"] = [r["variants"]["sp"] for r in out["tp2"]]
     return out
 
 
 @pytest.fixture(scope="module")
-def dp2_distopt(tiny_models, ragged_batch, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dp2")
-    cfg = {**TRAIN_CFG, "use_distributed_optimizer": True}
-    first = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
-                       train_steps=TRAIN_STEPS, save_at=SAVE_AT, ckpt_root=str(root / "ckpt"))
-    resumed = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
-                         train_steps=TRAIN_STEPS, resume_from=str(root / "ckpt" / f"step_{SAVE_AT}"),
+def dp2_distopt(shared_results, tiny_models, ragged_batch):
+    """DP2 with the distributed optimizer: the world-2 launch's 5 updates (checkpoint after ``SAVE_AT``), and new
+    processes resuming from that checkpoint (the shared checkpoint is only read)."""
+    world2 = shared_world2(shared_results, tiny_models, ragged_batch)
+    ckpt = os.path.join(world2["root"], "ckpt", f"step_{SAVE_AT}")
+    resumed = run_layout(2, cfg={**TRAIN_CFG, "use_distributed_optimizer": True}, model_dirs={}, batch=ragged_batch,
+                         train_dir=tiny_models["qwen3"], train_steps=TRAIN_STEPS, resume_from=ckpt,
                          single_sequence_check=True)
-    return {"first": first, "resumed": resumed}
+    return {"first": world2["dp2_distopt"], "resumed": resumed}
 
 
 def _merged(results: list[dict], key: str, n: int, arch: str | None = None) -> LogProbs:

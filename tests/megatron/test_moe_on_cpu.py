@@ -12,6 +12,7 @@ import pytest
 
 from mg_helpers import hf_logprobs_entropy, max_abs_diff, run_layout
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
+from rank_sequence import run_sequence
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -36,24 +37,44 @@ def world1(moe_dir, ragged_batch, tmp_path_factory):
     return {"res": res, "root": root}
 
 
+EP2 = {**CFG, "expert_model_parallel_size": 2, "use_distributed_optimizer": True}
+# --megatron.expert_tensor_parallel_size 1 with TP2 + SP and EP2 on 2 ranks
+ETP1 = {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+        "expert_tensor_parallel_size": 1}
+
+
 @pytest.fixture(scope="module")
-def ep2(moe_dir, ragged_batch, tmp_path_factory):
-    """EP2 x DP2 (world 2) with the distributed optimizer: parity, 3 steps with a checkpoint after 2, export; the
-    same ranks then rebuild with each router loss on; new processes resume from the checkpoint."""
+def world2(moe_dir, ragged_batch, tmp_path_factory):
+    """The world-2 layouts, one after another on the same two ranks (one launch, rank_sequence.py): ``ep2``: EP2 x
+    DP2 with the distributed optimizer: parity, 3 steps with a checkpoint after 2, export; the same ranks then
+    rebuild with each router loss on. ``tp2``: TP2 + sequence parallel, parity. ``etp1``: TP2 + SP with EP2 over
+    the TP ranks and ETP 1: parity and 3 steps."""
     root = tmp_path_factory.mktemp("moe_ep2")
-    cfg = {**CFG, "expert_model_parallel_size": 2, "use_distributed_optimizer": True}
-    first = run_layout(2, cfg=cfg, model_dirs={"moe": moe_dir}, batch=ragged_batch, train_dir=moe_dir, train_steps=3,
-                       save_at=SAVE_AT, ckpt_root=str(root / "ckpt"), export_dir=str(root / "hf"),
-                       # variants apply in order on the same worker: each resets what the previous one set
-                       variants={"aux": {"moe_aux_loss_coeff": 1.0},
-                                 "z": {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.1},
-                                 "uneven": {"moe_z_loss_coeff": 0.0, "micro_batch_max_tokens": 40}})
-    resumed = run_layout(2, cfg=cfg, model_dirs={}, batch=ragged_batch, train_dir=moe_dir, train_steps=3,
+    models = {"moe": moe_dir}
+    ep2 = dict(cfg=EP2, model_dirs=models, batch=ragged_batch, train_dir=moe_dir, train_steps=3, save_at=SAVE_AT,
+               ckpt_root=str(root / "ckpt"), export_dir=str(root / "hf"),
+               # variants apply in order on the same worker: each resets what the previous one set
+               variants={"aux": {"moe_aux_loss_coeff": 1.0},
+                         "z": {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.1},
+                         "uneven": {"moe_z_loss_coeff": 0.0, "micro_batch_max_tokens": 40}})
+    # TP2 + sequence parallel (megatron-core's MoE layer trains under TP only with SP)
+    tp2 = dict(cfg={**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True}, model_dirs=models,
+               batch=ragged_batch)
+    etp1 = dict(cfg=ETP1, model_dirs=models, batch=ragged_batch, train_dir=moe_dir, train_steps=3)
+    results = run_sequence(2, [("mg_scenarios:layout_run", kw) for kw in (ep2, tp2, etp1)], timeout=3 * 420)
+    return {**dict(zip(("ep2", "tp2", "etp1"), results)), "root": root}
+
+
+@pytest.fixture(scope="module")
+def ep2(world2, moe_dir, ragged_batch):
+    """EP2's run of the world-2 launch, and new processes resuming from its checkpoint."""
+    root = world2["root"]
+    resumed = run_layout(2, cfg=EP2, model_dirs={}, batch=ragged_batch, train_dir=moe_dir, train_steps=3,
                          resume_from=str(root / "ckpt" / f"step_{SAVE_AT}"))
-    return {"first": first, "resumed": resumed, "root": root}
+    return {"first": world2["ep2"], "resumed": resumed, "root": root}
 
 
-def test_qwen3_moe_parity_training_and_export_on_cpu(world1, moe_dir, ragged_batch):
+def test_qwen3_moe_parity_training_and_export_on_cpu(world1, world2, moe_dir, ragged_batch):
     n = len(ragged_batch["sequences"])
     ref_lp, ref_ent = hf_logprobs_entropy(moe_dir, ragged_batch)
     w1 = world1["res"]
@@ -69,8 +90,7 @@ def test_qwen3_moe_parity_training_and_export_on_cpu(world1, moe_dir, ragged_bat
     assert max_abs_diff(trained.log_probs, exported_lp) <= PARITY_TOL  # every expert came back out under its HF name
 
     # TP2 + sequence parallel (megatron-core's MoE layer trains under TP only with SP)
-    tp2 = run_layout(2, cfg={**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True},
-                     model_dirs={"moe": moe_dir}, batch=ragged_batch)
+    tp2 = world2["tp2"]
     got2 = merge_rank_outputs([r["logprobs"]["moe"] for r in tp2], n)
     assert max_abs_diff(got2.log_probs, ref_lp) <= PARITY_TOL
     assert max_abs_diff(got2.entropy, ref_ent) <= PARITY_TOL
@@ -99,15 +119,13 @@ def test_ep2_parity_and_trajectory_equal_world1_on_cpu(ep2, world1, moe_dir, rag
     assert max_abs_diff(a, b) <= PARITY_TOL
 
 
-def test_ep2_over_the_tp_ranks_with_whole_experts_etp1_on_cpu(world1, moe_dir, ragged_batch):
+def test_ep2_over_the_tp_ranks_with_whole_experts_etp1_on_cpu(world1, world2, moe_dir, ragged_batch):
     """--megatron.expert_tensor_parallel_size 1 with TP2 + SP and EP2 on 2 ranks (one data-parallel replica): the two
     TP ranks form the expert-parallel group and each holds 4 of the 8 experts whole, which megatron-core lays out
     only with ETP 1 (ETP = TP = 2 would need 4 ranks: refused, test_moe_layout_flags.py). The value reaches
     parallel_state and TransformerConfig; log-probs equal HF's and 3 steps follow world 1's."""
     n = len(ragged_batch["sequences"])
-    cfg = {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
-           "expert_tensor_parallel_size": 1}
-    res = run_layout(2, cfg=cfg, model_dirs={"moe": moe_dir}, batch=ragged_batch, train_dir=moe_dir, train_steps=3)
+    res = world2["etp1"]
     ref_lp, ref_ent = hf_logprobs_entropy(moe_dir, ragged_batch)
     got = merge_rank_outputs([r["logprobs"]["moe"] for r in res], n)
     assert max_abs_diff(got.log_probs, ref_lp) <= PARITY_TOL

@@ -132,9 +132,15 @@ def _run(world: int, cfg: dict, moe_dirs, batch, **kw) -> dict:
                      batch=batch, **kw), timeout=420, extra_pythonpath=[HERE])[0]
 
 
-def test_r2_records_and_replays_the_routing_in_old_logprob_and_update_passes(moe_dirs, ragged_batch):
+@pytest.fixture(scope="module")
+def r2_world1(moe_dirs, ragged_batch) -> dict:
+    """R2 at world 1: the reference of the TP2 test too."""
+    return _run(1, CFG, moe_dirs, ragged_batch)
+
+
+def test_r2_records_and_replays_the_routing_in_old_logprob_and_update_passes(moe_dirs, ragged_batch, r2_world1):
     base, moved = moe_dirs
-    out = _run(1, CFG, moe_dirs, ragged_batch)
+    out = r2_world1
     rec = out["recorded"]
     routed = rec.routed_experts
     seqs = ragged_batch["sequences"]
@@ -174,9 +180,9 @@ def test_r2_records_and_replays_the_routing_in_old_logprob_and_update_passes(moe
     assert float(free_run["router_row_moved"][7]) > 0 and free_run["expert_fc1_moved"] > 0
 
 
-def test_r2_at_tp2_with_sequence_parallel(moe_dirs, ragged_batch):
+def test_r2_at_tp2_with_sequence_parallel(moe_dirs, ragged_batch, r2_world1):
     """TP2 + SP: each rank's router sees its slice of the sequence; recording gathers it, replay slices it."""
-    w1 = _run(1, CFG, moe_dirs, ragged_batch)
+    w1 = r2_world1
     tp2 = _run(2, {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True}, moe_dirs, ragged_batch)
     assert all(bool(_same_sets(a, b).all()) for a, b in zip(tp2["recorded"].routed_experts,
                                                                 w1["recorded"].routed_experts))

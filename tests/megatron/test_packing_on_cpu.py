@@ -10,58 +10,44 @@ attention. Item 4: the log-prob / entropy head
 never holds a micro-batch's ``[tokens, vocab shard]`` logits: the largest logits-shaped tensor of a forward-only
 pass and of a training step has the head's chunk of rows, and the watch sees the whole micro-batch when the chunk
 is larger than it (the negative control).
+
+The launches are long_runs.py's (world 1 and world 2), shared with the context-parallel and pad-token tests.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from long_runs import ARCHS, LONG_CFG as CFG, batch as long_batch, long_models, shared_world1, shared_world2, variant
 from mg_helpers import hf_logprobs_entropy, max_abs_diff
 from openrlhf_shape.actor.batching import padding_report
-from openrlhf_shape.actor.launch import run_ranks
-from openrlhf_shape.testing.batches import long_batch
 from packing_checks import computed_positions, merged, worst_grad_rel_diff
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 PACK_TOL = 1e-5  # log-probs / entropy, packed vs padded
 GRAD_RTOL = 1e-5  # per parameter, packed vs padded
 HF_TOL = 1e-4  # vs a Hugging Face forward of each sequence alone (the layout tests' parity tolerance)
-# one step from the HF weights; no clipping, so the gradients compared are the step's own
-CFG = dict(lr=2e-3, lr_scheduler="constant", total_steps=2, micro_batch_max_tokens=2048, max_norm=0.0,
-           entropy_chunk_size=256)
-ARCHS = ("qwen3", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
 def batch() -> dict:
-    return long_batch(seed=0, vocab_size=1024)
+    return long_batch()
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> dict[str, str]:
-    from openrlhf_shape.testing import make_tiny_model
-
-    moe = make_tiny_model(tmp_path_factory.mktemp("pack_moe") / "qwen3_moe", arch="qwen3_moe", seed=3, num_layers=2,
-                          vocab_size=1024)
-    return {"qwen3": tiny_models["qwen3"], "qwen3_moe": str(moe)}
-
-
-def _run(world: int, cfg: dict, models: dict, batch: dict, variants: dict | None = None) -> list[dict]:
-    return run_ranks("packing_scenarios:megatron_packing_run", world, timeout=900, extra_pythonpath=[HERE],
-                     kwargs=dict(cfg=cfg, model_dirs=models, batch=batch, watch_arch="qwen3", variants=variants))
+def models(shared_results, tiny_models) -> dict[str, str]:
+    return long_models(shared_results, tiny_models)
 
 
 @pytest.fixture(scope="module")
-def runs(models, batch) -> dict[str, list[dict]]:
-    """Per layout, every rank's results. ``world1_sdpa``: the world-1 ranks again with the SDPA core attention
-    (``--megatron.local_attention sdpa``: torch SDPA per document), on the dense model."""
-    world1 = _run(1, CFG, models, batch, variants={"sdpa": ({"local_attention": "sdpa"}, ["qwen3"])})
-    return {"world1": world1, "world1_sdpa": [r["variants"]["sdpa"] for r in world1],
-            "tp2_sp": _run(2, {**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True}, models, batch)}
+def runs(shared_results, models) -> dict[str, list[dict]]:
+    """Per layout, every rank's results (one step from the HF weights, no clipping: the gradients compared are the
+    step's own). ``world1_sdpa``: the world-1 ranks again with the SDPA core attention (``--megatron.local_attention
+    sdpa``: torch SDPA per document), on the dense model."""
+    world1 = shared_world1(shared_results, models)["world1"]
+    return {"world1": world1, "world1_sdpa": variant(world1, "sdpa"),
+            "tp2_sp": shared_world2(shared_results, models)["tp2_sp"]}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +73,7 @@ def test_packed_logprobs_entropy_equal_padded_on_cpu(runs, hf_refs, batch, layou
 def test_packed_gradients_equal_padded_after_one_step_on_cpu(runs, layout, arch):
     for rank_res in runs[layout]:  # each TP rank compares its own shard
         packed, padded = rank_res[arch]["packed"], rank_res[arch]["padded"]
-        worst, where = worst_grad_rel_diff(packed["grads"], padded["grads"])
+        worst, where = worst_grad_rel_diff(packed["shard_grads"], padded["shard_grads"])
         assert worst <= GRAD_RTOL, where
         assert packed["metrics"]["loss"] == pytest.approx(padded["metrics"]["loss"], abs=1e-6)
         assert packed["metrics"]["num_tokens"] == padded["metrics"]["num_tokens"]

@@ -7,48 +7,27 @@ pad row's gradient is exactly 0 on Megatron world 1 (padded and packed), on TP2 
 lives on TP rank 0; the embedding's output is reduce-scattered over the sequence) and on DeepSpeed; Megatron's
 embedding gradient and whole gradient norm equal DeepSpeed's. Before the fix Megatron's pad row held ~all of the
 gradient (agent batches: grad norm 3185 against DeepSpeed's 3.06).
+
+The Megatron passes are layouts of long_runs.py's world-1 and world-2 launches (``pad``, ``pad_tp2_sp``: the batch
+is ``long_runs.pad_batch``), shared with the packing and context-parallel tests; DeepSpeed's is a layout of its
+world-1 launch there (shared with the ring-attention tests).
 """
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 
-from openrlhf_shape.actor.launch import run_ranks
+from long_runs import PAD, long_models, shared_world1, shared_world2, shared_zero_world1
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-HERE = os.path.dirname(os.path.abspath(__file__))
-PAD = 0
-CFG = dict(lr=2e-3, lr_scheduler="constant", total_steps=2, micro_batch_max_tokens=256, max_norm=0.0,
-           entropy_chunk_size=64)
-
-
-def _batch() -> dict:
-    rng = random.Random(3)
-    seqs, plens = [], []
-    for n in (120, 90, 64, 41):
-        seq = [rng.randint(5, 1023) for _ in range(n)]
-        p = rng.randint(8, 20)
-        for pos in (p // 2, p + 5, p + 17, n - 10):  # once in the prompt, three times in the response (never last)
-            seq[pos] = PAD
-        seqs.append(seq)
-        plens.append(p)
-    return {"sequences": seqs, "prompt_lens": plens, "temperature": 1.0}
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_models) -> dict:
-    models, batch = {"qwen3": tiny_models["qwen3"]}, _batch()
-    mg = run_ranks("packing_scenarios:megatron_packing_run", 1, timeout=600, extra_pythonpath=[HERE],
-                   kwargs=dict(cfg=CFG, model_dirs=models, batch=batch))
-    tp2 = run_ranks("packing_scenarios:megatron_packing_run", 2, timeout=600, extra_pythonpath=[HERE],
-                    kwargs=dict(cfg={**CFG, "tensor_model_parallel_size": 2, "sequence_parallel": True},
-                                model_dirs=models, batch=batch))
-    ds = run_ranks("packing_scenarios:zero_packing_run", 1, timeout=600, env={"DS_ACCELERATOR": "cpu"},
-                   extra_pythonpath=[HERE], kwargs=dict(cfg=CFG, zero={"zero_stage": 2}, model_dirs=models, batch=batch))
+def runs(shared_results, tiny_models) -> dict:
+    models = long_models(shared_results, tiny_models)
+    mg, tp2 = shared_world1(shared_results, models)["pad"], shared_world2(shared_results, models)["pad_tp2_sp"]
+    ds = shared_zero_world1(shared_results, models)["pad"]
     return {"megatron": mg[0]["qwen3"], "tp2": [r["qwen3"] for r in tp2], "deepspeed": ds[0]["qwen3"]}
 
 

@@ -11,10 +11,11 @@ from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.rank_configs import replaced, zero_config
+from rank_sequence import release_zero
 
 
 def ring_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: dict, zero: dict,
-             model_dirs: dict, batch: dict, variants: dict | None = None) -> dict:
+             model_dirs: dict, batch: dict, variants: dict | None = None, keep_group: bool = False) -> dict:
     """For every arch one packed pass (:func:`ring_pass`); then each of ``variants`` (name -> (zero overrides,
     archs)) on the same ranks (the ring size stays: its process groups are the worker's)."""
     from openrlhf_shape.zero.worker import ZeroRankWorker
@@ -27,7 +28,7 @@ def ring_run(*, rank: int, world_size: int, master_addr: str, master_port: int, 
         worker.cfg = replaced(base, **overrides)
         res.setdefault("variants", {})[vname] = {arch: ring_pass(worker, model_dirs[arch], batch) for arch in archs}
     res["ranks"] = {"ring": worker.ring_rank, "dp": worker.dp_rank, "dp_size": worker.dp_size}
-    worker.shutdown()
+    release_zero(worker, keep_group)
     return res
 
 

@@ -7,51 +7,39 @@ equal counts), on the same weights and tokens as the padded layout (8 sequences 
 log-probs and entropy within 1e-5, one step's gradients (DeepSpeed's full gradient after the reduction) within
 1e-5 relative per parameter, for a tiny Qwen3 and a tiny Qwen3-MoE. Item 4 as on Megatron: the head's largest
 logits-shaped tensor has its chunk of rows, forward and backward, and a whole micro-batch's when unchunked.
+
+The ranks are tests/megatron/long_runs.py's DeepSpeed world-2 launch (shared with the ring-attention tests).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from long_runs import ARCHS, LONG_CFG as CFG, batch as long_batch, long_models, shared_zero_world2
 from mg_helpers import hf_logprobs_entropy, max_abs_diff
 from openrlhf_shape.actor.batching import padding_report
-from openrlhf_shape.actor.launch import run_ranks
-from openrlhf_shape.testing.batches import long_batch
 from packing_checks import computed_positions, merged, worst_grad_rel_diff
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-HERE = os.path.dirname(os.path.abspath(__file__))
-MEGATRON_TESTS = os.path.join(os.path.dirname(HERE), "megatron")
 
 PACK_TOL = 1e-5
 GRAD_RTOL = 1e-5
 HF_TOL = 1e-5  # HF's own attention on both sides (tests/zero's parity tolerance)
-CFG = dict(lr=2e-3, lr_scheduler="constant", total_steps=2, micro_batch_max_tokens=2048, max_norm=0.0,
-           entropy_chunk_size=256)
-ARCHS = ("qwen3", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
 def batch() -> dict:
-    return long_batch(seed=0, vocab_size=1024)
+    return long_batch()
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> dict[str, str]:
-    from openrlhf_shape.testing import make_tiny_model
-
-    moe = make_tiny_model(tmp_path_factory.mktemp("zpack_moe") / "qwen3_moe", arch="qwen3_moe", seed=3, num_layers=2,
-                          vocab_size=1024)
-    return {"qwen3": tiny_models["qwen3"], "qwen3_moe": str(moe)}
+def models(shared_results, tiny_models) -> dict[str, str]:
+    return long_models(shared_results, tiny_models)
 
 
 @pytest.fixture(scope="module")
-def zero2(models, batch) -> list[dict]:
-    return run_ranks("packing_scenarios:zero_packing_run", 2, timeout=900, env={"DS_ACCELERATOR": "cpu"},
-                     extra_pythonpath=[MEGATRON_TESTS],
-                     kwargs=dict(cfg=CFG, zero={"zero_stage": 2}, model_dirs=models, batch=batch, watch_arch="qwen3"))
+def zero2(shared_results, models) -> list[dict]:
+    return shared_zero_world2(shared_results, models)["zero2"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -9,6 +9,9 @@ ZeRO-2, Qwen3 and Qwen3-MoE), ring 2 with head stride 2 under ZeRO-3 with gradie
 ring 2 x DP 2 (world 4, ZeRO-2,
 Qwen3) give the world-1 log-probs and entropy within 1e-5 and DeepSpeed's reduced gradients after one step's
 backward within 1e-5 relative per parameter.
+
+World 1 and ring 2 are layouts of tests/megatron/long_runs.py's DeepSpeed launches (shared with the packing and
+pad-token tests); ring 2 x DP 2 launches here.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import os
 
 import pytest
 
+from long_runs import (ARCHS, LONG_CFG as CFG, RING2, batch as long_batch, long_models, shared_zero_world1,
+                       shared_zero_world2, variant)
 from mg_helpers import max_abs_diff
 from openrlhf_shape.actor.launch import run_ranks
-from openrlhf_shape.testing.batches import long_batch
 from packing_checks import merged, worst_grad_rel_diff
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -28,45 +32,26 @@ MEGATRON_TESTS = os.path.join(os.path.dirname(HERE), "megatron")
 
 RING_TOL = 1e-5
 GRAD_RTOL = 1e-5
-CFG = dict(lr=2e-3, lr_scheduler="constant", total_steps=2, micro_batch_max_tokens=2048, max_norm=0.0,
-           entropy_chunk_size=256)
-ARCHS = ("qwen3", "qwen3_moe")
-RING2 = {"zero_stage": 2, "ring_attn_size": 2}
 LAYOUTS = {"ring2": (2, ARCHS), "ring2_dp2": (4, ("qwen3",))}  # name -> (world size, archs)
-# also with HF gradient checkpointing: the backward recomputes the attention (its all-gathers) inside the layout
-STRIDE2_ZERO3 = {"ring_attn_head_stride": 2, "zero_stage": 3, "zero3_param_persistence_threshold": 0,
-                 "gradient_checkpointing_enable": True}
 CASES = [(name, arch) for name, (_, archs) in LAYOUTS.items() for arch in archs] + [("ring2_stride2_zero3", "qwen3")]
 
 
 @pytest.fixture(scope="module")
 def batch() -> dict:
-    return long_batch(seed=0, vocab_size=1024)
+    return long_batch()
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> dict[str, str]:
-    from openrlhf_shape.testing import make_tiny_model
-
-    moe = make_tiny_model(tmp_path_factory.mktemp("ring_moe") / "qwen3_moe", arch="qwen3_moe", seed=3, num_layers=2,
-                          vocab_size=1024)
-    return {"qwen3": tiny_models["qwen3"], "qwen3_moe": str(moe)}
-
-
-def _run(world: int, zero: dict, models: dict, batch: dict, variants: dict | None = None) -> list[dict]:
-    return run_ranks("ring_scenarios:ring_run", world, timeout=900, env={"DS_ACCELERATOR": "cpu"},
-                     extra_pythonpath=[HERE, MEGATRON_TESTS],
-                     kwargs=dict(cfg=CFG, zero=zero, model_dirs=models, batch=batch, variants=variants))
-
-
-@pytest.fixture(scope="module")
-def runs(models, batch) -> dict[str, list[dict]]:
-    out = {"world1": _run(1, {"zero_stage": 2}, models, batch)}
-    for name, (world, archs) in LAYOUTS.items():
-        variants = {"stride2_zero3": (STRIDE2_ZERO3, ["qwen3"])} if name == "ring2" else None
-        out[name] = _run(world, RING2, {a: models[a] for a in archs}, batch, variants)
-    out["ring2_stride2_zero3"] = [{**r["variants"]["stride2_zero3"], "ranks": r["ranks"]} for r in out["ring2"]]
-    return out
+def runs(shared_results, tiny_models, batch) -> dict[str, list[dict]]:
+    """Per layout, every rank's results; ``ring2_stride2_zero3``: the ring-2 ranks again with head stride 2 under
+    ZeRO-3 with gradient checkpointing (the backward recomputes the attention, its all-gathers, inside the layout)."""
+    models = long_models(shared_results, tiny_models)
+    ring2 = shared_zero_world2(shared_results, models)["ring2"]
+    dp2 = run_ranks("ring_scenarios:ring_run", 4, timeout=900, env={"DS_ACCELERATOR": "cpu"},
+                    extra_pythonpath=[HERE, MEGATRON_TESTS],
+                    kwargs=dict(cfg=CFG, zero=RING2, model_dirs={"qwen3": models["qwen3"]}, batch=batch))
+    return {"world1": shared_zero_world1(shared_results, models)["ring_world1"], "ring2": ring2, "ring2_dp2": dp2,
+            "ring2_stride2_zero3": variant(ring2, "stride2_zero3")}
 
 
 def _as_layout(results: list[dict], arch: str) -> list[dict]:
