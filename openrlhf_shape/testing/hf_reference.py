@@ -7,14 +7,38 @@ import os
 import torch
 
 
+# (model directory, its files' modification times) -> (the model as loaded from it, a copy of that state): the
+# weight-sync tests ask for a dozen references per engine on one directory, each a load of the model otherwise.
+_LOADED: dict[tuple, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
+
+
+def _directory_model(model_dir: str | os.PathLike) -> torch.nn.Module:
+    """The float32 model of ``model_dir`` holding the directory's own weights: loaded once per directory (and
+    again when its files change), then reset to the loaded state before every use, so a call sees exactly
+    what a fresh load gives."""
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.realpath(model_dir)
+    stamp = tuple(sorted((f, os.stat(os.path.join(path, f)).st_mtime_ns) for f in os.listdir(path)
+                         if f.endswith((".safetensors", ".json", ".bin"))))
+    key = (path, stamp)
+    if key not in _LOADED:
+        for old in [k for k in _LOADED if k[0] == path]:
+            del _LOADED[old]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        _LOADED[key] = (model, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    model, loaded = _LOADED[key]
+    model.load_state_dict(loaded, strict=True)
+    model.tie_weights()
+    return model
+
+
 def hf_token_logprobs(model_dir: str | os.PathLike, weights: dict[str, torch.Tensor] | None,
                       sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
     """Per sequence of L tokens, the [L - 1] float32 log-probs of tokens[1:] under the model in
     ``model_dir`` with ``weights`` (HF names; None = the directory's own) loaded on top, at
     ``temperature``. A tied model's head follows its embedding, as in the trainer."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = _directory_model(model_dir)
     if weights is not None and not set(weights) <= set(model.state_dict()):
         # Checkpoint names the module does not have: transformers 5 fuses a MoE's per-expert checkpoint
         # tensors (experts.E.gate_proj.weight, ...) into one parameter per layer when it loads, so the

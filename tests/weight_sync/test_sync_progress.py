@@ -36,6 +36,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TRANSPORTS = ["collective", "object_store"]
 BOUND = 6.0  # --rollout.weight_sync_timeout of these syncs, seconds
 BUCKET = 16 << 10  # the tiny Qwen3: ~two dozen buckets
+# The stalled syncs: 13 buckets of the tiny Qwen3, so the stream resumed after the verdict finishes in a few pauses
+# (with ``BUCKET``, ~20 pauses after the stop)
+STALL_BUCKET = 128 << 10
 SLOW_PAUSE_S = 0.7
 STALL_PAUSE_S = 0.3
 GAP = 2e-5  # mean |dlogp| vs HF, float32 on both sides
@@ -124,7 +127,7 @@ def test_a_stalled_sender_fails_one_bound_later_naming_it_the_bucket_and_the_ste
                                    "producing", after=4)
     try:
         with pytest.raises(WeightSyncError) as info:
-            sync.sync(ranks, BUCKET, step=5)
+            sync.sync(ranks, STALL_BUCKET, step=5)
         raised_at = time.monotonic()
     finally:
         ranks.resume()
@@ -150,7 +153,7 @@ def test_a_stalled_engine_fails_one_bound_later_naming_it_the_bucket_and_the_ste
                                    "engine 1 worker 0", "waiting", after=3)
     try:
         with pytest.raises(WeightSyncError) as info:
-            sync.sync(ranks, BUCKET, step=7)
+            sync.sync(ranks, STALL_BUCKET, step=7)
         raised_at = time.monotonic()
         lines = {x.member: x for x in sync.board.lines()}
     finally:
