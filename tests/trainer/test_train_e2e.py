@@ -6,7 +6,7 @@ Two reference runs (module fixtures, 3 steps each), read by several tests; a tes
 directory works on a copy (``shutil.copytree``), so no test depends on another. Runs whose command line adds
 nothing run in this process on the test process's Ray (``run_in_process``: the command's own code after its
 flag parsing); the SIGKILLed run runs as a user runs it, ``openrlhf-shape train`` in a process (and Ray) of its
-own, and its resume in this process (a resume on the command line: tests/trainer/test_train_e2e_deepspeed.py):
+own, and its resume in this process (a resume on the command line: tests/trainer/test_train_e2e_kl.py's DeepSpeed resume):
 
 * synchronous: the run report and the HF export; ``convert megatron`` of its last checkpoint equals that
   export; a run SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with
