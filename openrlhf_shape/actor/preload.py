@@ -2,10 +2,19 @@
 
 Opt-in by ``SHAPE_RANKS_PRELOAD`` (``1``: torch, transformers, megatron.core and deepspeed; or a comma-separated
 module list; unset or ``0``: every rank is a plain subprocess, as on a GPU machine). tests/conftest.py opts the test
-session in. Each calling process starts at most ``MAX_ZYGOTES`` zygotes, lazily, one per distinct set of the
-environment variables that the preloaded imports read (a fork cannot change what an import already took); a
-launch that no zygote matches and no new one may serve runs as plain subprocesses, and so does every launch once
-a zygote failed to start (the warning says why).
+session in. A fork cannot change what was read before it, so:
+
+* a launch whose ``env`` changes a variable read when a process starts (by the interpreter, the C allocator,
+  OpenMP, the CUDA runtime, torch's C++ side: ``_READ_AT_PROCESS_START``), say ``CUDA_VISIBLE_DEVICES`` or
+  ``MALLOC_ARENA_MAX``, runs as plain subprocesses;
+* each calling process starts at most ``MAX_ZYGOTES`` zygotes, lazily, one per distinct value set of the variables
+  the preloaded imports read from Python (the zygote records them: DeepSpeed's ``DS_ACCELERATOR``, for one); a
+  launch that none matches when no new one may start runs as plain subprocesses;
+* once a zygote failed to start (it refuses to serve when its imports started a thread or torch is a GPU build),
+  every launch of the process does (the warning says why).
+
+Forked ranks share the zygote's string-hash seed (``PYTHONHASHSEED``): unlike subprocess ranks, they iterate a
+set of strings in the same order.
 """
 
 from __future__ import annotations
@@ -29,15 +38,24 @@ DEFAULT_MODULES = ("torch", "transformers", "megatron.core", "deepspeed")
 MAX_ZYGOTES = 2
 READY_TIMEOUT_S = 600.0
 
-# Read before any Python code runs (the interpreter, site, .pth files) or by C code at library load (OpenMP, MKL,
-# the CUDA runtime, torch's C++ side, the allocator): the zygote cannot record these reads, so a launch must
-# match its zygote on all of them.
-_READ_OUTSIDE_PYTHON = ("PYTHON", "LD_", "MALLOC_", "LC_", "LANG", "HOME", "TMPDIR", "TZ", "COVERAGE_", "OMP_",
+# Read before any Python code runs (the interpreter, site, .pth files) or by C code at start-up or library load
+# (the allocator, OpenMP, MKL, the CUDA runtime, torch's C++ side): the zygote cannot record these reads.
+_READ_AT_PROCESS_START = ("PYTHON", "LD_", "MALLOC_", "LC_", "LANG", "HOME", "TMPDIR", "TZ", "COVERAGE_", "OMP_",
                         "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "CUDA_", "NCCL_", "NVIDIA_", "NVTE_",
                         "TORCH", "PYTORCH_", "HIP_", "ROCR_")
 # Applied in the fork: PYTHONPATH becomes the fork's sys.path, the thread counts torch.set_num_threads (both when
 # equal). Compared all the same when the imports read them from Python.
 _APPLIED_IN_FORK = {"PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
+# Packages that walk the whole environment at import, and the prefixes of what they take from it.
+KNOWN_ENV_SCANS = {"tqdm": ("TQDM_",), "networkx": ("NETWORKX_", "_NETWORKX_"), "fsspec": ("FSSPEC_",)}
+
+
+def startup_changes(env: dict) -> list[str]:
+    """The variables read at a process's start that a launch's ``env`` sets differently from this process (the
+    launcher's own ``PYTHONUNBUFFERED=1`` and the ones applied in the fork aside)."""
+    names = {k for k in set(env) | set(os.environ) if k.startswith(_READ_AT_PROCESS_START)}
+    names -= _APPLIED_IN_FORK | {"PYTHONUNBUFFERED"}
+    return sorted(k for k in names if env.get(k) != os.environ.get(k))
 
 
 def preload_modules() -> Optional[list[str]]:
@@ -98,11 +116,7 @@ class Zygote:
         """Why a launch with ``env`` in ``cwd`` cannot be a fork of this zygote; None if it can."""
         if modules != self.modules:
             return f"preloads {self.modules}, not {modules}"
-        if self.ready["env_read_everything"]:
-            names = set(env) | set(self.env)
-        else:
-            outside = {k for k in set(env) | set(self.env) if k.startswith(_READ_OUTSIDE_PYTHON)}
-            names = set(self.ready["env_reads"]) | (outside - _APPLIED_IN_FORK)
+        names = self._import_time_names(env)
         differ = sorted(k for k in names if env.get(k) != self.env.get(k))
         if differ:
             return f"import-time variables differ: {differ}"
@@ -115,6 +129,20 @@ class Zygote:
                 return f"this launch's path would import {top} from elsewhere than {loaded}"
         return None
 
+    def _import_time_names(self, env: dict) -> set[str]:
+        """The variables a launch must set as this zygote's were: those read when a process starts, those its imports
+        read from Python, and every one when a package of unknown taste walked the whole environment."""
+        every = set(env) | set(self.env)
+        scans = self.ready["env_scans"]
+        if any(pkg not in KNOWN_ENV_SCANS for pkg in scans):
+            return every
+        prefixes = _READ_AT_PROCESS_START + tuple(p for pkg in scans for p in KNOWN_ENV_SCANS[pkg])
+        names = {k for k in every if k.startswith(prefixes)} - _APPLIED_IN_FORK
+        for pkg, read in self.ready["env_reads"].items():
+            if pkg not in scans:  # a scanner's reads are its walk's: its prefixes hold what it takes
+                names |= set(read)
+        return names
+
     def spawn(self, argv: list[str], env: dict, cwd: str, log: str) -> "ForkedRank":
         """Fork a rank running ``launch.run_rank(argv)`` with ``env`` in ``cwd``, its output into ``log``."""
         from openrlhf_shape.actor import launch
@@ -124,8 +152,11 @@ class Zygote:
                 raise ZygoteUnavailable("the zygote died")
             self.next_id += 1
             rid = self.next_id
-            self.conn.send({"op": "spawn", "id": rid, "argv": argv, "env": env, "cwd": cwd, "log": log,
-                            "main_file": launch.__file__})
+            try:
+                self.conn.send({"op": "spawn", "id": rid, "argv": argv, "env": env, "cwd": cwd, "log": log,
+                                "main_file": launch.__file__})
+            except OSError:
+                self.dead = True
         while True:
             with self.lock:
                 self._pump(0.05)
@@ -217,6 +248,9 @@ class _Registry:
                 self.reset()
             if self.broken:
                 return None, self.broken
+            changed = startup_changes(env)
+            if changed:
+                return None, f"the launch sets {changed}, read when a process starts: plain subprocesses"
             for zygote in [z for z in self.zygotes if z.dead]:
                 zygote.close()
                 self.zygotes.remove(zygote)

@@ -43,11 +43,12 @@ _PR_SET_PDEATHSIG = 1
 
 class _EnvReads:
     """Records which environment variables Python code reads while the preloaded modules import (those a fork
-    cannot change afterwards); ``everything`` when some module walked the whole environment."""
+    cannot change afterwards), by the package that reads them (the innermost caller outside the standard
+    library), and which packages walk the whole environment (``scans``: tqdm, say, looks for its ``TQDM_*``)."""
 
     def __init__(self) -> None:
-        self.names: set[str] = set()
-        self.everything = False
+        self.names: dict[str, set[str]] = {}
+        self.scans: set[str] = set()
 
     def __enter__(self) -> "_EnvReads":
         cls = type(os.environ)
@@ -55,11 +56,11 @@ class _EnvReads:
         getitem, iterate = self._saved
 
         def recording_getitem(env: Any, key: str) -> str:
-            self.names.add(key)
+            self.names.setdefault(_caller_package(), set()).add(key)
             return getitem(env, key)
 
         def recording_iter(env: Any) -> Iterator[str]:
-            self.everything = True
+            self.scans.add(_caller_package())
             return iterate(env)
 
         cls.__getitem__, cls.__iter__ = recording_getitem, recording_iter
@@ -68,6 +69,17 @@ class _EnvReads:
     def __exit__(self, *exc: Any) -> None:
         cls = type(os.environ)
         cls.__getitem__, cls.__iter__ = self._saved
+
+
+def _caller_package() -> str:
+    """The top-level package of the innermost caller outside the standard library ("stdlib" if none)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        top = str(frame.f_globals.get("__name__", "")).split(".", 1)[0]
+        if top and top not in sys.stdlib_module_names and top != "__main__" and not top.startswith("_frozen"):
+            return top
+        frame = frame.f_back
+    return "stdlib"
 
 
 def _fork_hazards() -> str | None:
@@ -119,8 +131,8 @@ def preload(modules: list[str]) -> dict:
         "ready": True,
         "pid": os.getpid(),
         "env": start_env,
-        "env_reads": sorted(reads.names),
-        "env_read_everything": reads.everything,
+        "env_reads": {pkg: sorted(names) for pkg, names in reads.names.items()},
+        "env_scans": sorted(reads.scans),
         "origins": _origins(modules, sys.path[front:]),
         # what the imports did to the environment and the path: a subprocess rank's imports do the same
         "env_set": {k: v for k, v in env_after.items() if start_env.get(k) != v},
@@ -130,11 +142,15 @@ def preload(modules: list[str]) -> dict:
 
 
 def pythonpath_entries(pythonpath: str | None, cwd: str) -> list[str]:
-    """The ``sys.path`` entries Python makes of ``PYTHONPATH`` in a process started in ``cwd`` (each made
-    absolute, an empty one meaning ``cwd``)."""
+    """The ``sys.path`` entries Python makes of ``PYTHONPATH`` in a process started in ``cwd``: each made absolute
+    (an empty one means ``cwd``), the first of duplicates kept (``site`` drops the others)."""
     if not pythonpath:
         return []
-    return [os.path.normpath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep)]
+    return _first_of_each([os.path.normpath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep)])
+
+
+def _first_of_each(paths: list[str]) -> list[str]:
+    return list(dict.fromkeys(paths))
 
 
 def main(argv: list[str]) -> None:
@@ -257,7 +273,8 @@ def _apply_launch(request: dict, ready: dict) -> None:
     os.environ.update(env)
     os.chdir(request["cwd"])
     entries = pythonpath_entries(request["env"].get("PYTHONPATH"), request["cwd"])
-    sys.path[:] = [request["cwd"], *entries, *ready["path_tail"]]
+    # ``site`` keeps the first of duplicate entries; ``-m`` then puts the working directory first
+    sys.path[:] = [request["cwd"], *_first_of_each([*entries, *ready["path_tail"]])]
     importlib.invalidate_caches()
     sys.argv = [request["main_file"], *request["argv"]]
     torch = sys.modules.get("torch")

@@ -111,7 +111,8 @@ def test_a_forked_rank_sees_its_launch_as_a_subprocess_would(registry, monkeypat
     assert [f["ppid"] for f in forked] == [zygote.proc.pid] * 2 and [p["ppid"] for p in plain] == [os.getpid()] * 2
     for f, p in zip(forked, plain):
         assert f["threads"] == p["threads"] == 2
-        assert f["env"] == p["env"] and f["env"]["SHAPE_TEST_LAUNCH_FLAG"] == "on"
+        f_env, p_env = ({k: v for k, v in r["env"].items() if k != preload.PRELOAD_ENV} for r in (f, p))  # 1 vs 0
+        assert f_env == p_env and f_env["SHAPE_TEST_LAUNCH_FLAG"] == "on"
         assert f["path"] == p["path"] and str(tmp_path / "extra") in f["path"]
         assert f["cwd"] == p["cwd"] == str(tmp_path)
         assert (f["argv0"], f["target"]) == (p["argv0"], p["target"]) == (launch.__file__, "launch_targets:whoami")
@@ -140,19 +141,44 @@ def test_a_hung_forked_rank_is_killed_at_the_timeout(registry, tmp_path):
     assert _children(registry.zygotes[0].proc.pid) == []
 
 
-def test_a_launch_changing_an_import_time_variable_gets_its_own_zygote_then_plain_subprocesses(registry, monkeypatch):
-    """MALLOC_ARENA_MAX is read by the C allocator at start-up, which a fork cannot redo."""
+READS_ENV = """
+import os
+
+FLAG = os.environ.get("SHAPE_TEST_IMPORT_FLAG", "unset")  # read once, at import
+
+
+def flag(rank, world_size, master_addr, master_port):
+    return FLAG, os.environ.get("SHAPE_TEST_IMPORT_FLAG", "unset"), os.getppid()
+"""
+
+
+def test_a_launch_changing_what_the_preloaded_imports_read_gets_its_own_zygote_then_subprocesses(
+        registry, monkeypatch, tmp_path):
+    """A preloaded module keeps what it read at import: a launch that sets it otherwise is forked from a zygote
+    started with its value, or (``MAX_ZYGOTES`` reached) runs as subprocesses; each sees its own value."""
+    (tmp_path / "reads_env.py").write_text(READS_ENV)
+    monkeypatch.setenv(preload.PRELOAD_ENV, f"{LIGHT},reads_env")
     monkeypatch.setattr(preload, "MAX_ZYGOTES", 2)
-    first = launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE])[0]
-    own = launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE],
-                           env={"MALLOC_ARENA_MAX": "2"})[0]
-    assert [z.proc.pid for z in registry.zygotes] == [first["ppid"], own["ppid"]]
-    assert own["env"]["MALLOC_ARENA_MAX"] == "2"
-    zygote, why = registry.zygote_for(launch._rank_env(1, [HERE], {"MALLOC_ARENA_MAX": "4"}), os.getcwd())
-    assert zygote is None and "MALLOC_ARENA_MAX" in why
+    run = lambda env=None: launch.run_ranks("reads_env:flag", 1, timeout=120, env=env,  # noqa: E731
+                                            extra_pythonpath=[str(tmp_path)])[0]
+    first, second = run(), run({"SHAPE_TEST_IMPORT_FLAG": "a"})
+    assert [z.proc.pid for z in registry.zygotes] == [first[2], second[2]]
+    assert "SHAPE_TEST_IMPORT_FLAG" in registry.zygotes[0].ready["env_reads"]["reads_env"]
+    assert first[:2] == ("unset", "unset") and second[:2] == ("a", "a")
+    assert run({"SHAPE_TEST_IMPORT_FLAG": "a"})[2] == second[2]  # the same value: the same zygote
+    third = run({"SHAPE_TEST_IMPORT_FLAG": "b"})
+    assert third == ("b", "b", os.getpid())
+
+
+def test_a_launch_changing_a_variable_read_at_process_start_runs_as_subprocesses(registry):
+    """MALLOC_ARENA_MAX is read by the C allocator when the process starts, which a fork cannot redo."""
+    forked = launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE])[0]
     plain = launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE],
-                             env={"MALLOC_ARENA_MAX": "4"})[0]
-    assert plain["ppid"] == os.getpid() and plain["env"]["MALLOC_ARENA_MAX"] == "4"
+                             env={"MALLOC_ARENA_MAX": "2"})[0]
+    assert forked["ppid"] == registry.zygotes[0].proc.pid and len(registry.zygotes) == 1
+    assert plain["ppid"] == os.getpid() and plain["env"]["MALLOC_ARENA_MAX"] == "2"
+    zygote, why = registry.zygote_for(launch._rank_env(1, [HERE], {"MALLOC_ARENA_MAX": "2"}), os.getcwd())
+    assert zygote is None and "MALLOC_ARENA_MAX" in why
 
 
 def test_a_zygote_killed_mid_launch_fails_that_launch_and_the_next_gets_a_new_one(registry):
@@ -216,12 +242,13 @@ def test_a_zygote_whose_imports_start_threads_refuses_and_ranks_start_as_subproc
 
 def test_the_sessions_preload_gives_a_single_threaded_zygote():
     """What tests/conftest.py preloads (torch, transformers, megatron-core, DeepSpeed, our workers) imports without
-    starting a thread (seen from outside, in /proc) and without reading the whole environment."""
+    starting a thread (seen from outside, in /proc); what walks the whole environment is known (by its prefixes); a
+    launch with other thread counts and test folders is forked from it."""
     modules = preload.preload_modules() or list(preload.DEFAULT_MODULES)
     zygote = preload.Zygote(modules, launch._rank_env(1, [HERE], None), os.getcwd())
     try:
         assert os.listdir(f"/proc/{zygote.proc.pid}/task") == [str(zygote.proc.pid)]
-        assert not zygote.ready["env_read_everything"]
+        assert set(zygote.ready["env_scans"]) <= set(preload.KNOWN_ENV_SCANS)
         assert zygote.mismatch(modules, launch._rank_env(4, [HERE, "/elsewhere"], None), os.getcwd()) is None
     finally:
         zygote.close()
