@@ -14,8 +14,9 @@ What a fork must not inherit, and how it is kept out:
   serve and the launcher uses plain subprocesses. A CUDA/ROCm build of torch is refused too: a fork after the
   driver's initialisation (which a device probe at import may do) leaves the child's GPU unusable.
 * file descriptors: the control socket is closed in the child and its stdout/stderr point at its log file.
-* exit: the child ends with ``os._exit`` after its own ``atexit`` work (the zygote's exit handlers are dropped at
-  the fork: they are the zygote's), never returning into the serving loop.
+* exit: the child ends with ``os._exit`` after its own ``atexit`` work and the standard library's exit duties
+  (multiprocessing's: the rank's child processes stopped), never returning into the serving loop; the zygote's
+  own exit handlers are dropped at the fork.
 * orphans: the zygote exits (killing its live ranks) when its parent closes the socket or dies; each rank gets
   ``SIGKILL`` if the zygote dies (``PR_SET_PDEATHSIG``). The zygote reaps every rank and reports its exit status.
 * process groups and signal handlers: the zygote keeps its parent's process group and Python's default handlers,
@@ -238,11 +239,20 @@ def _child(conn: Connection, request: dict, ready: dict) -> None:
 
 
 def _exit(code: int) -> None:
-    """End as an interpreter would (non-daemon threads joined, exit handlers the rank registered run, streams
-    flushed), then ``os._exit``: nothing of the zygote's runs in the child."""
+    """End as an interpreter would, then ``os._exit``: non-daemon threads joined, the exit handlers the rank
+    registered run, then the standard library's exit duties whose handlers the zygote's imports registered (and
+    the fork dropped with the zygote's others): multiprocessing's, which stops the rank's own child processes (a
+    Megatron checkpoint's ``Manager``, say) and runs its finalizers (each runs only in the process that made
+    it), and logging's flush."""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            mp_util._exit_function()
+        logging = sys.modules.get("logging")
+        if logging is not None:
+            logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:

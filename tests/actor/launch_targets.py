@@ -48,11 +48,28 @@ def hang(rank: int, world_size: int, master_addr: str, master_port: int, pid_dir
     time.sleep(3600)
 
 
-def kill_my_parent(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """Kill the process that started this rank (for a forked rank: the zygote), then sleep for an hour."""
+def kill_my_parent(rank: int, world_size: int, master_addr: str, master_port: int, pid_dir: str) -> None:
+    """Write this rank's pid to ``pid_dir/rank<r>``, kill the process that started it (for a forked rank: the
+    zygote), then sleep for an hour."""
     import os
     import signal
     import time
 
+    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
     os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(3600)
+
+
+def start_a_manager(rank: int, world_size: int, master_addr: str, master_port: int, pid_dir: str) -> int:
+    """Start a multiprocessing ``Manager`` (a child process, as a Megatron checkpoint save does) and return without
+    shutting it down: the rank's exit must. Its pid goes to ``pid_dir/manager<r>``."""
+    import multiprocessing
+    import os
+
+    manager = multiprocessing.get_context("spawn").Manager()
+    pid = manager._process.pid
+    with open(os.path.join(pid_dir, f"manager{rank}"), "w") as f:
+        f.write(str(pid))
+    globals()["_KEPT"] = manager  # alive until the process ends
+    return os.getppid()

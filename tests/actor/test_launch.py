@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -141,6 +142,22 @@ def test_a_hung_forked_rank_is_killed_at_the_timeout(registry, tmp_path):
     assert _children(registry.zygotes[0].proc.pid) == []
 
 
+@pytest.mark.parametrize("preloaded", [False, True], ids=["subprocess", "forked"])
+def test_a_ranks_own_child_processes_end_with_it(registry, monkeypatch, tmp_path, preloaded):
+    """A rank that leaves a multiprocessing Manager running (Megatron's checkpoint writer does) has it stopped
+    at its exit, as an interpreter's exit does: no orphan."""
+    if not preloaded:
+        monkeypatch.setenv(preload.PRELOAD_ENV, "0")
+    [parent] = launch.run_ranks("launch_targets:start_a_manager", 1, kwargs={"pid_dir": str(tmp_path)}, timeout=120,
+                                extra_pythonpath=[HERE])
+    assert (parent != os.getpid()) == preloaded
+    manager = int((tmp_path / "manager0").read_text())
+    deadline = time.monotonic() + 30
+    while _alive(manager):
+        assert time.monotonic() < deadline, "the rank's Manager outlived it"
+        time.sleep(0.2)
+
+
 READS_ENV = """
 import os
 
@@ -181,9 +198,15 @@ def test_a_launch_changing_a_variable_read_at_process_start_runs_as_subprocesses
     assert zygote is None and "MALLOC_ARENA_MAX" in why
 
 
-def test_a_zygote_killed_mid_launch_fails_that_launch_and_the_next_gets_a_new_one(registry):
+def test_a_zygote_killed_mid_launch_fails_that_launch_and_the_next_gets_a_new_one(registry, tmp_path):
     with pytest.raises(launch.RankFailure, match="exited non-zero"):
-        launch.run_ranks("launch_targets:kill_my_parent", 1, timeout=300, extra_pythonpath=[HERE])
+        launch.run_ranks("launch_targets:kill_my_parent", 1, kwargs={"pid_dir": str(tmp_path)}, timeout=300,
+                         extra_pythonpath=[HERE])
+    rank = int((tmp_path / "rank0").read_text().split()[0])
+    deadline = time.monotonic() + 30
+    while _alive(rank):  # the rank dies with its zygote (no orphan sleeping on)
+        assert time.monotonic() < deadline, "a rank outlived its zygote"
+        time.sleep(0.2)
     assert launch.run_ranks("launch_targets:rank_sum", 2, timeout=120, extra_pythonpath=[HERE]) == [1, 1]
     assert len(registry.zygotes) == 1 and not registry.zygotes[0].dead
 
@@ -199,7 +222,6 @@ def test_the_zygote_and_its_ranks_die_with_the_launching_process(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     env = {**os.environ, preload.PRELOAD_ENV: LIGHT}
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), HERE], env=env)
