@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Rank processes of launch.run_ranks forked from a zygote that imported these once, instead of fresh interpreters
+# importing them for 4-6 s each (openrlhf_shape/actor/preload.py; SHAPE_RANKS_PRELOAD=0 runs plain subprocesses).
+os.environ.setdefault("SHAPE_RANKS_PRELOAD", "torch,transformers,megatron.core,deepspeed,"
+                                             "openrlhf_shape.megatron.worker,openrlhf_shape.zero.worker")
 
 # A real reward plug-in file (loaded by our plug-in loader): reward 1 when the response has an even
 # number of characters. Random tiny models never solve maths; this gives groups with reward variance
