@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 from typing import Iterator
 
 import torch
@@ -68,11 +69,30 @@ def _set_rng_state(state: dict, on_gpu: bool) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _write_results_in_process() -> None:
+    """Hand megatron-core's checkpoint writer an in-process queue for its write results.
+
+    megatron-core 0.16.1's ``FileSystemWriterAsync`` makes that queue once per process with a *spawn*-context
+    ``multiprocessing.Manager``: a fresh interpreter that re-imports the rank's main module, 2-7 s at a run's first
+    checkpoint (``time/checkpoint`` 2.4-7.6 s at step 1, 0.15-0.24 s after, on the CPU test runs) and one more
+    process per rank for the rest of the run. It needs a process-shared queue only for megatron's asynchronous
+    saves, whose write function runs in another process; ``dist_checkpointing.save`` as called here is synchronous
+    (``AsyncRequest.execute_sync`` runs the write function in this process, which puts its results in the queue and
+    reads them back with ``get_nowait``), so a thread queue carries them. Should a later megatron-core move the
+    synchronous write out of the process, the results would not arrive and the save would fail with "results_queue
+    should not be empty": loud, not silent. Set only while megatron has none (a queue it made itself is kept)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_distributed_checkpoint(state: ActorState, ckpt_dir: str, extra: dict) -> None:
     """Write ``state`` (model, optimizer, scheduler, RNG, step) and the trainer's ``extra`` atomically;
     every rank calls it (collective)."""
     from megatron.core import dist_checkpointing
 
+    _write_results_in_process()
     meta = {"step": state.step, "scheduler": state.scheduler.state_dict(), "layout": state.layout(),
             "hf_dir": state.hf_dir, "extra": extra}
     with staged_checkpoint_dir(ckpt_dir, ("dist", "rng"), meta) as tmp:

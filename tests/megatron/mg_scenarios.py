@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 
+import psutil
 import torch
 
 from openrlhf_shape.platform import detect_platform
@@ -69,6 +70,8 @@ def layout_run(
             metrics.append(worker.train_step(batches[step]))
             if save_at is not None and step + 1 == save_at:
                 worker.save_checkpoint(os.path.join(ckpt_root, f"step_{step + 1}"), extra={"step": step + 1, "data_pos": 7})
+                # what the save left running under this rank (megatron's writer forks and joins its own)
+                res["children_after_save"] = [" ".join(c.cmdline()[:3]) for c in psutil.Process().children(recursive=True)]
         res["metrics"] = metrics
         res["after_train"] = worker.compute_logprobs_and_entropy(batch)
         if nan_step:

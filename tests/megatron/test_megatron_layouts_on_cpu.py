@@ -170,6 +170,8 @@ def test_resume_equals_uninterrupted_world1_on_cpu(world1, tiny_models, ragged_b
     resumed = run_layout(1, cfg=TRAIN_CFG, model_dirs={}, batch=ragged_batch, train_dir=tiny_models["qwen3"],
                          train_steps=TRAIN_STEPS, resume_from=found)
     assert resumed[0]["extra"] == {"step": SAVE_AT, "data_pos": 7}
+    # the save left no process behind it (megatron-core's spawned multiprocessing Manager, 2-7 s a run, is not started)
+    assert world1["res"][0]["children_after_save"] == []
     ref = [m["loss"] for m in world1["res"][0]["metrics"][SAVE_AT:]]
     got = [m["loss"] for m in resumed[0]["metrics"]]
     assert got == pytest.approx(ref, abs=1e-6)
@@ -181,6 +183,7 @@ def test_resume_equals_uninterrupted_world1_on_cpu(world1, tiny_models, ragged_b
 
 def test_resume_equals_uninterrupted_dp2_distributed_optimizer_on_cpu(dp2_distopt):
     first, resumed = dp2_distopt["first"], dp2_distopt["resumed"]
+    assert [first[r]["children_after_save"] for r in range(2)] == [[], []]
     for r in range(2):
         ref = [m["loss"] for m in first[r]["metrics"][SAVE_AT:]]
         got = [m["loss"] for m in resumed[r]["metrics"]]
