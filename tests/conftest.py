@@ -2,6 +2,7 @@
 with a 1 GiB KV cache, and the session fixtures several test folders use (a tiny Qwen3, a parity reward, the backend
 cross-checks' tiny models and ragged batch)."""
 
+import hashlib
 import os
 import pickle
 import sys
@@ -20,6 +21,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # importing them for 4-6 s each (openrlhf_shape/actor/preload.py; SHAPE_RANKS_PRELOAD=0 runs plain subprocesses).
 os.environ.setdefault("SHAPE_RANKS_PRELOAD", "torch,transformers,megatron.core,deepspeed,"
                                              "openrlhf_shape.megatron.worker,openrlhf_shape.zero.worker")
+# DeepSpeed JIT-builds its cpu_adam op (the --ds.adam_offload test) into torch's extension cache, by default one per
+# machine and Python (~/.cache/torch_extensions/py311_cpu). Its build command names the venv's include path, so two
+# checkouts on one machine (a fresh clone beside an old one) rebuilt it in turn, 40-400 s of g++ each time: one cache
+# per venv keeps each checkout's build.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    os.path.expanduser("~/.cache/torch_extensions"), "venv-" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]))
 
 # A real reward plug-in file (loaded by our plug-in loader): reward 1 when the response has an even
 # number of characters. Random tiny models never solve maths; this gives groups with reward variance
