@@ -280,7 +280,6 @@ class _Registry:
                     zygote.close()
             self.reset()
 
-
     def after_fork(self) -> None:
         self.lock = threading.Lock()  # another thread may have held it at the fork
         self.reset()
