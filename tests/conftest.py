@@ -2,6 +2,7 @@
 with a 1 GiB KV cache, and the session fixtures several test folders use (a tiny Qwen3, a parity reward, the backend
 cross-checks' tiny models and ragged batch)."""
 
+import gc
 import hashlib
 import os
 import pickle
@@ -66,6 +67,13 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: order[id(item)])
     if config.getoption("--reverse-order"):
         items.reverse()
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection imported (torch, transformers, vLLM, Megatron: ~1M objects) lives as long as the session:
+    frozen, it is out of the cyclic collector's full passes, which a trainer run in this process otherwise repeats
+    over it each time the heap grows by a quarter (``openrlhf_shape/startup_gc.py``)."""
+    gc.freeze()
 
 
 class SharedResults:

@@ -20,7 +20,19 @@ from openrlhf_shape.batch import LogProbs, SequenceBatch, TrainBatch
 from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.cluster.ray_placement import local_endpoint
 from openrlhf_shape.platform import Platform
+from openrlhf_shape.startup_gc import collector_paused
 from openrlhf_shape.weight_sync.sender import WeightSenderMixin
+
+
+def _import_class(name: str) -> type:
+    """``"package.module:QualName"`` -> the class."""
+    import importlib
+
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 class RankActor(WeightSenderMixin):
@@ -29,9 +41,14 @@ class RankActor(WeightSenderMixin):
     Built without a rendezvous: the group asks rank 0's actor for its node's address and a free port
     (``endpoint``), then calls ``connect`` on every rank, which builds the worker."""
 
-    def __init__(self, worker_cls: type, cfg: Any, rank: int, world_size: int, platform: dict):
-        """``platform``: the driver's profile as a dict (``Platform.to_dict()``); rebuilt here, not
-        re-detected (``openrlhf_shape/platform.py``)."""
+    def __init__(self, worker_cls: type | str, cfg: Any, rank: int, world_size: int, platform: dict):
+        """``worker_cls``: the rank worker class, or its ``"module:QualName"``, imported here with the collector
+        paused (RankGroup hands the name: Megatron's import spent ~0.85 of a rank's ~4 start-up CPU-seconds in
+        collections; ``openrlhf_shape/startup_gc.py``). ``platform``: the driver's profile as a dict
+        (``Platform.to_dict()``); rebuilt here, not re-detected (``openrlhf_shape/platform.py``)."""
+        if isinstance(worker_cls, str):
+            with collector_paused():
+                worker_cls = _import_class(worker_cls)
         self.platform = Platform.from_dict(platform)
         if self.platform.threads_per_rank:
             # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the rank and the engines
@@ -46,8 +63,9 @@ class RankActor(WeightSenderMixin):
         return local_endpoint()
 
     def connect(self, master_addr: str, master_port: int) -> bool:
-        self.worker = self.worker_cls(self.cfg, rank=self.rank, world_size=self.world_size,
-                                      master_addr=master_addr, master_port=master_port, platform=self.platform)
+        with collector_paused():  # the worker's build (DeepSpeed imports there)
+            self.worker = self.worker_cls(self.cfg, rank=self.rank, world_size=self.world_size,
+                                          master_addr=master_addr, master_port=master_port, platform=self.platform)
         return True
 
     def platform_profile(self) -> dict:
@@ -96,7 +114,7 @@ class RankGroup:
         handed = platform.to_dict()
         self.actors, self.rendezvous = spawn_rank_actors(
             placement, ray.remote(RankActor), num_cpus=platform.cpus_per_rank, reference=reference,
-            args_for_rank=lambda r: (worker_cls, cfg, r, world_size, handed))
+            args_for_rank=lambda r: (f"{worker_cls.__module__}:{worker_cls.__qualname__}", cfg, r, world_size, handed))
         ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
         self.clock = BusyClock()  # ranks at work (a call in flight); the weight stream is timed by the sync
 

@@ -272,7 +272,7 @@ class EngineGroup:
             import ray
 
             try:
-                ray.get([e.shutdown.remote() for e in self.engines], timeout=60)
+                ray.get([e.shutdown.remote(process_ends=True) for e in self.engines], timeout=60)
             except Exception:
                 pass
             for e in self.engines:
