@@ -61,15 +61,25 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def checkpoint_row(step_metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics line of a step as its checkpoint keeps it (in the checkpoint's ``extra``): what the step logged
+    before the checkpoint phase, at this time, marked ``resume/line_from_checkpoint``. The checkpoint's own time, the
+    step's total time and the idle shares are not in it (the checkpoint phase had not finished)."""
+    return {"time": time.time(), **{k: _jsonable(v) for k, v in step_metrics.items()}, "resume/line_from_checkpoint": 1.0}
+
+
 class MetricsLogger:
     """Appends one JSON object per step to ``<run>/metrics.jsonl`` and mirrors scalars elsewhere.
 
     The JSONL file is flushed and fsynced every step, so a crash loses at most the running step.
-    On resume, lines of steps after the checkpoint are dropped (they will be redone).
+    On resume, lines of steps after the checkpoint are dropped (they will be redone). A step's checkpoint is written
+    before its line (the line reports the checkpoint), so a run stopped between the two resumes from a step that has
+    no line: ``resume_row``, the line as the checkpoint kept it (:func:`checkpoint_row`), is written then.
     """
 
     def __init__(self, run_dir: str, run_info: dict, tensorboard: bool = False, wandb_project: str | None = None,
-                 resume_step: int | None = None, tensorboard_dir: str | None = None, wandb_kwargs: dict | None = None):
+                 resume_step: int | None = None, tensorboard_dir: str | None = None, wandb_kwargs: dict | None = None,
+                 resume_row: dict | None = None):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -103,6 +113,10 @@ class MetricsLogger:
             extra = {k: v for k, v in (wandb_kwargs or {}).items() if v}
             extra.setdefault("name", run_info.get("name"))
             self._wandb = wandb.init(project=wandb_project, config=run_info.get("config"), **extra)
+        if resume_step and resume_row and not any(r.get("step") == resume_step for r in self.resumed_rows):
+            record = {**resume_row, "step": resume_step}
+            self._write(record)
+            self.resumed_rows.append(record)
 
     def _truncate_after(self, step: int) -> None:
         with open(self.path) as f:
@@ -122,7 +136,11 @@ class MetricsLogger:
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._write({"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        """One line (flushed, fsynced) and its scalars to TensorBoard / W&B."""
+        step = record["step"]
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())

@@ -22,7 +22,8 @@ from openrlhf_shape.batch import KLLossTerm
 from openrlhf_shape.config import TrainConfig
 from openrlhf_shape.trainer.console import RunConsole
 from openrlhf_shape.trainer.length_alarm import LengthCollapseAlarm
-from openrlhf_shape.trainer.logging_utils import MetricsLogger, code_version, log, setup_console_logging
+from openrlhf_shape.trainer.logging_utils import (MetricsLogger, checkpoint_row, code_version, log,
+                                                  setup_console_logging)
 from openrlhf_shape.trainer.phases import PHASES, PhaseOutput, StepLog
 from openrlhf_shape.trainer.report import write_report
 from openrlhf_shape.trainer.setup import Run, build_run, resolve_model_dir
@@ -52,6 +53,7 @@ class ShapeTrainer:
         self.ckpt_root = checkpoint_root(cfg)
         self.run: Run | None = None
         self._ray_was_up: bool | None = None  # at set-up, before build_run (None: set-up stopped before that)
+        self._resume_row: dict | None = None  # the resumed checkpoint's metrics line (MetricsLogger's resume_row)
         self.length_alarm = LengthCollapseAlarm(cfg.shape.length_alarm_fraction, cfg.shape.length_alarm_window)
 
     def setup(self) -> None:
@@ -89,7 +91,7 @@ class ShapeTrainer:
                 if _due(step, cfg.eval.steps):
                     rec.phase("eval", self.evaluate, step)
                 if _due(step, cfg.ckpt.save_steps) or step == cfg.train.num_steps:
-                    rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step)
+                    rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step, rec.metrics)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
                 eta = (time.perf_counter() - t_loop) / (step - start) * (steps[-1] - step)
                 self._report_step(step, metrics, exp.samples, logger, eta)  # adds the idle shares and the alarm
@@ -172,11 +174,15 @@ class ShapeTrainer:
         metrics["time/eval"] = time.perf_counter() - t0
         logger.log(0, metrics)
 
-    def save(self, step: int) -> PhaseOutput:
-        """Checkpoint actor + data position; keep the newest ``ckpt.max_num`` complete ones."""
+    def save(self, step: int, step_metrics: dict | None = None) -> PhaseOutput:
+        """Checkpoint actor + data position (and ``step_metrics``, the step's metrics line so far: a run stopped
+        before it writes the line gets it on resume); keep the newest ``ckpt.max_num`` complete ones."""
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time(),
                  **self.run.schedule.save_pending(self.ckpt_root, step)}  # async: the batches in flight
+        if step_metrics is not None:
+            extra["metrics_row"] = checkpoint_row({**step_metrics, "checkpoint": path,
+                                                   "data/epoch": float(self.run.batcher.epoch)})
         if self.run.maker.kl is not None:  # the adaptive KL coefficient moves every step
             extra["kl_controller"] = self.run.maker.kl.controller.state_dict()
         self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.ranks.save_checkpoint, path, extra)
@@ -200,6 +206,7 @@ class ShapeTrainer:
         if self.run.maker.kl is not None and "kl_controller" in extra:
             self.run.maker.kl.controller.load_state_dict(extra["kl_controller"])
         step = int(extra["step"])
+        self._resume_row = extra.get("metrics_row")  # the step's line, if the run stopped before writing it
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.run.batcher.epoch, self.run.batcher.position)
         self.run.cluster.lifecycle.sync_weights(step)  # engines get the resumed weights
@@ -214,6 +221,7 @@ class ShapeTrainer:
         lg, wb = cfg.logger, cfg.logger.wandb
         logger = MetricsLogger(self.run_dir, run_info, lg.use_tensorboard or bool(lg.tensorboard_dir), wb.project,
                                resume_step=start_step if start_step > 0 else None, tensorboard_dir=lg.tensorboard_dir,
+                               resume_row=self._resume_row,
                                wandb_kwargs={"entity": wb.org, "group": wb.group, "name": wb.run_name})
         self.length_alarm.restore(logger.resumed_rows)  # the alarm's windows span a resume
         return logger

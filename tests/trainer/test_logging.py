@@ -4,7 +4,7 @@ import json
 import os
 import subprocess
 
-from openrlhf_shape.trainer.logging_utils import MetricsLogger, code_version
+from openrlhf_shape.trainer.logging_utils import MetricsLogger, checkpoint_row, code_version
 
 
 def _steps(path):
@@ -44,6 +44,29 @@ def test_resume_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
     lg.close()
     assert os.path.getsize(os.path.join(run, "metrics.jsonl")) == 0
     assert any(name.endswith(".old") for name in os.listdir(run))
+
+
+def test_a_resumed_step_without_its_line_gets_the_line_its_checkpoint_kept(tmp_path):
+    """A run stopped after step 2's checkpoint, before step 2's line: the resumed run writes the checkpoint's copy
+    (with the step's own time, marked), once; a line that is there is kept as it is."""
+    run = str(tmp_path / "run")
+    lg = MetricsLogger(run, {}, resume_step=None)
+    lg.log(1, {"x": 1.0})
+    kept = checkpoint_row({"x": 2.0, "actor/loss": float("nan"), "rollout/response_lengths": [3, 4]})
+    lg.close()  # stopped here: step 2's checkpoint written, its line not
+    lg = MetricsLogger(run, {}, resume_step=2, resume_row=kept)
+    assert [(r["step"], r["x"]) for r in lg.resumed_rows] == [(1, 1.0), (2, 2.0)]
+    lg.log(3, {"x": 3.0})
+    lg.close()
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["time"] == kept["time"] < rows[2]["time"] and rows[1]["resume/line_from_checkpoint"] == 1.0
+    assert rows[1]["actor/loss"] == "nan" and rows[1]["rollout/response_lengths"] == [3, 4]
+    assert "resume/line_from_checkpoint" not in rows[0] and "resume/line_from_checkpoint" not in rows[2]
+    # resumed from step 2 again: its line is there now, and stays the only one
+    MetricsLogger(run, {}, resume_step=2, resume_row=checkpoint_row({"x": 99.0})).close()
+    assert [(r["step"], r["x"]) for r in map(json.loads, open(os.path.join(run, "metrics.jsonl")))] == [(1, 1.0),
+                                                                                                          (2, 2.0)]
 
 
 def test_run_json_records_the_code_of_every_segment_of_a_resumed_run(tmp_path):

@@ -274,6 +274,13 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
     # (two steps ahead of the end, so the kill always lands before the run finishes).
     crash_dir = str(tmp_path / "crash")
     _kill_after_step_1_checkpoint(_train(_flags(tied_model_dir, parity_reward_file, crash_dir)), crash_dir)
+    # The kill lands right after the checkpoint, before or after step 1's metrics line (written after it): made the
+    # harder case every time, the line gone. The resumed run writes the line the checkpoint kept.
+    metrics_path = os.path.join(crash_dir, "metrics.jsonl")
+    with open(metrics_path) as f:
+        lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] != 1]
+    with open(metrics_path, "w") as f:
+        f.writelines(lines)
     marker_dir = os.path.join(crash_dir, "checkpoints")
     # A half-written newer checkpoint (what a kill during a save leaves) must be ignored.
     half = os.path.join(marker_dir, "step_000009")
@@ -288,8 +295,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
     resumed = _metrics(crash_dir)
     assert sorted(resumed) == [1, 2, 3]
     assert_engine_ran_trained_policy(resumed)  # the resumed weights reached the engines too
-    # step 1 is the crashed run's line (not redone); steps 2-3 ran after the restart
+    # step 1 is the crashed run's line as its checkpoint kept it (not redone); steps 2-3 ran after the restart
     assert resumed[1]["time"] < killed_at < resumed[2]["time"] < resumed[3]["time"]
+    assert resumed[1]["resume/line_from_checkpoint"] == 1.0 and "resume/line_from_checkpoint" not in resumed[2]
     # the same command computes the same step: the crashed run's step 1 is the reference's, exactly
     same = _computed_keys(ref[1])
     assert len(same) > 10
