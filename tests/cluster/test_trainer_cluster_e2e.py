@@ -86,6 +86,14 @@ def _run(overrides: list[str]) -> dict:
         profiles = {"run": run.platform.to_dict(),
                     "ranks": ray.get([a.platform_profile.remote() for a in run.cluster.ranks.actors]),
                     "engines": ray.get([h.platform_profile.remote() for h in run.cluster.engines.engines])}
+
+        def collector_state(actor) -> tuple[bool, int]:  # in the actor (a nested function: Ray ships it by value)
+            import gc
+
+            return gc.isenabled(), gc.get_freeze_count()
+
+        collector = {side: ray.get([h.__ray_call__.remote(collector_state) for h in handles]) for side, handles in
+                     (("ranks", run.cluster.ranks.actors), ("engines", run.cluster.engines.engines))}
     finally:
         trainer.shutdown()
     import glob
@@ -98,7 +106,14 @@ def _run(overrides: list[str]) -> dict:
         rows = [json.loads(line) for line in f]
     return {"metrics": rows[-1], "rows": {r["step"]: r for r in rows}, "events": events,
             "schedule_events": schedule_events, "engine_weights": engine_weights, "hf": hf, "states": states,
-            "rendezvous": rendezvous, "profiles": profiles, "transport": transport}
+            "rendezvous": rendezvous, "profiles": profiles, "transport": transport, "collector": collector}
+
+
+def _assert_started_with_collector_paused(run: dict) -> None:
+    """Every rank and engine built itself with the collector paused (openrlhf_shape/startup_gc.py): on again after,
+    the start-up's heap (Megatron's, vLLM's imports: several 100k objects) frozen."""
+    for side, states in run["collector"].items():
+        assert states and all(on and frozen > 100_000 for on, frozen in states), (side, states)
 
 
 def _assert_profile_handed(run: dict) -> None:
@@ -204,6 +219,7 @@ def test_trainer_cluster_path(dp2) -> None:
     run = dp2["rerun"]
     _assert_weights_exact(run)
     _assert_profile_handed(run)
+    _assert_started_with_collector_paused(run)
     assert run["transport"] == "collective"
     assert run["metrics"]["sync/receivers"] == 2 and run["metrics"]["sync/buckets"] >= 2
     assert dp2["killed"]["events"][:2] == ["megatron.forward", "sync"]  # the fresh run's step 1
