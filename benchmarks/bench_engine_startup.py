@@ -86,8 +86,8 @@ def main() -> None:
         for name, cls in (("paused", VLLMEngine), ("plain", PlainEngine)):
             cpu, wall = _round(cls, cfg, args.engines, platform)
             results[name].append((cpu / args.engines, wall))
-            print(f"round {r} {name}: {cpu / args.engines:.2f} CPU-s and {wall:.1f} s wall per engine "
-                  f"({args.engines} at once)", flush=True)
+            print(f"round {r} {name}: {cpu / args.engines:.2f} CPU-s per engine, {wall:.1f} s wall for the round "
+                  f"({args.engines} engines at once)", flush=True)
     ray.shutdown()
     paused = statistics.median(c for c, _ in results["paused"])
     plain = statistics.median(c for c, _ in results["plain"])
