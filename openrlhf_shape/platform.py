@@ -8,6 +8,12 @@ engine actor. Inside a rank or engine process the profile is rebuilt from what w
 (:meth:`Platform.from_dict`), never re-detected: a rank on a GPU node of a cluster whose driver runs
 on a CPU head still gets the GPU profile, and a test can hand a process any profile.
 
+:func:`cpu_isa_key` names the host CPU's instruction set (a hash of its feature flags): a JIT build compiled for
+the machine it runs on (DeepSpeed's ``cpu_adam``: ``-march=native``) is valid only on CPUs with the same key, so
+:func:`torch_extensions_dir` keeps one torch extension cache per key (an AVX2-only and an AVX-512 machine that
+share a home directory, or two AVX-512 generations, would otherwise load each other's builds: SIGILL, or rebuild
+in turn for minutes).
+
 Code that runs without a driver (the Megatron tests' subprocess ranks, an in-process engine, the
 convert command) calls :func:`detect_platform` without a config: the profile of this process.
 
@@ -32,7 +38,10 @@ What each field controls (docs/architecture.md, "CPU or GPU"):
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform as _host
+import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
@@ -188,3 +197,30 @@ def detect_platform(cfg: Any = None, *, engine_tp: int | None = None) -> Platfor
                               else max(1, cores // (engines + (max(world, 1) if both else 0))))
     return cpu_platform(cpus_per_rank=cpus_per_rank, cpus_per_engine=cpus_per_engine, threads_per_rank=threads,
                         threads_per_engine=engine_threads, cluster_gpus=0.0, source=source)
+
+
+def cpu_isa_key(cpuinfo: str | None = None) -> str:
+    """A short name for this host CPU's instruction set: the architecture and a hash of the feature flags the
+    kernel reports (``/proc/cpuinfo``'s ``flags``; the processor name where there are none). ``cpuinfo``: that
+    file's text (tests); None reads it."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith(("flags", "Features"))), None)
+    what = " ".join(sorted(flags)) if flags else (_host.processor() or "unknown")
+    return f"{_host.machine() or 'cpu'}-{hashlib.sha1(what.encode()).hexdigest()[:10]}"
+
+
+def torch_extensions_dir(scope: str = "") -> str:
+    """torch's JIT extension cache for this CPU: ``$TORCH_EXTENSIONS_DIR`` when set, else
+    ``~/.cache/torch_extensions/py<XY>_<cpu_isa_key()>[_<scope>]``. DeepSpeed compiles ``cpu_adam`` with
+    ``-march=native``, and torch reuses a build whose command line is unchanged: keyed by the instruction set,
+    a cache shared between kinds of CPU never hands one kind the other's build."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    name = f"py{sys.version_info.major}{sys.version_info.minor}_{cpu_isa_key()}" + (f"_{scope}" if scope else "")
+    return os.path.join(os.path.expanduser("~/.cache/torch_extensions"), name)

@@ -25,9 +25,12 @@ os.environ.setdefault("SHAPE_RANKS_PRELOAD", "torch,transformers,megatron.core,d
 # DeepSpeed JIT-builds its cpu_adam op (the --ds.adam_offload test) into torch's extension cache, by default one per
 # machine and Python (~/.cache/torch_extensions/py311_cpu). Its build command names the venv's include path, so two
 # checkouts on one machine (a fresh clone beside an old one) rebuilt it in turn, 40-400 s of g++ each time: one cache
-# per venv keeps each checkout's build.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
-    os.path.expanduser("~/.cache/torch_extensions"), "venv-" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]))
+# per venv keeps each checkout's build; and per instruction set, as the product does (platform.torch_extensions_dir:
+# the build is -march=native, so an AVX-512 machine's would SIGILL on an AVX2-only one sharing the home directory).
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    from openrlhf_shape.platform import torch_extensions_dir
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir("venv-" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])
 
 # A real reward plug-in file (loaded by our plug-in loader): reward 1 when the response has an even
 # number of characters. Random tiny models never solve maths; this gives groups with reward variance

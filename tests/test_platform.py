@@ -155,3 +155,38 @@ def test_the_profile_is_handed_not_looked_up() -> None:
 
     for fn in (MegatronRankWorker.__init__, ZeroRankWorker.__init__, VLLMEngine.__init__, create_ray_engines, start_engines):
         assert inspect.signature(fn).parameters["platform"].default is inspect.Parameter.empty, fn.__qualname__
+
+
+AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
+AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512cd avx512bw avx512vl"
+
+
+def test_the_isa_key_follows_the_cpus_feature_flags(monkeypatch) -> None:
+    """JIT builds (DeepSpeed's cpu_adam: -march=native) are cached per instruction set: an AVX2-only CPU and an
+    AVX-512 one never share a cache, two CPUs with the same flags (in any order) do."""
+    from openrlhf_shape.platform import cpu_isa_key, torch_extensions_dir
+
+    avx2 = cpu_isa_key(f"processor\t: 0\nflags\t\t: {AVX2_FLAGS}\n")
+    avx512 = cpu_isa_key(f"processor\t: 0\nflags\t\t: {AVX512_FLAGS}\n")
+    assert avx2 != avx512
+    assert avx2 == cpu_isa_key("flags : " + " ".join(reversed(AVX2_FLAGS.split())) + "\nflags : avx512f\n")
+    assert cpu_isa_key("") == cpu_isa_key("model name : x\n")  # no flags line: the processor name decides
+    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), [])
+    print(f"this CPU: {'AVX-512' if 'avx512f' in flags else 'AVX2-only' if 'avx2' in flags else 'no AVX2'}, "
+          f"key {cpu_isa_key()}")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    own = torch_extensions_dir("venv-x")
+    assert cpu_isa_key() in own and own.endswith("_venv-x") and own != torch_extensions_dir("venv-y")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/else")
+    assert torch_extensions_dir() == "/somewhere/else"  # a user's own choice wins
+
+
+def test_the_suite_caches_its_builds_per_instruction_set() -> None:
+    """tests/conftest.py puts torch's extension cache under this CPU's key (unless the caller chose one)."""
+    from openrlhf_shape.platform import cpu_isa_key
+
+    chosen = os.environ["TORCH_EXTENSIONS_DIR"]
+    if "_venv-" not in chosen:
+        pytest.skip(f"TORCH_EXTENSIONS_DIR was given to the test run: {chosen}")
+    assert cpu_isa_key() in chosen

@@ -232,6 +232,11 @@ class ZeroRankWorker:
         if self.cfg.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            from openrlhf_shape.platform import torch_extensions_dir
+
+            # cpu_adam is JIT-built for this CPU (-march=native): a cache of its own per instruction set
+            os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
+
             return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         return torch.optim.AdamW(groups, **kw)
 

