@@ -7,6 +7,7 @@ message starts with the flag a user types.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Callable
@@ -247,14 +248,16 @@ def check_dtypes(cfg: "TrainConfig", on_gpu: bool) -> str | None:
 
     bf16 asked for on a CPU run: Megatron cannot run it there (refused now, before any rank starts, naming the flag);
     DeepSpeed can, but the CPU only emulates bf16 (one ZeRO-3 update of 16 short samples took ~370 s on the 2-core
-    machine): the returned line says so and names the flag that avoids it. None: nothing to say."""
+    machine): one warning says so and names the flag that avoids it, and is returned. None: nothing to say."""
     if on_gpu:
         return None
     if cfg.actor.backend == "megatron" and cfg.megatron.bf16:
         raise ValueError("--megatron.bf16 true: Megatron trains in bf16 on GPUs only, and this run has none; leave it "
                          "unset (auto: fp32 on CPU, bf16 on GPU) or give --megatron.bf16 false")
-    if cfg.actor.backend == "deepspeed" and cfg.ds.param_dtype == "bf16":
-        return ("--ds.param_dtype bf16 on a CPU run: this CPU only emulates bf16, so every update is many times slower "
-                "than in fp32 (one ZeRO-3 update of 16 short samples took ~370 s on a 2-core machine); "
-                "--ds.param_dtype fp32 (or auto: fp32 on CPU, bf16 on GPU) avoids it")
-    return None
+    if cfg.actor.backend != "deepspeed" or cfg.ds.param_dtype != "bf16":
+        return None
+    said = ("--ds.param_dtype bf16 on a CPU run: this CPU only emulates bf16, so every update is many times slower "
+            "than in fp32 (one ZeRO-3 update of 16 short samples took ~370 s on a 2-core machine); "
+            "--ds.param_dtype fp32 (or auto: fp32 on CPU, bf16 on GPU) avoids it")
+    logging.getLogger(__name__).warning("%s", said)
+    return said

@@ -5,6 +5,7 @@ message. And a dtype this CPU only emulates is said at start-up with the flag th
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -45,9 +46,12 @@ def test_a_data_key_the_file_lacks_ends_with_the_message_alone(tmp_path):
     assert "Traceback" not in out and "KeyError" not in out, out[-3000:]
 
 
-def test_bf16_on_a_cpu_run_is_said_or_refused_with_the_flag_that_avoids_it():
+def test_bf16_on_a_cpu_run_is_said_or_refused_with_the_flag_that_avoids_it(caplog):
     ds = load_config(None, ["--actor.backend", "deepspeed", "--ds.param_dtype", "bf16"])
-    said = check_dtypes(ds, on_gpu=False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="openrlhf_shape.config"):
+        said = check_dtypes(ds, on_gpu=False)
+    assert [r.getMessage() for r in caplog.records] == [said]
     assert said.startswith("--ds.param_dtype bf16 on a CPU run: this CPU only emulates bf16") and "\n" not in said
     assert "--ds.param_dtype fp32 (or auto" in said
     assert check_dtypes(ds, on_gpu=True) is None
