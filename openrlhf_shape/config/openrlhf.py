@@ -241,9 +241,9 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("train.full_determinism_enable", False, REFUSED,
        why="not implemented; runs are reproducible per step from --train.seed (resume redoes a step exactly)"),
     # ---- loss and optimizer
-    _f("actor.eps_clip", 0.2, SAME, why="both ends of the clip range (--actor.eps_clip_low_high wins when given)"),
-    _f("actor.eps_clip_low_high", None, SAME, why="the clip range's two ends (DAPO's clip-higher: 0.2 0.28, the "
-       "paper's presets)"),
+    _f("actor.eps_clip", 0.2, SAME, why="both ends of the clip range; --actor.eps_clip_low_high wins when given"),
+    _f("actor.eps_clip_low_high", None, SAME, why="the clip range's two ends; DAPO's clip-higher 0.2 0.28 is the "
+       "paper's, set in its presets"),
     _f("actor.dual_clip", None, SAME),
     _f("actor.policy_loss_type", "ppo", VALUES, accept={"ppo": None}, why="only the PPO token loss is implemented (no GSPO)"),
     _f("actor.loss_agg_mode", "token-mean", VALUES, accept={"token-mean": None},
@@ -265,8 +265,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        accept={"cosine_with_min_lr": "cosine", "cosine": "cosine", "constant": "constant",
                "constant_with_warmup": "constant", "linear": "linear"},
        why="Megatron's schedulers: cosine_with_min_lr, constant(_with_warmup), linear"),
-    _f("actor.lr_warmup_ratio", 0.03, SAME),
-    _f("actor.min_lr_ratio", 0.1, SAME),
+    _f("actor.lr_warmup_ratio", 0.03, SAME, why="linear warm-up over this share of the run's optimizer steps; "
+       "--actor.lr_warmup_steps (ours) wins when given"),
+    _f("actor.min_lr_ratio", 0.1, SAME, why="the decay ends at this share of --actor.adam.lr; --actor.min_lr (ours, "
+       "absolute) wins when given"),
     _f("actor.max_norm", 1.0, SAME),
     _f("algo.kl.init_coef", 0.01, OWN,
        why="0 here: no reference model, no KL (the paper's setting); > 0 starts the reference ranks",
