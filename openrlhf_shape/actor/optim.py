@@ -7,6 +7,10 @@ The field names are the flag names: :class:`OptimSettings` is the ``--actor.*`` 
 (the schedule's length, the micro-batch token budget, the seed). The Megatron backend
 (``MegatronConfig.optim``) and the DeepSpeed backend (``ZeroConfig.optim``) read the same object.
 
+Defaults are OpenRLHF 0.11.2's (``--actor.*``: AdamW betas (0.9, 0.95), cosine decay to 0.1 x the peak after 3%
+warm-up, PPO clip 0.2 on both sides); the paper's settings (constant LR after 10% warm-up, betas (0.9, 0.999),
+clip-higher 0.2/0.28) are written out in the presets (configs/*.yaml).
+
 Units: learning rates are absolute (``min_lr_ratio`` is a fraction of ``adam.lr``); steps count
 optimizer steps; ``micro_batch_max_tokens`` (training) and ``forward_max_tokens`` (forward only) count
 prompt+response tokens of one micro-batch on one data-parallel rank; ``entropy_chunk_size`` counts tokens per chunk of the log-prob/entropy computation.
@@ -31,7 +35,7 @@ class AdamConfig:
     """Adam(W) with decoupled weight decay (no decay on biases and norm weights), as both backends run it."""
 
     lr: float = 1e-6  # the peak learning rate (after warmup)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
 
@@ -52,13 +56,14 @@ class OptimSettings:
     """The ``--actor.*`` training settings both backends share (a field's name is its flag under ``actor.``)."""
 
     adam: AdamConfig = field(default_factory=AdamConfig)
-    lr_scheduler: str = "constant"  # constant | cosine | linear (decay after warmup to the minimum LR)
-    lr_warmup_ratio: float = 0.0  # of the optimizer steps
+    lr_scheduler: str = "cosine"  # constant | cosine | linear (decay after warmup to the minimum LR)
+    lr_warmup_ratio: float = 0.03  # of the optimizer steps
     lr_warmup_steps: Optional[int] = None  # wins over lr_warmup_ratio
-    min_lr: float = 0.0  # absolute
-    min_lr_ratio: Optional[float] = None  # min lr = ratio x adam.lr; wins over min_lr
+    min_lr: Optional[float] = None  # absolute; wins over min_lr_ratio
+    min_lr_ratio: Optional[float] = 0.1  # min lr = ratio x adam.lr (None: 0)
     max_norm: float = 1.0  # gradient clipping by the global L2 norm (0 off)
-    eps_clip_low_high: tuple[float, float] = (0.2, 0.28)  # PPO ratio clip [1 - low, 1 + high] (DAPO clip-higher)
+    eps_clip: float = 0.2  # PPO ratio clip [1 - eps, 1 + eps] when eps_clip_low_high is unset (OpenRLHF's rule)
+    eps_clip_low_high: Optional[tuple[float, float]] = None  # [1 - low, 1 + high] (DAPO clip-higher: 0.2 0.28)
     dual_clip: Optional[float] = None  # dual-clip PPO's bound on negative-advantage ratios (> 1), None off
     entropy_chunk_size: int = 1024  # tokens per chunk of the log-prob / entropy computation
     gradient_checkpointing_enable: bool = False  # activation recompute in the backward pass
@@ -81,24 +86,36 @@ class OptimSettings:
             raise ValueError(f"{name}.lr_warmup_steps must be >= 0 (or None), got {self.lr_warmup_steps}")
         if self.min_lr_ratio is not None and not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.min_lr_ratio is None and not 0 <= self.min_lr <= self.adam.lr:
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.adam.lr:
             raise ValueError(f"{name}.min_lr must be in [0, adam.lr={self.adam.lr}], got {self.min_lr}")
         if self.max_norm < 0:
             raise ValueError(f"{name}.max_norm must be >= 0 (0 disables), got {self.max_norm}")
 
     def _check_loss(self) -> None:
         name = type(self).__name__
-        low, high = self.eps_clip_low_high
-        if not 0 <= low < 1 or high < 0:
-            raise ValueError(f"{name}.eps_clip_low_high must be in [0, 1) and >= 0, got {tuple(self.eps_clip_low_high)}")
+        if not 0 <= self.eps_clip < 1:
+            raise ValueError(f"{name}.eps_clip must be in [0, 1), got {self.eps_clip}")
+        if self.eps_clip_low_high is not None:
+            low, high = self.eps_clip_low_high
+            if not 0 <= low < 1 or high < 0:
+                raise ValueError(f"{name}.eps_clip_low_high must be in [0, 1) and >= 0, got {tuple(self.eps_clip_low_high)}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"{name}.dual_clip must be > 1 (or None), got {self.dual_clip}")
         _int_at_least_one(self, "entropy_chunk_size")
 
     @property
     def final_lr(self) -> float:
-        """The learning rate the decay ends at (absolute): ``min_lr_ratio x adam.lr`` when set, else ``min_lr``."""
-        return self.min_lr_ratio * self.adam.lr if self.min_lr_ratio is not None else self.min_lr
+        """The learning rate the decay ends at (absolute): ``min_lr`` when set, else ``min_lr_ratio x adam.lr``."""
+        if self.min_lr is not None:
+            return self.min_lr
+        return (self.min_lr_ratio or 0.0) * self.adam.lr
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high) of the PPO ratio clip: ``eps_clip_low_high`` when set, else ``eps_clip`` on both sides."""
+        if self.eps_clip_low_high is not None:
+            return (float(self.eps_clip_low_high[0]), float(self.eps_clip_low_high[1]))
+        return (float(self.eps_clip), float(self.eps_clip))
 
 
 @dataclass
@@ -109,6 +126,7 @@ class OptimConfig(OptimSettings):
     from ``--train.num_steps``, the batch sizes and ``--train.max_epochs``). ``micro_batch_max_tokens``:
     ``--train.max_tokens_per_gpu`` (a training micro-batch). ``forward_max_tokens``: ``--rollout.max_tokens_per_gpu``
     (a forward-only micro-batch: old log-probs and entropy; None: ``micro_batch_max_tokens``). ``seed``: ``--train.seed``.
+    On a rank ``eps_clip_low_high`` is always the resolved pair (:attr:`clip_bounds`), whatever the flags gave.
     """
 
     total_steps: int = 1000
@@ -125,6 +143,7 @@ class OptimConfig(OptimSettings):
         if self.lr_warmup_steps is not None and self.lr_warmup_steps >= self.total_steps:
             raise ValueError(f"OptimConfig.lr_warmup_steps must be in [0, total_steps={self.total_steps}), "
                              f"got {self.lr_warmup_steps}")
+        self.eps_clip_low_high = self.clip_bounds  # the losses of both backends read the pair
 
     @property
     def forward_budget(self) -> int:

@@ -27,6 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _names_a_flag(exc: BaseException) -> bool:
+    """A user's mistake found once the run has started (a data key the prompt file lacks, a model the layout cannot
+    split, bf16 on a CPU-only Megatron run): its message starts with the flag to change, as every message of a check
+    does here. Those end the command with the message alone; anything else keeps its traceback."""
+    msg = exc.args[0] if exc.args else None
+    return isinstance(msg, str) and msg.startswith("--")
+
+
 def run(args: argparse.Namespace) -> int:
     import yaml
 
@@ -55,7 +63,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train: error: {exc}")
 
-    summary = run_training(cfg)
+    try:
+        summary = run_training(cfg)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        if not _names_a_flag(exc):
+            raise
+        raise SystemExit(f"openrlhf-shape train: error: {exc.args[0]}") from None
     if summary:
         print(f"done: steps {summary['steps'][0]}..{summary['steps'][-1]}, report in {cfg.ckpt.output_dir}/report.md")
     return 0

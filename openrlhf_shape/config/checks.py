@@ -7,6 +7,7 @@ message starts with the flag a user types.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Callable
@@ -240,3 +241,23 @@ def _check_agent(cfg: "TrainConfig", check_paths: bool) -> None:
     _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
           "r3 replays the engines' routing of one generate call per sample; an agent's episode spans several "
           "calls and the environment's replies: use r2 with --train.agent_func_path")
+
+
+def check_dtypes(cfg: "TrainConfig", on_gpu: bool) -> str | None:
+    """The training dtype against the run's devices (``on_gpu``: the platform the driver decided), at start-up.
+
+    bf16 asked for on a CPU run: Megatron cannot run it there (refused now, before any rank starts, naming the flag);
+    DeepSpeed can, but the CPU only emulates bf16 (one ZeRO-3 update of 16 short samples took ~370 s on the 2-core
+    machine): one warning says so and names the flag that avoids it, and is returned. None: nothing to say."""
+    if on_gpu:
+        return None
+    if cfg.actor.backend == "megatron" and cfg.megatron.bf16:
+        raise ValueError("--megatron.bf16 true: Megatron trains in bf16 on GPUs only, and this run has none; leave it "
+                         "unset (auto: fp32 on CPU, bf16 on GPU) or give --megatron.bf16 false")
+    if cfg.actor.backend != "deepspeed" or cfg.ds.param_dtype != "bf16":
+        return None
+    said = ("--ds.param_dtype bf16 on a CPU run: this CPU only emulates bf16, so every update is many times slower "
+            "than in fp32 (one ZeRO-3 update of 16 short samples took ~370 s on a 2-core machine); "
+            "--ds.param_dtype fp32 (or auto: fp32 on CPU, bf16 on GPU) avoids it")
+    logging.getLogger(__name__).warning("%s", said)
+    return said

@@ -5,9 +5,17 @@ effect), accepted only for some values, or refused with one line saying why and 
 This is data: the config parser (config/compat.py) reads it; the flag table of docs/openrlhf_compat.md and the test
 that checks every OpenRLHF flag is covered are generated from / checked against it.
 
+Defaults: a flag OpenRLHF has takes OpenRLHF's default here (after the value's translation), unless there is a
+reason; then the row is ``own`` and ``why`` states the reason. tests/config/test_openrlhf_defaults.py checks both
+against OpenRLHF's own parser: a ``same`` row whose default here differs fails, and so does an ``own`` row whose
+default does not. A run that leaves an ``own`` flag unset is told so once at start-up (:func:`compat.own_defaults_note
+<openrlhf_shape.config.compat.own_defaults_note>`).
+
 Kinds:
-    ``same``     our flag of the same name and meaning (``ours`` names it when a value is translated,
+    ``same``     our flag of the same name, meaning and default (``ours`` names it when a value is translated,
                  e.g. a ``-1`` "off" that is ``0`` here).
+    ``own``      the same name and meaning, our own default; ``why`` says why (the paper's setting, the demo's
+                 model and data, what a CPU needs, ...).
     ``always``   what the flag turns on is always on here; accepted, no effect.
     ``values``   accepted for the values in ``accept`` (OpenRLHF value -> our value, ``None`` = no
                  effect); other values refused with ``why``.
@@ -19,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SAME, ALWAYS, VALUES, REFUSED = "same", "always", "values", "refused"
+SAME, OWN, ALWAYS, VALUES, REFUSED = "same", "own", "always", "values", "refused"
 
 
 @dataclass(frozen=True)
@@ -30,12 +38,16 @@ class OpenRLHFFlag:
     ours: str | None = None  # our flag (same / values kinds); None: the same name
     why: str = ""  # refusal reason + what to use, or what "always" means
     accept: dict[Any, Any] = field(default_factory=dict)  # values kind: OpenRLHF value -> our value
+    # tests that run OpenRLHF's own installed function and ours on the same inputs ("path::test_name")
+    checked_by: tuple[str, ...] = ()
 
 
 _NO_CRITIC = ("no critic here; use a critic-free --algo.advantage.estimator (group_norm, reinforce, reinforce_baseline, "
               "rloo, dr_grpo, flash_reinforce, shape, mrt)")
 _REF_RANKS = ("the reference model's ranks (started when --algo.kl.init_coef > 0; unset: as many as the actor's): "
               "the actor's backend and TP/PP layout, on the actor's GPUs under --train.colocate_all, else on their own")
+_ACTOR_RANKS = ("ranks = num_nodes x num_gpus_per_node = TP x PP x CP x DP; both unset: one rank, so a bare command "
+                "runs on one GPU or the CPU (the demo); one unset: OpenRLHF's 1 node / 8 GPUs per node")
 _REF_OFFLOAD = ("under --train.colocate_all the colocation lifecycle keeps the reference's parameters in host memory "
                 "except during its forward; without it they stay on the reference's own GPUs; drop it")
 _REF_COLOCATE = ("the reference shares the actor's GPUs under --train.colocate_all (offloaded by the colocation "
@@ -54,8 +66,21 @@ _SLEEP = ("whenever --train.colocate_all is set the engines sleep while the rank
           "turns vLLM's sleep off then)")
 
 
-def _f(name: str, default: Any, kind: str, ours: str | None = None, why: str = "", accept: dict | None = None) -> OpenRLHFFlag:
-    return OpenRLHFFlag(name, default, kind, ours, why, dict(accept or {}))
+def _f(name: str, default: Any, kind: str, ours: str | None = None, why: str = "", accept: dict | None = None,
+       checked_by: tuple[str, ...] = ()) -> OpenRLHFFlag:
+    return OpenRLHFFlag(name, default, kind, ours, why, dict(accept or {}), tuple(checked_by))
+
+
+# Tests that compare with OpenRLHF's own functions (the "machine-checked" marks of docs/openrlhf_compat.md).
+_T_RETURNS = "tests/algorithms/test_reinforce_estimators.py::test_equals_openrlhf_compute_advantages_and_returns"
+_T_KL_REWARD = "tests/trainer/test_kl_in_reward.py::test_the_makers_kl_in_the_reward_equals_openrlhfs"
+_T_KL = "tests/algorithms/test_kl.py::test_estimators_equal_openrlhf"
+_T_KL_IN_REWARD = "tests/algorithms/test_kl.py::test_kl_in_the_reward_equals_openrlhf"
+_T_KL_UNBIASED = "tests/algorithms/test_kl.py::test_unbiased_gradient_equals_openrlhf"
+_T_KL_ADAPTIVE = "tests/algorithms/test_kl.py::test_adaptive_controller_by_hand_and_equal_to_openrlhf"
+_T_STOP = "tests/algorithms/test_length_penalty.py::test_equals_openrlhfs_own_function"
+_T_AGENT = "tests/rollout/test_agent_batch.py::test_agent_files_load_as_openrlhf_loads_them"
+_T_IS_0110 = "tests/config/test_openrlhf_0110_names.py::test_old_names_weigh_the_loss_as_openrlhf_0112_does"
 
 
 def _critic_optim() -> list[OpenRLHFFlag]:
@@ -68,8 +93,8 @@ def _critic_optim() -> list[OpenRLHFFlag]:
 
 OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     # ---- placement: Ray actor groups
-    _f("ref.num_nodes", 1, SAME, why=_REF_RANKS),
-    _f("ref.num_gpus_per_node", 8, SAME, why=_REF_RANKS),
+    _f("ref.num_nodes", 1, OWN, why=_REF_RANKS),
+    _f("ref.num_gpus_per_node", 8, OWN, why=_REF_RANKS),
     _f("ref.offload", False, REFUSED, why=_REF_OFFLOAD),
     _f("reward.num_nodes", 1, REFUSED, why=_NO_RM),
     _f("reward.num_gpus_per_node", 8, REFUSED, why=_NO_RM),
@@ -82,18 +107,24 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("critic.freezing_steps", -1, REFUSED, why=_NO_CRITIC),
     _f("critic.save_value_network", False, REFUSED, why=_NO_CRITIC),
     *_critic_optim(),
-    _f("actor.num_nodes", 1, SAME, why="Megatron ranks = num_nodes x num_gpus_per_node = TP x PP x DP"),
-    _f("actor.num_gpus_per_node", 8, SAME, why="Megatron ranks = num_nodes x num_gpus_per_node = TP x PP x DP"),
+    _f("actor.num_nodes", 1, OWN, why=_ACTOR_RANKS),
+    _f("actor.num_gpus_per_node", 8, OWN, why=_ACTOR_RANKS),
     _f("train.colocate_all", False, SAME, why="vLLM engines sleep while the actor ranks train on the same GPUs; with "
        "--train.async_enable, as in OpenRLHF, only the training models share GPUs and the engines get their own"),
     _f("train.colocate_actor_ref", False, REFUSED, why=_REF_COLOCATE),
     _f("train.colocate_critic_reward", False, REFUSED, why=_NO_CRITIC),
     # ---- vLLM
-    _f("vllm.num_engines", None, SAME),
+    _f("vllm.num_engines", None, OWN, why="OpenRLHF's unset means no vLLM (its HF generate); here every rollout and "
+       "probe runs on vLLM engines, so at least one"),
     _f("vllm.tensor_parallel_size", 1, SAME),
-    _f("vllm.gpu_memory_utilization", 0.95, SAME),
-    _f("vllm.enforce_eager", False, SAME),
-    _f("vllm.enable_prefix_caching", False, SAME, why="on by default here: the potential probes rely on it"),
+    _f("vllm.gpu_memory_utilization", 0.95, OWN,
+       why="colocated (--train.colocate_all), the actor's old-log-probs pass runs while the engines are awake (the "
+           "probes follow it), so the engines leave room for it; each preset's value is sized by the dry-run planner "
+           "(docs/cluster_sizing.md)"),
+    _f("vllm.enforce_eager", False, OWN, why="unset: eager on CPU (compiling costs ~140 s there), CUDA graphs on GPU "
+       "(OpenRLHF's false)"),
+    _f("vllm.enable_prefix_caching", False, OWN, why="the potential probes rely on it: each re-reads its response's "
+       "prefix from the cache"),
     _f("vllm.enable_sleep", False, ALWAYS, why=_SLEEP),
     _f("vllm.sync_backend", "nccl", VALUES, accept={"nccl": None},
        why="weights go to vLLM through the trainer's streamed weight sync (--rollout.weight_sync: a collective group "
@@ -101,10 +132,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("vllm.sync_with_ray", False, REFUSED,
        why="the weight-sync path is --rollout.weight_sync (auto: a collective group, NCCL on GPU, gloo on CPU); drop it"),
     # ---- rollout-correction (TIS / ICEPOP / sequence mask)
-    _f("algo.advantage.is_correction_level", "off", SAME),
-    _f("algo.advantage.is_correction_mode", "mask", SAME),
-    _f("algo.advantage.is_correction_gating", "ratio", SAME),
-    _f("algo.advantage.is_correction_threshold", [0.5, 5.0], SAME),
+    _f("algo.advantage.is_correction_level", "off", SAME, checked_by=(_T_IS_0110,)),
+    _f("algo.advantage.is_correction_mode", "mask", SAME, checked_by=(_T_IS_0110,)),
+    _f("algo.advantage.is_correction_gating", "ratio", SAME, checked_by=(_T_IS_0110,)),
+    _f("algo.advantage.is_correction_threshold", [0.5, 5.0], SAME, checked_by=(_T_IS_0110,)),
     # ---- async
     _f("train.async_enable", False, SAME, why="one step off: the next batch is made while the ranks train (docs/architecture.md); "
        "with --train.colocate_all the engines get their own GPUs, as in OpenRLHF"),
@@ -118,12 +149,19 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        why="one generation batch per step (= --rollout.batch_size), with or without --train.async_enable; drop it"),
     # ---- checkpoints, eval, logging
     _f("eval.steps", -1, SAME, why="-1 (OpenRLHF's off) is 0 here"),
-    _f("ckpt.save_steps", -1, SAME, why="-1 (OpenRLHF's off) is 0 here (a final checkpoint is always written)"),
-    _f("ckpt.path", "./ckpt/checkpoints_ppo_ray", SAME, why="Megatron distributed checkpoints (default <ckpt.output_dir>/checkpoints)"),
-    _f("ckpt.output_dir", "./ckpt", SAME, why="the run directory: metrics, checkpoints, HF export, train.log"),
-    _f("ckpt.save_hf", False, SAME, why="export Hugging Face weights (here: at the end of the run)"),
+    _f("ckpt.save_steps", -1, OWN, why="-1 (OpenRLHF's off) is 0 here; every 20 steps by default, so a crashed run "
+       "resumes from a recent checkpoint (a final checkpoint is always written)"),
+    _f("ckpt.path", "./ckpt/checkpoints_ppo_ray", OWN, why="the checkpoints (with the optimizer state); unset: "
+       "<ckpt.output_dir>/checkpoints, so one directory holds the whole run"),
+    _f("ckpt.output_dir", "./ckpt", OWN, why="the run directory (metrics, checkpoints, HF export, train.log), "
+       "named after the method"),
+    _f("ckpt.save_hf", False, OWN, why="OpenRLHF always writes the final model to --ckpt.output_dir and the flag adds "
+       "an HF copy beside every checkpoint; here the flag is that final export (<ckpt.output_dir>/hf), on by default "
+       "so a run ends with its model as OpenRLHF's does; no per-checkpoint copies"),
     _f("ckpt.max_num", 3, SAME),
-    _f("ckpt.load_enable", False, SAME, why="resume from the newest complete checkpoint under --ckpt.path"),
+    _f("ckpt.load_enable", False, OWN, ours="ckpt.resume",
+       why="resume from the newest complete checkpoint under --ckpt.path (--ckpt.resume auto); on by default here, so "
+           "running the same command again continues a crashed run (--ckpt.resume none, or false, starts over)"),
     _f("ckpt.disable_ds", False, REFUSED, why="checkpoints always hold the optimizer state (exact resume); drop it"),
     _f("ckpt.max_mem", float("inf"), REFUSED, why="no size cap on checkpoints; use --ckpt.max_num"),
     _f("ckpt.best_metric_key", "", REFUSED, why="best-checkpoint selection is not implemented; use --ckpt.max_num and eval metrics"),
@@ -131,8 +169,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("logger.wandb.key", None, REFUSED, why="give the key as the WANDB_API_KEY environment variable (a config is printed and saved)"),
     _f("logger.wandb.org", None, SAME),
     _f("logger.wandb.group", None, SAME),
-    _f("logger.wandb.project", "openrlhf_train_ppo", SAME, why="W&B logging is on when a project is given"),
-    _f("logger.wandb.run_name", "ppo_%m%dT%H:%M", SAME),
+    _f("logger.wandb.project", "openrlhf_train_ppo", OWN, why="W&B logging is on when a project is given (OpenRLHF: "
+       "when --logger.wandb.key is; here the key is WANDB_API_KEY), so there is no default project"),
+    _f("logger.wandb.run_name", "ppo_%m%dT%H:%M", OWN, why="unset: W&B names the run (OpenRLHF: ppo_ and the "
+       "start time)"),
     _f("logger.tensorboard_dir", None, SAME),
     # ---- DeepSpeed and model-loading switches of the DeepSpeed actor
     _f("local_rank", -1, REFUSED, why="ranks are placed by Ray (no deepspeed launcher); drop it"),
@@ -140,11 +180,15 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("ds.zero_stage", 2, SAME, why="ZeRO stage of --actor.backend deepspeed (0-3); given without --actor.backend it selects "
        "the DeepSpeed backend (OpenRLHF's); on Megatron shard with --megatron.use_distributed_optimizer"),
     _f("ds.deepcompile", False, REFUSED, why=f"{_DS}: the model runs eagerly; drop it"),
-    _f("ds.param_dtype", "bf16", SAME, why="bf16 or fp32 (default auto: bf16 on GPU, fp32 on CPU); fp16 is refused (no loss scaling); Megatron picks the same automatically"),
+    _f("ds.param_dtype", "bf16", OWN, why="bf16 or fp32; unset (auto): bf16 on GPU as OpenRLHF, fp32 on CPU, which "
+       "only emulates bf16 (slowly: said at start-up); fp16 is refused (no loss scaling); Megatron picks the same "
+       "automatically (--megatron.bf16)"),
     _f("ds.zpg", 1, REFUSED, why=f"{_DS}: ZeRO++ hierarchical partitioning is not configured; drop it"),
     _f("ds.adam_offload", False, SAME, why="Adam states in host memory (DeepSpeedCPUAdam) with --actor.backend deepspeed; "
        "given without --actor.backend it selects the DeepSpeed backend"),
-    _f("ds.attn_implementation", "flash_attention_2", SAME, why="the HF attention kernel of --actor.backend deepspeed (default sdpa); Megatron picks its own"),
+    _f("ds.attn_implementation", "flash_attention_2", OWN, why="the HF attention kernel of --actor.backend deepspeed; "
+       "sdpa by default: it runs on CPU and GPU without the flash-attn package (which cannot build without CUDA); "
+       "give flash_attention_2 where it is installed; Megatron picks its own"),
     _f("ds.experts_implementation", None, REFUSED, why="dense models only (no MoE); drop it"),
     _f("ds.use_liger_kernel", False, REFUSED, why=f"{_DS}: the chunked log-prob head already avoids full logits; drop it"),
     _f("ds.grad_accum_dtype", None, REFUSED, why=f"{_DS}: gradients are reduced once per step into the fp32 master partitions; drop it"),
@@ -179,22 +223,27 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
            "data-parallel rank; unset: --train.max_tokens_per_gpu, as in OpenRLHF"),
     _f("rollout.micro_batch_size", 1, ALWAYS, why=_TOKEN_BUDGET),
     _f("train.micro_batch_size", 1, ALWAYS, why=_TOKEN_BUDGET),
-    _f("train.num_episodes", 1, SAME, why="passes over the prompt set (sets the number of steps unless --train.num_steps)"),
-    _f("rollout.batch_size", 1024, SAME),
-    _f("train.batch_size", 128, SAME),
+    _f("train.num_episodes", 1, OWN, why="passes over the prompt set (given, it sets the number of steps); unset here: "
+       "a run is sized by --train.num_steps (default 360, the paper's runs)"),
+    _f("rollout.batch_size", 1024, OWN, why="the paper's step: 128 prompts x 8 samples"),
+    _f("train.batch_size", 128, OWN, why="the paper's mini-batch: 256 samples, 4 updates per step of 128 x 8"),
     _f("train.max_epochs", 1, SAME),
-    _f("data.max_len", 2048, SAME, why="prompt + response tokens; the response budget when --rollout.max_new_tokens is not given"),
-    _f("rollout.max_new_tokens", None, SAME),
+    _f("data.max_len", 2048, OWN, why="prompt + response tokens (given, it sets the response budget when "
+       "--rollout.max_new_tokens is not); unset here: --data.max_prompt_len 1024 + --rollout.max_new_tokens 8192"),
+    _f("rollout.max_new_tokens", None, OWN, why="the paper's response budget, 8192 tokens (OpenRLHF's unset: "
+       "--data.max_len minus each prompt's length)"),
     _f("data.max_samples", 100000000, SAME),
-    _f("rollout.n_samples_per_prompt", 1, SAME),
+    _f("rollout.n_samples_per_prompt", 1, OWN, why="the paper's 8 samples per prompt (group baselines and the "
+       "step's statistics need several)"),
     _f("rollout.top_p", 1.0, SAME),
     _f("rollout.temperature", 1.0, SAME),
     _f("train.seed", 42, SAME),
     _f("train.full_determinism_enable", False, REFUSED,
        why="not implemented; runs are reproducible per step from --train.seed (resume redoes a step exactly)"),
     # ---- loss and optimizer
-    _f("actor.eps_clip", 0.2, SAME, why="both ends of the clip range (--actor.eps_clip_low_high wins)"),
-    _f("actor.eps_clip_low_high", None, SAME),
+    _f("actor.eps_clip", 0.2, SAME, why="both ends of the clip range; --actor.eps_clip_low_high wins when given"),
+    _f("actor.eps_clip_low_high", None, SAME, why="the clip range's two ends; DAPO's clip-higher 0.2 0.28 is the "
+       "paper's, set in its presets"),
     _f("actor.dual_clip", None, SAME),
     _f("actor.policy_loss_type", "ppo", VALUES, accept={"ppo": None}, why="only the PPO token loss is implemented (no GSPO)"),
     _f("actor.loss_agg_mode", "token-mean", VALUES, accept={"token-mean": None},
@@ -216,16 +265,21 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        accept={"cosine_with_min_lr": "cosine", "cosine": "cosine", "constant": "constant",
                "constant_with_warmup": "constant", "linear": "linear"},
        why="Megatron's schedulers: cosine_with_min_lr, constant(_with_warmup), linear"),
-    _f("actor.lr_warmup_ratio", 0.03, SAME),
-    _f("actor.min_lr_ratio", 0.1, SAME),
+    _f("actor.lr_warmup_ratio", 0.03, SAME, why="linear warm-up over this share of the run's optimizer steps; "
+       "--actor.lr_warmup_steps (ours) wins when given"),
+    _f("actor.min_lr_ratio", 0.1, SAME, why="the decay ends at this share of --actor.adam.lr; --actor.min_lr (ours, "
+       "absolute) wins when given"),
     _f("actor.max_norm", 1.0, SAME),
-    _f("algo.kl.init_coef", 0.01, SAME,
-       why="the default here is 0 (no reference model, no KL: the paper's setting); > 0 starts the reference ranks"),
+    _f("algo.kl.init_coef", 0.01, OWN,
+       why="0 here: no reference model, no KL (the paper's setting); > 0 starts the reference ranks",
+       checked_by=(_T_KL_IN_REWARD, _T_KL_REWARD)),
     _f("algo.kl.use_loss", False, SAME, why="KL in the policy loss; without it -coef x kl per token in the reward"),
-    _f("algo.kl.estimator", "k1", SAME, why="k1 | k2 | k3 with OpenRLHF's clamping (openrlhf_shape/algorithms/kl.py)"),
-    _f("algo.kl.unbiased_gradient", False, SAME, why="with --algo.kl.use_loss only"),
-    _f("algo.kl.target", None, SAME, why="the adaptive KL controller (unset: a fixed coefficient)"),
-    _f("algo.kl.horizon", 10000, SAME, why="the adaptive KL controller's horizon in samples"),
+    _f("algo.kl.estimator", "k1", SAME, why="k1 | k2 | k3 with OpenRLHF's clamping (openrlhf_shape/algorithms/kl.py)",
+       checked_by=(_T_KL,)),
+    _f("algo.kl.unbiased_gradient", False, SAME, why="with --algo.kl.use_loss only", checked_by=(_T_KL_UNBIASED,)),
+    _f("algo.kl.target", None, SAME, why="the adaptive KL controller (unset: a fixed coefficient)",
+       checked_by=(_T_KL_ADAPTIVE,)),
+    _f("algo.kl.horizon", 10000, SAME, why="the adaptive KL controller's horizon in samples", checked_by=(_T_KL_ADAPTIVE,)),
     # ---- advantages
     _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator",
        accept={"group_norm": "group_norm", "grpo": "group_norm", "reinforce": "reinforce",
@@ -233,36 +287,45 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
                "flash_reinforce": "flash_reinforce", "shape": "shape", "mrt": "mrt"},
        why="gae needs a critic, and there is none here; the critic-free estimators are OpenRLHF's group_norm (GRPO), "
            "reinforce (REINFORCE++), reinforce_baseline, rloo, dr_grpo, flash_reinforce (its semantics, "
-           "docs/algorithms.md) and the paper's shape and mrt"),
+           "docs/algorithms.md) and the paper's shape and mrt (the default here)",
+       checked_by=(_T_RETURNS, _T_KL_REWARD)),
     _f("algo.advantage.gamma", 1, SAME,
        why="the return's per-token discount; only reinforce discounts (other estimators refuse a gamma other than 1, "
-           "where OpenRLHF resets it to 1 with a warning); SHAPE's own discount is --shape.gamma_min"),
+           "where OpenRLHF resets it to 1 with a warning); SHAPE's own discount is --shape.gamma_min",
+       checked_by=(_T_RETURNS,)),
     _f("algo.advantage.lambd", 1, VALUES, accept={1: None, 1.0: None}, why=f"GAE's lambda: {_NO_CRITIC}"),
     _f("algo.advantage.no_std_norm", False, SAME,
        why="whitening without the std division, for reinforce and reinforce_baseline (the estimators that whiten; "
-           "refused with the others, which OpenRLHF ignores it for)"),
+           "refused with the others, which OpenRLHF ignores it for)", checked_by=(_T_RETURNS,)),
     _f("algo.dynamic_filtering_enable", False, SAME),
     _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside"),
     # ---- rewards
     _f("reward.remote_url", None, SAME),
-    _f("reward.clip_range", (-10, 10), SAME),
+    _f("reward.clip_range", (-10, 10), SAME, why="the outcome estimators clamp their baselined outcome r_i into it (OpenRLHF's "
+       "order); SHAPE and MRT clamp the outcome R as it comes, before it becomes the last potential",
+       checked_by=(_T_RETURNS,)),
     _f("reward.normalize_enable", False, REFUSED, why=_NO_RM_NORM),
     _f("reward.overlong_buffer_len", None, REFUSED, why="DAPO's overlong penalty is not implemented; drop it"),
     _f("reward.overlong_penalty_factor", 1, VALUES, accept={1: None, 1.0: None},
        why="DAPO's overlong penalty is not implemented"),
     _f("reward.stop_properly_penalty_coef", None, SAME,
        why="responses cut at --rollout.max_new_tokens (finish reason 'length'): reward x coef for coef in [0, 1], "
-           "reward = coef for coef < 0; before --reward.clip_range and any baseline, as in OpenRLHF"),
-    _f("train.agent_func_path", None, SAME, why="OpenRLHF agent files run unchanged on the engines; the environment's replies get no loss and no credit (the Agents section of this page)"),
+           "reward = coef for coef < 0; before --reward.clip_range and any baseline, as in OpenRLHF",
+       checked_by=(_T_STOP,)),
+    _f("train.agent_func_path", None, SAME, why="OpenRLHF agent files run unchanged on the engines; the environment's replies get no loss and no credit (the Agents section of this page)",
+       checked_by=(_T_AGENT,)),
     # ---- data and eval
-    _f("actor.model_name_or_path", None, SAME),
-    _f("data.prompt_dataset", None, SAME),
+    _f("actor.model_name_or_path", None, OWN, why="demo: the bundled SmolLM2-135M-Instruct, so a bare command trains "
+       "(OpenRLHF requires the flag)"),
+    _f("data.prompt_dataset", None, OWN, why="bundled:train: the bundled maths set, so a bare command trains "
+       "(OpenRLHF requires the flag)"),
     _f("data.prompt_probs", None, REFUSED, why="one prompt set per run (no dataset mixing); merge the files first"),
     _f("data.prompt_split", "train", SAME),
-    _f("data.input_key", "input", SAME),
-    _f("data.label_key", None, SAME),
+    _f("data.input_key", "input", OWN, why="the bundled maths set's prompt field"),
+    _f("data.label_key", None, OWN, why="the bundled maths set's answer field (Math-Verify needs a label)"),
     _f("data.input_template", None, SAME),
-    _f("data.apply_chat_template", False, SAME),
+    _f("data.apply_chat_template", False, OWN, why="the demo model is an instruct model, and every OpenRLHF RL script "
+       "passes the flag"),
     _f("data.disable_fast_tokenizer", False, REFUSED, why="the fast tokenizer is always used; drop it"),
     _f("data.dataloader_num_workers", 0, VALUES, accept={0: None}, why="prompts are tokenised once at start-up"),
     _f("data.image_key", "images", REFUSED, why=_NO_VLM),
@@ -327,10 +390,42 @@ def translated_value(f: OpenRLHFFlag, value: Any) -> Any:
 def summary() -> str:
     """One sentence with the table's counts (docs/openrlhf_compat.md carries it above the table)."""
     c = counts()
-    return (f"Of OpenRLHF 0.11.2's {len(OPENRLHF_PPO_FLAGS)} PPO flags, {c[SAME]} are honoured under the same name and "
-            f"meaning, {c[ALWAYS]} switch on what is always on here (accepted, said once in the log), {c[VALUES]} are "
+    checked = sum(1 for f in OPENRLHF_PPO_FLAGS if f.checked_by)
+    return (f"Of OpenRLHF 0.11.2's {len(OPENRLHF_PPO_FLAGS)} PPO flags, {c[SAME]} are honoured under the same name, "
+            f"meaning and default, {c[OWN]} under the same name and meaning with a default of our own (each says "
+            f"why), {c[ALWAYS]} switch on what is always on here (accepted, said once in the log), {c[VALUES]} are "
             f"accepted for the values that match what this trainer does, and {c[REFUSED]} are refused, each with "
-            "the reason and what to use.")
+            f"the reason and what to use; {checked} are machine-checked against OpenRLHF's own code.")
+
+
+def show(value: Any) -> str:
+    """A default as a user types it: ``unset``, ``true``/``false``, ``0.2 0.28``."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return " ".join(show(v) for v in value)
+    return str(value)
+
+
+def our_default(f: OpenRLHFFlag) -> Any:
+    """Our default for the flag of row ``f`` (``KeyError`` for a row with no flag path of its own here)."""
+    from openrlhf_shape.config.tree import TrainConfig  # lazily: the tree imports the components
+
+    cfg = TrainConfig()
+    if f.name == "data.max_len":  # combined: prompt + response tokens
+        return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    try:
+        return cfg.get(f.ours or f.name)
+    except AttributeError:
+        raise KeyError(f.name) from None
+
+
+def _checked(f: OpenRLHFFlag) -> str:
+    if not f.checked_by:
+        return ""
+    return " Machine-checked against OpenRLHF's own code: " + ", ".join(f"`{t}`" for t in f.checked_by) + "."
 
 
 def markdown_table() -> str:
@@ -339,6 +434,12 @@ def markdown_table() -> str:
     for f in sorted(OPENRLHF_PPO_FLAGS, key=lambda f: f.name):
         if f.kind == SAME:
             target = f"`--{f.ours or f.name}`" + (f" ({f.why})" if f.why else "")
+        elif f.kind == OWN:
+            try:
+                ours = f" `{show(our_default(f))}`"
+            except KeyError:  # a combined flag: its why says what stands for it
+                ours = ""
+            target = f"`--{f.ours or f.name}`, our own default{ours} (OpenRLHF's `{show(f.default)}`): {f.why}"
         elif f.kind == ALWAYS:
             target = f"accepted, always on: {f.why}"
         elif f.kind == VALUES:
@@ -346,7 +447,7 @@ def markdown_table() -> str:
             target = f"`--{f.ours or f.name}` accepts {ok or 'the default only'}; else refused: {f.why}"
         else:
             target = f"refused: {f.why}"
-        lines.append(f"| `--{f.name}` | {target} |")
+        lines.append(f"| `--{f.name}` | {target}{_checked(f)} |")
     return "\n".join(lines)
 
 

@@ -97,7 +97,7 @@ class TrainSection:
 
     batch_size: int = 256  # samples per optimizer step (mini-batch); the rollout batch is split into these
     max_epochs: int = 1  # passes over each rollout batch
-    max_tokens_per_gpu: int = 8192  # prompt + response tokens of one micro-batch on one data-parallel rank
+    max_tokens_per_gpu: int = 16192  # prompt + response tokens of one micro-batch on one data-parallel rank
     seed: int = 42
     colocate_all: bool = False  # GPU: vLLM sleeps while the actor trains on the same GPUs
     async_enable: bool = False  # one-step-off: the engines make the next batch while the ranks train (disaggregated only)
@@ -201,8 +201,8 @@ class EvalSection:
     max_samples: int | None = 64
     steps: int = 0  # 0 disables periodic eval
     val_before_train: bool = False  # evaluate the base policy before the first update, logged as step 0
-    temperature: float = 0.0  # 0: greedy (one sample per prompt suffices)
-    n_samples_per_prompt: int = 1  # responses per held-out problem (avg@N pass@1) when temperature > 0
+    temperature: float = 0.6  # 0: greedy (one sample per prompt suffices)
+    n_samples_per_prompt: int = 4  # responses per held-out problem (avg@N pass@1)
     top_p: float = 1.0
     top_k: int = -1
 
@@ -243,7 +243,7 @@ class MegatronSection(MegatronSettings):
 
 def _train_data() -> PromptDataConfig:
     return PromptDataConfig(prompt_dataset="bundled:train", input_key="question", label_key="answer",
-                            apply_chat_template=True, max_prompt_len=DEFAULT_MAX_PROMPT_LEN)
+                            apply_chat_template=True, max_prompt_len=DEFAULT_MAX_PROMPT_LEN, max_samples=100_000_000)
 
 
 @dataclass

@@ -5,6 +5,10 @@ A scenario's settings travel as a flat dict (``{"tensor_model_parallel_size": 2,
 a field of the backend's settings class, of :class:`OptimConfig` or of its :class:`AdamConfig`, and goes
 to the class that owns it: there is no table of names. (The trainer builds rank configs from the flag
 tree instead: ``TrainConfig.megatron_config()`` / ``zero_config()``.)
+
+A field a scenario leaves out takes the value the scenarios were written with (:data:`SCENARIO_DEFAULTS`: a
+constant LR without warm-up, Adam betas (0.9, 0.999), clip 0.2/0.28, a floor of 0), not the flags' defaults (which
+follow OpenRLHF's since issue 46): a scenario's numbers do not move when a flag's default does.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from typing import Any, Mapping
 from openrlhf_shape.actor.optim import AdamConfig, OptimConfig
 from openrlhf_shape.megatron.config import MegatronConfig, MegatronSettings
 from openrlhf_shape.zero.config import ZeroConfig, ZeroSettings
+
+
+SCENARIO_DEFAULTS: dict[str, Any] = {"lr_scheduler": "constant", "lr_warmup_ratio": 0.0, "min_lr": 0.0,
+                                     "betas": (0.9, 0.999), "eps_clip_low_high": (0.2, 0.28)}
 
 
 def _names(cls: type) -> set[str]:
@@ -37,8 +45,9 @@ def _sort(leaves: Mapping[str, Any], settings: type) -> tuple[dict[str, Any], di
 
 
 def _split(leaves: Mapping[str, Any], settings: type) -> tuple[dict[str, Any], OptimConfig]:
-    """``leaves`` -> (the ``settings`` class's keyword arguments, the :class:`OptimConfig`)."""
-    own, optim, adam = _sort(leaves, settings)
+    """``leaves`` (over :data:`SCENARIO_DEFAULTS`) -> (the ``settings`` class's keyword arguments, the
+    :class:`OptimConfig`)."""
+    own, optim, adam = _sort({**SCENARIO_DEFAULTS, **leaves}, settings)
     return own, OptimConfig(adam=AdamConfig(**adam), **optim)
 
 

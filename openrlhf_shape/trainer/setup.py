@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from openrlhf_shape.platform import Platform, detect_platform
 from openrlhf_shape.config import TrainConfig
+from openrlhf_shape.config.checks import check_dtypes
 from openrlhf_shape.trainer.logging_utils import log
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -153,6 +154,7 @@ def build_run(cfg: TrainConfig) -> Run:
 
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
+    check_dtypes(cfg, platform.on_gpu)  # bf16 on a CPU run: refused (Megatron) or said once (DeepSpeed)
     log.info("platform: %s (%s, %g GPUs seen), Megatron %s over %s, layer spec %s, vLLM dtype %s",
              platform.device, platform.source, platform.cluster_gpus, platform.megatron_dtype,
              platform.collective_backend, platform.layer_spec, platform.engine_dtype)

@@ -10,10 +10,22 @@ import pytest
 from openrlhf_shape.actor.optim import AdamConfig, OptimConfig, OptimSettings
 
 
-def test_defaults():
+def test_defaults_are_openrlhfs():
+    """OpenRLHF 0.11.2's --actor.* defaults (tests/config/test_openrlhf_defaults.py checks them against its parser):
+    AdamW betas (0.9, 0.95), cosine to 0.1 x the peak after 3% warm-up, clip 0.2 on both sides."""
     cfg = OptimConfig()
-    assert cfg.eps_clip_low_high == (0.2, 0.28) and cfg.adam == AdamConfig(lr=1e-6, betas=(0.9, 0.999))
-    assert (cfg.max_norm, cfg.final_lr, cfg.warmup_steps, cfg.total_steps) == (1.0, 0.0, 0, 1000)
+    assert cfg.eps_clip_low_high == (0.2, 0.2) and cfg.adam == AdamConfig(lr=1e-6, betas=(0.9, 0.95))
+    assert (cfg.lr_scheduler, cfg.max_norm, cfg.total_steps) == ("cosine", 1.0, 1000)
+    assert cfg.final_lr == pytest.approx(1e-7) and cfg.warmup_steps == 30
+
+
+def test_eps_clip_on_both_sides_unless_low_high_is_given():
+    assert OptimSettings(eps_clip=0.3).clip_bounds == (0.3, 0.3)
+    assert OptimSettings(eps_clip=0.3, eps_clip_low_high=(0.2, 0.28)).clip_bounds == (0.2, 0.28)
+    # a rank reads the resolved pair
+    assert OptimConfig(eps_clip=0.1).eps_clip_low_high == (0.1, 0.1)
+    with pytest.raises(ValueError, match=r"OptimSettings\.eps_clip must be in \[0, 1\)"):
+        OptimSettings(eps_clip=1.0)
 
 
 @pytest.mark.parametrize(
@@ -48,9 +60,10 @@ def test_schedule_values():
     cfg = OptimConfig(adam=AdamConfig(lr=1e-3), min_lr=1e-4, lr_warmup_ratio=0.25, total_steps=8)
     assert cfg.warmup_steps == 2 and cfg.final_lr == 1e-4
     assert dataclasses.replace(cfg, lr_warmup_steps=3).warmup_steps == 3  # steps win over the ratio
-    assert dataclasses.replace(cfg, min_lr_ratio=0.5).final_lr == pytest.approx(5e-4)  # the ratio wins over min_lr
-    # a min_lr past the peak is not checked while the ratio decides (the old rank config saw the resolved value only)
-    assert OptimConfig(min_lr=1.0, min_lr_ratio=0.1).final_lr == pytest.approx(1e-7)
+    # --actor.min_lr (absolute, ours) wins over --actor.min_lr_ratio, whose default (OpenRLHF's 0.1) is always set
+    assert dataclasses.replace(cfg, min_lr_ratio=0.5).final_lr == 1e-4
+    assert dataclasses.replace(cfg, min_lr=None, min_lr_ratio=0.5).final_lr == pytest.approx(5e-4)
+    assert dataclasses.replace(cfg, min_lr=None, min_lr_ratio=None).final_lr == 0.0
 
 
 def test_both_backends_hold_the_one_optimiser_config():

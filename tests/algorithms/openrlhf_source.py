@@ -63,16 +63,27 @@ def load_experience_maker():
     return scope["RemoteExperienceMaker"]
 
 
-def openrlhf_args(argv: list[str]):
-    """OpenRLHF's hierarchical args for a PPO command line (its own parser and defaults)."""
-    from openrlhf.utils.config import hierarchize
-
+def openrlhf_parser() -> argparse.ArgumentParser:
+    """OpenRLHF's PPO argument parser (``cli/train_ppo_ray.py``'s argparse block, nothing else of the file)."""
     path = os.path.join(_package_dir(), "cli", "train_ppo_ray.py")
     src = open(path).read()
     block = src.split('if __name__ == "__main__":', 1)[1].split("args = parser.parse_args()", 1)[0]
     scope = {"argparse": argparse, "datetime": datetime.datetime}
     exec(textwrap.dedent(block), scope)  # only parser.add_argument(...) calls
-    return hierarchize(scope["parser"].parse_args(argv))
+    return scope["parser"]
+
+
+def openrlhf_args(argv: list[str]):
+    """OpenRLHF's hierarchical args for a PPO command line (its own parser and defaults)."""
+    from openrlhf.utils.config import hierarchize
+
+    return hierarchize(openrlhf_parser().parse_args(argv))
+
+
+def openrlhf_defaults() -> dict:
+    """Every PPO flag of OpenRLHF's parser (name without ``--``) -> its default, as the parser sets it."""
+    return {a.option_strings[0][2:]: a.default for a in openrlhf_parser()._actions
+            if a.option_strings and a.option_strings[0] != "-h"}
 
 
 def openrlhf_advantages(argv: list[str], rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None,

@@ -36,7 +36,7 @@ def _other_value(value, tp):
 
 
 # Flags whose sections refuse the generic other value (a string, a bound): a valid other value each.
-_VALID_OTHER = {"actor.lr_scheduler": "cosine", "actor.min_lr": 1e-7, "actor.dual_clip": 3.0,
+_VALID_OTHER = {"actor.lr_scheduler": "constant", "actor.min_lr": 1e-7, "actor.dual_clip": 3.0,
                 "megatron.layer_spec": "local", "megatron.local_attention": "sdpa", "megatron.routing_replay": "r2",
                 "megatron.dist_optimizer_ckpt_format": "dp_reshardable", "ds.param_dtype": "bf16"}
 

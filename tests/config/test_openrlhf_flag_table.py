@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from openrlhf_shape.config.openrlhf import ALWAYS, BY_NAME, OPENRLHF_PPO_FLAGS, REFUSED, SAME, VALUES, refusal
+from openrlhf_shape.config.openrlhf import ALWAYS, BY_NAME, OPENRLHF_PPO_FLAGS, OWN, REFUSED, SAME, VALUES, refusal
 
 
 def _openrlhf_parser() -> argparse.ArgumentParser:
@@ -43,13 +43,15 @@ def test_table_covers_every_openrlhf_ppo_flag_with_its_default():
 
 
 def test_every_refusal_is_one_line_that_says_why():
-    kinds = {k: [f for f in OPENRLHF_PPO_FLAGS if f.kind == k] for k in (SAME, ALWAYS, VALUES, REFUSED)}
+    kinds = {k: [f for f in OPENRLHF_PPO_FLAGS if f.kind == k] for k in (SAME, OWN, ALWAYS, VALUES, REFUSED)}
     assert sum(map(len, kinds.values())) == 167
     for f in kinds[REFUSED]:
         msg = refusal(f.name, "x")
         assert msg and msg.startswith(f"--{f.name}: ") and "\n" not in msg and len(f.why) > 15
-    for f in kinds[SAME] + kinds[ALWAYS]:
+    for f in kinds[SAME] + kinds[OWN] + kinds[ALWAYS]:
         assert refusal(f.name, "anything") is None
+    for f in kinds[OWN]:  # an own default says why
+        assert len(f.why) > 15, f.name
     assert refusal("algo.kl.init_coef", "0") is None and refusal("algo.kl.init_coef", "1e-3") is None
     assert "--train.colocate_all" in refusal("train.colocate_actor_ref", True)
     assert refusal("algo.advantage.estimator", "group_norm") is None

@@ -27,7 +27,7 @@ def test_config_defaults_on_cpu():
     assert cfg.for_platform(gpu_platform()).params_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="bf16"):
         MegatronConfig(bf16=True).check_device(cpu_platform())
-    assert cfg.optim.eps_clip_low_high == (0.2, 0.28)
+    assert cfg.optim.eps_clip_low_high == (0.2, 0.2)  # OpenRLHF's --actor.eps_clip 0.2 on both sides
 
 
 @pytest.mark.parametrize(

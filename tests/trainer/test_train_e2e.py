@@ -78,6 +78,9 @@ def _flags(model_dir, reward_file, out_dir, estimator="shape"):
         "--algo.advantage.estimator", estimator,
         "--shape.num_segments", "3", "--probe.num_probes", "2", "--shape.min_segment_len", "2",
         "--shape.length_alarm_window", "1",  # the alarm's drop is logged from step 2 on: resume must restore it
+        # the optimizer and clip these runs were written with (the flags' defaults follow OpenRLHF's since issue 46)
+        "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--actor.min_lr", "0",
+        "--actor.adam.betas", "0.9", "0.999", "--actor.eps_clip_low_high", "0.2", "0.28",
     ]
 
 

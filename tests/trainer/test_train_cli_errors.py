@@ -1,0 +1,62 @@
+"""A user's mistake ends ``openrlhf-shape train`` with the clear message alone (issue 46): an unknown flag, a refused
+OpenRLHF flag, a bad value, a data key the prompt file lacks (found once the run has started). Each runs the real
+console entry point in a process of its own and reads its exit code and output: no Python traceback around the
+message. And a dtype this CPU only emulates is said at start-up with the flag that avoids it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_shape.config import load_config
+from openrlhf_shape.config.checks import check_dtypes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _train(*flags: str) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_shape.cli.main", "train", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train.batchsize", "3"], "unknown option --train.batchsize; did you mean --train.batch_size"),
+    (["--critic.model_name_or_path", "/models/x"], "--critic.model_name_or_path: no critic here"),
+    (["--train.batch_size", "many"], "--train.batch_size: invalid literal for int()"),
+    (["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "mis"],
+     "--algo.advantage.is_correction_type mis: OpenRLHF 0.11.0 takes tis, icepop, seq-mask-tis"),
+], ids=["unknown", "refused", "bad-value", "old-name-bad-value"])
+def test_a_flag_mistake_ends_with_the_message_alone(flags, message):
+    rc, out = _train(*flags)
+    assert rc in (1, 2) and f"openrlhf-shape train: error: " in out and message in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_data_key_the_file_lacks_ends_with_the_message_alone(tmp_path):
+    """Found when the prompts are read (after the console and the run directory are set up, before Ray)."""
+    rc, out = _train("--config", "configs/cpu-smoke.yaml", "--data.input_key", "prompt",
+                     "--ckpt.output_dir", str(tmp_path / "run"))
+    assert rc == 1, out[-3000:]
+    assert "openrlhf-shape train: error: --data.input_key 'prompt' not found in" in out and "(keys: answer," in out
+    assert "Traceback" not in out and "KeyError" not in out, out[-3000:]
+
+
+def test_bf16_on_a_cpu_run_is_said_or_refused_with_the_flag_that_avoids_it(caplog):
+    ds = load_config(None, ["--actor.backend", "deepspeed", "--ds.param_dtype", "bf16"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="openrlhf_shape.config"):
+        said = check_dtypes(ds, on_gpu=False)
+    assert [r.getMessage() for r in caplog.records] == [said]
+    assert said.startswith("--ds.param_dtype bf16 on a CPU run: this CPU only emulates bf16") and "\n" not in said
+    assert "--ds.param_dtype fp32 (or auto" in said
+    assert check_dtypes(ds, on_gpu=True) is None
+    assert check_dtypes(load_config(None, ["--actor.backend", "deepspeed"]), on_gpu=False) is None  # auto: fp32
+    mg = load_config(None, ["--megatron.bf16", "true"])
+    with pytest.raises(ValueError, match=r"^--megatron.bf16 true: Megatron trains in bf16 on GPUs only"):
+        check_dtypes(mg, on_gpu=False)
+    assert check_dtypes(mg, on_gpu=True) is None
