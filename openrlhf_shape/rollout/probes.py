@@ -300,14 +300,15 @@ def _probe_requests(prompt_ids: list[list[int]], response_ids: list[list[int]], 
 
 @dataclass
 class _ProbeQueries:
-    """OpenRLHF's query of a probe sample: its probe prompt and tokens decoded, special tokens kept. Each probe prompt
-    is decoded once; a sample's tokens are decoded after the prompt's last ``CONTEXT`` tokens and the context's own
-    text cut off (what incremental detokenisers do), so the join equals decoding the whole sequence, leading
-    spaces and merged characters included; where it would not, the whole sequence is decoded."""
+    """OpenRLHF's query of a probe sample: its probe prompt and tokens decoded, special tokens kept. A probe prompt
+    is decoded once for its consecutive samples (a round lists them state by state; only the last prompt's text is
+    kept, a whole response prefix each); a sample's tokens are decoded after the prompt's last ``CONTEXT`` tokens
+    and the context's own text cut off (what incremental detokenisers do), so the join equals decoding the whole
+    sequence, leading spaces and merged characters included; where it would not, the whole sequence is decoded."""
 
     get_tokenizer: Callable[[], Any]  # called at the first query (a scorer that reads no queries needs none)
     requests: list[list[int]]
-    texts: dict[int, tuple[str, str]] = field(default_factory=dict)  # request -> (its text, its context's text)
+    last: tuple[int, str, str] | None = None  # (request, its text, its context's text)
     tokenizer: Any = None
     CONTEXT = 8
 
@@ -315,10 +316,10 @@ class _ProbeQueries:
         if self.tokenizer is None:
             self.tokenizer = self.get_tokenizer()
         decode, ids = self.tokenizer.decode, self.requests[state]
-        if state not in self.texts:
-            self.texts[state] = (decode(ids, skip_special_tokens=False),
-                                 decode(ids[-self.CONTEXT:], skip_special_tokens=False))
-        text, context = self.texts[state]
+        if self.last is None or self.last[0] != state:
+            self.last = (state, decode(ids, skip_special_tokens=False),
+                         decode(ids[-self.CONTEXT:], skip_special_tokens=False))
+        _, text, context = self.last
         joined = decode([*ids[-self.CONTEXT:], *token_ids], skip_special_tokens=False)
         if joined.startswith(context):
             return text + joined[len(context):]

@@ -48,7 +48,7 @@ def test_probe_config_validation():
 def test_probe_query_is_the_whole_probe_sequence_decoded(tiny_tokenizer, chat_ids):
     """A reward function's query of a probe sample (rollout/probes.py:_ProbeQueries) equals decoding probe prompt +
     the sample's tokens at once, special tokens kept (as the answer's query), though each probe prompt is decoded
-    once: tokens that split a character, special tokens and random ids right after the suffix."""
+    once for its samples: tokens that split a character, special tokens and random ids right after the suffix."""
     import random
 
     from openrlhf_shape.rollout.probes import _ProbeQueries
@@ -67,4 +67,4 @@ def test_probe_query_is_the_whole_probe_sequence_decoded(tiny_tokenizer, chat_id
         for tokens in samples:
             want = tiny_tokenizer.decode(request + tokens, skip_special_tokens=False)
             assert queries.query(state, tokens) == want
-    assert len(calls) == 1 and set(queries.texts) == {0, 1, 2}  # the tokenizer fetched once, each prompt decoded once
+    assert len(calls) == 1  # the tokenizer is fetched once, at the first query

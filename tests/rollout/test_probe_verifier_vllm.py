@@ -24,6 +24,7 @@ from openrlhf_shape.actor.launch import free_port
 from openrlhf_shape.algorithms import ShapeConfig, get_estimator
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.rewards import RewardComputer, RewardConfig
+from openrlhf_shape.rewards.computer import PROBE_CHUNK
 from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
 from openrlhf_shape.rollout import EngineConfig, EngineGroup, ProbeConfig, SamplingConfig, VLLMEngine
 from openrlhf_shape.rollout.probes import ProbeSuffixes, build_probe_prompt, estimate_potentials
@@ -83,12 +84,13 @@ GREEDY_PROBES = ProbeConfig(num_probes=2, max_tokens=8, temperature=0.0)  # both
 
 
 def _step(parts, tok, probe: ProbeConfig):
-    """A SHAPE step's rollout (the file's R) and probes at one boundary per response (the middle): (exp, [B, 3])."""
+    """A SHAPE step's rollout (the file's R) and its probes at one boundary per response, the middle (none in a
+    one-token response): (exp, boundaries [B, 1], potentials [B, 3] = Phi_0, Phi_1, R or Phi_0, R, 0)."""
     group, items, reward = parts
     maker = ShapeExperienceMaker(get_estimator("shape", ShapeConfig(num_segments=2, min_segment_len=1)),
                                  SamplingConfig(n=2, max_tokens=24), probe, group, None, reward, tok)
     exp = maker.rollout(items, StepLog(), seed=0)
-    bounds = torch.tensor([[max(1, len(r) // 2)] for r in exp.responses])
+    bounds = torch.tensor([[len(r) // 2 if len(r) > 1 else -1] for r in exp.responses])
     return exp, bounds, maker.probes(exp, bounds, seed=0).value
 
 
@@ -101,19 +103,21 @@ def test_potentials_are_the_reward_functions_verdicts_on_the_probe_queries(parts
     with MathVerifyScorer(num_workers=1) as mv:
         for i, resp in enumerate(exp.responses):
             prompt_ids, item = exp.sequences[i][:exp.prompt_lens[i]], exp.items[i]
+            states = [0] + [int(b) for b in bounds[i] if b > 0]
             # R: the file on the answer's query (prompt + response tokens decoded, special tokens kept)
-            assert exp.rewards[i].item() == strict(decode(exp.sequences[i]), item.prompt) == phi[i, -1].item()
-            probes = [build_probe_prompt(prompt_ids, resp, b, suffixes) for b in (0, int(bounds[i, 0]))]
+            assert exp.rewards[i].item() == strict(decode(exp.sequences[i]), item.prompt) == phi[i, len(states)].item()
+            probes = [build_probe_prompt(prompt_ids, resp, b, suffixes) for b in states]
             gens = group.generate(probes, SamplingConfig(n=1, max_tokens=8, temperature=0.0))
             want.append([strict(decode(p + g.token_ids), item.prompt) for p, g in zip(probes, gens)])
-            math_verify.append(mv.score(["\\boxed{" + g.text for g in gens], [item.label] * 2))
-    assert phi[:, :2].tolist() == want
-    assert 0 < sum(map(sum, want)) < 2 * len(want)  # the file said both verdicts here
+            math_verify.append(mv.score(["\\boxed{" + g.text for g in gens], [item.label] * len(gens)))
+    assert [phi[i, :len(w)].tolist() for i, w in enumerate(want)] == want
+    assert 0 < sum(map(sum, want)) < sum(map(len, want))  # the file said both verdicts here
     assert want != math_verify  # ... which are not Math-Verify's
     # --probe.scorer math_verify: the same states (greedy probes) judged by Math-Verify, R still the file's
     _, _, mv_phi = _step(parts, tiny_tokenizer, ProbeConfig(num_probes=2, max_tokens=8, temperature=0.0,
                                                              scorer="math_verify"))
-    assert mv_phi[:, :2].tolist() == math_verify and torch.equal(mv_phi[:, -1], phi[:, -1])
+    assert [mv_phi[i, :len(w)].tolist() for i, w in enumerate(math_verify)] == math_verify
+    assert all(mv_phi[i, len(w)] == phi[i, len(w)] for i, w in enumerate(want))  # the same R
 
 
 class _ServerOfTheFile(BaseHTTPRequestHandler):
@@ -155,14 +159,16 @@ def test_http_reward_server_gets_the_probes_one_request_per_round(parts, tiny_to
     try:
         with RewardComputer(RewardConfig(remote_url=f"http://127.0.0.1:{port}/get_reward", remote_timeout_s=30)) as rc:
             by_server = estimate_potentials(group, scorer=rc, cfg=cfg, **args)
-            assert _ServerOfTheFile.sizes == [by_server.stats["probe/unique_answers"]]  # one request, each sample once
-            assert by_server.stats["probe/samples"] > _ServerOfTheFile.sizes[0]  # repeats were not sent again
+            # one request for the round's samples (each distinct one once)
+            assert _ServerOfTheFile.sizes == [by_server.stats["probe/unique_answers"]]
+            assert 0 < _ServerOfTheFile.sizes[0] <= by_server.stats["probe/samples"]
             rc.probe_chunk = 16  # bounded requests
             again = estimate_potentials(group, scorer=rc, cfg=cfg, **args)
             n = _ServerOfTheFile.sizes[0]
             assert _ServerOfTheFile.sizes[1:] == [16] * (n // 16) + ([n % 16] if n % 16 else [])
             # adaptive rounds: one request per round that drew new samples
             _ServerOfTheFile.sizes.clear()
+            rc.probe_chunk = PROBE_CHUNK
             adaptive = ProbeConfig(num_probes=4, max_tokens=8, adaptive=True, adaptive_first_round=2,
                                    adaptive_round_size=2, max_probes=4, adaptive_tol=0.2)
             rounds = estimate_potentials(group, scorer=rc, cfg=adaptive, **args).stats["probe/rounds"]
