@@ -68,14 +68,14 @@ class RewardComputer:
             )
 
     def _math_verify(self) -> MathVerifyScorer:
-        if self.scorer is None:  # plug-in mode still scores probes with Math-Verify
+        if self.scorer is None:  # plug-in mode: started only for --probe.scorer math_verify
             self.scorer = MathVerifyScorer(
                 num_workers=self.cfg.num_workers, timeout_s=self.cfg.timeout_s, max_chars=self.cfg.max_chars
             )
         return self.scorer
 
     def score(self, texts: list[str], labels: list[str], cache: dict | None = None) -> list[float]:
-        """Math-Verify 1.0/0.0 per text (the probe scorer interface). With ``fast_probe_scoring``
+        """Math-Verify 1.0/0.0 per text (the probes' Math-Verify path). With ``fast_probe_scoring``
         each distinct (extracted answer, label) is verified once (``cache`` carries verdicts across
         calls of one step) and canonical integers skip Math-Verify: same scores, see
         :mod:`openrlhf_shape.rewards.probe_scoring`."""
@@ -102,8 +102,10 @@ class RewardComputer:
         if answers.query is None or answers.prompts is None:
             raise ValueError("score_probes: a reward plug-in judges probe samples by their queries and prompts; "
                              "the caller gave none (rollout/probes.py:estimate_potentials needs prompts=)")
-        cache = {} if cache is None else cache
-        keys = answers.keys if answers.keys is not None else [("sample", j) for j in range(len(answers.texts))]
+        if answers.keys is None:  # no identities: every sample is sent, nothing is kept across calls
+            cache, keys = {}, list(range(len(answers.texts)))
+        else:
+            cache, keys = ({} if cache is None else cache), answers.keys
         todo: dict = {}  # key -> the sample whose query is sent for it
         for j, k in enumerate(keys):
             if k not in cache and k not in todo:

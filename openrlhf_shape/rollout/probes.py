@@ -417,7 +417,8 @@ def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Calla
     return run
 
 
-def _round_answers(batch: _ProbeRequests, states: list[int], gens: Sequence, queries: _ProbeQueries | None) -> ProbeAnswers:
+def _round_answers(batch: _ProbeRequests, states: list[int], gens: Sequence,
+                   queries: _ProbeQueries | None) -> ProbeAnswers:
     """A round's samples (``states[j]``: the request of sample ``gens[j]``) as the verifiers read them; a sample's
     key is its state and tokens (equal keys, equal queries), its query built when a reward function asks."""
     return ProbeAnswers(

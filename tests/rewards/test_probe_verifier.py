@@ -48,6 +48,10 @@ def test_probes_get_the_reward_functions_rewards_not_math_verifys():
         assert sorted(seen) == [0, 1, 2, 4]  # sample 3 repeats sample 0 (same state and tokens): judged once
         # the same samples again (a later adaptive round of the step): the cache answers, nothing is sent
         assert rc.score_probes(_answers(GENERATED, seen), cache=cache) == got and sorted(seen) == [0, 1, 2, 4]
+        # samples without identities: each is sent, the step's cache is left alone
+        bare, seen[:] = _answers(GENERATED, seen), []
+        bare.keys = None
+        assert rc.score_probes(bare, cache=cache) == got and seen == [0, 1, 2, 3, 4] and len(cache) == 4
         # --probe.scorer math_verify: Math-Verify takes the unclosed box as the answer 42
         assert rc.score_probes(_answers(GENERATED), verifier="math_verify") == [1.0, 1.0, 0.0, 1.0, 1.0]
 

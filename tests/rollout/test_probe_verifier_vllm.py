@@ -191,7 +191,8 @@ def test_agent_with_shape_needs_the_probe_scorer_named(parts, tiny_tokenizer):
         return ShapeExperienceMaker(get_estimator(estimator, ShapeConfig()), SamplingConfig(n=2, max_tokens=16),
                                     ProbeConfig(scorer=scorer), group, None, reward, tiny_tokenizer, agent=agent)
 
-    with pytest.raises(ValueError, match=r"--probe\.scorer auto .* --probe\.scorer reward .* --probe\.scorer math_verify"):
+    with pytest.raises(ValueError,
+                       match=r"--probe\.scorer auto .* --probe\.scorer reward .* --probe\.scorer math_verify"):
         maker("auto")
     assert maker("math_verify").agent is agent and maker("reward").agent is agent
     assert maker("auto", "grpo").agent is agent  # no probes, nothing to judge
