@@ -13,6 +13,7 @@ import re
 from typing import TYPE_CHECKING, Callable
 
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
+from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.config.tree import TrainConfig
@@ -209,8 +210,11 @@ def _check_reward_shaping(cfg: "TrainConfig", estimator: AdvantageEstimator) -> 
 
 
 def _check_probes(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
-    """Appendix A.2 against the most probes a state can get: m, or the adaptive cap."""
+    """Appendix A.2 against the most probes a state can get: m, or the adaptive cap; and who judges the probes
+    (``--probe.scorer``): an agent's environment cannot, so with an agent the user names the verifier."""
     p = cfg.probe
+    if estimator.needs_segments and cfg.train.agent_func_path and p.scorer == "auto":
+        raise ValueError(AGENT_PROBE_SCORER)
     rule = p.rule()
     if rule is None:
         estimator.check_reward_sign(p.num_probes, "--probe.num_probes")

@@ -300,7 +300,11 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.dynamic_filtering_enable", False, SAME),
     _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside"),
     # ---- rewards
-    _f("reward.remote_url", None, SAME),
+    _f("reward.remote_url", None, SAME,
+       why="a reward_func .py (called once per sample, as OpenRLHF) or HTTP server(s); it also judges SHAPE/MRT's "
+           "probes (each as OpenRLHF's query: prompt + response prefix + forced-answer suffix + the probe; its rewards "
+           "are the potential's terms, in [0, 1] as R; --probe.scorer math_verify keeps Math-Verify there) and the "
+           "held-out eval"),
     _f("reward.clip_range", (-10, 10), SAME, why="the outcome estimators clamp their baselined outcome r_i into it (OpenRLHF's "
        "order); SHAPE and MRT clamp the outcome R as it comes, before it becomes the last potential",
        checked_by=(_T_RETURNS,)),

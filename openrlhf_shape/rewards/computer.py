@@ -1,14 +1,26 @@
-"""One front door for outcome rewards: Math-Verify (default) or an OpenRLHF reward plug-in."""
+"""One front door for outcome rewards: Math-Verify (default) or an OpenRLHF reward plug-in, for the answers
+(:meth:`RewardComputer.compute`) and for SHAPE/MRT's probes (:meth:`RewardComputer.score_probes`).
+
+The probes' forced answers take the answer's reward path, so Phi_0..Phi_{K-1} and Phi_K = R come from one
+verifier: Math-Verify (with the probe cache and exact shortcuts of ``probe_scoring.py``), or the plug-in, which
+gets OpenRLHF's arguments for each probe sample as for an answer (see :meth:`RewardComputer.score_probes`).
+``--probe.scorer math_verify`` keeps Math-Verify for the probes whatever judges the answer.
+"""
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
 
 from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
 from openrlhf_shape.rewards.plugin import load_reward_fn, mean_extra_logs
-from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer
+from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer, ProbeAnswers
+
+# Probe samples per plug-in call: a step's probes (B x K x m, each query a whole response prefix) go out in
+# calls of at most this many, one HTTP request per endpoint each, so no request body grows with the step.
+PROBE_CHUNK = 512
 
 
 @dataclass
@@ -35,7 +47,9 @@ class RewardComputer:
 
     With Math-Verify the response is ``query[len(prompt):]`` when the query starts with its prompt
     (OpenRLHF passes prompt + response as the query), else the whole query; pass ``responses=`` to
-    give them directly. ``score(texts, labels)`` makes it usable as the probe scorer.
+    give them directly. ``score_probes(answers)`` scores probe samples on the same reward path;
+    ``score(texts, labels)`` is Math-Verify alone (``--probe.scorer math_verify``, the held-out set of the
+    ``openrlhf-shape eval`` tool).
     """
 
     def __init__(self, cfg: RewardConfig | None = None):
@@ -43,6 +57,7 @@ class RewardComputer:
         self.plugin = None
         self.scorer: MathVerifyScorer | None = None
         self._probe_scorer: DedupProbeScorer | None = None
+        self.probe_chunk = PROBE_CHUNK
         if self.cfg.remote_url:
             self.plugin = load_reward_fn(
                 self.cfg.remote_url, timeout_s=self.cfg.remote_timeout_s, retries=self.cfg.remote_retries
@@ -53,14 +68,14 @@ class RewardComputer:
             )
 
     def _math_verify(self) -> MathVerifyScorer:
-        if self.scorer is None:  # plug-in mode still scores probes with Math-Verify
+        if self.scorer is None:  # plug-in mode: started only for --probe.scorer math_verify
             self.scorer = MathVerifyScorer(
                 num_workers=self.cfg.num_workers, timeout_s=self.cfg.timeout_s, max_chars=self.cfg.max_chars
             )
         return self.scorer
 
     def score(self, texts: list[str], labels: list[str], cache: dict | None = None) -> list[float]:
-        """Math-Verify 1.0/0.0 per text (the probe scorer interface). With ``fast_probe_scoring``
+        """Math-Verify 1.0/0.0 per text (the probes' Math-Verify path). With ``fast_probe_scoring``
         each distinct (extracted answer, label) is verified once (``cache`` carries verdicts across
         calls of one step) and canonical integers skip Math-Verify: same scores, see
         :mod:`openrlhf_shape.rewards.probe_scoring`."""
@@ -70,6 +85,47 @@ class RewardComputer:
             self._probe_scorer = DedupProbeScorer(self._math_verify())
         return self._probe_scorer.score(texts, labels, cache=cache)
 
+    def score_probes(self, answers: ProbeAnswers, cache: MutableMapping | None = None,
+                     verifier: str = "reward") -> list[float]:
+        """One value per probe sample, on the scale of the outcome R: the probe potential's terms.
+
+        ``verifier="reward"``: the answer's reward path. Math-Verify (no plug-in): :meth:`score` on the forced
+        answers. A plug-in: its ``rewards`` (what R is made of; ``scores`` only filter and log) for the query of
+        each distinct sample (``answers.keys``; ``cache`` carries them across the rounds of a step), in calls of
+        at most ``probe_chunk`` samples, clamped into ``--reward.clip_range`` as R is; a value outside [0, 1]
+        after that is refused, as for R. Its extra logs are dropped (they would mix into the answers' metrics).
+        ``verifier="math_verify"``: Math-Verify whatever judges the answer (``--probe.scorer math_verify``)."""
+        if verifier not in ("reward", "math_verify"):
+            raise ValueError(f"score_probes: verifier must be 'reward' or 'math_verify', got {verifier!r}")
+        if verifier == "math_verify" or self.plugin is None:
+            return self.score(answers.texts, answers.labels, cache=cache)
+        if answers.query is None or answers.prompts is None:
+            raise ValueError("score_probes: a reward plug-in judges probe samples by their queries and prompts; "
+                             "the caller gave none (rollout/probes.py:estimate_potentials needs prompts=)")
+        if answers.keys is None:  # no identities: every sample is sent, nothing is kept across calls
+            cache, keys = {}, list(range(len(answers.texts)))
+        else:
+            cache, keys = ({} if cache is None else cache), answers.keys
+        todo: dict = {}  # key -> the sample whose query is sent for it
+        for j, k in enumerate(keys):
+            if k not in cache and k not in todo:
+                todo[k] = j
+        sent = list(todo.values())
+        lo, hi = self.cfg.clip_range
+        for start in range(0, len(sent), self.probe_chunk):
+            part = sent[start : start + self.probe_chunk]
+            out = self.plugin([answers.query(j) for j in part], [answers.prompts[j] for j in part],
+                              [answers.labels[j] for j in part])
+            for j, r in zip(part, out["rewards"]):
+                value = min(max(float(r), lo), hi)
+                if not 0.0 <= value <= 1.0:
+                    raise ValueError(
+                        f"--reward.remote_url gave a probe's forced answer the reward {r} (clipped to {value} by "
+                        "--reward.clip_range): potentials estimate the expected outcome R, which SHAPE/MRT need in "
+                        "[0, 1]. Rescale the reward function, or judge the probes with Math-Verify "
+                        "(--probe.scorer math_verify)")
+                cache[keys[j]] = value
+        return [cache[k] for k in keys]
 
     def compute(
         self, queries: list[str], prompts: list[str], labels: list[str], responses: list[str] | None = None, **kw

@@ -1,5 +1,10 @@
 """Probe scoring that scales: each distinct (extracted answer, label) scored once, simple rationals
-without Math-Verify, the rest through the process pool.
+without Math-Verify, the rest through the process pool; and :class:`ProbeAnswers`, a round of probe samples
+as each verifier reads them (Math-Verify: the forced answer; a reward function: OpenRLHF's query).
+
+This module is the Math-Verify side. When the answer's reward is a reward function (``--reward.remote_url``) the
+probes go to it instead (:meth:`~openrlhf_shape.rewards.computer.RewardComputer.score_probes`, ``--probe.scorer``),
+so a potential and the outcome come from one verifier.
 
 Probe answers are short and repeat heavily (m samples of one state, K states of one response, n
 responses of one prompt all aim at the same few answers). :func:`verify_one` in the pool decides a
@@ -25,7 +30,7 @@ LaTeX parser (ANTLR) and one third in sympy comparison, 10-300 ms each on a load
 from __future__ import annotations
 
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, Hashable, MutableMapping
 from dataclasses import dataclass, field
 
 from openrlhf_shape.rewards.extract import extract_answer
@@ -62,6 +67,29 @@ def score_key(response: str, label: str, max_chars: int) -> tuple[ScoreKey, str 
     if answer is None:
         return ("text", response, label), None
     return ("answer", answer, label), answer
+
+
+@dataclass
+class ProbeAnswers:
+    """One round of probe samples as the verifiers read them (lists of [samples]).
+
+    texts: ``\\boxed{`` + the sample's text, the forced answer Math-Verify judges against ``labels``.
+    prompts: the prompt text of the sample's response (a reward function's ``prompts``); None when unknown.
+    keys: samples with equal keys have equal queries (the same state and tokens): a reward function judges one.
+    query: sample index -> OpenRLHF's query of the sample, the decoded prompt + response prefix + forced-answer
+        suffix + the sample's tokens, special tokens kept (rollout/probes.py); built only for what is sent.
+    """
+
+    texts: list[str]
+    labels: list[str]
+    prompts: list[str] | None = None
+    keys: list[Hashable] | None = None
+    query: Callable[[int], str] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.texts)
+        if len(self.labels) != n or any(x is not None and len(x) != n for x in (self.prompts, self.keys)):
+            raise ValueError(f"ProbeAnswers: texts, labels, prompts and keys need one entry per sample ({n})")
 
 
 @dataclass

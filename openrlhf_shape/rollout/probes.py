@@ -5,6 +5,12 @@ prompt is built in token space: prompt_ids + response_ids[:b] + suffix_ids, the 
 once, so the prefix is exactly the state the policy saw and its KV blocks come from the prefix cache.
 All probes of a step go to the engines in one batch, grouped by response (same affinity key as the
 main rollout of that prompt, so they land on the engine that cached the prefix).
+
+The verifier of a probe sample is the answer's (``--probe.scorer``, :class:`ProbeConfig`): the scorer gets each
+round as :class:`~openrlhf_shape.rewards.probe_scoring.ProbeAnswers`, the forced answer for Math-Verify and, for a
+reward function, OpenRLHF's query: the probe prompt (prompt + response prefix + suffix) and the sample's tokens,
+decoded with special tokens kept, as the answer's query is the prompt and response tokens decoded so. To the
+reward function a probe is a response that stopped at the boundary and was told to answer.
 """
 
 from __future__ import annotations
@@ -13,11 +19,12 @@ import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, StateTally
-from openrlhf_shape.rewards.probe_scoring import score_key
+from openrlhf_shape.rewards.probe_scoring import ProbeAnswers, score_key
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.group import EngineGroup
 from openrlhf_shape.rollout.seeds import derive_seed
@@ -28,6 +35,14 @@ DEFAULT_THINK_SUFFIX = (
 )
 DEFAULT_ANSWER_SUFFIX = "\n\nThe final answer is $\\boxed{"
 PROBE_TEXT_PREFIX = "\\boxed{"  # the suffix opened the box; scoring re-attaches it to the probe text
+PROBE_SCORERS = ("auto", "reward", "math_verify")  # --probe.scorer (ProbeConfig.scorer)
+# Why --probe.scorer auto is refused with an agent under SHAPE/MRT, and what to choose (config/checks.py, the maker).
+AGENT_PROBE_SCORER = (
+    "--probe.scorer auto judges the probes with the answer's reward path, but with --train.agent_func_path an "
+    "episode's reward comes from the agent's environment, which cannot judge a probe's forced answer. Name the probes' "
+    "verifier: --probe.scorer reward (the reward function: --reward.remote_url's reward_func or server, else "
+    "Math-Verify, on prompt + episode prefix + forced answer) or --probe.scorer math_verify (Math-Verify on the forced "
+    "answer against the label); or train without probes (--algo.advantage.estimator group_norm)")
 
 
 @dataclass
@@ -41,6 +56,12 @@ class ProbeConfig:
     sd exceeds ``adaptive_tol``, at most ``max_probes``; 0 = num_probes). Off: the paper's fixed m.
     The adaptive defaults (4, 5, 9, 0.13) read "4 probes; when they agree stop, else 5 more": chosen
     with ``benchmarks/bench_adaptive_probes.py`` (docs/adaptive_probes.md, "Choosing the default").
+
+    scorer: who judges the probes' forced answers. ``auto``: the answer's reward path (the reward function of
+    ``--reward.remote_url``, else Math-Verify), so the potentials and R come from one verifier; refused with an
+    agent (``--train.agent_func_path``), whose rewards come from its environment, which cannot judge a probe.
+    ``reward``: the reward function (as ``auto``), also with an agent. ``math_verify``: Math-Verify on the
+    forced answer against the label, whatever judges the answer.
     """
 
     num_probes: int = 8
@@ -55,6 +76,7 @@ class ProbeConfig:
     max_probes: int = 9  # cap per state when adaptive; 0 = num_probes. 8/9 < gamma_min 0.9 keeps appendix A.2
     adaptive_first_round: int = 4
     adaptive_round_size: int = 5
+    scorer: str = "auto"  # auto | reward | math_verify
 
     def rule(self) -> AdaptiveProbeRule | None:
         """The stopping rule when adaptive, else None (one round of num_probes)."""
@@ -83,6 +105,8 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.think_suffix must be non-empty (it closes the thinking block)")
         if self.max_probes < 0:
             raise ValueError(f"--probe.max_probes must be >= 0 (0 = --probe.num_probes), got {self.max_probes}")
+        if self.scorer not in PROBE_SCORERS:
+            raise ValueError(f"--probe.scorer must be one of {', '.join(PROBE_SCORERS)}, got {self.scorer!r}")
         self.rule()  # validates the adaptive settings
 
 
@@ -139,14 +163,20 @@ class PotentialResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def _score(scorer, texts: list[str], labels: list[str], cache: dict) -> list[float]:
+def _score(scorer, answers: ProbeAnswers, cache: dict) -> list[float]:
+    """A round's values: ``scorer.score_probes(answers, cache=)`` (a RewardComputer: the answer's reward path),
+    else ``scorer.score`` / ``scorer`` called on the forced answers ``(texts, labels)`` (with ``cache=`` if taken)."""
+    if hasattr(scorer, "score_probes"):
+        return list(scorer.score_probes(answers, cache=cache))
     fn = scorer.score if hasattr(scorer, "score") else scorer
     if not callable(fn):
-        raise TypeError("scorer must have .score(texts, labels) or be callable(texts, labels) -> list[float]")
+        raise TypeError("scorer must have .score_probes(answers), .score(texts, labels) or be "
+                        "callable(texts, labels) -> list[float]")
     try:
         takes_cache = "cache" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         takes_cache = False
+    texts, labels = answers.texts, answers.labels
     return list(fn(texts, labels, cache=cache) if takes_cache else fn(texts, labels))
 
 
@@ -162,6 +192,8 @@ def estimate_potentials(
     suffixes: ProbeSuffixes | None = None,
     policy_tokens: list[list[bool]] | None = None,
     seed: int | None = None,
+    prompts: list[str] | None = None,
+    tokenizer=None,
 ) -> PotentialResult:
     """Probe every state of a step in one batch and return Phi per boundary.
 
@@ -173,15 +205,21 @@ def estimate_potentials(
     right after a whole reply, never inside one (refused otherwise). ``seed``: the probes' seed
     stream (``rollout/seeds.py``): the round that starts at sample c of each state samples with stream
     ``derive_seed(seed, c)``, so the potentials repeat whatever the engines; None: the engines' own generators.
+    ``prompts[i]``: response i's prompt text (a reward function's ``prompts``; needed when ``scorer`` is a
+    reward plug-in); ``tokenizer`` decodes the probe queries for it (None: the engines').
     """
     n = len(response_ids)
     _check_probe_inputs(prompt_ids, response_ids, boundaries, labels, outcomes)
     if policy_tokens is not None:
         _check_states_in_policy_turns(boundaries, policy_tokens, response_ids)
+    if prompts is not None and len(prompts) != n:
+        raise ValueError(f"estimate_potentials: len(prompts)={len(prompts)} != len(response_ids)={n}")
     if suffixes is None:
-        suffixes = ProbeSuffixes.from_tokenizer(engines.get_tokenizer(), cfg)
-    batch = _probe_requests(prompt_ids, response_ids, boundaries, labels, suffixes)
-    run = _run_probe_rounds(engines, batch, scorer, cfg, seed)
+        tokenizer = tokenizer or engines.get_tokenizer()
+        suffixes = ProbeSuffixes.from_tokenizer(tokenizer, cfg)
+    batch = _probe_requests(prompt_ids, response_ids, boundaries, labels, suffixes, prompts)
+    queries = _ProbeQueries(lambda: tokenizer or engines.get_tokenizer(), batch.requests)
+    run = _run_probe_rounds(engines, batch, scorer, cfg, seed, queries)
     phi = torch.tensor([t.estimate() for t in run.tallies], dtype=torch.float32)
 
     potentials, probe_scores = [], []
@@ -229,31 +267,63 @@ class _ProbeRequests:
     requests: list[list[int]] = field(default_factory=list)  # probe prompt token ids
     keys: list[tuple[int, ...]] = field(default_factory=list)  # affinity key: the response's prompt ids
     labels: list[str] = field(default_factory=list)
+    prompts: list[str] | None = None  # the prompt text of each request's response (None: not given)
     state_req: list[list[int]] = field(default_factory=list)  # per response: request index of each state (incl. s_0)
+
+    def add(self, request: list[int], key: tuple[int, ...], label: str, prompt: str | None) -> int:
+        self.requests.append(request)
+        self.keys.append(key)
+        self.labels.append(label)
+        if self.prompts is not None:
+            self.prompts.append(prompt)
+        return len(self.requests) - 1
 
 
 def _probe_requests(prompt_ids: list[list[int]], response_ids: list[list[int]], boundaries: list[list[int]],
-                    labels: list[str], suffixes: ProbeSuffixes) -> _ProbeRequests:
+                    labels: list[str], suffixes: ProbeSuffixes, prompts: list[str] | None = None) -> _ProbeRequests:
     """The probe prompts of every state of the step ([states] token-id lists) and which belong to which response."""
-    out = _ProbeRequests()
+    out = _ProbeRequests(prompts=None if prompts is None else [])
     prompt_req: dict[tuple[int, ...], int] = {}
     for i in range(len(response_ids)):
-        key = tuple(prompt_ids[i])
+        key, text = tuple(prompt_ids[i]), None if prompts is None else prompts[i]
         if key not in prompt_req:
-            prompt_req[key] = len(out.requests)
-            out.requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], 0, suffixes))
-            out.keys.append(key)
-            out.labels.append(labels[i])
+            prompt_req[key] = out.add(build_probe_prompt(prompt_ids[i], response_ids[i], 0, suffixes), key,
+                                      labels[i], text)
         elif out.labels[prompt_req[key]] != labels[i]:
             raise ValueError(f"response {i} shares its prompt with another response but has a different label")
         rows = [prompt_req[key]]
         for b in boundaries[i]:
-            rows.append(len(out.requests))
-            out.requests.append(build_probe_prompt(prompt_ids[i], response_ids[i], b, suffixes))
-            out.keys.append(key)
-            out.labels.append(labels[i])
+            rows.append(out.add(build_probe_prompt(prompt_ids[i], response_ids[i], b, suffixes), key, labels[i], text))
         out.state_req.append(rows)
     return out
+
+
+@dataclass
+class _ProbeQueries:
+    """OpenRLHF's query of a probe sample: its probe prompt and tokens decoded, special tokens kept. A probe prompt
+    is decoded once for its consecutive samples (a round lists them state by state; only the last prompt's text is
+    kept, a whole response prefix each); a sample's tokens are decoded after the prompt's last ``CONTEXT`` tokens
+    and the context's own text cut off (what incremental detokenisers do), so the join equals decoding the whole
+    sequence, leading spaces and merged characters included; where it would not, the whole sequence is decoded."""
+
+    get_tokenizer: Callable[[], Any]  # called at the first query (a scorer that reads no queries needs none)
+    requests: list[list[int]]
+    last: tuple[int, str, str] | None = None  # (request, its text, its context's text)
+    tokenizer: Any = None
+    CONTEXT = 8
+
+    def query(self, state: int, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            self.tokenizer = self.get_tokenizer()
+        decode, ids = self.tokenizer.decode, self.requests[state]
+        if self.last is None or self.last[0] != state:
+            self.last = (state, decode(ids, skip_special_tokens=False),
+                         decode(ids[-self.CONTEXT:], skip_special_tokens=False))
+        _, text, context = self.last
+        joined = decode([*ids[-self.CONTEXT:], *token_ids], skip_special_tokens=False)
+        if joined.startswith(context):
+            return text + joined[len(context):]
+        return decode([*ids, *token_ids], skip_special_tokens=False)
 
 
 @dataclass
@@ -264,7 +334,7 @@ class _ProbeRun:
     tallies: list[StateTally]
     score_mat: torch.Tensor
     cap: int
-    cache: dict = field(default_factory=dict)  # verdicts of distinct (answer, label) keys, shared by the rounds
+    cache: dict = field(default_factory=dict)  # values of distinct keys, shared by the rounds (see ProbeAnswers)
     distinct: set = field(default_factory=set)  # distinct keys counted here when the scorer keeps no cache
     rounds: int = 0
     samples: int = 0
@@ -300,13 +370,14 @@ class _ProbeRun:
 
 
 def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Callable | object,
-                      cfg: ProbeConfig, seed: int | None = None) -> _ProbeRun:
+                      cfg: ProbeConfig, seed: int | None = None, queries: _ProbeQueries | None = None) -> _ProbeRun:
     """Sample and score every state: one round of m (fixed), or rounds until the adaptive rule stops each state.
-    ``seed``: see :func:`estimate_potentials` (a round's requests are its active states in order)."""
+    ``seed``: see :func:`estimate_potentials` (a round's requests are its active states in order); ``queries``:
+    the probe samples' queries for a reward function."""
     rule = cfg.rule()
     cap = rule.max_probes if rule is not None else cfg.num_probes
     checkpoints = rule.checkpoints() if rule is not None else [cap]
-    requests, keys, req_labels = batch.requests, batch.keys, batch.labels
+    requests, keys = batch.requests, batch.keys
     run = _ProbeRun(tallies=[StateTally() for _ in requests], cap=cap,
                     score_mat=torch.full((len(requests), cap), float("nan"), dtype=torch.float32))
     active = list(range(len(requests)))
@@ -323,12 +394,12 @@ def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Calla
         run.gen_time += time.perf_counter() - t0
         if len(gens) != len(active) * k:
             raise RuntimeError(f"engines returned {len(gens)} probe samples, expected {len(active) * k}")
-        texts = [PROBE_TEXT_PREFIX + g.text for g in gens]
         t1 = time.perf_counter()
-        scores = _score(scorer, texts, [req_labels[active[g.prompt_index]] for g in gens], run.cache)
+        answers = _round_answers(batch, [active[g.prompt_index] for g in gens], gens, queries)
+        scores = _score(scorer, answers, run.cache)
         run.score_time += time.perf_counter() - t1
         if not run.cache:  # the scorer keeps no cache: count distinct (answer, label) keys here
-            run.distinct.update(score_key(t, req_labels[active[g.prompt_index]], 1 << 30)[0] for t, g in zip(texts, gens))
+            run.distinct.update(score_key(t, lab, 1 << 30)[0] for t, lab in zip(answers.texts, answers.labels))
         round_mat = torch.tensor(scores, dtype=torch.float32).view(len(active), k)
         for row, i in enumerate(active):
             run.score_mat[i, prev:c] = round_mat[row]
@@ -344,3 +415,15 @@ def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Calla
             active = [i for i in active if not rule.can_stop(int(round(run.tallies[i].successes)), run.tallies[i].n)]
         prev = c
     return run
+
+
+def _round_answers(batch: _ProbeRequests, states: list[int], gens: Sequence,
+                   queries: _ProbeQueries | None) -> ProbeAnswers:
+    """A round's samples (``states[j]``: the request of sample ``gens[j]``) as the verifiers read them; a sample's
+    key is its state and tokens (equal keys, equal queries), its query built when a reward function asks."""
+    return ProbeAnswers(
+        texts=[PROBE_TEXT_PREFIX + g.text for g in gens], labels=[batch.labels[s] for s in states],
+        prompts=None if batch.prompts is None else [batch.prompts[s] for s in states],
+        keys=[("reward", s, tuple(g.token_ids)) for s, g in zip(states, gens)],
+        query=None if queries is None else (lambda j: queries.query(states[j], gens[j].token_ids)),
+    )

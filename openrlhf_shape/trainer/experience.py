@@ -33,7 +33,7 @@ from openrlhf_shape.algorithms.rollout_correction import (
 )
 from openrlhf_shape.batch import ExperienceBatch, LogProbs, SequenceBatch, length_mask, pad_rows
 from openrlhf_shape.rollout.engine import SamplingConfig
-from openrlhf_shape.rollout.probes import ProbeConfig, ProbeSuffixes, estimate_potentials
+from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER, ProbeConfig, ProbeSuffixes, estimate_potentials
 from openrlhf_shape.rollout.seeds import PROBES, ROLLOUT, derive_seed
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
@@ -69,7 +69,8 @@ class ShapeExperienceMaker:
         probe: ``--probe.*`` (m, the probe length, adaptive rounds).
         engines: an :class:`~openrlhf_shape.rollout.group.EngineGroup` (rollouts and probes).
         logprobs_fn: old log-probs and entropy of a batch (see module doc).
-        reward: a :class:`~openrlhf_shape.rewards.computer.RewardComputer` (outcomes and probe scores).
+        reward: a :class:`~openrlhf_shape.rewards.computer.RewardComputer` (outcomes and probe scores: the probes
+            take the answer's reward path, or Math-Verify under ``probe.scorer == "math_verify"``).
         tokenizer: the policy's tokenizer (probe suffixes, delimiter ids).
         dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
             ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
@@ -118,6 +119,8 @@ class ShapeExperienceMaker:
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
         self.dynamic_filtering = dynamic_filtering
         self.agent = agent
+        if agent is not None and self.estimator.needs_segments and probe.scorer == "auto":
+            raise ValueError(AGENT_PROBE_SCORER)
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
         self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
                         else None)
@@ -330,17 +333,21 @@ class ShapeExperienceMaker:
     def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None, seed: int | None = None) -> PhaseOutput:
         """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state; ``boundaries``
         are counted in the policy's tokens (:meth:`segment`), the states are prompt + response up to them (seed
-        stream ``derive_seed(seed, PROBES)`` when the step's ``seed`` is given)."""
+        stream ``derive_seed(seed, PROBES)`` when the step's ``seed`` is given). The probes' forced answers are
+        judged on the answer's reward path (a reward function gets each as OpenRLHF's query, with the response's
+        prompt and label), or by Math-Verify under ``--probe.scorer math_verify``."""
         if boundaries is None:
             return PhaseOutput(None, {})
         policy = exp.loss_mask()
+        scorer = self.reward.score if self.probe_cfg.scorer == "math_verify" else self.reward
         pot = estimate_potentials(
             self.engines, [s[:p] for s, p in zip(exp.sequences, exp.prompt_lens)], exp.responses,
             boundaries_as_lists(exp.action_columns().to_response(boundaries)), [it.label for it in exp.items],
-            [float(x) for x in exp.rewards], self.reward, self.probe_cfg, suffixes=self.suffixes,
+            [float(x) for x in exp.rewards], scorer, self.probe_cfg, suffixes=self.suffixes,
             policy_tokens=None if exp.action_mask is None else [row[:len(r)].tolist() for row, r in
                                                                 zip(policy, exp.responses)],
             seed=None if seed is None else derive_seed(seed, PROBES),
+            prompts=[it.prompt for it in exp.items], tokenizer=self.tokenizer,
         )
         metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
         metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]

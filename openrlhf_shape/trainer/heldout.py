@@ -2,7 +2,9 @@
 
 The arithmetic is the eval package's (``openrlhf_shape.eval.metrics``), so a number logged during
 training means the same as one from ``openrlhf-shape eval``: N samples per problem, pass rate per
-problem, mean over problems; the interval is a percentile bootstrap over problems.
+problem, mean over problems; the interval is a percentile bootstrap over problems. The scores are the
+training answers' (``ShapeTrainer.evaluate``): Math-Verify's, as that tool's, or a reward function's
+(``--reward.remote_url``) ``scores``.
 """
 
 from __future__ import annotations

@@ -139,7 +139,10 @@ class ShapeTrainer:
         at ``--eval.temperature`` (0: greedy, one sample) with ``--eval.n_samples_per_prompt`` samples;
         per-problem results go to ``<run_dir>/evals/step_XXXXXX.jsonl`` (for pooling seeds).
         Every request's seed derives from ``--train.seed`` alone (``rollout/seeds.py``), so the same weights always
-        give the same numbers, whatever the step, the engine count or a resume."""
+        give the same numbers, whatever the step, the engine count or a resume. The responses are judged by the
+        training answers' reward path (``--reward.remote_url``, else Math-Verify), with OpenRLHF's arguments:
+        ``eval/accuracy`` from its ``scores`` (as ``rollout/accuracy``), ``eval/reward/mean`` its ``rewards``
+        (what OpenRLHF's eval reports as pass1)."""
         from openrlhf_shape.rollout.engine import SamplingConfig
         from openrlhf_shape.rollout.seeds import EVAL, derive_seed
         from openrlhf_shape.eval.pooling import write_problem_results
@@ -155,10 +158,16 @@ class ShapeTrainer:
         log.info("held-out eval: %d problems x %d samples at T %.2f (up to %d tokens each)", len(items), n,
                  e.temperature, sampling.max_tokens)
         gens = self.run.cluster.engines.generate([list(it.prompt_ids) for it in items], sampling)
-        scores = self.run.reward.score([g.text for g in gens], [items[g.prompt_index].label for g in gens])
-        problems = group_results([g.prompt_index for g in gens], scores, [len(g.token_ids) for g in gens],
-                                 [g.finish_reason for g in gens])
+        tok = self.run.tokenizer
+        judged = self.run.reward.compute(
+            queries=[tok.decode(list(items[g.prompt_index].prompt_ids) + list(g.token_ids), skip_special_tokens=False)
+                     for g in gens],
+            prompts=[items[g.prompt_index].prompt for g in gens], labels=[items[g.prompt_index].label for g in gens],
+            responses=[g.text for g in gens])
+        problems = group_results([g.prompt_index for g in gens], judged["scores"].tolist(),
+                                 [len(g.token_ids) for g in gens], [g.finish_reason for g in gens])
         metrics = heldout_metrics(problems, seed=seed)
+        metrics["eval/reward/mean"] = float(judged["rewards"].mean())
         write_problem_results(self.run_dir, step, problems)
         log.info("held-out accuracy %.3f [%.3f, %.3f], length %.1f (%d problems x %d)", metrics["eval/accuracy"],
                  metrics["eval/accuracy_ci_low"], metrics["eval/accuracy_ci_high"],

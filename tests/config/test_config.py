@@ -125,13 +125,31 @@ def test_partial_rollouts_with_an_agent_run_episodes_whole_and_say_so(caplog, tm
     agent.write_text("")
     base = ["--train.async_enable", "true", "--train.partial_rollout_enable", "--rollout.max_new_tokens", "64"]
     with caplog.at_level("WARNING", logger="openrlhf_shape.config"):
-        cfg = load_config(None, base + ["--train.agent_func_path", str(agent), "--rollout.stop", "###"],
-                          check_paths=False)
+        cfg = load_config(None, base + ["--train.agent_func_path", str(agent), "--rollout.stop", "###",
+                                        "--probe.scorer", "math_verify"], check_paths=False)
     assert cfg.train.partial_rollout_enable and cfg.partial_chunk_in_effect() == 0
     said = [r.getMessage() for r in caplog.records if "agent episodes are not cut" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("--train.partial_rollout_enable with --train.agent_func_path")
     assert load_config(None, base).partial_chunk_in_effect() == 16  # a quarter of max_new_tokens
     assert load_config(None, ["--train.async_enable", "true"]).partial_chunk_in_effect() == 0
+
+
+@pytest.mark.parametrize("estimator", ["shape", "mrt"])
+def test_an_agent_with_probes_needs_the_probe_scorer_named(tmp_path, estimator):
+    """An agent's rewards come from its environment, which cannot judge a probe: SHAPE/MRT with an agent are refused
+    until --probe.scorer names the probes' verifier; the message says what each choice means."""
+    agent = tmp_path / "a.py"
+    agent.write_text("")
+    flags = ["--train.agent_func_path", str(agent), "--algo.advantage.estimator", estimator]
+    with pytest.raises(ValueError, match=r"^--probe\.scorer auto .*--probe\.scorer reward \(the reward function.*"
+                                         r"--probe\.scorer math_verify \(Math-Verify"):
+        load_config(None, flags)
+    for scorer in ("reward", "math_verify"):
+        assert load_config(None, flags + ["--probe.scorer", scorer]).probe.scorer == scorer
+    assert load_config(None, flags[:2] + ["--algo.advantage.estimator", "group_norm"]).probe.scorer == "auto"
+    assert load_config(None, ["--algo.advantage.estimator", estimator]).probe.scorer == "auto"  # no agent: auto
+    with pytest.raises(ValueError, match=r"--probe\.scorer must be one of auto, reward, math_verify, got 'judge'"):
+        load_config(None, ["--probe.scorer", "judge"])
 
 
 def test_async_with_colocate_all_disaggregates_the_engines_as_openrlhf(caplog):

@@ -43,3 +43,28 @@ def test_probe_config_validation():
         ProbeConfig(num_probes=0)
     with pytest.raises(ValueError, match="max_tokens"):
         ProbeConfig(max_tokens=0)
+
+
+def test_probe_query_is_the_whole_probe_sequence_decoded(tiny_tokenizer, chat_ids):
+    """A reward function's query of a probe sample (rollout/probes.py:_ProbeQueries) equals decoding probe prompt +
+    the sample's tokens at once, special tokens kept (as the answer's query), though each probe prompt is decoded
+    once for its samples: tokens that split a character, special tokens and random ids right after the suffix."""
+    import random
+
+    from openrlhf_shape.rollout.probes import _ProbeQueries
+
+    suf = ProbeSuffixes.from_tokenizer(tiny_tokenizer, ProbeConfig())
+    prompt = chat_ids("Combien font 6 x 7 ? 😀")
+    response = tiny_tokenizer.encode("On multiplie: 六 fois 七 … donc", add_special_tokens=False)
+    requests = [build_probe_prompt(prompt, response, b, suf) for b in (0, 3, len(response) - 1)]
+    calls = []
+    queries = _ProbeQueries(lambda: calls.append(1) or tiny_tokenizer, requests)
+    rng = random.Random(0)
+    split_char = tiny_tokenizer.encode("😀七}$.", add_special_tokens=False)
+    samples = [split_char, split_char[1:], [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")] + split_char,
+               *[[rng.randrange(len(tiny_tokenizer)) for _ in range(8)] for _ in range(20)]]
+    for state, request in enumerate(requests):
+        for tokens in samples:
+            want = tiny_tokenizer.decode(request + tokens, skip_special_tokens=False)
+            assert queries.query(state, tokens) == want
+    assert len(calls) == 1  # the tokenizer is fetched once, at the first query

@@ -82,6 +82,7 @@ def _agent_flags(model_dir: str, out_dir: str) -> list[str]:
         "--train.agent_func_path", CALCULATOR,
         "--algo.advantage.estimator", "shape", "--shape.num_segments", "3", "--shape.min_segment_len", "2",
         "--probe.num_probes", "2", "--probe.max_tokens", "8",
+        "--probe.scorer", "math_verify",  # the agent's reward cannot judge a probe (issue 46)
     ]
 
 
