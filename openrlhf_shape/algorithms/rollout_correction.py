@@ -38,7 +38,7 @@ LEVELS = ("off", "token", "seq")
 MODES = ("mask", "clip")
 GATINGS = ("ratio", "binary_kl", "tv")
 
-_LOG_CLAMP = 20.0  # exp(20) ~ 5e8: keeps w finite for wildly mismatched tokens
+_LOG_CLAMP = 20.0  # exp(20) ~ 5e8: keeps w finite for wildly mismatched tokens (OpenRLHF: no clamp; equal within it)
 _P_EPS = 1e-6  # keeps the binary-KL logs finite
 
 
@@ -152,11 +152,13 @@ def rollout_correction_weights(
         return mf.clone(), {"filtered_frac": 0.0, "weight/mean": 1.0 if m.any() else 0.0}
     old = old_log_probs.float().detach()
     roll = rollout_log_probs.float().detach()
-    log_w = torch.where(m, old - roll, torch.zeros_like(old)).clamp(-_LOG_CLAMP, _LOG_CLAMP)
+    raw_log_w = torch.where(m, old - roll, torch.zeros_like(old))
+    log_w = raw_log_w.clamp(-_LOG_CLAMP, _LOG_CLAMP)
     token_w = log_w.exp()
     seq_level = cfg.level == "seq"
-    if cfg.gating == "ratio":
-        stat = _masked_row_mean(log_w, m).exp().expand_as(log_w) if seq_level else token_w
+    if cfg.gating == "ratio":  # the sequence's mean of the raw log-ratios (OpenRLHF's), clamped only before exp
+        seq_w = _masked_row_mean(raw_log_w, m).clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
+        stat = seq_w.expand_as(log_w) if seq_level else token_w
     else:
         p = roll.exp().clamp(_P_EPS, 1 - _P_EPS)
         q = old.exp().clamp(_P_EPS, 1 - _P_EPS)

@@ -196,7 +196,9 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("actor.eps_clip", 0.2, SAME, why="both ends of the clip range (--actor.eps_clip_low_high wins)"),
     _f("actor.eps_clip_low_high", None, SAME),
     _f("actor.dual_clip", None, SAME),
-    _f("actor.policy_loss_type", "ppo", VALUES, accept={"ppo": None}, why="only the PPO token loss is implemented (no GSPO)"),
+    _f("actor.policy_loss_type", "ppo", SAME,
+       why="ppo and gspo as OpenRLHF's PolicyLoss computes them; also cispo (MiniMax-M1's clipped importance weight, "
+           "clip --actor.cispo_eps_clip_low_high), ours"),
     _f("actor.loss_agg_mode", "token-mean", VALUES, accept={"token-mean": None},
        why="the loss is the token mean over the global mini-batch (the paper's DAPO loss)"),
     _f("actor.aux_loss_coef", 0, VALUES, accept={0: None, 0.0: None}, why="no MoE load-balancing loss (dense models)"),

@@ -5,7 +5,8 @@ under pytest).
 flash_attn: CUDA only) and the Ray launcher. So its class ``RemoteExperienceMaker`` and
 ``openrlhf.models.utils.compute_reward`` are taken from the installed files' source with ``ast``, unchanged,
 and executed with the names they use: torch, itertools, and the real ``apply_length_penalties`` and
-``init_logger`` from openrlhf modules that do import. Nothing of OpenRLHF is re-implemented; annotations are
+``init_logger`` from openrlhf modules that do import; ``models/loss.py``'s ``PolicyLoss`` and ``aggregate_loss``
+the same way (:func:`load_loss_module`). Nothing of OpenRLHF is re-implemented; annotations are
 not evaluated (``RayActorGroup`` is only a type annotation). The arguments come from OpenRLHF's own CLI
 parser (``cli/train_ppo_ray.py``'s argparse block) and ``openrlhf.utils.config.hierarchize``, so every
 setting the method reads has OpenRLHF's default unless the test passes its flag.
@@ -61,6 +62,30 @@ def load_experience_maker():
                  logger=init_logger("openrlhf_source"))
     _exec(_definitions(maker_path, {"RemoteExperienceMaker"}), maker_path, scope)
     return scope["RemoteExperienceMaker"]
+
+
+def load_loss_module() -> dict:
+    """OpenRLHF's ``PolicyLoss``, ``aggregate_loss`` (``models/loss.py``), ``compute_approx_kl``, ``compute_reward``
+    and ``masked_mean`` (``models/utils.py``), defined from the installed source: a name -> object dict."""
+    from typing import Optional, Union
+
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    base = _package_dir()
+    scope: dict = {"torch": torch, "nn": nn, "F": F, "dist": dist, "Optional": Optional, "Tuple": Tuple,
+                   "Union": Union, "List": List}
+    utils_path = os.path.join(base, "models", "utils.py")
+    utils = _definitions(utils_path, {"compute_approx_kl", "compute_reward", "masked_mean"})
+    tree = ast.parse(open(utils_path).read(), filename=utils_path)  # the constant compute_approx_kl reads
+    consts = [n for n in tree.body if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "KL_IS_WEIGHT_CLIP"
+                                                                          for t in n.targets)]
+    assert consts, f"{utils_path} no longer defines KL_IS_WEIGHT_CLIP"
+    _exec(ast.Module(body=consts + utils.body, type_ignores=[]), utils_path, scope)
+    loss_path = os.path.join(base, "models", "loss.py")
+    _exec(_definitions(loss_path, {"PolicyLoss", "aggregate_loss"}), loss_path, scope)
+    return scope
 
 
 def openrlhf_args(argv: list[str]):
