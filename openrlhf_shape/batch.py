@@ -274,6 +274,9 @@ class ExperienceBatch:
     # policy_version. policy_version is then the oldest of them.
     token_versions: torch.Tensor | None = None
     probe_version: int | None = None  # updates held by the engines when they ran the batch's probes (async runs)
+    # the KL coefficient the batch applies, in its advantages (KL in the reward) and its loss (KL in the loss): the
+    # controller's value read once, when its reference log-probs are computed (trainer/experience.py); None: no KL
+    kl_coef: float | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)

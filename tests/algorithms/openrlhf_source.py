@@ -88,6 +88,43 @@ def load_loss_module() -> dict:
     return scope
 
 
+def _method_block(relpath: str, cls: str, method: str, test_src: str) -> ast.Module:
+    """The ``if <test_src>:`` statement (first match, at any depth) of ``cls.method`` in an installed OpenRLHF file:
+    a block of a method that cannot run here as a whole (Ray, CUDA), executed on its own with the names it reads."""
+    path = os.path.join(_package_dir(), relpath)
+    klass = next(n for n in _definitions(path, {cls}).body)
+    fn = next((n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == method), None)
+    assert fn is not None, f"{path}: {cls}.{method} is gone"
+    found = [n for n in ast.walk(fn) if isinstance(n, ast.If) and ast.unparse(n.test).startswith(test_src)]
+    assert found, f"{path}: {cls}.{method} no longer has `if {test_src}...`"
+    return ast.Module(body=[found[0]], type_ignores=[])
+
+
+def openrlhf_status_mean(status_list: list[dict]) -> dict:
+    """``ActorPPOTrainer.ppo_train``'s step aggregation of its per-update statuses (``status_mean``: "token"-weighted
+    keys by ``_num_action_tokens``, the others by ``_num_samples``, grad norm and LR the last), run from its source."""
+    scope = {"status_list": status_list}
+    _exec(_method_block("trainer/ray/ppo_actor.py", "ActorPPOTrainer", "ppo_train", "status_list"),
+          "ppo_actor.py", scope)
+    return scope["status_mean"]
+
+
+def openrlhf_dynamic_filter_keeps(scores: list[float], lo: float, hi: float) -> bool:
+    """Whether OpenRLHF's dynamic filter (``SamplesGenerator._generate_vllm``) keeps one prompt's group of samples
+    with these ``scores`` under ``--algo.dynamic_filtering_range lo hi``, run from its source."""
+    from types import SimpleNamespace
+
+    from openrlhf.utils.logging_utils import init_logger
+
+    exps = [SimpleNamespace(scores=torch.tensor([s])) for s in scores]
+    args = SimpleNamespace(algo=SimpleNamespace(dynamic_filtering_range=(lo, hi)))
+    scope = {"dynamic_filtering": True, "experiences": exps, "self": SimpleNamespace(args=args),
+             "logger": init_logger("openrlhf_source")}
+    _exec(_method_block("trainer/ppo_utils/samples_generator.py", "SamplesGenerator", "_generate_vllm",
+                        "dynamic_filtering and all("), "samples_generator.py", scope)
+    return bool(scope["experiences"])
+
+
 def openrlhf_args(argv: list[str]):
     """OpenRLHF's hierarchical args for a PPO command line (its own parser and defaults)."""
     from openrlhf.utils.config import hierarchize
