@@ -153,12 +153,11 @@ def rollout_correction_weights(
     old = old_log_probs.float().detach()
     roll = rollout_log_probs.float().detach()
     raw_log_w = torch.where(m, old - roll, torch.zeros_like(old))
-    log_w = raw_log_w.clamp(-_LOG_CLAMP, _LOG_CLAMP)
-    token_w = log_w.exp()
+    token_w = raw_log_w.clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
     seq_level = cfg.level == "seq"
     if cfg.gating == "ratio":  # the sequence's mean of the raw log-ratios (OpenRLHF's), clamped only before exp
         seq_w = _masked_row_mean(raw_log_w, m).clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
-        stat = seq_w.expand_as(log_w) if seq_level else token_w
+        stat = seq_w.expand_as(token_w) if seq_level else token_w
     else:
         p = roll.exp().clamp(_P_EPS, 1 - _P_EPS)
         q = old.exp().clamp(_P_EPS, 1 - _P_EPS)

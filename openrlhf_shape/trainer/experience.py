@@ -258,7 +258,8 @@ class ShapeExperienceMaker:
                         "reward": float(exp.rewards[i])} for i in range(min(len(exp), 4))]
         if self.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
             lo, hi = self.dynamic_filtering_range
-            mean_score = exp.scores.view(-1, self.sampling.n).mean(-1)
+            # in float64, as OpenRLHF's Python floats: a float32 score of 0.2 is above a range end of 0.2 there
+            mean_score = exp.scores.double().view(-1, self.sampling.n).mean(-1)
             keep = (mean_score > lo) & (mean_score < hi)  # [prompts]
             metrics["rollout/filtered_groups"] = float((~keep).sum())
             exp = exp.select(torch.nonzero(keep.repeat_interleave(self.sampling.n)).flatten().tolist())
