@@ -13,11 +13,12 @@ fully masked row, log-ratios past the clamp, junk in the padding).
   gradient; the KL in the reward (``--algo.kl.init_coef``): ``compute_reward``; the adaptive controller
   (``--algo.kl.target``, ``--algo.kl.horizon``): ``AdaptiveKLController``;
 * the step's per-update metrics (the ``kl`` the controller reads): ``ppo_train``'s ``status_mean``;
+* the stop-properly penalty (``--reward.stop_properly_penalty_coef``): ``apply_length_penalties`` (the overlong
+  penalty, ``--reward.overlong_buffer_len``, is refused here: nothing to compare);
 * the dynamic filter's keep rule (``--algo.dynamic_filtering_range``): ``SamplesGenerator._generate_vllm``'s test.
 
-Advantages and returns (``--algo.advantage.*``) and the stop-properly penalty have theirs beside their own tests:
-tests/algorithms/test_reinforce_estimators.py, tests/trainer/test_kl_in_reward.py, tests/algorithms/
-test_length_penalty.py.
+Advantages and returns (``--algo.advantage.*``, with the KL in the reward) have theirs beside their own tests:
+tests/algorithms/test_reinforce_estimators.py, tests/trainer/test_kl_in_reward.py.
 """
 
 from __future__ import annotations
@@ -264,6 +265,31 @@ def test_step_metrics_weight_updates_by_tokens_as_openrlhf():
     for k, v in names.items():
         assert ours[k] == pytest.approx(openrlhf[v], rel=1e-12), k
     assert ours["num_tokens"] == pytest.approx(840 / 3) and ours["grad_norm"] == pytest.approx(7 / 3)
+
+
+# ---- the stop-properly penalty ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+@pytest.mark.parametrize("coef", [0.0, 0.3, 1.0, -0.5, -3.0])
+def test_stop_properly_penalty_equals_openrlhfs_apply_length_penalties(n, coef):
+    """``--reward.stop_properly_penalty_coef``: OpenRLHF's ``apply_length_penalties`` with its own parsed args (the
+    overlong penalty off: it is refused here) on experiences of 1-4 samples, against ours on the whole batch; raw
+    rewards in [-15, 15], none / some / all truncated."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.length_penalty import apply_length_penalties
+    from openrlhf_source import openrlhf_args
+
+    from openrlhf_shape.algorithms.length_penalty import stop_properly_penalty
+
+    args = openrlhf_args(["--reward.stop_properly_penalty_coef", str(coef)])
+    g = torch.Generator().manual_seed(n)
+    rewards = torch.rand(n, generator=g) * 30 - 15
+    for truncated in (torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=g) < 0.5, torch.ones(n, dtype=torch.bool)):
+        parts = torch.arange(n).split(4)
+        exps = [Experience(rewards=rewards[i].clone(), truncated=truncated[i].clone(), info={}) for i in parts]
+        apply_length_penalties(exps, args)
+        theirs = torch.cat([e.rewards for e in exps])
+        assert torch.equal(stop_properly_penalty(rewards, truncated, coef), theirs)
 
 
 # ---- the dynamic filter ------------------------------------------------------------------------------------------

@@ -84,6 +84,28 @@ def test_an_overflowing_log_ratio_keeps_loss_and_gradient_finite(openrlhf_loss, 
         assert not (torch.isfinite(theirs) and torch.isfinite(lp2.grad).all())
 
 
+@pytest.mark.parametrize("level, mode", [("token", "clip"), ("token", "mask"), ("seq", "mask")])
+def test_an_overflowing_rollout_mismatch_keeps_the_corrected_loss_finite(openrlhf_loss, level, mode):
+    """Trainer and engine log-probs 100 nats apart on one token (exp overflows): the correction weights, the loss and
+    its gradient stay finite; within the clamp (the other row) they are OpenRLHF's."""
+    from openrlhf_shape.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_correction_weights
+
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.2, -0.3, -2.2]])
+    rollout = old + torch.tensor([[-100.0, 0.1, -0.2], [0.2, -0.1, 0.05]])
+    lp, adv, mask = old + 0.05, torch.tensor([[1.0, -1.0, 0.5], [-0.5, 1.0, 2.0]]), torch.ones(2, 3, dtype=torch.bool)
+    w, _ = rollout_correction_weights(old, rollout, mask, RolloutCorrectionConfig(level, mode))
+    lp = lp.requires_grad_()
+    loss, _ = policy_loss(lp, old, adv, mask, is_weights=w)
+    loss.backward()
+    assert torch.isfinite(w).all() and torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    fn = openrlhf_loss["PolicyLoss"](clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level=level,
+                                     is_correction_mode=mode)
+    keep = torch.tensor([[False] * 3, [True] * 3])
+    ours_row = policy_loss(lp.detach(), old, adv, keep, is_weights=w)[0]
+    theirs_row = fn(lp.detach(), old, adv, action_mask=keep.float(), rollout_log_probs=rollout)[0]
+    assert ours_row.item() == pytest.approx(theirs_row.item(), rel=1e-6)
+
+
 def test_the_clamp_is_openrlhfs_twenty():
     assert LOG_RATIO_CLAMP == 20.0
     lp = torch.tensor([[25.0]])  # ratio e^20 (clamped), A = -1: the loss is e^20, finite, no gradient
