@@ -20,7 +20,9 @@ A *gate* reads a statistic per unit and treats units outside the band ``[low, hi
 
 The flag names and defaults follow OpenRLHF 0.11 (``--algo.advantage.is_correction_level|mode|
 gating|threshold``; threshold ``[0.5, 5.0]``; a single value means ``[0, value]``). The weight
-multiplies each token's clipped PPO loss; it carries no gradient.
+multiplies each token's clipped PPO loss (or CISPO's; GSPO takes none, algorithms/loss.py); it carries no
+gradient. Log-ratios are clamped to +-20 before ``exp`` (the sequence gate: its mean of the raw log-ratios), so a
+wild mismatch gives a finite weight; OpenRLHF clamps none, and the two agree within the clamp.
 
 Sampling with top-p < 1 or top-k > 0: the rollout log-probs then come from the truncated,
 renormalised distribution that vLLM actually sampled from, so every w_t is below 1 by the kept
