@@ -4,7 +4,8 @@ backend: a backend computes the flat per-token log-probs and entropy of a micro-
 construction (the cross-backend parity tests check the forwards).
 
 Sums, not means, leave a micro-batch (``METRIC_KEYS``): the backend adds them over micro-batches and
-all-reduces them over ranks; :func:`step_metrics` divides by the global token count once.
+all-reduces them over ranks; :func:`step_metrics` divides by the global token count once. The policy loss leaves
+as the micro-batch's share (already over the global count), whatever its aggregation (a token or a sample mean).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _take(t: torch.Tensor | None, mb: MicroBatch, tmax: int, rows: int, dev: tor
 def _row_tensors(batch: TrainBatch, mb: MicroBatch, masks: torch.Tensor, tmax: int, rows: int,
                  dev: torch.device) -> tuple[torch.Tensor, ...]:
     """``[rows, tmax]`` old log-probs, advantages, valid mask (bool), rollout-correction weights (None when the batch
-    has none) and reference log-probs (zeros without a KL term) of the micro-batch's rows."""
+    has none) and reference log-probs (None without a KL term) of the micro-batch's rows."""
     msk = (take_rows(masks, torch.tensor(mb.rows, dtype=torch.long), tmax).to(dev) if mb.rows
            else torch.zeros(rows, tmax, dtype=torch.bool, device=dev))
     old = _take(batch.old_log_probs, mb, tmax, rows, dev, "old_log_probs")
