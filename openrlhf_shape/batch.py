@@ -173,6 +173,9 @@ class TrainBatch(SequenceBatch):
     advantages: torch.Tensor
     loss_mask: torch.Tensor
     is_weights: torch.Tensor | None = None  # float32 rollout-correction weights (algorithms/rollout_correction.py)
+    # float32 the engines' log-probs of the sampled tokens, with the correction on (gspo then takes its ratio
+    # against them, as OpenRLHF's GSPO); None otherwise
+    rollout_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     kl_loss: KLLossTerm | None = None
 
@@ -193,7 +196,7 @@ class TrainBatch(SequenceBatch):
         shape = (len(self), self.response_width)
         if self.kl_loss is not None and self.ref_log_probs is None:
             raise ValueError("batch.kl_loss (--algo.kl.use_loss) needs batch.ref_log_probs, the reference model's log-probs")
-        optional = tuple(n for n in ("is_weights", "ref_log_probs") if getattr(self, n) is not None)
+        optional = tuple(n for n in ("is_weights", "rollout_log_probs", "ref_log_probs") if getattr(self, n) is not None)
         for name in ("old_log_probs", "advantages", "loss_mask") + optional:
             t = getattr(self, name)
             if tuple(t.shape[:1]) != shape[:1] or t.dim() != 2 or t.shape[1] < shape[1]:
@@ -271,6 +274,9 @@ class ExperienceBatch:
     # policy_version. policy_version is then the oldest of them.
     token_versions: torch.Tensor | None = None
     probe_version: int | None = None  # updates held by the engines when they ran the batch's probes (async runs)
+    # the KL coefficient the batch applies, in its advantages (KL in the reward) and its loss (KL in the loss): the
+    # controller's value read once, when its reference log-probs are computed (trainer/experience.py); None: no KL
+    kl_coef: float | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -330,5 +336,6 @@ class ExperienceBatch:
             temperature=temperature, old_log_probs=self.old_log_probs[idx, :width],
             advantages=self.advantages[idx, :width], loss_mask=mask[:, :width],
             is_weights=None if self.is_weights is None else self.is_weights[idx, :width],
+            rollout_log_probs=None if self.is_weights is None else self.rollout_log_probs[idx, :width],
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in rows],
         )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 LR_SCHEDULERS = ("constant", "cosine", "linear")
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")  # = algorithms/loss.py LOSS_TYPES (this module stays torch-free)
 
 
 def _int_at_least_one(owner: object, name: str) -> None:
@@ -65,6 +66,11 @@ class OptimSettings:
     eps_clip: float = 0.2  # PPO ratio clip [1 - eps, 1 + eps] when eps_clip_low_high is unset (OpenRLHF's rule)
     eps_clip_low_high: Optional[tuple[float, float]] = None  # [1 - low, 1 + high] (DAPO clip-higher: 0.2 0.28)
     dual_clip: Optional[float] = None  # dual-clip PPO's bound on negative-advantage ratios (> 1), None off
+    # the policy loss (algorithms/loss.py): ppo (token clip), gspo (sequence clip, OpenRLHF's), cispo (MiniMax-M1's)
+    policy_loss_type: str = "ppo"
+    # cispo: its importance weight is clipped to [1 - low, 1 + high]; low >= 1 leaves no lower bound (the paper's
+    # choice); weight <= 4 as ScaleRL's recipe. --actor.eps_clip_low_high is ppo's and gspo's ratio clip.
+    cispo_eps_clip_low_high: tuple[float, float] = (1.0, 3.0)
     entropy_chunk_size: int = 1024  # tokens per chunk of the log-prob / entropy computation
     gradient_checkpointing_enable: bool = False  # activation recompute in the backward pass
     # concatenate a micro-batch's samples into one row without padding (actor/batching.py, docs/packing.md); on by
@@ -101,7 +107,18 @@ class OptimSettings:
                 raise ValueError(f"{name}.eps_clip_low_high must be in [0, 1) and >= 0, got {tuple(self.eps_clip_low_high)}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"{name}.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.policy_loss_type not in POLICY_LOSS_TYPES:
+            raise ValueError(f"{name}.policy_loss_type must be one of {POLICY_LOSS_TYPES}, got {self.policy_loss_type!r}")
+        if self.policy_loss_type == "cispo" and self.dual_clip is not None:
+            raise ValueError(f"{name}.dual_clip bounds PPO's clipped surrogate, which cispo has not: drop it")
+        if min(self.cispo_eps_clip_low_high) < 0:
+            raise ValueError(f"{name}.cispo_eps_clip_low_high must be >= 0, got {tuple(self.cispo_eps_clip_low_high)}")
         _int_at_least_one(self, "entropy_chunk_size")
+
+    @property
+    def policy_clip_low_high(self) -> tuple[float, float]:
+        """The clip of the policy loss in use: cispo's weight clip, else the PPO/GSPO ratio clip."""
+        return tuple(self.cispo_eps_clip_low_high if self.policy_loss_type == "cispo" else self.eps_clip_low_high)
 
     @property
     def final_lr(self) -> float:

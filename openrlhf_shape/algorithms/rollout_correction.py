@@ -20,7 +20,9 @@ A *gate* reads a statistic per unit and treats units outside the band ``[low, hi
 
 The flag names and defaults follow OpenRLHF 0.11 (``--algo.advantage.is_correction_level|mode|
 gating|threshold``; threshold ``[0.5, 5.0]``; a single value means ``[0, value]``). The weight
-multiplies each token's clipped PPO loss; it carries no gradient.
+multiplies each token's clipped PPO loss (or CISPO's; GSPO takes none, algorithms/loss.py); it carries no
+gradient. Log-ratios are clamped to +-20 before ``exp`` (the sequence gate: its mean of the raw log-ratios), so a
+wild mismatch gives a finite weight; OpenRLHF clamps none, and the two agree within the clamp.
 
 Sampling with top-p < 1 or top-k > 0: the rollout log-probs then come from the truncated,
 renormalised distribution that vLLM actually sampled from, so every w_t is below 1 by the kept
@@ -38,7 +40,7 @@ LEVELS = ("off", "token", "seq")
 MODES = ("mask", "clip")
 GATINGS = ("ratio", "binary_kl", "tv")
 
-_LOG_CLAMP = 20.0  # exp(20) ~ 5e8: keeps w finite for wildly mismatched tokens
+_LOG_CLAMP = 20.0  # exp(20) ~ 5e8: keeps w finite for wildly mismatched tokens (OpenRLHF: no clamp; equal within it)
 _P_EPS = 1e-6  # keeps the binary-KL logs finite
 
 
@@ -152,11 +154,12 @@ def rollout_correction_weights(
         return mf.clone(), {"filtered_frac": 0.0, "weight/mean": 1.0 if m.any() else 0.0}
     old = old_log_probs.float().detach()
     roll = rollout_log_probs.float().detach()
-    log_w = torch.where(m, old - roll, torch.zeros_like(old)).clamp(-_LOG_CLAMP, _LOG_CLAMP)
-    token_w = log_w.exp()
+    raw_log_w = torch.where(m, old - roll, torch.zeros_like(old))
+    token_w = raw_log_w.clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
     seq_level = cfg.level == "seq"
-    if cfg.gating == "ratio":
-        stat = _masked_row_mean(log_w, m).exp().expand_as(log_w) if seq_level else token_w
+    if cfg.gating == "ratio":  # the sequence's mean of the raw log-ratios (OpenRLHF's), clamped only before exp
+        seq_w = _masked_row_mean(raw_log_w, m).clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()
+        stat = seq_w.expand_as(token_w) if seq_level else token_w
     else:
         p = roll.exp().clamp(_P_EPS, 1 - _P_EPS)
         q = old.exp().clamp(_P_EPS, 1 - _P_EPS)

@@ -80,6 +80,10 @@ _T_KL_UNBIASED = "tests/algorithms/test_kl.py::test_unbiased_gradient_equals_ope
 _T_KL_ADAPTIVE = "tests/algorithms/test_kl.py::test_adaptive_controller_by_hand_and_equal_to_openrlhf"
 _T_STOP = "tests/algorithms/test_length_penalty.py::test_equals_openrlhfs_own_function"
 _T_AGENT = "tests/rollout/test_agent_batch.py::test_agent_files_load_as_openrlhf_loads_them"
+_D = "tests/algorithms/test_openrlhf_differential.py::"
+_T_LOSS = (_D + "test_policy_loss_equals_openrlhfs", _D + "test_aggregation_over_micro_batches_equals_openrlhfs")
+_T_IS = (_D + "test_rollout_correction_equals_openrlhfs",
+         _D + "test_gspo_with_the_correction_takes_the_engines_log_probs_as_openrlhf")
 _T_IS_0110 = "tests/config/test_openrlhf_0110_names.py::test_old_names_weigh_the_loss_as_openrlhf_0112_does"
 
 
@@ -132,10 +136,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("vllm.sync_with_ray", False, REFUSED,
        why="the weight-sync path is --rollout.weight_sync (auto: a collective group, NCCL on GPU, gloo on CPU); drop it"),
     # ---- rollout-correction (TIS / ICEPOP / sequence mask)
-    _f("algo.advantage.is_correction_level", "off", SAME, checked_by=(_T_IS_0110,)),
-    _f("algo.advantage.is_correction_mode", "mask", SAME, checked_by=(_T_IS_0110,)),
-    _f("algo.advantage.is_correction_gating", "ratio", SAME, checked_by=(_T_IS_0110,)),
-    _f("algo.advantage.is_correction_threshold", [0.5, 5.0], SAME, checked_by=(_T_IS_0110,)),
+    _f("algo.advantage.is_correction_level", "off", SAME, checked_by=(*_T_IS, _T_IS_0110,)),
+    _f("algo.advantage.is_correction_mode", "mask", SAME, checked_by=(*_T_IS, _T_IS_0110,)),
+    _f("algo.advantage.is_correction_gating", "ratio", SAME, checked_by=(*_T_IS, _T_IS_0110,)),
+    _f("algo.advantage.is_correction_threshold", [0.5, 5.0], SAME, checked_by=(*_T_IS, _T_IS_0110,)),
     # ---- async
     _f("train.async_enable", False, SAME, why="one step off: the next batch is made while the ranks train (docs/architecture.md); "
        "with --train.colocate_all the engines get their own GPUs, as in OpenRLHF"),
@@ -241,11 +245,13 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("train.full_determinism_enable", False, REFUSED,
        why="not implemented; runs are reproducible per step from --train.seed (resume redoes a step exactly)"),
     # ---- loss and optimizer
-    _f("actor.eps_clip", 0.2, SAME, why="both ends of the clip range; --actor.eps_clip_low_high wins when given"),
+    _f("actor.eps_clip", 0.2, SAME, why="both ends of the clip range; --actor.eps_clip_low_high wins when given", checked_by=(*_T_LOSS,)),
     _f("actor.eps_clip_low_high", None, SAME, why="the clip range's two ends; DAPO's clip-higher 0.2 0.28 is the "
-       "paper's, set in its presets"),
-    _f("actor.dual_clip", None, SAME),
-    _f("actor.policy_loss_type", "ppo", VALUES, accept={"ppo": None}, why="only the PPO token loss is implemented (no GSPO)"),
+       "paper's, set in its presets", checked_by=(*_T_LOSS,)),
+    _f("actor.dual_clip", None, SAME, checked_by=(*_T_LOSS,)),
+    _f("actor.policy_loss_type", "ppo", SAME,
+       why="ppo and gspo as OpenRLHF's PolicyLoss computes them; also cispo (MiniMax-M1's clipped importance weight, "
+           "clip --actor.cispo_eps_clip_low_high), ours", checked_by=(*_T_LOSS,)),
     _f("actor.loss_agg_mode", "token-mean", VALUES, accept={"token-mean": None},
        why="the loss is the token mean over the global mini-batch (the paper's DAPO loss)"),
     _f("actor.aux_loss_coef", 0, VALUES, accept={0: None, 0.0: None}, why="no MoE load-balancing loss (dense models)"),
@@ -272,13 +278,13 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("actor.max_norm", 1.0, SAME),
     _f("algo.kl.init_coef", 0.01, OWN,
        why="0 here: no reference model, no KL (the paper's setting); > 0 starts the reference ranks",
-       checked_by=(_T_KL_IN_REWARD, _T_KL_REWARD)),
-    _f("algo.kl.use_loss", False, SAME, why="KL in the policy loss; without it -coef x kl per token in the reward"),
+       checked_by=(_D + "test_kl_in_the_reward_equals_openrlhfs_compute_reward", _T_KL_IN_REWARD, _T_KL_REWARD)),
+    _f("algo.kl.use_loss", False, SAME, why="KL in the policy loss; without it -coef x kl per token in the reward", checked_by=(_D + "test_step_metrics_weight_updates_by_tokens_as_openrlhf",)),
     _f("algo.kl.estimator", "k1", SAME, why="k1 | k2 | k3 with OpenRLHF's clamping (openrlhf_shape/algorithms/kl.py)",
-       checked_by=(_T_KL,)),
-    _f("algo.kl.unbiased_gradient", False, SAME, why="with --algo.kl.use_loss only", checked_by=(_T_KL_UNBIASED,)),
+       checked_by=(_D + "test_kl_estimators_equal_openrlhfs", _T_KL,)),
+    _f("algo.kl.unbiased_gradient", False, SAME, why="with --algo.kl.use_loss only", checked_by=(_D + "test_kl_estimators_equal_openrlhfs", _T_KL_UNBIASED,)),
     _f("algo.kl.target", None, SAME, why="the adaptive KL controller (unset: a fixed coefficient)",
-       checked_by=(_T_KL_ADAPTIVE,)),
+       checked_by=(_D + "test_adaptive_controller_equals_openrlhfs", _T_KL_ADAPTIVE,)),
     _f("algo.kl.horizon", 10000, SAME, why="the adaptive KL controller's horizon in samples", checked_by=(_T_KL_ADAPTIVE,)),
     # ---- advantages
     _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator",
@@ -298,7 +304,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        why="whitening without the std division, for reinforce and reinforce_baseline (the estimators that whiten; "
            "refused with the others, which OpenRLHF ignores it for)", checked_by=(_T_RETURNS,)),
     _f("algo.dynamic_filtering_enable", False, SAME),
-    _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside"),
+    _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside", checked_by=(_D + "test_dynamic_filter_keep_rule_equals_openrlhfs",)),
     # ---- rewards
     _f("reward.remote_url", None, SAME,
        why="a reward_func .py (called once per sample, as OpenRLHF) or HTTP server(s); it also judges SHAPE/MRT's "
@@ -315,7 +321,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("reward.stop_properly_penalty_coef", None, SAME,
        why="responses cut at --rollout.max_new_tokens (finish reason 'length'): reward x coef for coef in [0, 1], "
            "reward = coef for coef < 0; before --reward.clip_range and any baseline, as in OpenRLHF",
-       checked_by=(_T_STOP,)),
+       checked_by=(_D + "test_stop_properly_penalty_equals_openrlhfs_apply_length_penalties", _T_STOP,)),
     _f("train.agent_func_path", None, SAME, why="OpenRLHF agent files run unchanged on the engines; the environment's replies get no loss and no credit (the Agents section of this page)",
        checked_by=(_T_AGENT,)),
     # ---- data and eval

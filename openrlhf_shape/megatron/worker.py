@@ -507,18 +507,20 @@ class MegatronRankWorker:
         self._require_model()
         self._require_optimizer("train_step")
         optim = self.cfg.optim
-        eps_low, eps_high = optim.eps_clip_low_high
+        eps_low, eps_high = optim.policy_clip_low_high
         if not isinstance(batch, TrainBatch):
             raise TypeError(f"train_step needs an openrlhf_shape.batch.TrainBatch, got {type(batch).__name__}")
         batch.validate()
         masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
         num_global_tokens = int(masks.sum())
+        num_global_samples = int(masks.any(-1).sum())  # gspo's sample-level denominator
         temperature = float(batch.temperature)
 
         def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
             lp, en = self._response_logprobs(hidden, mb, temperature, with_entropy=True)
             loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
-                                           eps_high=eps_high, dual_clip=optim.dual_clip)
+                                           eps_high=eps_high, dual_clip=optim.dual_clip,
+                                           loss_type=optim.policy_loss_type, num_global_samples=num_global_samples)
             return loss, torch.tensor(int(stats["num_tokens"]), dtype=torch.int), stats
 
         with self._mode():

@@ -261,7 +261,8 @@ class ShapeExperienceMaker:
                         "reward": float(exp.rewards[i])} for i in range(min(len(exp), 4))]
         if self.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
             lo, hi = self.dynamic_filtering_range
-            mean_score = exp.scores.view(-1, self.sampling.n).mean(-1)
+            # in float64, as OpenRLHF's Python floats: a float32 score of 0.2 is above a range end of 0.2 there
+            mean_score = exp.scores.double().view(-1, self.sampling.n).mean(-1)
             keep = (mean_score > lo) & (mean_score < hi)  # [prompts]
             metrics["rollout/filtered_groups"] = float((~keep).sum())
             exp = exp.select(torch.nonzero(keep.repeat_interleave(self.sampling.n)).flatten().tolist())
@@ -300,8 +301,9 @@ class ShapeExperienceMaker:
         the per-token KL estimate of the old policy against it (``--algo.kl.estimator``), 0 at an agent's
         environment replies: only the policy's own tokens are penalised (OpenRLHF's action mask). Metrics with
         OpenRLHF's names, over the policy's tokens: ``kl`` (KL in the reward: the mean over samples of each sample's
-        token-mean KL; in the loss the trainer logs the update's), ``logprobs_diff`` (the same mean of
-        log pi_old - log pi_ref)."""
+        token-mean KL; in the loss the trainer logs the updates'), ``logprobs_diff`` (the same mean of
+        log pi_old - log pi_ref; in the loss ``ref/logprobs_diff``, and the trainer logs the updates', as OpenRLHF).
+        The batch's KL coefficient is read here (``exp.kl_coef``), once."""
         mask = exp.response_mask
         out = self.ref_logprobs_fn(SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens,
                                                  temperature=self.sampling.temperature))
@@ -310,6 +312,9 @@ class ShapeExperienceMaker:
             raise RuntimeError(f"reference returned log-probs of {got[:8]} tokens for responses of {want[:8]}")
         ref, _ = out.padded(mask.shape[1])
         exp.ref_log_probs = torch.where(mask, ref.float(), torch.zeros_like(ref, dtype=torch.float32))
+        # The coefficient is read here, once: every schedule runs this pass on the thread that drives the batch,
+        # before the update beside which its credit may run (trainer/schedule.py); the batch carries it from here.
+        exp.kl_coef = self.kl.coef
         policy = exp.loss_mask()  # environment replies: the policy did not sample them, no KL is charged there
         kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, self.kl.estimator)
         exp.kl = torch.where(policy, kl, torch.zeros_like(kl))
@@ -317,7 +322,9 @@ class ShapeExperienceMaker:
         metrics = {"ref/kl/mean": float(per_sample.mean()),
                    "ref/kl/max": float(exp.kl[policy].max()) if bool(policy.any()) else 0.0,
                    "logprobs_diff": float(masked_sample_mean(exp.old_log_probs - exp.ref_log_probs, policy).mean())}
-        if not self.kl.in_loss:
+        if self.kl.in_loss:  # the update logs OpenRLHF's: at the policy it trains (trainer/ppo_trainer.py)
+            metrics["ref/logprobs_diff"] = metrics.pop("logprobs_diff")
+        else:
             metrics["kl"] = metrics["ref/kl/mean"]
         return PhaseOutput(exp, metrics)
 
@@ -368,8 +375,10 @@ class ShapeExperienceMaker:
         advantage after TCR. ``adv/kl_return/mean`` is that KL-to-go's mean over policy tokens (for the outcome
         estimators: their return's KL part before discount and whitening)."""
         policy = exp.loss_mask()
+        if self.kl is not None and exp.kl_coef is None:
+            raise RuntimeError("the batch carries no KL coefficient: its ref_logprobs phase reads it (once per batch)")
         in_reward = self.kl is not None and not self.kl.in_loss
-        kl_returns = kl_penalty_returns(exp.kl, policy, self.kl.coef) if in_reward else None
+        kl_returns = kl_penalty_returns(exp.kl, policy, exp.kl_coef) if in_reward else None
         token_rewards = None
         if self.estimator.needs_segments:
             cols = exp.action_columns()
@@ -377,7 +386,7 @@ class ShapeExperienceMaker:
         else:
             cols, mask, entropy = None, policy, exp.entropy
             if in_reward:
-                token_rewards = kl_token_rewards(exp.kl, policy, self.kl.coef)
+                token_rewards = kl_token_rewards(exp.kl, policy, exp.kl_coef)
         res = compute_token_advantages(
             self.estimator, mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
@@ -387,7 +396,7 @@ class ShapeExperienceMaker:
         exp.advantages = res.token_advantages if cols is None else cols.scatter(res.token_advantages)
         metrics = dict(res.metrics)
         if self.kl is not None:
-            metrics["kl_coef"] = self.kl.coef
+            metrics["kl_coef"] = exp.kl_coef  # the batch's own, which its update applies too
         if kl_returns is not None:
             if self.estimator.needs_segments:
                 exp.advantages = exp.advantages + kl_returns

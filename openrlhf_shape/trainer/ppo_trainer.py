@@ -31,12 +31,23 @@ from openrlhf_shape.trainer.setup import Run, build_run, resolve_model_dir
 __all__ = ["PHASES", "ShapeTrainer", "resolve_model_dir", "run_training", "step_line", "write_report"]
 
 
+# An update's per-token means (actor/micro_batch_loss.py step_metrics): over the step they are weighted by each
+# update's tokens, as OpenRLHF's ppo_train weights its "token" metrics (policy_loss, kl, ppo_clip_ratio, ...);
+# a short last mini-batch then counts for its tokens. The rest (grad norm, LR, counts) are plain means.
+TOKEN_MEANS = ("loss", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac", "approx_kl", "entropy", "kl",
+               "logprobs_diff")
+
+
 def _mean_metrics(rows: list[dict]) -> dict[str, float]:
+    """The step's metrics from its updates' ``rows`` (``step_metrics`` dicts, ``num_tokens`` each)."""
     out: dict[str, float] = {}
     for key in rows[0] if rows else []:
-        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-        if vals:
-            out[key] = float(sum(vals) / len(vals))
+        pairs = [(float(r[key]), float(r.get("num_tokens", 0.0))) for r in rows if isinstance(r.get(key), (int, float))]
+        tokens = sum(n for _, n in pairs)
+        if key in TOKEN_MEANS and tokens > 0:
+            out[key] = sum(v * n for v, n in pairs) / tokens
+        elif pairs:
+            out[key] = sum(v for v, _ in pairs) / len(pairs)
     return out
 
 
@@ -111,7 +122,8 @@ class ShapeTrainer:
         mb = min(cfg.train.batch_size, n)
         gen = torch.Generator().manual_seed(cfg.train.seed * 100003 + step)
         kl, rows = self.run.maker.kl, []
-        term = KLLossTerm(kl.coef, kl.estimator, kl.unbiased_gradient) if kl is not None and kl.in_loss else None
+        # the coefficient the batch carries (read once when it was made: trainer/experience.py ref_logprobs)
+        term = KLLossTerm(exp.kl_coef, kl.estimator, kl.unbiased_gradient) if kl is not None and kl.in_loss else None
         for _epoch in range(cfg.train.max_epochs):
             order = torch.randperm(n, generator=gen).tolist()
             for start in range(0, n, mb):  # a short last mini-batch (after DAPO filtering) still trains
@@ -121,8 +133,8 @@ class ShapeTrainer:
         out["actor/updates"] = float(len(rows))
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
         if kl is not None:
-            if term is not None:  # OpenRLHF's kl in the loss: the update's token-mean KL to the reference
-                out["kl"] = out["actor/kl"]
+            if term is not None:  # OpenRLHF's kl in the loss: the updates' token-mean KL to the reference
+                out["kl"], out["logprobs_diff"] = out["actor/kl"], out["actor/logprobs_diff"]
             # the coefficient for the next step (adaptive: from this step's kl over the step's samples, as OpenRLHF)
             samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             kl.controller.update(out.get("kl", exp.metrics.get("kl", 0.0)), samples)

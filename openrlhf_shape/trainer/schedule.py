@@ -24,6 +24,15 @@ the engines' and the trainer's log-probs is then the policy's drift (``rollout/m
 ``--algo.advantage.is_correction_level``); whether the engines compute the trained policy is checked on a few
 re-scored sequences instead (``rollout/fidelity/*``, the gap guard's metric in this mode).
 
+The KL coefficient (``--algo.kl.*`` with a reference model; adaptive with ``--algo.kl.target``) is read once per batch,
+in its reference pass (``ShapeExperienceMaker.ref_logprobs``, part of the ranks' side, which runs on the thread that
+calls :meth:`experience`), and the batch carries it (``ExperienceBatch.kl_coef``) into its advantages (KL in the
+reward), its update (KL in the loss) and the logged ``kl_coef``; the engines' thread never reads the controller,
+which ``train`` updates after each step. So batch t applies the controller's value after step t-1 in synchronous
+training and at staleness 1 (its ranks' side runs after update t-1), and after step t-2 at staleness 2 (its ranks'
+side runs before update t-1; the first batch of a run, made serially, after step t-1). A resumed run reads the
+same values: the controller is saved with each checkpoint, the batches in flight with their coefficients.
+
 Every request a batch makes carries its own seed, derived from the step that trains on the batch
 (``rollout/seeds.py:step_seed``, in both schedules), so a batch's content depends only on (seed, step, weights),
 whatever the engines' count or state. A
@@ -208,7 +217,8 @@ class OneStepOffSchedule(SyncSchedule):
 
     def _rank_side(self, exp: ExperienceBatch, step: int) -> ExperienceBatch:
         """Ranks: old log-probs and entropy with the weights they hold now (the engines hold the same: the
-        fidelity check re-scores a few sequences on the engines and compares)."""
+        fidelity check re-scores a few sequences on the engines and compares); with a reference model its
+        log-probs and the batch's KL coefficient (module doc). Runs on the thread that calls :meth:`experience`."""
         if not len(exp):
             return exp
         t0 = time.perf_counter()

@@ -355,9 +355,11 @@ class ZeroRankWorker:
         accumulation boundary); returns this rank's metric sums ``[len(METRIC_KEYS)]`` float64."""
         masks = batch.loss_mask.bool() & length_mask(batch.response_lens, batch.loss_mask.shape[1])
         num_global_tokens = max(int(masks.sum()), 1)
+        num_global_samples = max(int(masks.any(-1).sum()), 1)  # gspo's sample-level denominator
         self.policy.head.inv_temperature = 1.0 / float(batch.temperature)
         shard, mbs = self._plans(batch, forward_only=False)
-        eps_low, eps_high = self.cfg.optim.eps_clip_low_high
+        optim = self.cfg.optim
+        eps_low, eps_high = optim.policy_clip_low_high
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
         self.state.engine.train()
         for k, mb in enumerate(mbs):
@@ -365,7 +367,8 @@ class ZeroRankWorker:
             with self._micro_batch(mb):
                 lp, en = self._forward(mb)
                 loss, stats = micro_batch_loss(lp, en, mb, batch, masks, num_global_tokens, eps_low=eps_low,
-                                               eps_high=eps_high, dual_clip=self.cfg.optim.dual_clip)
+                                               eps_high=eps_high, dual_clip=optim.dual_clip,
+                                               loss_type=optim.policy_loss_type, num_global_samples=num_global_samples)
                 for j, key in enumerate(METRIC_KEYS):
                     sums[j] += float(stats[key]) if self.ring_rank == 0 else 0.0  # ring peers: the same stats
                 # DeepSpeed averages gradients over all ranks (DP x ring); the loss is already a global token mean,

@@ -5,7 +5,8 @@ under pytest).
 flash_attn: CUDA only) and the Ray launcher. So its class ``RemoteExperienceMaker`` and
 ``openrlhf.models.utils.compute_reward`` are taken from the installed files' source with ``ast``, unchanged,
 and executed with the names they use: torch, itertools, and the real ``apply_length_penalties`` and
-``init_logger`` from openrlhf modules that do import. Nothing of OpenRLHF is re-implemented; annotations are
+``init_logger`` from openrlhf modules that do import; ``models/loss.py``'s ``PolicyLoss`` and ``aggregate_loss``
+the same way (:func:`load_loss_module`). Nothing of OpenRLHF is re-implemented; annotations are
 not evaluated (``RayActorGroup`` is only a type annotation). The arguments come from OpenRLHF's own CLI
 parser (``cli/train_ppo_ray.py``'s argparse block) and ``openrlhf.utils.config.hierarchize``, so every
 setting the method reads has OpenRLHF's default unless the test passes its flag.
@@ -61,6 +62,67 @@ def load_experience_maker():
                  logger=init_logger("openrlhf_source"))
     _exec(_definitions(maker_path, {"RemoteExperienceMaker"}), maker_path, scope)
     return scope["RemoteExperienceMaker"]
+
+
+def load_loss_module() -> dict:
+    """OpenRLHF's ``PolicyLoss``, ``aggregate_loss`` (``models/loss.py``), ``compute_approx_kl``, ``compute_reward``
+    and ``masked_mean`` (``models/utils.py``), defined from the installed source: a name -> object dict."""
+    from typing import Optional, Union
+
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    base = _package_dir()
+    scope: dict = {"torch": torch, "nn": nn, "F": F, "dist": dist, "Optional": Optional, "Tuple": Tuple,
+                   "Union": Union, "List": List}
+    utils_path = os.path.join(base, "models", "utils.py")
+    utils = _definitions(utils_path, {"compute_approx_kl", "compute_reward", "masked_mean"})
+    tree = ast.parse(open(utils_path).read(), filename=utils_path)  # the constant compute_approx_kl reads
+    consts = [n for n in tree.body if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "KL_IS_WEIGHT_CLIP"
+                                                                          for t in n.targets)]
+    assert consts, f"{utils_path} no longer defines KL_IS_WEIGHT_CLIP"
+    _exec(ast.Module(body=consts + utils.body, type_ignores=[]), utils_path, scope)
+    loss_path = os.path.join(base, "models", "loss.py")
+    _exec(_definitions(loss_path, {"PolicyLoss", "aggregate_loss"}), loss_path, scope)
+    return scope
+
+
+def _method_block(relpath: str, cls: str, method: str, test_src: str) -> ast.Module:
+    """The ``if <test_src>:`` statement (first match, at any depth) of ``cls.method`` in an installed OpenRLHF file:
+    a block of a method that cannot run here as a whole (Ray, CUDA), executed on its own with the names it reads."""
+    path = os.path.join(_package_dir(), relpath)
+    klass = next(n for n in _definitions(path, {cls}).body)
+    fn = next((n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == method), None)
+    assert fn is not None, f"{path}: {cls}.{method} is gone"
+    found = [n for n in ast.walk(fn) if isinstance(n, ast.If) and ast.unparse(n.test).startswith(test_src)]
+    assert found, f"{path}: {cls}.{method} no longer has `if {test_src}...`"
+    return ast.Module(body=[found[0]], type_ignores=[])
+
+
+def openrlhf_status_mean(status_list: list[dict]) -> dict:
+    """``ActorPPOTrainer.ppo_train``'s step aggregation of its per-update statuses (``status_mean``: "token"-weighted
+    keys by ``_num_action_tokens``, the others by ``_num_samples``, grad norm and LR the last), run from its source."""
+    scope = {"status_list": status_list}
+    _exec(_method_block("trainer/ray/ppo_actor.py", "ActorPPOTrainer", "ppo_train", "status_list"),
+          "ppo_actor.py", scope)
+    return scope["status_mean"]
+
+
+def openrlhf_dynamic_filter_keeps(scores: list[float], lo: float, hi: float) -> bool:
+    """Whether OpenRLHF's dynamic filter (``SamplesGenerator._generate_vllm``) keeps one prompt's group of samples
+    with these ``scores`` under ``--algo.dynamic_filtering_range lo hi``, run from its source."""
+    from types import SimpleNamespace
+
+    from openrlhf.utils.logging_utils import init_logger
+
+    exps = [SimpleNamespace(scores=torch.tensor([s])) for s in scores]
+    args = SimpleNamespace(algo=SimpleNamespace(dynamic_filtering_range=(lo, hi)))
+    scope = {"dynamic_filtering": True, "experiences": exps, "self": SimpleNamespace(args=args),
+             "logger": init_logger("openrlhf_source")}
+    _exec(_method_block("trainer/ppo_utils/samples_generator.py", "SamplesGenerator", "_generate_vllm",
+                        "dynamic_filtering and all("), "samples_generator.py", scope)
+    return bool(scope["experiences"])
 
 
 def openrlhf_parser() -> argparse.ArgumentParser:

@@ -122,6 +122,23 @@ def test_kl_in_the_reward_charges_only_the_policys_tokens(actors, tiny_tokenizer
 
 
 @torch.no_grad()
+def test_the_batch_applies_the_coefficient_of_its_reference_pass(actors, tiny_tokenizer):
+    """The coefficient is read once, in the batch's reference pass: a controller that moves afterwards (the update
+    beside which the batch's credit runs, asynchronous training) changes neither its advantages nor its logged
+    ``kl_coef``; a batch that carries none is refused rather than read from the controller at credit time."""
+    maker = _maker(actors, tiny_tokenizer)
+    exp = _with_kl(maker).value
+    assert exp.kl_coef == COEF
+    want = maker.advantages(exp, None, None).value.advantages.clone()
+    maker.kl.controller.value = 10 * COEF
+    out = maker.advantages(exp, None, None)
+    assert torch.equal(out.value.advantages, want) and out.metrics["kl_coef"] == COEF
+    exp.kl_coef = None
+    with pytest.raises(RuntimeError, match="carries no KL coefficient"):
+        maker.advantages(exp, None, None)
+
+
+@torch.no_grad()
 def test_shape_gains_the_policys_kl_to_go_after_tcr(actors, tiny_tokenizer):
     """SHAPE on the agent episode (segments and TCR over the policy's tokens): with KL in the reward the
     advantages are SHAPE's own plus -coef x the policy tokens' k3 still to come; nothing in the replies."""
@@ -175,7 +192,7 @@ COEF_R = 0.5
 def _worked_batch() -> ExperienceBatch:
     exp = ExperienceBatch(items=[None, None], sequences=[[5, 6, 7, 8], [5, 6, 7]], prompt_lens=[1, 1],
                           texts=["", ""], response_mask=length_mask(LENGTHS, 3), rewards=torch.tensor([1.0, 0.0]))
-    exp.kl = torch.tensor(KL)
+    exp.kl, exp.kl_coef = torch.tensor(KL), COEF_R  # as the ref_logprobs phase leaves a batch
     return exp
 
 
@@ -229,7 +246,7 @@ def test_the_makers_kl_in_the_reward_equals_openrlhfs(actors, tiny_tokenizer, na
     kl = torch.where(mask, torch.rand(8, 6, generator=g) * 0.4 - 0.1, torch.full((8, 6), 5.0))
     exp = ExperienceBatch(items=[None] * 8, sequences=[[5] + [6] * int(k) for k in lengths], prompt_lens=[1] * 8,
                           texts=[""] * 8, response_mask=mask, rewards=rewards.clone())
-    exp.kl = kl.clone()
+    exp.kl, exp.kl_coef = kl.clone(), COEF_R
     ours = _worked_maker(actors, tiny_tokenizer, "grpo" if name == "group_norm" else name, returns, n).advantages(
         exp, None, None).value.advantages
     argv = ["--algo.advantage.estimator", name, "--rollout.n_samples_per_prompt", str(n), *flags]

@@ -8,7 +8,9 @@ shares; the two were one file: two, so that pytest-xdist's two workers can take 
   above the fidelity gap at lr 1e-3) and the correction weights move off 1 there (exactly 1 at step 1); its
   directory as a kill during the step-2 checkpoint leaves it (a copy), resumed (the batch in flight reloaded from
   ``async_pending/``), repeats steps 2-3.
-* max_staleness 2 (its own run): the staleness per step and the old log-probs' own staleness.
+* max_staleness 2 (its own run, with the adaptive KL in the reward and GSPO): the staleness per step and the old
+  log-probs' own staleness, the KL coefficient each batch applied (the controller two steps back); its directory as
+  a kill during the step-2 checkpoint leaves it, resumed, repeats steps 2-4, coefficients included.
 * its checkpoint resumed as a synchronous run's, or at another depth, is refused with a message naming the flag,
   before Ray, the engines or the ranks start (a synchronous checkpoint resumed asynchronously: test_train_e2e.py).
 """
@@ -77,13 +79,32 @@ def test_async_interrupted_during_step_2s_checkpoint_resumes_to_the_uninterrupte
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
-def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file, ray_once):
-    run_dir = str(tmp_path / "s2")
-    flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC + [
-        "--train.max_staleness", "2", "--train.num_steps", "4",
-        "--ckpt.save_steps", "0", "--ckpt.save_hf", "false"]  # no test reads its checkpoints or its export
-    run = run_in_process(flags)
-    m, out = run["metrics"], run["out"]
+S2_KL = ["--algo.kl.init_coef", "0.05", "--algo.kl.target", "0.02", "--algo.kl.horizon", "10"]  # moves 8% a step
+
+
+@pytest.fixture(scope="module")
+def s2_ref(tmp_path_factory, tied_model_dir, parity_reward_file, ray_once) -> dict:
+    """max_staleness 2 (its own run, 4 steps, a checkpoint after each), with the adaptive KL in the reward (a reference
+    model; the coefficient moves every step) and GSPO's sequence-level loss (``--actor.policy_loss_type gspo``,
+    OpenRLHF's; both backends' worker-level check: tests/zero/test_policy_loss_types_on_cpu.py)."""
+    run_dir = str(tmp_path_factory.mktemp("s2_ref") / "run")
+    flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC + S2_KL + [
+        "--train.max_staleness", "2", "--train.num_steps", "4", "--actor.policy_loss_type", "gspo",
+        "--ckpt.save_hf", "false"]
+    return {**run_in_process(flags), "flags": flags}
+
+
+def _controller_values(m: dict, steps: int) -> list[float]:
+    """c_0..c_steps: the controller after each step (c_0 the initial coefficient), from the logged kl of each step,
+    by OpenRLHF's rule (4 samples per step)."""
+    c = [0.05]
+    for s in range(1, steps + 1):
+        c.append(c[-1] * (1 + min(max(m[s]["kl"] / 0.02 - 1, -0.2), 0.2) * 4 / 10))
+    return c
+
+
+def test_async_max_staleness_2(s2_ref):
+    m, out = s2_ref["metrics"], s2_ref["out"]
     assert sorted(m) == [1, 2, 3, 4], out[-3000:]
     _assert_engines_compute_trained_policy(m)
     assert [m[s]["async/staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
@@ -93,6 +114,37 @@ def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file, ray
     assert m[2]["rollout/mismatch/abs_log_ratio/mean"] <= MAX_GAP
     for s in (3, 4):
         assert m[s]["rollout/mismatch/abs_log_ratio/mean"] > DRIFT_FLOOR, (s, m[s])
+    # the KL coefficient each batch applied (read once, in its reference pass on the trainer's thread): batch t's
+    # before update t-1 at staleness 2, so the controller after step t-2 (the first batch, made serially: after
+    # step 0); never the value train(t-1) moves the controller to while the engines run the batch's credit
+    c = _controller_values(m, 4)
+    assert [m[s]["kl_coef"] for s in (1, 2, 3, 4)] == pytest.approx([c[0], c[0], c[1], c[2]], rel=1e-12)
+    assert len({round(x, 12) for x in c[:3]}) == 3  # the controller moved at every step
+    for s in (1, 2):  # batches 1 and 2: old log-probs from the initial weights, the reference's own (k1 exactly 0)
+        assert m[s]["kl"] == 0.0 and m[s]["adv/kl_return/mean"] == 0.0
+    for s in (3, 4):  # one update later the KL enters the advantages
+        assert m[s]["kl"] != 0.0 and m[s]["adv/kl_return/mean"] != 0.0 and m[s]["actor/skipped_updates"] == 0.0
+
+
+def test_staleness_2_adaptive_kl_resumed_after_a_kill_repeats_the_run(tmp_path, s2_ref):
+    """The staleness-2 run's directory as a kill during its step-2 checkpoint leaves it (batches 2 and 3 in flight
+    after step 1, batch 2's credit done with its coefficient, the controller after step 1 saved), resumed: steps 2-4
+    repeat the uninterrupted run's metrics, the applied KL coefficients included."""
+    ref = s2_ref["metrics"]
+    crash_dir = _copy_run(s2_ref, tmp_path / "crash")
+    cut_back_to_step_1(crash_dir, half_written_step_2=True)
+    flags = [crash_dir if f == s2_ref["dir"] else f for f in s2_ref["flags"]]
+    out = run_in_process(flags + ["--ckpt.resume", "auto"])["out"]
+    assert "resumed from" in out and "step_000001" in out, out[-3000:]
+    resumed = _metrics(crash_dir)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    keys = COMPARED + ["kl", "kl_coef", "ref/kl/mean", "adv/kl_return/mean", "rollout/mismatch/abs_log_ratio/mean"]
+    for step in (2, 3, 4):
+        assert resumed[step]["rollout/response_lengths"] == ref[step]["rollout/response_lengths"], step
+        assert resumed[step]["async/staleness"] == ref[step]["async/staleness"]
+        for key in keys:
+            assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
+        assert resumed[step]["kl_coef"] == pytest.approx(ref[step]["kl_coef"], rel=1e-12), step
 
 
 @pytest.mark.parametrize("case", ["async_as_sync", "async_at_another_depth"])  # sync_as_async: test_train_e2e.py

