@@ -312,6 +312,32 @@ class ExperienceBatch:
             action_mask=take(self.action_mask), token_versions=take(self.token_versions),
         )
 
+    @classmethod
+    def concat(cls, parts: Sequence["ExperienceBatch"]) -> "ExperienceBatch":
+        """The samples of ``parts`` in order (dynamic filtering's refill rounds, trainer/experience.py): per-sample
+        lists joined, ``[B]`` tensors concatenated, ``[B, T]`` ones right-padded to the widest T (0 / False; -1 for
+        ``token_versions``); the first part's metrics and log samples, the oldest ``policy_version``."""
+        first, width, joined = parts[0], max(p.response_mask.shape[1] for p in parts), {}
+        for f in dataclasses.fields(cls):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name in ("metrics", "samples", "logprob_version", "probe_version"):
+                continue  # the first part's (a batch is joined before its old log-probs and probes exist)
+            if f.name == "policy_version":
+                joined[f.name] = min(vals)
+            elif any(v is None for v in vals):
+                if not all(v is None for v in vals):
+                    raise ValueError(f"cannot join batches where only some carry {f.name}")
+            elif isinstance(vals[0], list):
+                joined[f.name] = [x for v in vals for x in v]
+            elif vals[0].dim() == 1:
+                joined[f.name] = torch.cat(vals)
+            else:
+                padded = [v.new_full((v.shape[0], width), -1 if f.name == "token_versions" else 0) for v in vals]
+                for p, v in zip(padded, vals):
+                    p[:, : v.shape[1]] = v
+                joined[f.name] = torch.cat(padded)
+        return dataclasses.replace(first, **joined)
+
     def sequence_batch(self, temperature: float) -> SequenceBatch:
         return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature,
                              routed_experts=self.routed_experts)

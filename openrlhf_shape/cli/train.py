@@ -55,7 +55,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train: error: {exc}")
 
-    summary = run_training(cfg)
+    from openrlhf_shape.trainer.experience import FilteringExhausted
+
+    try:
+        summary = run_training(cfg)
+    except FilteringExhausted as exc:  # the data could not fill a batch: the message names the flags, no traceback
+        raise SystemExit(f"openrlhf-shape train: stopped: {exc}")
     if summary:
         print(f"done: steps {summary['steps'][0]}..{summary['steps'][-1]}, report in {cfg.ckpt.output_dir}/report.md")
     return 0

@@ -78,6 +78,11 @@ def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
         cfg.train.num_steps = max(1, cfg.train.num_episodes * (len(dataset) // cfg.rollout.batch_size))
         log.info("--train.num_episodes %d: %d steps", cfg.train.num_episodes, cfg.train.num_steps)
     batcher = PromptBatcher(dataset, cfg.rollout.batch_size, seed=cfg.train.seed)
+    samples, mb = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt, cfg.train.batch_size
+    if samples % mb:
+        log.warning("--train.batch_size %d does not divide the %d samples of a step: each pass over a step's batch "
+                    "trains %d mini-batches and drops %d samples (OpenRLHF's drop_last)", mb, samples, samples // mb,
+                    samples % mb)
     eval_items = None
     if cfg.eval.dataset:
         held_out = dataclasses.replace(prompts, prompt_dataset=_prompt_source(cfg.eval.dataset),
@@ -180,6 +185,7 @@ def build_run(cfg: TrainConfig) -> Run:
                                  reward, tokenizer,
                                  dynamic_filtering=cfg.algo.dynamic_filtering_enable,
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
+                                 dynamic_filtering_max_rounds=cfg.algo.dynamic_filtering_max_rounds,
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range),
                                  stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef,
