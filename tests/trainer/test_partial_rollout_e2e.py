@@ -55,13 +55,15 @@ def test_every_response_finishes_and_spans_policy_versions(partial_ref):
     spanning = [v for v in m[3]["rollout/response_versions"] if len(v) > 1]
     assert spanning and all(v == [0, 1] for v in spanning), m[3]["rollout/response_versions"]
     assert m[3]["partial/multi_version_share"] == pytest.approx(len(spanning) / len(m[3]["rollout/response_versions"]))
-    assert [m[s]["async/policy_version"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]  # the oldest token of each batch
-    assert m[3]["async/staleness"] == 2.0 and m[3]["async/token_staleness/max"] == 2.0
-    assert 1.0 < m[3]["async/token_staleness/mean"] < 2.0  # some tokens one update old, some two
+    for s in (1, 2, 3):  # staleness counts from the oldest token the batch trains on (a filtered group's do not count)
+        assert m[s]["async/staleness"] == m[s]["async/token_staleness/max"] == s - 1 - m[s]["async/policy_version"]
+        assert 0 <= m[s]["async/token_staleness/mean"] <= m[s]["async/token_staleness/max"]
+    assert m[3]["async/staleness"] >= 1.0  # step 3 trains tokens the engines sampled before the last update
     # the probes of a response run once it is complete, on the weights the engines hold then
     assert [m[s]["async/probe_version"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
-    assert m[1]["partial/rounds"] == 3.0  # the pipeline fills: 3 rounds of 8 tokens before a group is done
-    assert m[2]["partial/rounds"] == 1.0 and m[3]["partial/rounds"] == 1.0  # then one round per step
+    assert m[1]["partial/rounds"] >= 3.0  # the pipeline fills: 3 rounds of 8 tokens before a group is done
+    for s in (2, 3):  # then one round per step, unless the filter dropped a group (a refill may run more rounds)
+        assert m[s]["partial/rounds"] == 1.0 or m[s]["rollout/refill_rounds"] > 0, (s, m[s]["partial/rounds"])
 
 
 def test_engines_ran_the_trained_policy_and_the_correction_sees_each_tokens_version(partial_ref):

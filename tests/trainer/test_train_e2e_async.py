@@ -9,7 +9,8 @@ shares; the two were one file: two, so that pytest-xdist's two workers can take 
   directory as a kill during the step-2 checkpoint leaves it (a copy), resumed (the batch in flight reloaded from
   ``async_pending/``), repeats steps 2-3, refills included.
 * max_staleness 2 (its own run, dynamic filtering on): the staleness per step and the old log-probs' own staleness;
-  every step a full batch.
+  every step a full batch; its directory cut back to its step-1 checkpoint and resumed repeats steps 2-4 (step 4's
+  batch, refills included, generated again by the resumed run).
 * its checkpoint resumed as a synchronous run's, or at another depth, is refused with a message naming the flag,
   before Ray, the engines or the ranks start (a synchronous checkpoint resumed asynchronously: test_train_e2e.py).
 """
@@ -85,8 +86,7 @@ def test_async_interrupted_during_step_2s_checkpoint_resumes_to_the_uninterrupte
 def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file, ray_once):
     run_dir = str(tmp_path / "s2")
     flags = _flags(tied_model_dir, parity_reward_file, run_dir) + ASYNC + FILTER + [
-        "--train.max_staleness", "2", "--train.num_steps", "4",
-        "--ckpt.save_steps", "0", "--ckpt.save_hf", "false"]  # no test reads its checkpoints or its export
+        "--train.max_staleness", "2", "--train.num_steps", "4", "--ckpt.save_hf", "false"]
     run = run_in_process(flags)
     m, out = run["metrics"], run["out"]
     assert sorted(m) == [1, 2, 3, 4], out[-3000:]
@@ -99,6 +99,19 @@ def test_async_max_staleness_2(tmp_path, tied_model_dir, parity_reward_file, ray
     assert m[2]["rollout/mismatch/abs_log_ratio/mean"] <= MAX_GAP
     for s in (3, 4):
         assert m[s]["rollout/mismatch/abs_log_ratio/mean"] > DRIFT_FLOOR, (s, m[s])
+    # its directory as a run stopped after its step-1 checkpoint leaves it, resumed: batches 2 and 3 come back from
+    # async_pending/, batch 4 (with its refill rounds) is generated again by the resumed run, the same
+    assert m[4]["rollout/refill_rounds"] > 0, m[4]
+    cut_at = cut_back_to_step_1(run_dir)
+    out = run_in_process(flags + ["--ckpt.resume", "auto"])["out"]
+    assert "resumed from" in out and "step_000001" in out, out[-3000:]
+    resumed = _metrics(run_dir)
+    assert sorted(resumed) == [1, 2, 3, 4] and resumed[1]["time"] < cut_at < resumed[2]["time"]
+    for step in (2, 3, 4):
+        for key in REFILL_KEYS + ["async/staleness", "async/logprob_staleness"]:
+            assert resumed[step][key] == m[step][key], (step, key)
+        for key in COMPARED + ["rollout/mismatch/abs_log_ratio/mean"]:
+            assert resumed[step][key] == pytest.approx(m[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
 @pytest.mark.parametrize("case", ["async_as_sync", "async_at_another_depth"])  # sync_as_async: test_train_e2e.py
