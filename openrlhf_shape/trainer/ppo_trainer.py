@@ -105,7 +105,7 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ phases of the loop
     def train(self, exp, step: int) -> PhaseOutput:
-        """Mini-batch updates over the rollout batch (``actor.max_epochs`` passes, shuffled per pass): ``n //
+        """Mini-batch updates over the rollout batch (``train.max_epochs`` passes, shuffled per pass): ``n //
         train.batch_size`` per pass, the ``n % train.batch_size`` samples left over dropped (OpenRLHF's ``drop_last``;
         ``actor/dropped_samples``, per pass), so the run takes exactly ``TrainConfig.total_optimizer_steps`` updates."""
         cfg = self.cfg

@@ -81,7 +81,7 @@ def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
     samples, mb = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt, cfg.train.batch_size
     if samples % mb:
         log.warning("--train.batch_size %d does not divide the %d samples of a step: each pass over a step's batch "
-                    "trains %d mini-batches and drops %d samples (OpenRLHF's drop_last)", mb, samples, samples // mb,
+                    "trains %d mini-batches and drops %d sample(s) (OpenRLHF's drop_last)", mb, samples, samples // mb,
                     samples % mb)
     eval_items = None
     if cfg.eval.dataset:

@@ -264,6 +264,8 @@ def test_reference_run_trains_reports_and_exports(sync_ref, tied_model_dir, pari
         for phase in ("generate", "logprobs", "probes", "train", "sync"):
             assert r[f"time/{phase}"] > 0
     check_filled_steps(ref)
+    assert "--train.batch_size 3 does not divide the 4 samples of a step: each pass over a step's batch trains 1 " \
+           "mini-batches and drops 1 sample(s)" in sync_ref["out"]  # said once, at start-up
     # the LR schedule's length is the updates the run took
     from openrlhf_shape.config import load_config
 
