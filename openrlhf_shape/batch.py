@@ -304,10 +304,13 @@ class ExperienceBatch:
                         torch.long)
 
     def select(self, rows: Sequence[int]) -> "ExperienceBatch":
-        """The samples at ``rows`` (tensors indexed, lists picked); metrics and samples kept."""
+        """The samples at ``rows`` (tensors indexed, lists picked); metrics and samples kept. With per-token
+        versions, ``policy_version`` becomes the oldest version among the rows kept."""
         idx = torch.as_tensor(list(rows), dtype=torch.long)
         pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
         take = lambda t: None if t is None else t[idx]  # noqa: E731
+        kept = None if self.token_versions is None else self.token_versions[idx]
+        version = int(kept[kept >= 0].min()) if kept is not None and bool((kept >= 0).any()) else self.policy_version
         return dataclasses.replace(
             self, items=pick(self.items), sequences=pick(self.sequences), prompt_lens=pick(self.prompt_lens),
             texts=pick(self.texts), response_mask=self.response_mask[idx], rollout_log_probs=take(self.rollout_log_probs),
@@ -315,8 +318,35 @@ class ExperienceBatch:
             entropy=take(self.entropy), advantages=take(self.advantages), is_weights=take(self.is_weights),
             ref_log_probs=take(self.ref_log_probs), kl=take(self.kl), truncated=take(self.truncated),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
-            action_mask=take(self.action_mask), token_versions=take(self.token_versions),
+            action_mask=take(self.action_mask), token_versions=kept, policy_version=version,
         )
+
+    @classmethod
+    def concat(cls, parts: Sequence["ExperienceBatch"]) -> "ExperienceBatch":
+        """The samples of ``parts`` in order (dynamic filtering's refill rounds, trainer/experience.py): per-sample
+        lists joined, ``[B]`` tensors concatenated, ``[B, T]`` ones right-padded to the widest T (0 / False; -1 for
+        ``token_versions``); the first part's metrics and log samples, the oldest ``policy_version`` of the parts
+        that hold samples."""
+        first, width, joined = parts[0], max(p.response_mask.shape[1] for p in parts), {}
+        for f in dataclasses.fields(cls):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name in ("metrics", "samples", "logprob_version", "probe_version"):
+                continue  # the first part's (a batch is joined before its old log-probs and probes exist)
+            if f.name == "policy_version":
+                joined[f.name] = min((v for v, p in zip(vals, parts) if len(p)), default=first.policy_version)
+            elif any(v is None for v in vals):
+                if not all(v is None for v in vals):
+                    raise ValueError(f"cannot join batches where only some carry {f.name}")
+            elif isinstance(vals[0], list):
+                joined[f.name] = [x for v in vals for x in v]
+            elif vals[0].dim() == 1:
+                joined[f.name] = torch.cat(vals)
+            else:
+                padded = [v.new_full((v.shape[0], width), -1 if f.name == "token_versions" else 0) for v in vals]
+                for p, v in zip(padded, vals):
+                    p[:, : v.shape[1]] = v
+                joined[f.name] = torch.cat(padded)
+        return dataclasses.replace(first, **joined)
 
     def sequence_batch(self, temperature: float) -> SequenceBatch:
         return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature,

@@ -46,7 +46,8 @@ def reward_func(queries, prompts, labels, **kw):
     return {"rewards": r, "scores": r, "extra_logs": {}}
 """
 REPORT_KEYS = ("rollout/reward/mean", "rollout/accuracy", "kl", "kl_coef", "actor/loss", "actor/updates",
-               "rollout/filtered_groups", "rollout/response_length/mean", "time/step")
+               "actor/samples", "actor/dropped_samples", "rollout/filtered_groups", "rollout/refill_rounds",
+               "rollout/prompts_consumed", "rollout/response_length/mean", "time/step")
 
 
 def prompt_file(out_root: str, split: str) -> str:

@@ -63,8 +63,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train: error: {exc}")
 
+    from openrlhf_shape.trainer.experience import FilteringExhausted
+
     try:
         summary = run_training(cfg)
+    except FilteringExhausted as exc:  # the data could not fill a batch: the message names the flags, no traceback
+        raise SystemExit(f"openrlhf-shape train: stopped: {exc}") from None
     except (ValueError, KeyError, FileNotFoundError) as exc:
         if not _names_a_flag(exc):
             raise

@@ -78,9 +78,13 @@ def _check_batches(cfg: "TrainConfig") -> None:
     r, t, m = cfg.rollout, cfg.train, cfg.megatron
     samples = r.batch_size * r.n_samples_per_prompt
     _need(t.batch_size >= 1, "train.batch_size", "must be >= 1")
-    _need(samples % t.batch_size == 0 or cfg.algo.dynamic_filtering_enable, "train.batch_size",
-          f"{t.batch_size} must divide --rollout.batch_size x --rollout.n_samples_per_prompt = {samples} "
-          f"(e.g. --train.batch_size {samples})")
+    # A batch that does not divide the step's samples drops the rest each pass (OpenRLHF's drop_last; the console says
+    # so at start-up): every step trains a full rollout batch, dynamic filtering refilling what it drops.
+    _need(t.batch_size <= samples, "train.batch_size",
+          f"{t.batch_size} is more than the {samples} samples of a step (--rollout.batch_size x "
+          f"--rollout.n_samples_per_prompt): no mini-batch would fill (e.g. --train.batch_size {samples})")
+    _need(cfg.algo.dynamic_filtering_max_rounds >= 1, "algo.dynamic_filtering_max_rounds",
+          f"{cfg.algo.dynamic_filtering_max_rounds}: use >= 1 (refill rounds a step may take)")
     _need(t.max_epochs >= 1, "train.max_epochs", "must be >= 1")
     for flag, budget in (("train", t.max_tokens_per_gpu), ("rollout", r.max_tokens_per_gpu)):
         if (budget is not None or flag == "train") and (not isinstance(budget, int) or budget < 1):

@@ -303,8 +303,14 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.advantage.no_std_norm", False, SAME,
        why="whitening without the std division, for reinforce and reinforce_baseline (the estimators that whiten; "
            "refused with the others, which OpenRLHF ignores it for)", checked_by=(_T_RETURNS,)),
-    _f("algo.dynamic_filtering_enable", False, SAME),
-    _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside", checked_by=(_D + "test_dynamic_filter_keep_rule_equals_openrlhfs",)),
+    _f("algo.dynamic_filtering_enable", False, SAME,
+       why="groups outside --algo.dynamic_filtering_range are dropped and new prompts sampled in their place until "
+           "--rollout.batch_size groups pass, so every step trains a full batch; a short last mini-batch is dropped "
+           "(drop_last) and the LR schedule counts the updates taken. Ours beside it: "
+           "--algo.dynamic_filtering_max_rounds (default 32) bounds the refill rounds of a step and stops the run "
+           "when the data cannot fill a batch"),
+    _f("algo.dynamic_filtering_range", (0, 1), SAME, why="keep a prompt's group when its mean score lies strictly inside",
+       checked_by=(_D + "test_dynamic_filter_keep_rule_equals_openrlhfs",)),
     # ---- rewards
     _f("reward.remote_url", None, SAME,
        why="a reward_func .py (called once per sample, as OpenRLHF) or HTTP server(s); it also judges SHAPE/MRT's "

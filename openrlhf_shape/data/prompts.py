@@ -280,8 +280,9 @@ class PromptBatcher:
 
     Epoch ``e`` uses the permutation ``random.Random(seed + e)`` makes of ``range(len(dataset))``.
     Batches never straddle epochs: ``drop_last=True`` (default) skips the tail that does not fill a
-    batch, so every batch has exactly ``batch_size`` prompts. ``state_dict()`` = {epoch, position,
-    seed, dataset_size, batch_size}; loading it resumes with the very next batch.
+    batch, so every batch has exactly the prompts asked for (``batch_size`` unless :meth:`next_batch` is given a
+    size). ``state_dict()`` = {epoch, position, seed, dataset_size, batch_size}; loading it resumes with the very
+    next batch.
     """
 
     def __init__(self, dataset: PromptDataset | Sequence[PromptItem], batch_size: int, seed: int = 42,
@@ -311,16 +312,20 @@ class PromptBatcher:
         return self._order
 
 
-    def next_batch(self) -> list[PromptItem]:
-        """The next batch; advances (epoch, position)."""
+    def next_batch(self, size: int | None = None) -> list[PromptItem]:
+        """The next ``size`` prompts (default ``batch_size``; dynamic filtering's refills ask for the groups still
+        missing); advances (epoch, position). Under ``drop_last`` an epoch's tail shorter than ``size`` is skipped."""
+        size = self.batch_size if size is None else size
+        if size < 1:
+            raise ValueError(f"a batch of {size} prompts: ask for at least one")
         order = self._epoch_order()
         remaining = len(order) - self.position
-        if remaining <= 0 or (self.drop_last and remaining < self.batch_size):
+        if remaining <= 0 or (self.drop_last and remaining < size):
             self.epoch += 1
             self.position = 0
             self._order = None
             order = self._epoch_order()
-        picked = order[self.position : self.position + self.batch_size]
+        picked = order[self.position : self.position + size]
         self.position += len(picked)
         return [self.dataset[i] for i in picked]
 

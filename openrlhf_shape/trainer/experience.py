@@ -1,7 +1,7 @@
 """The SHAPE experience maker: prompts -> a typed batch of experiences, one phase function each.
 
 Phases of one step (docs/architecture.md, "One step"): :meth:`~ShapeExperienceMaker.generate`
-(vLLM) -> :meth:`~ShapeExperienceMaker.rewards` (+ optional DAPO group filter) ->
+(vLLM) -> :meth:`~ShapeExperienceMaker.rewards` (+ optional DAPO group filter, refilled by :meth:`~ShapeExperienceMaker.fill`) ->
 :meth:`~ShapeExperienceMaker.logprobs` (old log-probs and entropy, the actor) ->
 :meth:`~ShapeExperienceMaker.segment` -> :meth:`~ShapeExperienceMaker.probes` (potentials, vLLM) ->
 :meth:`~ShapeExperienceMaker.advantages` (the registered estimator, then TCR). Each returns a
@@ -18,6 +18,7 @@ inside the colocation lifecycle (``Lifecycle.forward``), in light tests and tool
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,12 +35,46 @@ from openrlhf_shape.algorithms.rollout_correction import (
 from openrlhf_shape.batch import ExperienceBatch, LogProbs, SequenceBatch, length_mask, pad_rows
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER, ProbeConfig, ProbeSuffixes, estimate_potentials
-from openrlhf_shape.rollout.seeds import PROBES, ROLLOUT, derive_seed
+from openrlhf_shape.rollout.seeds import PROBES, REFILL, ROLLOUT, derive_seed
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 
 # Old log-probs and entropy of a SequenceBatch, per sample (and the MoE routing this pass used, under replay).
 LogProbFn = Callable[[SequenceBatch], LogProbs]
+# Dynamic filtering's refill round: (round r >= 1, prompt groups still missing, the round's StepLog) -> the round's
+# scored, filtered batch (ShapeExperienceMaker.fill).
+RefillRound = Callable[[int, int, StepLog], ExperienceBatch]
+
+
+class FilteringExhausted(RuntimeError):
+    """Dynamic filtering could not fill a step's batch within ``--algo.dynamic_filtering_max_rounds`` refill rounds."""
+
+
+# How a refill round's generate and rewards metrics join the step's (merge_round_metrics): counts add up, these
+# describe the pool after the round; lists join, ".../max" takes the larger; any other is a mean over samples.
+_ADDED = ("time/generate", "time/rewards", "rollout/tokens", "rollout/stop_properly_penalized", "rollout/filtered_groups",
+          "agent/env_tokens", "agent/engine_calls", "agent/requests", "agent/partial_batches", "partial/rounds",
+          "partial/requests", "partial/round_tokens", "partial/admitted_groups")
+_LATEST = ("partial/groups_in_flight", "partial/groups_waiting", "partial/tokens_in_flight")
+
+
+def merge_round_metrics(into: dict[str, Any], new: dict[str, Any], done: int, made: int) -> None:
+    """Fold a refill round's metrics ``new`` (over the ``made`` samples it generated) into ``into`` (over the
+    ``done`` samples generated before it), so the step's generate/rewards metrics cover every sample generated."""
+    for k, v in new.items():
+        old = into.get(k)
+        if old is None or k in _LATEST:
+            into[k] = v
+        elif isinstance(v, list):
+            into[k] = old + v
+        elif k in _ADDED:
+            into[k] = old + v
+        elif k.endswith("/max"):
+            into[k] = max(old, v)
+        else:
+            into[k] = (old * done + v * made) / max(done + made, 1)
+    if "rollout/tokens_per_s" in new:
+        into["rollout/tokens_per_s"] = into["rollout/tokens"] / max(into["time/generate"], 1e-9)
 
 
 def delimiter_token_ids(tokenizer, delimiter: str) -> set[int]:
@@ -73,7 +108,9 @@ class ShapeExperienceMaker:
             take the answer's reward path, or Math-Verify under ``probe.scorer == "math_verify"``).
         tokenizer: the policy's tokenizer (probe suffixes, delimiter ids).
         dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
-            ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups).
+            ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups), and, given a
+            prompt source, sample new prompts in their place until the step's groups all passed (:meth:`fill`).
+        dynamic_filtering_max_rounds: the most refill rounds of one step (``--algo.dynamic_filtering_max_rounds``).
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
         reward_clip_range: ``--reward.clip_range``: SHAPE/MRT clamp the outcome into it as it comes; the outcome
             estimators (GRPO, REINFORCE++, ...) clamp their baselined outcome, as OpenRLHF.
@@ -93,7 +130,7 @@ class ShapeExperienceMaker:
 
     def __init__(self, estimator: AdvantageEstimator, sampling: SamplingConfig, probe: ProbeConfig, engines, logprobs_fn: LogProbFn,
                  reward, tokenizer, dynamic_filtering: bool = False,
-                 dynamic_filtering_range: tuple[float, float] = (0.0, 1.0),
+                 dynamic_filtering_range: tuple[float, float] = (0.0, 1.0), dynamic_filtering_max_rounds: int = 32,
                  rollout_correction: RolloutCorrectionConfig | None = None,
                  reward_clip_range: tuple[float, float] = (-10.0, 10.0),
                  stop_properly_penalty_coef: float | None = None, agent=None,
@@ -117,7 +154,7 @@ class ShapeExperienceMaker:
             stop_properly_penalty_coef)
         self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
-        self.dynamic_filtering = dynamic_filtering
+        self.dynamic_filtering, self.max_refill_rounds = dynamic_filtering, dynamic_filtering_max_rounds
         self.agent = agent
         if agent is not None and self.estimator.needs_segments and probe.scorer == "auto":
             raise ValueError(AGENT_PROBE_SCORER)
@@ -125,15 +162,16 @@ class ShapeExperienceMaker:
         self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
                         else None)
 
-    def make_experience(self, items: Sequence, log: StepLog | None = None,
-                        seed: int | None = None) -> ExperienceBatch:
+    def make_experience(self, items: Sequence, log: StepLog | None = None, seed: int | None = None,
+                        more_prompts: Callable[[int], Sequence] | None = None) -> ExperienceBatch:
         """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label), timed
         into ``log`` (the step's :class:`StepLog`; a fresh one when None). ``exp.metrics`` is the log's metrics
-        so far. The batch may be empty (every group filtered): then only generate and rewards ran. ``seed``: the
-        step's seed (``rollout/seeds.py:step_seed``), from which every rollout and probe request's seed derives
-        (None: the engines' own generators)."""
+        so far. ``seed``: the step's seed (``rollout/seeds.py:step_seed``), from which every rollout and probe
+        request's seed derives (None: the engines' own generators). ``more_prompts(k)``: k further prompt items
+        (the batcher), for dynamic filtering's refill (:meth:`rollout`); without it the filter only drops, and the
+        batch may be empty (every group filtered): then only generate and rewards ran."""
         log = log if log is not None else StepLog()
-        exp = self.rollout(items, log, seed)
+        exp = self.rollout(items, log, seed, more_prompts)
         if len(exp):
             exp = self.credit(self.old_policy(exp, log), log, seed)
         exp.metrics = log.metrics
@@ -141,10 +179,56 @@ class ShapeExperienceMaker:
 
     # The three stages of make_experience, by the side of the cluster that does the work (the asynchronous
     # schedule, trainer/schedule.py, runs them in other windows and threads; the phases stay in one list).
-    def rollout(self, items: Sequence, log: StepLog, seed: int | None = None) -> ExperienceBatch:
-        """Engines (and the reward pool): ``generate``, ``rewards`` (``seed``: see :meth:`make_experience`)."""
+    def rollout(self, items: Sequence, log: StepLog, seed: int | None = None,
+                more_prompts: Callable[[int], Sequence] | None = None) -> ExperienceBatch:
+        """Engines (and the reward pool): ``generate``, ``rewards`` (``seed``, ``more_prompts``: see
+        :meth:`make_experience`); with dynamic filtering, refill rounds of ``more_prompts`` until ``len(items)``
+        groups passed (:meth:`fill`), round r sampling with its own seed stream (``rollout/seeds.py``)."""
         exp = log.phase("generate", self.generate, items, seed)
+        exp = log.phase("rewards", self.rewards, exp)
+        if not self.dynamic_filtering:
+            return exp
+        refill = None if more_prompts is None else functools.partial(self.refill_round, more_prompts, seed)
+        return self.fill(exp, len(items), log, refill)
+
+    def refill_round(self, more_prompts: Callable[[int], Sequence], seed: int | None, r: int, missing: int,
+                     log: StepLog) -> ExperienceBatch:
+        """Refill round ``r`` of :meth:`fill`: ``generate`` and ``rewards`` (with the filter) of ``missing`` new
+        prompts, sampled with the round's own seed stream."""
+        exp = log.phase("generate", self.generate, more_prompts(missing), seed, r)
         return log.phase("rewards", self.rewards, exp)
+
+    def fill(self, exp: ExperienceBatch, target: int, log: StepLog, next_round: RefillRound | None) -> ExperienceBatch:
+        """Dynamic filtering's refill, as OpenRLHF's: every filtered prompt group is replaced by a new prompt until
+        ``target`` groups passed. ``exp``: the first round's scored, filtered batch (its metrics in ``log``); round
+        r = 1, 2, ... is ``next_round(r, missing, round_log)``, a scored, filtered batch of at most the ``missing``
+        groups (new prompts, or under partial rollouts further finished groups of the pool: nothing over-fills),
+        whose metrics fold into ``log`` (:func:`merge_round_metrics`). Logs ``rollout/refill_rounds``,
+        ``rollout/prompts_consumed`` (groups generated and judged, refills included) and ``rollout/filter_pass_rate``
+        (the share of them that passed). Past ``dynamic_filtering_max_rounds`` rounds: :class:`FilteringExhausted`.
+        ``next_round`` None (no prompt source: tests, tools): no refill, the batch keeps what passed."""
+        n, parts, rounds = self.sampling.n, [exp], 0
+        generated = len(exp) + n * int(log.metrics["rollout/filtered_groups"])  # samples judged so far
+        while next_round is not None and (have := sum(map(len, parts)) // n) < target:
+            if rounds == self.max_refill_rounds:
+                lo, hi = self.dynamic_filtering_range
+                raise FilteringExhausted(
+                    f"--algo.dynamic_filtering_enable: after {rounds} refill rounds (--algo.dynamic_filtering_max_rounds "
+                    f"{self.max_refill_rounds}) only {have} of the step's {target} prompt groups have a mean score "
+                    f"inside --algo.dynamic_filtering_range ({lo}, {hi}), of {generated // n} tried: the data cannot fill "
+                    "a batch at this policy (every group all right or all wrong?). Raise --algo.dynamic_filtering_max_rounds, "
+                    "widen --algo.dynamic_filtering_range, change the prompts, or turn --algo.dynamic_filtering_enable off")
+            rounds += 1
+            sub = StepLog()
+            part = next_round(rounds, target - have, sub)
+            made = len(part) + n * int(sub.metrics["rollout/filtered_groups"])
+            merge_round_metrics(log.metrics, sub.metrics, generated, made)
+            parts.append(part)
+            generated += made
+        consumed = generated // n
+        log.metrics.update({"rollout/refill_rounds": float(rounds), "rollout/prompts_consumed": float(consumed),
+                            "rollout/filter_pass_rate": sum(map(len, parts)) // n / max(consumed, 1)})
+        return exp if len(parts) == 1 else ExperienceBatch.concat(parts)
 
     def old_policy(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
         """Ranks: ``logprobs`` (old log-probs and entropy), then ``ref_logprobs`` with a reference model."""
@@ -161,13 +245,18 @@ class ShapeExperienceMaker:
         return log.phase("advantages", self.advantages, exp, boundaries, potentials)
 
     # ------------------------------------------------------------------ phases
-    def generate(self, items: Sequence, seed: int | None = None) -> PhaseOutput:
+    def generate(self, items: Sequence, seed: int | None = None, refill_round: int = 0) -> PhaseOutput:
         """n samples per prompt from the engines -> an :class:`ExperienceBatch` (no rewards yet); sample j of
-        prompt i samples with ``request_seed(derive_seed(seed, ROLLOUT), i, j)`` when ``seed`` is given."""
+        prompt i samples with ``request_seed(derive_seed(seed, ROLLOUT), i, j)`` when ``seed`` is given, in dynamic
+        filtering's refill round r >= 1 with ``request_seed(derive_seed(seed, ROLLOUT, REFILL, r), i, j)``."""
         import time
 
-        sampling = self.sampling if seed is None else dataclasses.replace(self.sampling,
-                                                                          seed=derive_seed(seed, ROLLOUT))
+        if not items:
+            raise RuntimeError("the prompt source gave no prompts to generate from")
+        sampling = self.sampling
+        if seed is not None:
+            sampling = dataclasses.replace(sampling, seed=derive_seed(seed, ROLLOUT, REFILL, refill_round) if refill_round
+                                           else derive_seed(seed, ROLLOUT))
         if self.agent is not None:
             return self._generate_episodes(items, sampling)
         n = self.sampling.n
@@ -260,6 +349,7 @@ class ShapeExperienceMaker:
         exp.samples = [{"prompt": exp.items[i].prompt, "response": exp.texts[i], "label": exp.items[i].label,
                         "reward": float(exp.rewards[i])} for i in range(min(len(exp), 4))]
         if self.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
+            # (the maker's fill() then replaces the groups dropped here)
             lo, hi = self.dynamic_filtering_range
             # in float64, as OpenRLHF's Python floats: a float32 score of 0.2 is above a range end of 0.2 there
             mean_score = exp.scores.double().view(-1, self.sampling.n).mean(-1)

@@ -4,7 +4,8 @@ that trains at a step is the first ``--rollout.batch_size`` prompt groups that t
 responses still running carry over to the next window, and so across the weight sync, with the version of every
 token recorded (``ExperienceBatch.token_versions``). The rest of a batch's making (rewards, old log-probs, segments,
 probes, advantages) is the plain one, once the response is complete: its probes run on the weights the engines
-hold then (``async/probe_version``)."""
+hold then (``async/probe_version``). Under dynamic filtering the groups it drops are replaced by further finished groups
+of the pool (:meth:`PartialRollouts.generate` with the groups still missing), admitting new prompts as it needs."""
 
 from __future__ import annotations
 
@@ -29,21 +30,23 @@ class PartialRollouts:
         self.groups_per_step = batcher.batch_size
         self.pool = PartialRolloutPool(chunk_tokens, s.max_tokens, s.n, run_seed)
 
-    def generate(self, step: int, version: int) -> PhaseOutput:
-        """The batch that trains at ``step`` (no rewards yet), generated with weights of ``version`` updates for its
-        tokens sampled now; metrics: the generate phase's plus ``partial/*`` and ``rollout/response_versions``."""
+    def generate(self, step: int, version: int, groups: int | None = None) -> PhaseOutput:
+        """The batch that trains at ``step`` (no rewards yet): ``groups`` finished prompt groups (default a step's;
+        dynamic filtering's refill asks for those still missing), generated with weights of ``version`` updates for
+        its tokens sampled now; metrics: the generate phase's plus ``partial/*`` and ``rollout/response_versions``."""
         maker, pool = self.maker, self.pool
-        needed = (self.num_steps - step + 1) * self.groups_per_step  # groups the rest of the run trains on
+        groups = self.groups_per_step if groups is None else groups
+        needed = (self.num_steps - step) * self.groups_per_step + groups  # groups the rest of the run trains on
 
         def next_prompts():
             return self.batcher.next_batch() if len(pool.groups) < needed else None
 
         t0 = time.perf_counter()
-        groups, stats = pool.collect(maker.engines, maker.sampling, version, self.groups_per_step, next_prompts)
+        done, stats = pool.collect(maker.engines, maker.sampling, version, groups, next_prompts)
         seconds = time.perf_counter() - t0
-        if not groups:
+        if not done:
             raise RuntimeError(f"step {step}: partial rollouts finished no prompt group (the run needs no more prompts)")
-        items, gens, versions = finished_generations(groups, maker.tokenizer, maker.sampling.skip_special_tokens)
+        items, gens, versions = finished_generations(done, maker.tokenizer, maker.sampling.skip_special_tokens)
         out = maker.batch_of(items, gens, seconds)
         exp = out.value
         exp.token_versions = pad_rows([torch.tensor(v, dtype=torch.long) for v in versions],

@@ -5,8 +5,8 @@ Set-up (data, Ray, engines, the actor group, rewards) lives in :mod:`openrlhf_sh
 the experience phases in :mod:`openrlhf_shape.trainer.experience`; per-phase timing and metrics in
 :class:`~openrlhf_shape.trainer.phases.StepLog`. Per step (docs/architecture.md): the rollout batch
 is cut into mini-batches of ``train.batch_size`` samples, each one optimizer step on the
-Megatron ranks (loss normalised by the mini-batch's global valid-token count); then the new weights
-stream to the vLLM engines.
+Megatron ranks (loss normalised by the mini-batch's global valid-token count); a short last one is dropped, as
+OpenRLHF's replay-buffer loader drops it (``drop_last``); then the new weights stream to the vLLM engines.
 """
 
 from __future__ import annotations
@@ -116,21 +116,25 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ phases of the loop
     def train(self, exp, step: int) -> PhaseOutput:
-        """Mini-batch updates over the rollout batch (``actor.max_epochs`` passes, shuffled per step)."""
+        """Mini-batch updates over the rollout batch (``train.max_epochs`` passes, shuffled per pass): ``n //
+        train.batch_size`` per pass, the ``n % train.batch_size`` samples left over dropped (OpenRLHF's ``drop_last``;
+        ``actor/dropped_samples``, per pass), so the run takes exactly ``TrainConfig.total_optimizer_steps`` updates."""
         cfg = self.cfg
-        n = len(exp)
-        mb = min(cfg.train.batch_size, n)
+        n, mb = len(exp), cfg.train.batch_size
+        if n < mb:
+            raise RuntimeError(f"step {step}: {n} samples do not fill one mini-batch of --train.batch_size {mb}")
         gen = torch.Generator().manual_seed(cfg.train.seed * 100003 + step)
         kl, rows = self.run.maker.kl, []
         # the coefficient the batch carries (read once when it was made: trainer/experience.py ref_logprobs)
         term = KLLossTerm(exp.kl_coef, kl.estimator, kl.unbiased_gradient) if kl is not None and kl.in_loss else None
         for _epoch in range(cfg.train.max_epochs):
             order = torch.randperm(n, generator=gen).tolist()
-            for start in range(0, n, mb):  # a short last mini-batch (after DAPO filtering) still trains
+            for start in range(0, n - mb + 1, mb):  # full mini-batches only (drop_last)
                 batch = exp.train_batch(order[start : start + mb], cfg.rollout.temperature, kl_loss=term)
                 rows.append(self.run.cluster.ranks.train_step(batch))
         out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
         out["actor/updates"] = float(len(rows))
+        out["actor/samples"], out["actor/dropped_samples"] = float(n), float(n % mb)
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
         if kl is not None:
             if term is not None:  # OpenRLHF's kl in the loss: the updates' token-mean KL to the reference
@@ -327,8 +331,9 @@ def check_resume(cfg: TrainConfig) -> None:
 
 
 def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
-    """The one console line of a step: accuracy, length, SHAPE segments / drop rate, loss, the
-    rollout/trainer log-prob mismatch (mean/max |dlogp|), step time by phase, time left in this run."""
+    """The one console line of a step: accuracy, length, dynamic filtering's pass rate and refill rounds (when on),
+    SHAPE segments / drop rate, loss, the rollout/trainer log-prob mismatch (mean/max |dlogp|), step time by phase,
+    time left in this run."""
 
     def get(key: str, fmt: str) -> str:
         v = metrics.get(key)
@@ -344,8 +349,10 @@ def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float |
         seen = sorted({v for vs in metrics["rollout/response_versions"] for v in vs})
         gap += (f", tokens of v{seen[0]}..v{seen[-1]} ({get('partial/multi_version_share', '.0%')} of responses span "
                 f"syncs), probes on v{get('async/probe_version', '.0f')}")
+    refill = (f", filter pass {get('rollout/filter_pass_rate', '.2f')} ({get('rollout/refill_rounds', '.0f')} refills)"
+              if "rollout/refill_rounds" in metrics else "")
     return (
-        f"step {step}/{num_steps}: acc {get('rollout/accuracy', '.3f')}, len {get('rollout/response_length/mean', '.0f')}, "
+        f"step {step}/{num_steps}: acc {get('rollout/accuracy', '.3f')}, len {get('rollout/response_length/mean', '.0f')}{refill}, "
         f"segments {get('shape/segments_per_response/mean', '.2f')}, drop {get('shape/potential_drop_rate', '.2f')}, "
         f"loss {get('actor/loss', '.4f')}, {gap}, {get('time/step', '.1f')} s ({phases}){eta}"
     )

@@ -57,12 +57,46 @@ def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dic
             f"{h.get('shape/segments_per_response/mean', float('nan')):.2f} | {h.get('shape/potential_drop_rate', float('nan')):.2f} | "
             f"{h.get('actor/loss', float('nan')):.4f} | {held_out} |"
         )
+    lines += _sample_table(history, summary)
     lines += _instrument_table(history, summary)
     with open(os.path.join(run_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
+
+
+# Sample counts per step as (metric, column title, format); a column shows when any step logged it. Dynamic
+# filtering (--algo.dynamic_filtering_enable) adds the prompts it took, its refill rounds and groups dropped.
+SAMPLE_COUNTS = (
+    ("rollout/prompts_consumed", "prompts consumed", ".0f"),
+    ("rollout/refill_rounds", "refill rounds", ".0f"),
+    ("rollout/filtered_groups", "groups filtered", ".0f"),
+    ("rollout/filter_pass_rate", "filter pass rate", ".2f"),
+    ("actor/samples", "samples trained", ".0f"),
+    ("actor/dropped_samples", "dropped (drop_last)", ".0f"),
+    ("actor/updates", "updates", ".0f"),
+)
+
+
+def _sample_table(history: list[dict], summary: dict[str, Any]) -> list[str]:
+    """Per step: the prompts the step took (refills included), the refill rounds, the groups the filter dropped and
+    the share that passed, the samples of the trained batch, those a short last mini-batch left out, the updates."""
+    cols = [c for c in SAMPLE_COUNTS if any(isinstance(h.get(c[0]), (int, float)) for h in history)]
+    summary["sample_counts"] = {key: [h.get(key) for h in history] for key, _, _ in cols}
+    if not cols:
+        return []
+    return ["", "Samples per step (the dropped ones: per pass over the batch, each --actor.max_epochs pass).", ""] + \
+        _column_table(history, cols)
+
+
+def _column_table(history: list[dict], cols: list[tuple[str, str, str]]) -> list[str]:
+    """A markdown table: one row per step, one column per (metric, title, format); blank where a step lacks it."""
+    lines = ["| step | " + " | ".join(title for _, title, _ in cols) + " |", "| ---: |" + " ---: |" * len(cols)]
+    for h in history:
+        cells = [format(h[key], fmt) if isinstance(h.get(key), (int, float)) else "" for key, _, fmt in cols]
+        lines.append(f"| {h['step']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # The advantage instruments (issue 23) as (metric, column title, format); a column shows when any step logged it.
@@ -87,10 +121,6 @@ def _instrument_table(history: list[dict], summary: dict[str, Any]) -> list[str]
     summary["length_alarm_steps"] = fired
     if not cols:
         return []
-    lines = ["", "Advantage instruments (README, metrics): "
-             + (f"the length alarm fired at step(s) {fired}." if fired else "the length alarm did not fire."), "",
-             "| step | " + " | ".join(title for _, title, _ in cols) + " |", "| ---: |" + " ---: |" * len(cols)]
-    for h in history:
-        cells = [format(h[key], fmt) if isinstance(h.get(key), (int, float)) else "" for key, _, fmt in cols]
-        lines.append(f"| {h['step']} | " + " | ".join(cells) + " |")
-    return lines
+    return ["", "Advantage instruments (README, metrics): "
+            + (f"the length alarm fired at step(s) {fired}." if fired else "the length alarm did not fire."), ""] + \
+        _column_table(history, cols)

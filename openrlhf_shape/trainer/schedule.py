@@ -39,6 +39,10 @@ whatever the engines' count or state. A
 checkpoint stores the batches in flight (:meth:`OneStepOffSchedule.save_pending`): a resumed run continues
 with them and repeats the uninterrupted run step for step (the weights that generated them are gone).
 
+Dynamic filtering's refill rounds (``--algo.dynamic_filtering_enable``, :meth:`ShapeExperienceMaker.fill`) are part of
+a batch's generate and rewards: on the engines' side of the window in the asynchronous schedule, so they overlap the
+update as the rest of the generation does; the batcher's position then includes the prompts they took.
+
 With ``--train.partial_rollout_enable`` the engines' generate is :class:`~openrlhf_shape.trainer.partial.PartialRollouts`:
 the batch is the first prompt groups that the responses in flight finish, whose tokens may come from several
 versions (``ExperienceBatch.token_versions``; ``policy_version`` is the oldest); the responses still running are
@@ -101,8 +105,8 @@ class SyncSchedule:
     def experience(self, step: int, rec: StepLog) -> ExperienceBatch:
         items = self.batcher.next_batch()
         # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
-        # generate, rewards, logprobs, segment, probes, advantages
-        return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step))
+        # generate, rewards (dynamic filtering: refills from the batcher), logprobs, segment, probes, advantages
+        return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step), more_prompts=self.batcher.next_batch)
 
     def settle(self, rec: StepLog, updated: bool) -> None:
         """Nothing runs beside the update."""
@@ -208,8 +212,16 @@ class OneStepOffSchedule(SyncSchedule):
         if self.partial is not None:  # the first groups the responses in flight finish, tokens of several versions
             exp = log.phase("generate", self.partial.generate, step, self.updates)
             exp = log.phase("rewards", self.maker.rewards, exp)
-        else:
-            exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step))
+            if self.maker.dynamic_filtering:  # refills: further finished groups of the pool
+
+                def refill(r: int, missing: int, sub: StepLog) -> ExperienceBatch:
+                    return sub.phase("rewards", self.maker.rewards,
+                                     sub.phase("generate", self.partial.generate, step, self.updates, missing))
+
+                exp = self.maker.fill(exp, self.batcher.batch_size, log, refill)
+        else:  # dynamic filtering refills from the batcher here, on the engines' side
+            exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step),
+                                     more_prompts=self.batcher.next_batch)
             exp.policy_version = self.updates
         exp.metrics = log.metrics
         self.events.append(("generate", step, t0, time.perf_counter()))

@@ -79,6 +79,11 @@ def build_data(cfg: TrainConfig, tokenizer) -> tuple[Any, list | None]:
         cfg.train.num_steps = max(1, cfg.train.num_episodes * (len(dataset) // cfg.rollout.batch_size))
         log.info("--train.num_episodes %d: %d steps", cfg.train.num_episodes, cfg.train.num_steps)
     batcher = PromptBatcher(dataset, cfg.rollout.batch_size, seed=cfg.train.seed)
+    samples, mb = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt, cfg.train.batch_size
+    if samples % mb:
+        log.warning("--train.batch_size %d does not divide the %d samples of a step: each pass over a step's batch "
+                    "trains %d mini-batches and drops %d sample(s) (OpenRLHF's drop_last)", mb, samples, samples // mb,
+                    samples % mb)
     eval_items = None
     if cfg.eval.dataset:
         held_out = dataclasses.replace(prompts, prompt_dataset=_prompt_source(cfg.eval.dataset),
@@ -155,9 +160,9 @@ def build_run(cfg: TrainConfig) -> Run:
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
     check_dtypes(cfg, platform.on_gpu)  # bf16 on a CPU run: refused (Megatron) or said once (DeepSpeed)
-    log.info("platform: %s (%s, %g GPUs seen), Megatron %s over %s, layer spec %s, vLLM dtype %s",
-             platform.device, platform.source, platform.cluster_gpus, platform.megatron_dtype,
-             platform.collective_backend, platform.layer_spec, platform.engine_dtype)
+    log.info("platform: %s (%s, %g GPUs seen), Megatron %s over %s, layer spec %s, vLLM dtype %s", platform.device,
+             platform.source, platform.cluster_gpus, platform.megatron_dtype, platform.collective_backend,
+             platform.layer_spec, platform.engine_dtype)
     engine_cfg = cfg.vllm.engine_config(
         model_path=model_dir, seed=cfg.train.seed, max_model_len=cfg.max_model_len(),
         enable_sleep_mode=bool(platform.engine_sleep_mode and cfg.train.colocate_all),
@@ -179,9 +184,9 @@ def build_run(cfg: TrainConfig) -> Run:
     # The maker's forward (old log-probs) runs inside the colocation lifecycle.
     estimator = cfg.advantage_estimator()  # --algo.advantage.estimator over --shape.* and --algo.advantage.gamma
     maker = ShapeExperienceMaker(estimator, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
-                                 reward, tokenizer,
-                                 dynamic_filtering=cfg.algo.dynamic_filtering_enable,
+                                 reward, tokenizer, dynamic_filtering=cfg.algo.dynamic_filtering_enable,
                                  dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
+                                 dynamic_filtering_max_rounds=cfg.algo.dynamic_filtering_max_rounds,
                                  rollout_correction=cfg.rollout_correction(),
                                  reward_clip_range=tuple(cfg.reward.clip_range),
                                  stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef,

@@ -60,7 +60,7 @@ def test_parse_overrides_handles_negatives_and_bare_flags():
         (["--rollout.n_sample_per_prompt", "3"], "did you mean --rollout.n_samples_per_prompt"),
         (["--shape.alpha", "0.6"], r"--shape.alpha.*A\.1"),
         (["--rollout.temperature", "hot"], "--rollout.temperature"),
-        (["--train.batch_size", "7"], "--train.batch_size"),
+        (["--train.batch_size", "1000000"], "--train.batch_size: 1000000 is more than the 1024 samples"),
         (["--actor.num_gpus_per_node", "3", "--megatron.tensor_model_parallel_size", "2"], "--actor.num_nodes x"),
         (["--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "1",
           "--train.batch_size", "128"], "--rollout.n_samples_per_prompt"),

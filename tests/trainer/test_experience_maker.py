@@ -199,6 +199,88 @@ def test_dynamic_filtering_drops_constant_groups(engines, parts):
     assert math.isfinite(exp.metrics["rollout/accuracy"])
 
 
+# Prompts whose label has an even number of characters are "solved" by every sample (a group the filter drops); the
+# others score the response's length parity (mixed groups, mostly). Deterministic for seeded requests.
+SOLVED_EVEN_LABELS = """
+import torch
+
+def reward_func(queries, prompts, labels, **kw):
+    r = torch.tensor([1.0 if len(l) % 2 == 0 else float((len(q) - len(p)) % 2 == 0)
+                      for q, p, l in zip(queries, prompts, labels)])
+    return {"rewards": r, "scores": r, "extra_logs": {}}
+"""
+ALL_SOLVED = """
+import torch
+
+def reward_func(queries, prompts, labels, **kw):
+    return {"rewards": torch.ones(len(queries)), "scores": torch.ones(len(queries)), "extra_logs": {}}
+"""
+
+
+@pytest.fixture(scope="module")
+def prompt_set(parts):
+    from openrlhf_shape.data.prompts import PromptDataConfig, bundled_math_path, build_prompt_dataset
+
+    return build_prompt_dataset(PromptDataConfig(prompt_dataset=bundled_math_path("train"), input_key="question",
+                                                 label_key="answer", apply_chat_template=True, max_samples=40), parts[0])
+
+
+def _filtering_rollout(engines, parts, prompt_set, reward_text, tmp_path, max_rounds=32, seed=11):
+    """One step's rollout (generate, rewards, refills) of 3 prompt groups with dynamic filtering on, its prompts
+    and refills from a fresh batcher; returns (batch, metrics, batcher)."""
+    from openrlhf_shape.data.prompts import PromptBatcher
+    from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
+    from openrlhf_shape.trainer.phases import StepLog
+
+    path = tmp_path / "filter_reward.py"
+    path.write_text(reward_text)
+    tok, _, actor, _ = parts
+    batcher = PromptBatcher(prompt_set, 3, seed=5)
+    with RewardComputer(RewardConfig(remote_url=str(path), num_workers=1)) as reward:
+        maker = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=12),
+                                     ProbeConfig(num_probes=1, max_tokens=4), engines,
+                                     actor.compute_logprobs_and_entropy, reward, tok, dynamic_filtering=True,
+                                     dynamic_filtering_max_rounds=max_rounds)
+        log = StepLog()
+        exp = maker.rollout(batcher.next_batch(), log, seed=seed, more_prompts=batcher.next_batch)
+    return exp, log.metrics, batcher
+
+
+def test_dynamic_filtering_refills_the_step_with_new_prompts_each_once_in_order(engines, parts, prompt_set, tmp_path):
+    """OpenRLHF's refill: the groups the filter drops are replaced by new prompts from the data until the step's 3
+    groups passed; the prompts taken are the data order's next ones, each once; the same seed repeats the step."""
+    from openrlhf_shape.data.prompts import PromptBatcher
+
+    exp, m, batcher = _filtering_rollout(engines, parts, prompt_set, SOLVED_EVEN_LABELS, tmp_path)
+    assert len(exp) == 3 * N  # a full batch: exactly rollout.batch_size x n samples
+    groups = exp.scores.view(-1, N).mean(-1)
+    assert ((groups > 0) & (groups < 1)).all()  # every group kept lies strictly inside the range
+    consumed = int(m["rollout/prompts_consumed"])
+    assert m["rollout/refill_rounds"] >= 1 and consumed == 3 + m["rollout/filtered_groups"]
+    assert m["rollout/filter_pass_rate"] == pytest.approx(3 / consumed)
+    # the prompts taken: the next `consumed` of the data order (batcher's position), each once; the kept groups
+    # among them in the order taken, the dropped ones solved (even-length label) or of one parity
+    assert (batcher.epoch, batcher.position) == (0, consumed)
+    order = [prompt_set[i].index for i in PromptBatcher(prompt_set, 3, seed=5)._epoch_order()[:consumed]]
+    kept = [it.index for it in exp.items[::N]]
+    assert len(set(order)) == consumed and kept == [i for i in order if i in kept]
+    assert len(m["rollout/response_lengths"]) == consumed * N  # the generate metrics cover every sample judged
+    # a resumed run repeats the step: the same batch, refills included (each round's requests carry their seeds)
+    again, m2, _ = _filtering_rollout(engines, parts, prompt_set, SOLVED_EVEN_LABELS, tmp_path)
+    assert again.texts == exp.texts and m2["rollout/prompts_consumed"] == consumed
+
+
+def test_dynamic_filtering_stops_past_its_round_bound_naming_the_flags(engines, parts, prompt_set, tmp_path):
+    """Everything solved: no group ever passes; after --algo.dynamic_filtering_max_rounds refill rounds (2 here),
+    each asking for the 3 missing groups, the run stops with a message naming the flags."""
+    from openrlhf_shape.trainer.experience import FilteringExhausted
+
+    with pytest.raises(FilteringExhausted, match=r"after 2 refill rounds \(--algo\.dynamic_filtering_max_rounds 2\) "
+                                                 r"only 0 of the step's 3 prompt groups .*of 9 tried") as err:
+        _filtering_rollout(engines, parts, prompt_set, ALL_SOLVED, tmp_path, max_rounds=2)
+    assert "--algo.dynamic_filtering_range" in str(err.value) and "--algo.dynamic_filtering_enable" in str(err.value)
+
+
 def test_rewards_outside_unit_interval_are_refused_for_shape(engines, parts, tmp_path):
     from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
 

@@ -6,7 +6,8 @@ reward and output paths changed and its layout shrunk to this machine (later fla
 script's reference model and KL in the loss (k2, one reference rank) and its own estimator.
 
 * prorlv2_math: ZeRO-3 picked by ``--ds.zero_stage``, colocated with ``--ds.enable_sleep``/``--vllm.enable_sleep``,
-  ICEPOP correction, dynamic filtering and ``--reward.stop_properly_penalty_coef 0.0``.
+  ICEPOP correction, dynamic filtering (every step trains the full 2 x 4 samples: refills) and
+  ``--reward.stop_properly_penalty_coef 0.0``.
 * reinforce_baseline_agent_async: ``--train.async_enable`` with ``--train.colocate_all`` (engines apart, as in
   OpenRLHF), ``--rollout.max_tokens_per_gpu`` and its agent, ``--train.agent_func_path``: OpenRLHF's
   ``examples/python/agent_func.py`` when ``OPENRLHF_AGENT_EXAMPLE`` names a copy of it (it does not ship with the
@@ -104,7 +105,10 @@ def test_prorlv2_math_recipe_trains(tmp_path, tiny_model_dir, ray_once):
         assert err.count(f"--{flag}: accepted, no switch here") == 1, err[-3000:]
     assert err.count("--ds.zero_stage without --actor.backend: --actor.backend deepspeed") == 1
     for r in rows:  # coef 0.0: a response cut at max_new_tokens earns nothing; scores (accuracy) untouched
-        assert r["rollout/stop_properly_penalized"] == pytest.approx(8 * r["rollout/truncated_rate"])
+        assert r["actor/samples"] == 8  # dynamic filtering refilled what it dropped: a full 2 x 4 batch
+        # over every sample judged (4 per prompt consumed, refills included)
+        assert r["rollout/stop_properly_penalized"] == pytest.approx(4 * r["rollout/prompts_consumed"]
+                                                                     * r["rollout/truncated_rate"])
         if r["rollout/truncated_rate"] == 1.0:
             assert r["rollout/reward/mean"] == 0.0 and "rollout/accuracy" in r
         assert "rollout/correction/filtered_frac" in r  # ICEPOP (--algo.advantage.is_correction_mode mask)
@@ -136,6 +140,7 @@ def test_agent_async_recipe_trains_one_step_off(tmp_path, tiny_model_dir, ray_on
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["async/staleness"] == 1.0
     for r in rows:  # the agent's episodes: several turns, the environment's replies out of the loss
         assert r["agent/turns/mean"] >= 2 and r["agent/env_tokens"] > 0
+        assert r["actor/samples"] == 8  # dynamic filtering refilled on the engines' side: a full 2 x 4 batch
         assert r["rollout/tokens"] < sum(r["rollout/response_lengths"])  # rollout/tokens: the policy's turns only
         # the mismatch is measured on the policy's tokens of the samples DAPO's group filter keeps (the script
         # filters): all of them when no group is dropped

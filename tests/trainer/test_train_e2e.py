@@ -4,15 +4,21 @@ asynchronous runs (``--train.async_enable``; trainer/schedule.py) are test_train
 pytest-xdist's two workers can take one each). This module also holds what the trainer's end-to-end modules share:
 the flags of the reference runs, ``run_in_process``, the resume helpers and the checks of every step.
 
-One reference run (a module fixture, 3 steps), read by several tests; a test that needs to change a run
+One reference run (a module fixture, 3 steps), with dynamic filtering on (``--algo.dynamic_filtering_enable``: the
+parity reward leaves about half the groups of 2 samples constant, and each step refills them with new prompts) and
+``--train.batch_size 3`` of a step's 4 samples (one update, one sample dropped per step: OpenRLHF's drop_last), read
+by several tests; a test that needs to change a run
 directory works on a copy (``shutil.copytree``), so no test depends on another. Runs whose command line adds
 nothing run in this process on the test process's Ray (``run_in_process``: the command's own code after its
 flag parsing); the SIGKILLed run runs as a user runs it, ``openrlhf-shape train`` in a process (and Ray) of its
 own, and its resume in this process (a resume on the command line: tests/trainer/test_train_e2e_kl.py's DeepSpeed resume):
 
+* every step trains a full batch (2 groups x 2 samples) whatever the filter dropped, takes the prompts it consumed
+  from the data once each, in order (the checkpoint's data position), and the run takes exactly the LR schedule's
+  updates (``TrainConfig.total_optimizer_steps``); the report shows the sample counts;
 * the run report and the HF export; ``convert megatron`` of its last checkpoint equals that export; a run
   SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with ``--ckpt.resume
-  auto``, repeats steps 2-3 (its step 1 repeats the reference's exactly).
+  auto``, repeats steps 2-3 (its step 1 repeats the reference's exactly), refills included.
 * its checkpoint resumed as an asynchronous run's is refused with a message naming the flag, before Ray, the
   engines or the ranks start (the other mode and depth: test_train_e2e_async.py).
 
@@ -39,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 MAX_GAP = 3e-5  # mean |dlogp| (nats), float32 engine and trainer on the same weights
 ASYNC = ["--train.async_enable", "true"]
+FILTER = ["--algo.dynamic_filtering_enable"]  # DAPO's filter with OpenRLHF's refill (trainer/experience.py: fill)
 DRIFT_FLOOR = 100 * MAX_GAP  # the policy moved between the batch's weights and the trained ones (lr 1e-3)
 
 
@@ -84,12 +91,30 @@ def _flags(model_dir, reward_file, out_dir, estimator="shape"):
     ]
 
 
+def _sync_flags(model_dir, reward_file, out_dir):
+    """The synchronous reference's command: filtering on, 3 of a step's 4 samples per mini-batch (drop_last), and
+    enough prompts that 3 steps of refills stay in the data's first epoch."""
+    return _flags(model_dir, reward_file, out_dir) + FILTER + ["--train.batch_size", "3", "--data.max_samples", "64"]
+
+
+def check_filled_steps(metrics: dict[int, dict], groups: int = 2, n: int = 2) -> None:
+    """Every step trained a full batch: ``groups`` prompt groups passed the filter (of ``rollout/prompts_consumed``
+    tried, the rest filtered), whatever the filter dropped; some step refilled."""
+    for step, r in sorted(metrics.items()):
+        assert r["actor/samples"] == groups * n, (step, r["actor/samples"])
+        assert r["rollout/prompts_consumed"] == groups + r["rollout/filtered_groups"], step
+        assert r["rollout/filter_pass_rate"] == pytest.approx(groups / r["rollout/prompts_consumed"]), step
+        assert len(r["rollout/response_lengths"]) == r["rollout/prompts_consumed"] * n  # every sample judged
+        assert (r["rollout/refill_rounds"] > 0) == (r["rollout/filtered_groups"] > 0), step
+    assert sum(r["rollout/refill_rounds"] for r in metrics.values()) > 0  # the parity reward drops some group
+
+
 def _async_flags(model_dir, reward_file, out_dir):
     """The asynchronous reference's command: max_staleness 1, token-level off-policy correction. Its ratio band is
     one that the drift of one update (lr 1e-3: mean |log w| 0.2-0.35 here) leaves on both sides, so the correction
     masks tokens whatever the draws; in OpenRLHF's default band [0.5, 5] whether any of a step's 96 tokens falls
     outside is up to them (step 3 with the per-request seeds: max |log w| 0.74, all 96 inside)."""
-    return _flags(model_dir, reward_file, out_dir) + ASYNC + [
+    return _flags(model_dir, reward_file, out_dir) + ASYNC + FILTER + [
         "--train.max_staleness", "1", "--algo.advantage.is_correction_level", "token",
         "--algo.advantage.is_correction_threshold", "0.8", "1.25"]
 
@@ -146,6 +171,8 @@ def _kill_after_step_1_checkpoint(proc, out_dir) -> None:
     proc.wait()
 
 
+REFILL_KEYS = ["rollout/response_lengths", "rollout/prompts_consumed", "rollout/refill_rounds",
+               "rollout/filtered_groups", "actor/samples"]
 COMPARED = ["rollout/accuracy", "rollout/response_length/mean", "rollout/tokens", "actor/loss", "actor/grad_norm",
             "shape/segments_per_response/mean", "shape/phi/mean", "probe/tokens", "adv/token/mean",
             "alarm/length_drop", "alarm/length_collapse"]
@@ -225,18 +252,33 @@ def run_in_process(flags) -> dict:
 @pytest.fixture(scope="module")
 def sync_ref(tmp_path_factory, tied_model_dir, parity_reward_file, ray_once) -> dict:
     """The synchronous reference: 3 steps, a checkpoint after each, the HF export at the end."""
-    return run_in_process(_flags(tied_model_dir, parity_reward_file, str(tmp_path_factory.mktemp("sync_ref") / "run")))
+    return run_in_process(_sync_flags(tied_model_dir, parity_reward_file,
+                                      str(tmp_path_factory.mktemp("sync_ref") / "run")))
 
 
 # ---------------------------------------------------------------------------------------------- synchronous
-def test_reference_run_trains_reports_and_exports(sync_ref):
+def test_reference_run_trains_reports_and_exports(sync_ref, tied_model_dir, parity_reward_file):
     ref, ref_dir = sync_ref["metrics"], sync_ref["dir"]
     assert sorted(ref) == [1, 2, 3], sync_ref["out"][-3000:]
     assert_engine_ran_trained_policy(ref)
     for r in ref.values():
         assert r["actor/updates"] == 1.0 and r["actor/skipped_updates"] == 0.0
+        assert r["actor/dropped_samples"] == 1.0  # 4 samples, mini-batches of 3: one short mini-batch dropped
         for phase in ("generate", "logprobs", "probes", "train", "sync"):
             assert r[f"time/{phase}"] > 0
+    check_filled_steps(ref)
+    assert "--train.batch_size 3 does not divide the 4 samples of a step: each pass over a step's batch trains 1 " \
+           "mini-batches and drops 1 sample(s)" in sync_ref["out"]  # said once, at start-up
+    # the LR schedule's length is the updates the run took
+    from openrlhf_shape.config import load_config
+
+    cfg = load_config(None, _sync_flags(tied_model_dir, parity_reward_file, ref_dir))
+    assert sum(r["actor/updates"] for r in ref.values()) == cfg.total_optimizer_steps() == 3
+    # the data order: each step took its batch and refills from the data, once each (the checkpoint's position)
+    from openrlhf_shape.checkpoint_dir import read_complete_meta
+
+    batcher = read_complete_meta(os.path.join(ref_dir, "checkpoints", "step_000003"))[1]["extra"]["batcher"]
+    assert (batcher["epoch"], batcher["position"]) == (0, sum(r["rollout/prompts_consumed"] for r in ref.values()))
     assert os.path.isfile(os.path.join(ref_dir, "hf", "config.json"))  # HF export at the end
     # the run report shows what metrics.jsonl holds, the metrics added after a step's phases too (it once
     # copied each step before the idle shares and the length alarm were added, and never showed either)
@@ -248,6 +290,9 @@ def test_reference_run_trains_reports_and_exports(sync_ref):
     with open(os.path.join(ref_dir, "report.md")) as f:
         report = f.read()
     assert "Idle share of the steps' wall time" in report and "| length drop |" in report
+    assert "| step | prompts consumed | refill rounds | groups filtered | filter pass rate | samples trained | " \
+           "dropped (drop_last) | updates |" in report
+    assert summary["sample_counts"]["rollout/prompts_consumed"] == [ref[s]["rollout/prompts_consumed"] for s in (1, 2, 3)]
 
 
 def test_convert_megatron_equals_the_trainers_export(sync_ref, tmp_path):
@@ -276,7 +321,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
     # The crashing run: SIGKILL the whole process group once the step-1 checkpoint is complete
     # (two steps ahead of the end, so the kill always lands before the run finishes).
     crash_dir = str(tmp_path / "crash")
-    _kill_after_step_1_checkpoint(_train(_flags(tied_model_dir, parity_reward_file, crash_dir)), crash_dir)
+    _kill_after_step_1_checkpoint(_train(_sync_flags(tied_model_dir, parity_reward_file, crash_dir)), crash_dir)
     # The kill lands right after the checkpoint, before or after step 1's metrics line (written after it): made the
     # harder case every time, the line gone. The resumed run writes the line the checkpoint kept.
     metrics_path = os.path.join(crash_dir, "metrics.jsonl")
@@ -292,7 +337,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
         json.dump({"step": 99}, f)
 
     killed_at = time.time()
-    out = run_in_process(_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
+    out = run_in_process(_sync_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
     notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
     assert "resumed from" in out and "step_000001" in out, notes + "\n---\n" + out[-3000:]
     resumed = _metrics(crash_dir)
@@ -309,8 +354,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
     for step in (2, 3):
         for key in COMPARED:
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
-        # the rollouts themselves repeat, sample for sample: every request carries its own seed (rollout/seeds.py)
-        assert resumed[step]["rollout/response_lengths"] == ref[step]["rollout/response_lengths"], step
+        # the rollouts themselves repeat, sample for sample, refills included: every request carries its own seed
+        # (rollout/seeds.py) and the data position comes back with the checkpoint
+        for key in REFILL_KEYS:
+            assert resumed[step][key] == ref[step][key], (step, key)
 
 
 # ---------------------------------------------------------------------------------------------- refused resumes
