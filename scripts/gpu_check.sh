@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu_check.sh OUTDIR            # GPU: parity, train + resume + export, throughput
 #   bash scripts/gpu_check.sh OUTDIR --smoke    # CPU: same code, tiny model (tests/gpu_kit/)
-#   extra flags go to benchmarks/gpu/gpu_kit.py (--sections, --cases, --timeout, --workdir; --jobs N with --smoke)
+#   extra flags go to benchmarks/gpu/gpu_kit.py (--sections, --cases, --timeout, --workdir; --jobs N and
+#   --preload_ranks with --smoke)
 #
 # Packages: if megatron.core / mbridge are not importable, the wheels carried in .whl/ (made by
 # scripts/fetch_gpu_wheels.sh: megatron-core, mbridge, DeepSpeed's Python and its small dependencies) are installed with --no-index --no-deps

@@ -18,8 +18,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# Rank processes of launch.run_ranks forked from a zygote that imported these once, instead of fresh interpreters
-# importing them for 4-6 s each (openrlhf_shape/actor/preload.py; SHAPE_RANKS_PRELOAD=0 runs plain subprocesses).
+# tests/support (the tests' own helpers, outside the package) imports as `support` here and in every process the
+# tests start: rank processes, Ray workers (actor classes and functions pickled by reference), the zygote below.
+TESTS_DIR = str(Path(__file__).resolve().parent)
+if TESTS_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # xdist workers inherit the controller's
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), TESTS_DIR) if p)
+# Rank processes of launch.run_ranks(spawner=spawn_preloaded) forked from a zygote that imported these once, instead
+# of fresh interpreters importing them for 4-6 s each (tests/support/preload.py; SHAPE_RANKS_PRELOAD=0: subprocesses).
 os.environ.setdefault("SHAPE_RANKS_PRELOAD", "torch,transformers,megatron.core,deepspeed,"
                                              "openrlhf_shape.megatron.worker,openrlhf_shape.zero.worker")
 # DeepSpeed JIT-builds its cpu_adam op (the --ds.adam_offload test) into torch's extension cache, by default one per

@@ -2,8 +2,10 @@
 
 A package folder without a test folder, and a test folder without a package folder, each needs a line below saying
 why; the package's top-level modules (``platform.py``, ``batch.py``, ...) have their tests at ``tests/`` top level.
+The tests' own machinery lives in ``tests/support/``, which the package never imports.
 """
 
+import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,13 +14,17 @@ ROOT = Path(__file__).resolve().parents[1]
 UNTESTED_HERE = {
     "cli": "the command lines are run end to end by tests/trainer (train, convert), tests/cluster (doctor) and "
            "tests/eval (eval, analyze)",
-    "testing": "the tests' own helpers (tiny models, batches, simulated clusters): every test folder exercises them",
+    "testing": "what tests, benchmarks and the GPU kit share (tiny models, batches, rank configs): every test "
+               "folder exercises them",
 }
 # test folders that mirror no package folder, and what they hold
 NOT_A_PACKAGE = {
     "contracts": "vLLM's installed source: the lines our GPU calls rely on",
     "gpu_kit": "benchmarks/gpu (the GPU verification kit), scripts/gpu_check.sh and the Docker image's lint",
+    "support": "the tests' own machinery, not tests (the preloading rank spawner, engine weight access, simulated "
+               "clusters); imported as `support` (tests/conftest.py)",
 }
+HELPERS_ONLY = {"support"}  # test folders holding no test file
 
 
 def _folders(path: Path) -> set[str]:
@@ -32,5 +38,15 @@ def test_tests_mirror_the_package_folder_for_folder():
 
 
 def test_every_test_folder_holds_tests():
-    for name in _folders(ROOT / "tests") - {"gpu_machine_standin"}:
+    for name in _folders(ROOT / "tests") - HELPERS_ONLY:
         assert list((ROOT / "tests" / name).glob("test_*.py")), f"tests/{name} holds no test file"
+
+
+def test_the_package_imports_nothing_from_the_tests():
+    """What ships works without a checkout's tests/: no module of the package imports ``support`` or ``tests``."""
+    for path in (ROOT / "openrlhf_shape").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad = [n for n in names if n.split(".")[0] in ("support", "tests")]
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

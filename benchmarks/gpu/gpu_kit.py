@@ -21,7 +21,8 @@ in the JSON and the next one still runs):
 
 ``--smoke`` runs the same code on CPU (gloo, float32, tiny model, two training steps, a tiny
 throughput case) so the kit cannot rot between GPU runs (tests/gpu_kit/); ``--jobs N`` (smoke only) runs N
-sections at a time, each in its own fresh processes as always.
+sections at a time, each in its own fresh processes as always; ``--preload_ranks`` (smoke only, the test suite's)
+forks those processes from one that imported torch, Megatron and DeepSpeed once (``tests/support/preload.py``).
 
 Writes ``OUTDIR/gpu_kit.json`` (after every section) and ``OUTDIR/gpu_kit.md``.
 """
@@ -215,12 +216,14 @@ class Kit:
             raise SystemExit("gpu_kit: no CUDA device visible; run with --smoke for the CPU check")
         self.base_cfg: dict[str, Any] = {"layer_spec": "local", "seed": 1234}
         self._lock = threading.Lock()  # sections may record from several threads (--jobs, smoke only)
+        self.spawner: Any = None  # how run_ranks starts a rank; None: its default, a fresh interpreter
 
     def _run(self, target: str, kwargs: dict, module: str = "kit_sections") -> Any:
         from openrlhf_shape.actor.launch import run_ranks
 
+        spawner = {"spawner": self.spawner} if self.spawner else {}
         return run_ranks(f"{module}:{target}", 1, kwargs=kwargs, timeout=self.timeout,
-                         extra_pythonpath=[HERE], threads_per_rank=1 if self.smoke else 8)[0]
+                         extra_pythonpath=[HERE], threads_per_rank=1 if self.smoke else 8, **spawner)[0]
 
     def _record(self, name: str, fn) -> None:
         t0 = time.time()
@@ -668,11 +671,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="scratch dir for models and checkpoints (default: a temp dir)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="with --smoke: run this many sections at a time (each in its own processes, as always)")
+    ap.add_argument("--preload_ranks", action="store_true",
+                    help="with --smoke, in the test suite (tests/ on PYTHONPATH): fork each rank from a process that "
+                         "imported torch, Megatron and DeepSpeed once (tests/support/preload.py)")
     ap.add_argument("--replan", action="store_true",
                     help="OUT_DIR holds a finished gpu_kit.json: only recompute its planner predictions (no GPU)")
     args = ap.parse_args(argv)
     if args.jobs > 1 and not args.smoke:
         ap.error("--jobs > 1 is for --smoke only: on a GPU the sections share the device and measure its memory")
+    if args.preload_ranks and not args.smoke:
+        ap.error("--preload_ranks is for --smoke only: a fork after CUDA's initialisation has no usable GPU")
     if args.replan:
         path = os.path.join(args.out_dir, "gpu_kit.json")
         with open(path) as f:
@@ -687,6 +695,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     workdir = args.workdir or tempfile.mkdtemp(prefix="gpu_kit_")
     kit = Kit(os.path.abspath(args.out_dir), args.smoke, workdir, args.timeout)
+    if args.preload_ranks:
+        from support.preload import spawn_preloaded
+
+        kit.spawner = spawn_preloaded
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = set(sections) - set(ALL_SECTIONS)
     if unknown:

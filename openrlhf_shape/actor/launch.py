@@ -9,9 +9,9 @@ The target is ``"module:function"``; each rank calls
 process and its return value (pickled) becomes ``results[r]``. A failing rank raises
 :class:`RankFailure` with the tail of every rank's log; a hang is killed after ``timeout``.
 
-With ``SHAPE_RANKS_PRELOAD`` set (the test session sets it), the ranks are forks of a zygote that imported the
-heavy modules once (:mod:`openrlhf_shape.actor.preload`) instead of fresh interpreters: the same rank body, files,
-results, failures and timeouts, 4-6 s of imports less per rank. Unset, as on a GPU machine: plain subprocesses.
+``spawner`` starts each rank process; the product's is :func:`spawn_subprocess` (a fresh interpreter). The test
+suite passes one that forks ranks from a process that imported torch, Megatron and DeepSpeed once
+(``tests/support/preload.py``): the same rank body, files and failures, 4-6 s of imports less per rank.
 """
 
 from __future__ import annotations
@@ -25,13 +25,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
-
-from openrlhf_shape.actor import preload
+from typing import Any, Callable, Optional
 
 
 class RankFailure(RuntimeError):
-    """A rank exited non-zero or timed out; the message holds the logs' tails."""
+    """A rank exited non-zero, timed out or could not be started; the message says which and why."""
+
+
+def spawn_subprocess(argv: list[str], env: dict, log_path: str) -> subprocess.Popen:
+    """Start one rank as a fresh interpreter running :func:`run_rank` on ``argv`` with ``env``, its stdout and stderr
+    into ``log_path``."""
+    with open(log_path, "w") as log:  # the child holds its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "openrlhf_shape.actor.launch", *argv], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+# (argv, env, log path) -> a started rank answering Popen's poll(), kill() and wait()
+Spawner = Callable[[list[str], dict, str], Any]
 
 
 # Ports below Linux's ephemeral range (32768-60999, where the kernel draws the source ports of
@@ -72,18 +82,18 @@ def run_ranks(
     env: Optional[dict] = None,
     threads_per_rank: int = 1,
     extra_pythonpath: Optional[list[str]] = None,
+    spawner: Spawner = spawn_subprocess,
 ) -> list[Any]:
-    """Run ``target`` on ``world_size`` ranks; return their results in rank order.
+    """Run ``target`` on ``world_size`` ranks, each started by ``spawner``; return their results in rank order.
 
     A launch whose rendezvous port was taken by another process in the meantime (rank 0 fails
     with EADDRINUSE before any work) is retried on a new port, ``_PORT_ATTEMPTS`` times in all."""
     if ":" not in target:
         raise ValueError(f"target must be 'module:function', got {target!r}")
     rank_env = _rank_env(threads_per_rank, extra_pythonpath, env)
-    zygote, _ = preload.REGISTRY.zygote_for(rank_env, os.getcwd())
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         workdir = tempfile.mkdtemp(prefix="shape_ranks_")
-        failed = _launch_once(target, world_size, workdir, free_port(), kwargs or {}, rank_env, timeout, zygote)
+        failed = _launch_once(target, world_size, workdir, free_port(), kwargs or {}, rank_env, timeout, spawner)
         if not failed:
             break
         tails = []
@@ -102,36 +112,32 @@ def run_ranks(
 
 
 def _launch_once(target: str, world_size: int, workdir: str, port: int, kwargs: dict, rank_env: dict,
-                 timeout: float, zygote: Optional[preload.Zygote] = None) -> Optional[str]:
-    """Start every rank on ``port`` (subprocesses, or forks of ``zygote``), wait for them; None on success, else
-    why not (logs in ``workdir``)."""
+                 timeout: float, spawner: Spawner) -> Optional[str]:
+    """Start every rank on ``port`` with ``spawner``, wait for them; None once every rank exited 0, else why not (a
+    rank exited non-zero, or ``timeout`` seconds passed; logs in ``workdir``)."""
     with open(os.path.join(workdir, "kwargs.pkl"), "wb") as f:
         pickle.dump(kwargs, f)
     procs: list = []
-    logs = []
     try:
         for rank in range(world_size):
-            log_path = os.path.join(workdir, f"rank{rank}.log")
-            log = open(log_path, "w")
-            logs.append(log)
             argv = [target, workdir, str(rank), str(world_size), str(port)]
-            if zygote is not None:
-                try:
-                    procs.append(zygote.spawn(argv, rank_env, os.getcwd(), log_path))
-                except preload.ZygoteUnavailable as e:
-                    return f"rank {rank} could not be forked: {e}"
-            else:
-                cmd = [sys.executable, "-m", "openrlhf_shape.actor.launch", *argv]
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env))
-        return _wait_for_ranks(procs, timeout)
+            procs.append(spawner(argv, rank_env, os.path.join(workdir, f"rank{rank}.log")))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                return f"rank(s) {[r for r, c in enumerate(codes) if c not in (None, 0)]} exited non-zero"
+            if all(c == 0 for c in codes):
+                return None
+            if time.monotonic() > deadline:
+                return f"timed out after {timeout:.0f}s"
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         for p in procs:
             p.wait()
-        for log in logs:
-            log.close()
 
 
 def _rank_env(threads_per_rank: int, extra_pythonpath: Optional[list[str]], env: Optional[dict]) -> dict:
@@ -148,20 +154,6 @@ def _rank_env(threads_per_rank: int, extra_pythonpath: Optional[list[str]], env:
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     base_env.update(env or {})
     return base_env
-
-
-def _wait_for_ranks(procs: list, timeout: float) -> Optional[str]:
-    """None once every rank exited 0; else why not (a rank exited non-zero, or ``timeout`` seconds passed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            return f"rank(s) {[r for r, c in enumerate(codes) if c not in (None, 0)]} exited non-zero"
-        if all(c == 0 for c in codes):
-            return None
-        if time.monotonic() > deadline:
-            return f"timed out after {timeout:.0f}s"
-        time.sleep(0.2)
 
 
 def run_rank(argv: list[str]) -> None:

@@ -13,6 +13,7 @@ def dry_run(config_path: str | None, overrides: list[str]) -> int:
     from openrlhf_shape.planner.assumptions import parse_plan_options, split_plan_flags
     from openrlhf_shape.planner.plan import build_plan
     from openrlhf_shape.planner.report import format_plan
+    from openrlhf_shape.planner.split import search_split
     from openrlhf_shape.config import load_config
 
     plan_flags, rest = split_plan_flags(overrides)
@@ -20,6 +21,7 @@ def dry_run(config_path: str | None, overrides: list[str]) -> int:
         options = parse_plan_options(plan_flags)
         cfg = load_config(config_path, rest, check_paths=False)
         plan = build_plan(cfg, options, config_path)
+        plan.split = search_split(plan, cfg)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train --dry_run: error: {exc}")
     print(format_plan(plan))

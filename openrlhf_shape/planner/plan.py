@@ -123,7 +123,7 @@ class Plan:
     cp: int = 1  # context parallel: each sequence split over CP ranks; world = TP x PP x CP x DP
     lengths: Any = None  # planner/lengths.py:ResponseLengths of the rollout batch
     packing: Any = None  # planner/packing.py:Packing of the batch the ranks compute
-    split: Any = None  # planner/split.py:SplitSearch (async engine:trainer split; GPU configs)
+    split: Any = None  # planner/split.py:SplitSearch, set by its caller (async engine:trainer split; GPU configs)
 
     @property
     def fits(self) -> bool:
@@ -155,9 +155,9 @@ def _suffix_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 3.5))
 
 
-def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None = None, search: bool = True) -> Plan:
-    """``cfg``: a :class:`~openrlhf_shape.config.TrainConfig` (paths need not exist), read directly. ``search``: also
-    look for the cheapest async engine:trainer split (``planner/split.py``; its own plans do not search)."""
+def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None = None) -> Plan:
+    """``cfg``: a :class:`~openrlhf_shape.config.TrainConfig` (paths need not exist), read directly. The cheapest
+    async engine:trainer split is searched on top of a plan (``planner/split.py:search_split``), which builds plans."""
     model_path = resolve_model_config(cfg.actor.model_name_or_path, options.model_config)
     model = ModelShape.from_file(model_path)
     tp, pp, world = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size, cfg.actor.world_size
@@ -180,7 +180,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
 
     if not on_gpu:
         _cpu_phases(plan, cfg, meg, fwd)
-        _finish(plan, cfg, search)
+        _finish(plan, cfg)
         return plan
 
     _gpu_phases(plan, cfg, megs, fwds)
@@ -196,7 +196,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
             where = (_where(plan, ph.stage, reference=ph in plan.ref_phases) if ph.stage is not None
                      else "every engine GPU")
             plan.refusals.append(_refusal(plan, cfg, ph, where))
-    _finish(plan, cfg, search)
+    _finish(plan, cfg)
     return plan
 
 
@@ -589,7 +589,7 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
     plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, every process in one host's RAM (--plan.host_memory_gib)")
 
 
-def _finish(plan: Plan, cfg: TrainConfig, search: bool = True) -> None:
+def _finish(plan: Plan, cfg: TrainConfig) -> None:
     if not plan.on_gpu:
         plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
         return
@@ -617,11 +617,6 @@ def _finish(plan: Plan, cfg: TrainConfig, search: bool = True) -> None:
             plan.model, ref_world=plan.ref_world, total_tokens=plan.packing.computed, seq=plan.packing.attention_seq,
             colocate=cfg.train.colocate_all, weight_bytes=plan.reference.static_bytes, opt=plan.options))
     plan.async_plan = _async_plan(plan, cfg)
-    if search and plan.async_plan is not None:
-        from openrlhf_shape.planner.split import search_split
-
-        max_gpus = plan.options.split_max_gpus or plan.async_plan.gpus or plan.placement.num_bundles
-        plan.split = search_split(cfg, plan.options, max_gpus, plan.config_path)
 
 
 def _sync_phase(plan: Plan, cfg: TrainConfig) -> Phase:
@@ -651,7 +646,7 @@ def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:
     src = plan
     if ap.variant:
         disagg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, colocate_all=False))
-        src = build_plan(disagg, plan.options, plan.config_path, search=False)
+        src = build_plan(disagg, plan.options, plan.config_path)
         if src.placement is None:
             ap.gpus, ap.error = 0, src.placement_error or "no placement"
             return ap

@@ -5,12 +5,13 @@ engines of ``--vllm.tensor_parallel_size`` GPUs each, disaggregated, ``R + E x e
 (``--plan.split_max_gpus``; default: the GPUs of the disaggregated variant the async estimate is on). Its cost is
 the one-step-off step (:func:`~openrlhf_shape.planner.async_cost.async_step` at the run's
 ``--train.max_staleness``) times its GPUs: GPU-seconds per step, i.e. the split that buys the most steps per
-GPU-second. Ties: fewer GPUs, then fewer rank GPUs.
+GPU-second. Ties: fewer GPUs, then fewer rank GPUs. The search runs on top of a built plan (the dry run, the sizing
+doc): it builds plans, so ``plan.py`` does not call it.
 
 The search needs one plan per rank size and one per engine count, not one per pair: the ranks' phases (log-probs,
 update, CP and MoE exchanges) and memory depend on ``R`` only, the engines' (decode, probes) and their memory on
-``E`` only; a pair adds its placement and the weight sync over the nodes it spans. ``tests/planner/test_split.py``
-holds it to the brute force (a whole plan per pair).
+``E`` only; a pair adds its placement and the weight sync over the nodes it spans.
+``tests/planner/test_long_context.py`` holds it to the brute force (a whole plan per pair).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from openrlhf_shape.planner.async_cost import AsyncStep, async_step
 from openrlhf_shape.planner.cost import Phase
+from openrlhf_shape.planner.plan import Plan, build_plan
 
 RANK_PHASES = ("log-probs + entropy", "update", "CP K/V exchange", "MoE all-to-all")
 ENGINE_PHASES = ("rollout decode", "SHAPE probes", "rewards")
@@ -99,18 +101,22 @@ def _pair(plan_r: Any, plan_e: Any, cfg: Any, rank_gpus: int, engines: int, stal
     return Split(rank_gpus, engines, cfg.vllm.tensor_parallel_size, async_step(phases, staleness))
 
 
-def search_split(cfg: Any, options: Any, max_gpus: int, config_path: str | None = None) -> SplitSearch:
-    """Every split of at most ``max_gpus`` GPUs that fits; the cheapest in GPU-seconds per step (module doc)."""
-    from openrlhf_shape.planner.plan import build_plan
-
+def search_split(plan: Plan, cfg: Any) -> SplitSearch | None:
+    """Every split of ``plan``'s run that fits in at most ``--plan.split_max_gpus`` GPUs (default: those of the
+    disaggregated variant its async estimate is on); the cheapest in GPU-seconds per step (module doc). None when
+    the plan has no async estimate (a CPU config, or no placement)."""
+    if plan.async_plan is None:
+        return None
+    options, config_path = plan.options, plan.config_path
+    max_gpus = options.split_max_gpus or plan.async_plan.gpus or plan.placement.num_bundles
     staleness = int(cfg.train.max_staleness)
     out = SplitSearch(staleness, max_gpus)
     etp = cfg.vllm.tensor_parallel_size
     sizes = rank_sizes(cfg, max_gpus)
     if not sizes:
         return out
-    by_rank = {r: build_plan(variant(cfg, r, 1), options, config_path, search=False) for r in sizes}
-    by_engine = {e: build_plan(variant(cfg, sizes[0], e), options, config_path, search=False)
+    by_rank = {r: build_plan(variant(cfg, r, 1), options, config_path) for r in sizes}
+    by_engine = {e: build_plan(variant(cfg, sizes[0], e), options, config_path)
                  for e in range(1, (max_gpus - sizes[0]) // etp + 1)}
     for r, plan_r in by_rank.items():
         if not _fits(plan_r, "ranks"):

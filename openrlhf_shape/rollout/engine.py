@@ -403,7 +403,7 @@ class VLLMEngine:
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Run a worker-extension method (``rollout/worker_ext.py``) on every worker of this engine; each
-        worker's result. What tools and tests reach the workers by (``openrlhf_shape/testing/engine_weights.py``)."""
+        worker's result. What tools and tests reach the workers by (``tests/support/engine_weights.py``)."""
         return list(self.llm.collective_rpc(method, args=tuple(args)))
 
     def reset_prefix_cache(self) -> bool:

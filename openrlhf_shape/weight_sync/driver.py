@@ -31,7 +31,7 @@ from openrlhf_shape.weight_sync.progress import (
 
 class SendingRanks(Protocol):
     """The sending side as the driver sees it: ``cluster/rank_group.py:RankGroup`` (every rank walks the
-    export, rank 0 sends); in the transport tests ``testing/weight_holder.py:HolderRanks``."""
+    export, rank 0 sends); in the transport tests ``tests/support/weight_holder.py:HolderRanks``."""
 
     def start_weight_stream(self, sync_id: str, bucket_bytes: int) -> list:
         """Start every rank's part of sync ``sync_id`` (buckets of ``bucket_bytes`` bytes); their Ray refs,

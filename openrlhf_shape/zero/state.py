@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from openrlhf_shape.actor.lr_schedule import lr_at
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.zero.config import ZeroConfig
-from openrlhf_shape.zero.schedule import lr_at
 
 
 @dataclass

@@ -39,9 +39,11 @@ def test_forward_budget_is_the_training_one_unless_given():
 def test_rank_forward_follows_its_own_budget(backend, tiny_models, ragged_batch):
     from openrlhf_shape.actor.launch import run_ranks
     from openrlhf_shape.testing.hf_actor import HFActor
+    from support.preload import spawn_preloaded
 
     cfg = dict(lr=1e-3, total_steps=2, micro_batch_max_tokens=TRAIN_BUDGET, entropy_chunk_size=16)
     out = run_ranks("forward_budget_scenarios:forward_budgets", 1, timeout=600, extra_pythonpath=[HERE],
+                    spawner=spawn_preloaded,
                     kwargs=dict(backend=backend, cfg=cfg, model_dir=tiny_models["qwen3"], batch=ragged_batch,
                                 budgets=[None, BIG]))[0]
     lengths = [len(s) for s in ragged_batch["sequences"]]

@@ -1,5 +1,7 @@
 """The subprocess rank launcher: ports drawn outside the kernel's and Ray's ranges, and a rendezvous
-whose port another process took meanwhile (CI failed on this: EADDRINUSE at rank 0) retried on a new one."""
+whose port another process took meanwhile (CI failed on this: EADDRINUSE at rank 0) retried on a new one; the test
+session's spawner (ranks forked from a preloading zygote, tests/support/preload.py) against the product's plain
+subprocesses."""
 from __future__ import annotations
 
 import os
@@ -9,6 +11,7 @@ import time
 import pytest
 
 from openrlhf_shape.actor import launch
+from support import preload
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,7 +37,9 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_on_a_new_one(monkeypatch):
     real_free_port = launch.free_port
     monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(drawn, None) or real_free_port(host))
     try:
-        results = launch.run_ranks("launch_targets:rank_sum", 2, timeout=120, extra_pythonpath=[HERE])
+        # the session's spawner, as the suite's other launches (the retry does not depend on how ranks start)
+        results = launch.run_ranks("launch_targets:rank_sum", 2, timeout=120, extra_pythonpath=[HERE],
+                                   spawner=preload.spawn_preloaded)
     finally:
         held.close()
     assert results == [1, 1]
@@ -45,14 +50,13 @@ def test_a_port_taken_every_time_fails_with_the_ranks_logs(monkeypatch):
     monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": held.getsockname()[1])
     try:
         with pytest.raises(launch.RankFailure, match="EADDRINUSE"):
-            launch.run_ranks("launch_targets:rank_sum", 2, timeout=120, extra_pythonpath=[HERE])
+            launch.run_ranks("launch_targets:rank_sum", 2, timeout=120, extra_pythonpath=[HERE],
+                             spawner=preload.spawn_preloaded)
     finally:
         held.close()
 
 
-# --- preloaded ranks: forks of a zygote (SHAPE_RANKS_PRELOAD) against plain subprocesses -------------------------
-
-from openrlhf_shape.actor import preload  # noqa: E402
+# --- preloaded ranks: forks of a zygote (spawner=spawn_preloaded) against plain subprocesses ----------------------
 
 LIGHT = "torch"  # the zygote's preload here: torch alone (the session's heavy list costs the same checks more time)
 
@@ -67,11 +71,9 @@ def registry(monkeypatch):
     own.close()
 
 
-def _plain(monkeypatch, fn, *args, **kw):
-    """``fn`` with preloading switched off (plain subprocess ranks)."""
-    with monkeypatch.context() as m:
-        m.setenv(preload.PRELOAD_ENV, "0")
-        return fn(*args, **kw)
+def _forked(*args, **kw):
+    """``launch.run_ranks`` with the test session's spawner (forks of a matching zygote, else subprocesses)."""
+    return launch.run_ranks(*args, spawner=preload.spawn_preloaded, **kw)
 
 
 def _alive(pid: int) -> bool:
@@ -88,13 +90,13 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
-def test_forked_ranks_all_reduce_as_subprocess_ranks_do(registry, monkeypatch):
-    forked = launch.run_ranks("launch_targets:rank_sum", 3, timeout=120, extra_pythonpath=[HERE])
+def test_forked_ranks_all_reduce_as_subprocess_ranks_do(registry):
+    forked = _forked("launch_targets:rank_sum", 3, timeout=120, extra_pythonpath=[HERE])
     [zygote] = registry.zygotes
-    who = launch.run_ranks("launch_targets:whoami", 3, timeout=120, extra_pythonpath=[HERE])
+    who = _forked("launch_targets:whoami", 3, timeout=120, extra_pythonpath=[HERE])
     assert [w["ppid"] for w in who] == [zygote.proc.pid] * 3  # forks of the zygote, not subprocesses of pytest
     assert len({w["pid"] for w in who}) == 3
-    plain = _plain(monkeypatch, launch.run_ranks, "launch_targets:rank_sum", 3, timeout=120, extra_pythonpath=[HERE])
+    plain = launch.run_ranks("launch_targets:rank_sum", 3, timeout=120, extra_pythonpath=[HERE])
     assert forked == plain == [3, 3, 3]
     assert _children(zygote.proc.pid) == []  # every rank reaped
 
@@ -102,18 +104,17 @@ def test_forked_ranks_all_reduce_as_subprocess_ranks_do(registry, monkeypatch):
 def test_a_forked_rank_sees_its_launch_as_a_subprocess_would(registry, monkeypatch, tmp_path):
     """The zygote started for a 1-thread launch from the repository; a later launch with 2 threads, another working
     directory, another PYTHONPATH entry and a variable of its own is forked from it and sees what a subprocess sees."""
-    launch.run_ranks("launch_targets:rank_sum", 1, timeout=120, extra_pythonpath=[HERE])
+    _forked("launch_targets:rank_sum", 1, timeout=120, extra_pythonpath=[HERE])
     [zygote] = registry.zygotes
     monkeypatch.chdir(tmp_path)
     kw = dict(timeout=120, extra_pythonpath=[HERE, str(tmp_path / "extra")], threads_per_rank=2,
               env={"SHAPE_TEST_LAUNCH_FLAG": "on"})
-    forked = launch.run_ranks("launch_targets:whoami", 2, **kw)
-    plain = _plain(monkeypatch, launch.run_ranks, "launch_targets:whoami", 2, **kw)
+    forked = _forked("launch_targets:whoami", 2, **kw)
+    plain = launch.run_ranks("launch_targets:whoami", 2, **kw)
     assert [f["ppid"] for f in forked] == [zygote.proc.pid] * 2 and [p["ppid"] for p in plain] == [os.getpid()] * 2
     for f, p in zip(forked, plain):
         assert f["threads"] == p["threads"] == 2
-        f_env, p_env = ({k: v for k, v in r["env"].items() if k != preload.PRELOAD_ENV} for r in (f, p))  # 1 vs 0
-        assert f_env == p_env and f_env["SHAPE_TEST_LAUNCH_FLAG"] == "on"
+        assert f["env"] == p["env"] and f["env"]["SHAPE_TEST_LAUNCH_FLAG"] == "on"
         assert f["path"] == p["path"] and str(tmp_path / "extra") in f["path"]
         assert f["cwd"] == p["cwd"] == str(tmp_path)
         assert (f["argv0"], f["target"]) == (p["argv0"], p["target"]) == (launch.__file__, "launch_targets:whoami")
@@ -121,11 +122,10 @@ def test_a_forked_rank_sees_its_launch_as_a_subprocess_would(registry, monkeypat
 
 
 @pytest.mark.parametrize("preloaded", [False, True], ids=["subprocess", "forked"])
-def test_a_failing_rank_raises_rank_failure_with_its_log(registry, monkeypatch, preloaded):
-    if not preloaded:
-        monkeypatch.setenv(preload.PRELOAD_ENV, "0")
+def test_a_failing_rank_raises_rank_failure_with_its_log(registry, preloaded):
+    spawner = preload.spawn_preloaded if preloaded else launch.spawn_subprocess
     with pytest.raises(launch.RankFailure) as info:
-        launch.run_ranks("launch_targets:fail_on_rank_one", 2, timeout=120, extra_pythonpath=[HERE])
+        launch.run_ranks("launch_targets:fail_on_rank_one", 2, timeout=120, extra_pythonpath=[HERE], spawner=spawner)
     msg = str(info.value)
     assert "rank(s) [1] exited non-zero" in msg
     assert "rank 1 is about to fail" in msg and "ValueError: boom from rank 1" in msg
@@ -134,8 +134,7 @@ def test_a_failing_rank_raises_rank_failure_with_its_log(registry, monkeypatch, 
 
 def test_a_hung_forked_rank_is_killed_at_the_timeout(registry, tmp_path):
     with pytest.raises(launch.RankFailure, match="timed out after 5s"):
-        launch.run_ranks("launch_targets:hang", 2, kwargs={"pid_dir": str(tmp_path)}, timeout=5,
-                         extra_pythonpath=[HERE])
+        _forked("launch_targets:hang", 2, kwargs={"pid_dir": str(tmp_path)}, timeout=5, extra_pythonpath=[HERE])
     ranks = [tuple(map(int, (tmp_path / f"rank{r}").read_text().split())) for r in range(2)]
     assert {ppid for _, ppid in ranks} == {registry.zygotes[0].proc.pid}
     assert not any(_alive(pid) for pid, _ in ranks)  # killed, and reaped (no zombie left)
@@ -143,13 +142,12 @@ def test_a_hung_forked_rank_is_killed_at_the_timeout(registry, tmp_path):
 
 
 @pytest.mark.parametrize("preloaded", [False, True], ids=["subprocess", "forked"])
-def test_a_ranks_own_child_processes_end_with_it(registry, monkeypatch, tmp_path, preloaded):
+def test_a_ranks_own_child_processes_end_with_it(registry, tmp_path, preloaded):
     """A rank that leaves a multiprocessing Manager running (Megatron's checkpoint writer does) has it stopped
     at its exit, as an interpreter's exit does: no orphan."""
-    if not preloaded:
-        monkeypatch.setenv(preload.PRELOAD_ENV, "0")
+    spawner = preload.spawn_preloaded if preloaded else launch.spawn_subprocess
     [parent] = launch.run_ranks("launch_targets:start_a_manager", 1, kwargs={"pid_dir": str(tmp_path)}, timeout=120,
-                                extra_pythonpath=[HERE])
+                                extra_pythonpath=[HERE], spawner=spawner)
     assert (parent != os.getpid()) == preloaded
     manager = int((tmp_path / "manager0").read_text())
     deadline = time.monotonic() + 30
@@ -176,8 +174,8 @@ def test_a_launch_changing_what_the_preloaded_imports_read_gets_its_own_zygote_t
     (tmp_path / "reads_env.py").write_text(READS_ENV)
     monkeypatch.setenv(preload.PRELOAD_ENV, f"{LIGHT},reads_env")
     monkeypatch.setattr(preload, "MAX_ZYGOTES", 2)
-    run = lambda env=None: launch.run_ranks("reads_env:flag", 1, timeout=120, env=env,  # noqa: E731
-                                            extra_pythonpath=[str(tmp_path)])[0]
+    run = lambda env=None: _forked("reads_env:flag", 1, timeout=120, env=env,  # noqa: E731
+                                   extra_pythonpath=[str(tmp_path)])[0]
     first, second = run(), run({"SHAPE_TEST_IMPORT_FLAG": "a"})
     assert [z.proc.pid for z in registry.zygotes] == [first[2], second[2]]
     assert "SHAPE_TEST_IMPORT_FLAG" in registry.zygotes[0].ready["env_reads"]["reads_env"]
@@ -189,9 +187,8 @@ def test_a_launch_changing_what_the_preloaded_imports_read_gets_its_own_zygote_t
 
 def test_a_launch_changing_a_variable_read_at_process_start_runs_as_subprocesses(registry):
     """MALLOC_ARENA_MAX is read by the C allocator when the process starts, which a fork cannot redo."""
-    forked = launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE])[0]
-    plain = launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE],
-                             env={"MALLOC_ARENA_MAX": "2"})[0]
+    forked = _forked("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE])[0]
+    plain = _forked("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE], env={"MALLOC_ARENA_MAX": "2"})[0]
     assert forked["ppid"] == registry.zygotes[0].proc.pid and len(registry.zygotes) == 1
     assert plain["ppid"] == os.getpid() and plain["env"]["MALLOC_ARENA_MAX"] == "2"
     zygote, why = registry.zygote_for(launch._rank_env(1, [HERE], {"MALLOC_ARENA_MAX": "2"}), os.getcwd())
@@ -200,21 +197,23 @@ def test_a_launch_changing_a_variable_read_at_process_start_runs_as_subprocesses
 
 def test_a_zygote_killed_mid_launch_fails_that_launch_and_the_next_gets_a_new_one(registry, tmp_path):
     with pytest.raises(launch.RankFailure, match="exited non-zero"):
-        launch.run_ranks("launch_targets:kill_my_parent", 1, kwargs={"pid_dir": str(tmp_path)}, timeout=300,
-                         extra_pythonpath=[HERE])
+        _forked("launch_targets:kill_my_parent", 1, kwargs={"pid_dir": str(tmp_path)}, timeout=300,
+                extra_pythonpath=[HERE])
     rank = int((tmp_path / "rank0").read_text().split()[0])
     deadline = time.monotonic() + 30
     while _alive(rank):  # the rank dies with its zygote (no orphan sleeping on)
         assert time.monotonic() < deadline, "a rank outlived its zygote"
         time.sleep(0.2)
-    assert launch.run_ranks("launch_targets:rank_sum", 2, timeout=120, extra_pythonpath=[HERE]) == [1, 1]
+    assert _forked("launch_targets:rank_sum", 2, timeout=120, extra_pythonpath=[HERE]) == [1, 1]
     assert len(registry.zygotes) == 1 and not registry.zygotes[0].dead
 
 
 PARENT = """
 import sys
 from openrlhf_shape.actor import launch
-launch.run_ranks("launch_targets:hang", 2, kwargs={"pid_dir": sys.argv[1]}, timeout=3600, extra_pythonpath=[sys.argv[2]])
+from support.preload import spawn_preloaded
+launch.run_ranks("launch_targets:hang", 2, kwargs={"pid_dir": sys.argv[1]}, timeout=3600,
+                 extra_pythonpath=[sys.argv[2]], spawner=spawn_preloaded)
 """
 
 
@@ -257,9 +256,9 @@ def test_a_zygote_whose_imports_start_threads_refuses_and_ranks_start_as_subproc
     (tmp_path / "starts_threads.py").write_text(THREAD_AT_IMPORT[source])
     monkeypatch.setenv(preload.PRELOAD_ENV, f"{LIGHT},starts_threads")
     with pytest.warns(UserWarning, match="started threads"):
-        who = launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE, str(tmp_path)])
+        who = _forked("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE, str(tmp_path)])
     assert who[0]["ppid"] == os.getpid() and registry.zygotes == []
-    assert launch.run_ranks("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE])[0]["ppid"] == os.getpid()
+    assert _forked("launch_targets:whoami", 1, timeout=120, extra_pythonpath=[HERE])[0]["ppid"] == os.getpid()
 
 
 def test_the_sessions_preload_gives_a_single_threaded_zygote():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from openrlhf_shape.actor.launch import run_ranks
+from support.preload import spawn_preloaded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,7 +36,7 @@ def test_offload_onload_round_trip(tmp_path) -> None:
     cfg = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_distributed_optimizer=True,
                lr=1e-3, total_steps=10, micro_batch_max_tokens=64)
     both = run_ranks("offload_scenario:run_both", 2, kwargs=dict(cfg=cfg, model_dir=model_dir, batches=_batches()),
-                     extra_pythonpath=[HERE])
+                     extra_pythonpath=[HERE], spawner=spawn_preloaded)
     with_rt, plain = [r["offload"] for r in both], [r["plain"] for r in both]
     for r in with_rt:
         assert r["offloaded_bytes"] > 0 and r["empty_after_offload"]

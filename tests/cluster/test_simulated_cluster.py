@@ -27,8 +27,8 @@ import pytest
 ray = pytest.importorskip("ray")
 from openrlhf_shape.cluster.placement import plan_placement  # noqa: E402
 from openrlhf_shape.cluster.ray_placement import RayPlacement, spawn_rank_actors  # noqa: E402
-from openrlhf_shape.testing.placement_probes import RankProbe, probe_engine, probe_slot  # noqa: E402
-from openrlhf_shape.testing.simulated_cluster import simulated_gpu_cluster  # noqa: E402
+from support.placement_probes import RankProbe, probe_engine, probe_slot  # noqa: E402
+from support.simulated_cluster import simulated_gpu_cluster  # noqa: E402
 
 # A 5-node Ray cluster for the module (~5 s to start); most tests then take well under 2 s, the rank-actor ones
 # (Megatron imports in the actors) and the doctor a few seconds.

@@ -31,7 +31,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from openrlhf_shape.testing.engine_weights import capture_loaded_weights, read_weights  # noqa: E402
+from support.engine_weights import capture_loaded_weights, read_weights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -130,7 +130,7 @@ def _assert_profile_handed(run: dict) -> None:
 
 
 def _assert_weights_exact(run: dict) -> None:
-    from openrlhf_shape.testing.engine_weights import expected_shard
+    from support.engine_weights import expected_shard
 
     assert run["hf"], "the trainer exported no weights"
     for workers in run["engine_weights"]:

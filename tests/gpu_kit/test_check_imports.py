@@ -138,7 +138,7 @@ def test_the_scan_finds_imports_inside_functions_and_leaves_the_test_helpers_out
     assert "openrlhf_shape/megatron/config.py" in scanned["transformer_engine.pytorch"]["files"]
     assert "deepspeed.ops.adam" in scanned and "megatron.core.models.gpt.gpt_layer_specs" in scanned
     assert "parallel_state" in scanned["megatron.core"]["names"]  # from megatron.core import parallel_state
-    # openrlhf_shape/testing (the tests' helpers) imports these; the trainer does not
+    # the tests' own helpers (tests/support) import these; the trainer does not
     assert "coverage" not in scanned and "ray.cluster_utils" not in scanned
     # each exclusion is still imported by our source (an exclusion for a module no longer used would go stale)
     assert set(ci.EXCLUDED) <= set(scanned)

@@ -33,16 +33,17 @@ def _numbers(obj):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One smoke run of the kit for the module. Two sections at a time (``--jobs 2``; each still in its own rank
-    processes, which run one thread each in smoke mode). DeepSpeed's JIT ops build into a fresh
-    TORCH_EXTENSIONS_DIR, so a test can see that none was compiled. Ray, vLLM and transformer-engine cannot be
-    imported in it (``gpu_machine_standin/``), as on the lent GPU machine."""
+    processes, which run one thread each in smoke mode, forked as the suite's other ranks: ``--preload_ranks``).
+    DeepSpeed's JIT ops build into a fresh TORCH_EXTENSIONS_DIR, so a test can see that none was compiled. Ray, vLLM
+    and transformer-engine cannot be imported in it (``gpu_machine_standin/``), as on the lent GPU machine."""
     out = tmp_path_factory.mktemp("gpu_kit_smoke")
     extensions = tmp_path_factory.mktemp("torch_extensions")
     standin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_machine_standin")
     env = {**os.environ, "PYTHON": sys.executable, "TORCH_EXTENSIONS_DIR": str(extensions),
            "PYTHONPATH": os.pathsep.join(p for p in (standin, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(out), "--smoke", "--timeout", "420",
-                           "--jobs", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
+                           "--jobs", "2", "--preload_ranks"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=2400)
     path = out / "gpu_kit.json"
     assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"proc": proc, "res": json.loads(path.read_text()), "md": (out / "gpu_kit.md").read_text(),

@@ -48,8 +48,10 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def run_layout(world_size: int, timeout: float = 420, **kwargs) -> list[dict]:
     from openrlhf_shape.actor.launch import run_ranks
+    from support.preload import spawn_preloaded
 
-    return run_ranks("mg_scenarios:layout_run", world_size, kwargs=kwargs, timeout=timeout, extra_pythonpath=[HERE])
+    return run_ranks("mg_scenarios:layout_run", world_size, kwargs=kwargs, timeout=timeout, extra_pythonpath=[HERE],
+                     spawner=spawn_preloaded)
 
 
 

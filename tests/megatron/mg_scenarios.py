@@ -18,7 +18,7 @@ from openrlhf_shape.testing.rank_configs import megatron_config, replaced
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.negative_controls import flat_qkv_conversion
-from openrlhf_shape.testing.reference import reference_run
+from support.reference import reference_run
 from rank_sequence import release_megatron
 
 

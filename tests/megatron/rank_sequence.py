@@ -33,9 +33,10 @@ def run_sequence(world_size: int, runs: list, *, timeout: float, env: dict | Non
     """Pytest side: launch ``runs`` (see :func:`sequence_run`) on ``world_size`` ranks; per run, every rank's result
     in rank order (what ``run_ranks`` of that run alone returns)."""
     from openrlhf_shape.actor.launch import run_ranks
+    from support.preload import spawn_preloaded
 
     per_rank = run_ranks("rank_sequence:sequence_run", world_size, kwargs={"runs": runs}, timeout=timeout, env=env,
-                         extra_pythonpath=[HERE, *(extra_pythonpath or [])])
+                         extra_pythonpath=[HERE, *(extra_pythonpath or [])], spawner=spawn_preloaded)
     return [[ranks[i] for ranks in per_rank] for i in range(len(runs))]
 
 

@@ -20,6 +20,7 @@ import torch
 
 from mg_helpers import max_abs_diff
 from openrlhf_shape.actor.launch import run_ranks
+from support.preload import spawn_preloaded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -129,7 +130,7 @@ def _routes_as(seen: list[torch.Tensor], routed: list[torch.Tensor]) -> bool:
 def _run(world: int, cfg: dict, moe_dirs, batch, **kw) -> dict:
     base, moved = moe_dirs
     return run_ranks("moe_replay_scenarios:replay_run", world, kwargs=dict(cfg=cfg, moe_dir=base, perturbed_dir=moved,
-                     batch=batch, **kw), timeout=420, extra_pythonpath=[HERE])[0]
+                     batch=batch, **kw), timeout=420, extra_pythonpath=[HERE], spawner=spawn_preloaded)[0]
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +236,8 @@ def test_r3_replays_the_experts_a_real_engine_chose(moe_dirs):
     assert flipped > 0  # the engine routed some tokens elsewhere than the trainer would
 
     out = run_ranks("moe_replay_scenarios:r3_run", 1, kwargs=dict(cfg={**CFG, "routing_replay": "r3"}, moe_dir=base,
-                    batch=batch, engine_routed=routed), timeout=420, extra_pythonpath=[HERE])[0]
+                    batch=batch, engine_routed=routed), timeout=420, extra_pythonpath=[HERE],
+                    spawner=spawn_preloaded)[0]
     assert "--megatron.routing_replay r3" in out["free"]  # R3 without the engine's routing: refused, naming the flag
     assert _routes_as(_seen_as_per_sample(out["seen_routing"], batch, 2), routed)
     assert _routes_as(_seen_as_per_sample(out["seen_train"], batch, 2), routed)

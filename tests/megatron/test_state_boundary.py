@@ -92,8 +92,8 @@ def test_state_layout_and_guards() -> None:
 def test_zero_state_layout_lr_and_guard() -> None:
     import torch
 
+    from openrlhf_shape.actor.lr_schedule import lr_at
     from openrlhf_shape.zero.config import ZeroConfig
-    from openrlhf_shape.zero.schedule import lr_at
     from openrlhf_shape.zero.state import ZeroState
 
     from openrlhf_shape.actor.optim import AdamConfig, OptimConfig

@@ -18,14 +18,15 @@ from openrlhf_shape.planner.lengths import ResponseLengths
 from openrlhf_shape.planner.memory import megatron_memory_stages
 from openrlhf_shape.planner.model import ModelShape
 from openrlhf_shape.planner.plan import build_plan
+from openrlhf_shape.planner.split import search_split
 
 REPO = Path(__file__).resolve().parents[2]
 LONG_PRESETS = ("qwen3-4b-thinking-64k.yaml", "qwen3-4b-shape-32k.yaml")
 
 
-def _plan(preset: str, flags: list[str] | None = None, plan_flags: list[str] | None = None, search: bool = True):
+def _plan(preset: str, flags: list[str] | None = None, plan_flags: list[str] | None = None):
     cfg = load_config(str(REPO / "configs" / preset), flags or [], check_paths=False)
-    return build_plan(cfg, parse_plan_options(plan_flags or []), f"configs/{preset}", search=search)
+    return build_plan(cfg, parse_plan_options(plan_flags or []), f"configs/{preset}")
 
 
 # ----------------------------------------------------------------------------- presets and the CP check
@@ -42,7 +43,7 @@ def test_long_presets_fit_8_gpus_with_cp_and_are_refused_without(capsys, preset)
 
 
 def test_64k_preset_reads_the_thinking_models_config():
-    plan = _plan("qwen3-4b-thinking-64k.yaml", search=False)
+    plan = _plan("qwen3-4b-thinking-64k.yaml")
     assert plan.model.name == "Qwen3-4B-Thinking-2507" and plan.inputs["max_seq"] == 10240 + 64000
     # the same architecture as Qwen3-4B: the same parameter count
     assert plan.model.total_params() == ModelShape.from_file(REPO / "configs/models/Qwen3-4B.json").total_params()
@@ -90,8 +91,8 @@ def test_cp_divides_activations_and_adds_the_gathered_kv_by_hand():
 
 
 def test_a_plans_cp_rank_holds_its_share_of_the_sequence():
-    p1 = _plan("qwen3-4b-shape-32k.yaml", ["--megatron.context_parallel_size", "1"], search=False)
-    p2 = _plan("qwen3-4b-shape-32k.yaml", search=False)
+    p1 = _plan("qwen3-4b-shape-32k.yaml", ["--megatron.context_parallel_size", "1"])
+    p2 = _plan("qwen3-4b-shape-32k.yaml")
     assert p1.micro_batch_tokens == 33792 and p2.micro_batch_tokens == 16896  # ceil(33792 / 2)
     assert (p1.dp, p2.dp) == (8, 4)
     fwd1, fwd2 = (p.megatron_fwd.as_dict()["activations (forward only)"] for p in (p1, p2))
@@ -120,12 +121,12 @@ def test_length_distribution_and_the_tail_by_hand():
 
 
 def test_the_decode_phase_is_bulk_plus_tail_and_partial_rollouts_cut_the_tail():
-    plan = _plan("qwen3-4b.yaml", search=False)
+    plan = _plan("qwen3-4b.yaml")
     dec = next(p for p in plan.phases if p.name == "rollout decode")
     longest = plan.lengths.longest(1024)
     assert longest == 16384  # the batch's longest of 1024 reaches the cap (5.7% do)
     assert "+ tail (1 - 1/75) x longest response 16,384 steps" in dec.how and dec.partial_seconds is None
-    capped = _plan("qwen3-4b.yaml", plan_flags=["--plan.partial_rollout_cap_tokens", "4096"], search=False)
+    capped = _plan("qwen3-4b.yaml", plan_flags=["--plan.partial_rollout_cap_tokens", "4096"])
     dec_c = next(p for p in capped.phases if p.name == "rollout decode")
     assert dec_c.seconds == dec.seconds  # the synchronous step keeps the whole tail
     # bulk + (1 - 1/c) x L x t_one with L = 16384 (whole tail) and 4096 (cut): the tail shrinks 4x, the bulk stays
@@ -141,13 +142,13 @@ def test_the_decode_phase_is_bulk_plus_tail_and_partial_rollouts_cut_the_tail():
 def test_packed_tokens_are_the_trainers_micro_batch_plan():
     from openrlhf_shape.actor.batching import padding_report
 
-    plan = _plan("qwen3-4b.yaml", search=False)
+    plan = _plan("qwen3-4b.yaml")
     lengths = [256 + r for r in plan.lengths.batch(1024)]
     rep = padding_report(lengths, plan.micro_batch_tokens, dp_size=plan.dp)
     assert plan.packing.computed == rep["packed"]["computed_tokens"] and plan.packing.padded == rep["padded"]["computed_tokens"]
     assert plan.packing.padded > plan.packing.computed  # sigma 0.5: rows of unequal length pad
     assert plan.packing.attention_seq == pytest.approx(sum(s * s for s in lengths) / sum(lengths))
-    flat = _plan("qwen3-4b.yaml", plan_flags=["--plan.response_length_sigma", "0"], search=False)
+    flat = _plan("qwen3-4b.yaml", plan_flags=["--plan.response_length_sigma", "0"])
     assert flat.packing.padded == flat.packing.computed == 1024 * (256 + 8192)
 
 
@@ -164,7 +165,7 @@ def _brute_force(preset: str, max_gpus: int, plan_flags: list[str]):
         for e in range(1, max_gpus + 1):
             if r % block or cfg.train.batch_size % (r // block) or r + e * etp > max_gpus:
                 continue
-            plan = build_plan(variant(cfg, r, e), options, preset, search=False)
+            plan = build_plan(variant(cfg, r, e), options, preset)
             if plan.fits:
                 found.append((async_step(plan.phases, 1).seconds * (r + e * etp), r + e * etp, r, e))
     return min(found)
@@ -173,7 +174,8 @@ def _brute_force(preset: str, max_gpus: int, plan_flags: list[str]):
 @pytest.mark.parametrize("preset,max_gpus", [("qwen3-4b.yaml", 16), ("qwen3-4b-shape-32k.yaml", 12)])
 def test_split_search_finds_the_brute_force_split(preset, max_gpus):
     flags = ["--plan.split_max_gpus", str(max_gpus), "--plan.partial_rollout_cap_tokens", "8192"]
-    best = _plan(preset, plan_flags=flags).split.best
+    cfg = load_config(str(REPO / "configs" / preset), [], check_paths=False)
+    best = search_split(build_plan(cfg, parse_plan_options(flags), f"configs/{preset}"), cfg).best
     gpu_s, gpus, r, e = _brute_force(preset, max_gpus, flags)
     assert (best.rank_gpus, best.engines) == (r, e)
     assert best.gpu_seconds == pytest.approx(gpu_s, rel=1e-9)

@@ -209,11 +209,15 @@ def test_the_plan_follows_expert_tensor_parallel_size():
     bf16 weights and fp32 grads grow with them, their fp32 master + Adam state does not (expert DP doubles,
     16 / (1 x 8) = 2, and the distributed optimizer shards it over that); the EP group (ETP x EP = 8 ranks) fits one
     node, so the all-to-all runs over NVLink and has no expert-TP all-gather."""
-    from openrlhf_shape.planner.docs import REPO_ROOT, _plan
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.planner.plan import build_plan
 
-    preset = REPO_ROOT / "configs" / "qwen3-30b-a3b.yaml"
-    base, one = _plan(preset), _plan(preset, ["--megatron.expert_tensor_parallel_size", "1"])
-    explicit = _plan(preset, ["--megatron.expert_tensor_parallel_size", "2"])
+    def plan(*flags: str):
+        cfg = load_config(str(MODELS_DIR.parent / "qwen3-30b-a3b.yaml"), list(flags), check_paths=False)
+        return build_plan(cfg, PlanOptions(), "configs/qwen3-30b-a3b.yaml")
+
+    base, one = plan(), plan("--megatron.expert_tensor_parallel_size", "1")
+    explicit = plan("--megatron.expert_tensor_parallel_size", "2")
     assert (base.ep, base.etp, base.edp) == (8, 2, 1) and (one.ep, one.etp, one.edp) == (8, 1, 2)
     per_ep_rank = 48 * (128 // 8) * 3 * 2048 * 768  # sparse layers x experts per EP rank x SwiGLU 3 h I_e
     assert one.megatron.n_local - base.megatron.n_local == per_ep_rank // 2

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from openrlhf_shape.platform import detect_platform
-from openrlhf_shape.testing.engine_weights import load_into_engines
+from support.engine_weights import load_into_engines
 from openrlhf_shape.rollout import (
     EngineConfig,
     EngineGroup,

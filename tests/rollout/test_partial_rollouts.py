@@ -13,7 +13,7 @@ from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.rollout import EngineConfig, EngineGroup, SamplingConfig, VLLMEngine
 from openrlhf_shape.rollout.partial import PartialResponse, PartialRolloutPool, _extend
 from openrlhf_shape.rollout.engine import Generation
-from openrlhf_shape.testing.engine_weights import load_into_engines
+from support.engine_weights import load_into_engines
 
 QUESTIONS = ["Compute the sum of 12 and 30, then divide the total by 6.", "What is 7 times 8 minus 4?",
              "Find x when 3x plus 5 equals 20.", "Name a prime number larger than 50.",

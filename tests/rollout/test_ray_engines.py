@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from openrlhf_shape.platform import Platform
-from openrlhf_shape.testing.engine_weights import load_into_engines
+from support.engine_weights import load_into_engines
 from openrlhf_shape.rollout import (
     EngineGroup,
     ProbeConfig,

@@ -67,8 +67,8 @@ def test_the_rank_group_and_the_holder_are_the_drivers_sending_ranks() -> None:
     import inspect
 
     from openrlhf_shape.cluster.rank_group import RankGroup
-    from openrlhf_shape.testing.weight_holder import HolderRanks
     from openrlhf_shape.weight_sync.driver import EngineWeightSync, SendingRanks
+    from support.weight_holder import HolderRanks
 
     want = inspect.signature(SendingRanks.start_weight_stream)
     for cls in (RankGroup, HolderRanks):

@@ -30,10 +30,10 @@ from openrlhf_shape.platform import detect_platform  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
-from openrlhf_shape.testing.engine_weights import skip_moe_repack  # noqa: E402
-from openrlhf_shape.testing.hf_reference import hf_token_logprobs  # noqa: E402
-from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
+from support.engine_weights import skip_moe_repack  # noqa: E402
+from support.hf_reference import hf_token_logprobs  # noqa: E402
+from support.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 GAP = 2e-5  # mean |dlogp|, float32 on both sides: kernel rounding only (the dense tests' bound)

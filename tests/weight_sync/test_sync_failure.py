@@ -17,10 +17,10 @@ ray = pytest.importorskip("ray")
 from openrlhf_shape.platform import detect_platform  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
-from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from openrlhf_shape.weight_sync import get_or_raise  # noqa: E402
 from openrlhf_shape.weight_sync.driver import EngineWeightSync, WeightSyncError  # noqa: E402
 from openrlhf_shape.weight_sync.object_store import ObjectStoreSender  # noqa: E402
+from support.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TIMEOUT_S = 120.0  # the sync's own limit: a kill must be reported long before it

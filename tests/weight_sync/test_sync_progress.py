@@ -28,9 +28,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from openrlhf_shape.testing.hf_reference import hf_token_logprobs, mean_abs_gap  # noqa: E402
-from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from openrlhf_shape.weight_sync.driver import POLL_S, EngineWeightSync, WeightSyncError  # noqa: E402
+from support.hf_reference import hf_token_logprobs, mean_abs_gap  # noqa: E402
+from support.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TRANSPORTS = ["collective", "object_store"]

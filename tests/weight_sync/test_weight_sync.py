@@ -21,8 +21,8 @@ from openrlhf_shape.platform import detect_platform  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
-from openrlhf_shape.testing.weight_holder import TensorHolder  # noqa: E402
 from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
+from support.weight_holder import TensorHolder  # noqa: E402
 from weight_sync_checks import assert_engines_compute, assert_engines_hold, record, run_sync  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -20,9 +20,9 @@ ray = pytest.importorskip("ray")
 
 from openrlhf_shape.rollout.engine import SamplingConfig  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup  # noqa: E402
-from openrlhf_shape.testing.engine_weights import capture_loaded_weights, load_into_engines  # noqa: E402
-from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
+from support.engine_weights import capture_loaded_weights, load_into_engines  # noqa: E402
+from support.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from weight_sync_checks import (  # noqa: E402
     BUCKET,
     assert_engines_compute,

@@ -25,9 +25,9 @@ from openrlhf_shape.platform import detect_platform  # noqa: E402
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig, VLLMEngine  # noqa: E402
 from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines  # noqa: E402
 from openrlhf_shape.testing import make_tiny_model  # noqa: E402
-from openrlhf_shape.testing.hf_reference import mean_abs_gap  # noqa: E402
-from openrlhf_shape.testing.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from openrlhf_shape.weight_sync.driver import EngineWeightSync  # noqa: E402
+from support.hf_reference import mean_abs_gap  # noqa: E402
+from support.weight_holder import HolderRanks, TensorHolder  # noqa: E402
 from weight_sync_checks import GAP, assert_engines_compute, perturbed  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

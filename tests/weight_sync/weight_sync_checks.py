@@ -13,10 +13,10 @@ import os
 import ray
 import torch
 
-from openrlhf_shape.testing.engine_weights import capture_loaded_weights, expected_shard, read_weights
-from openrlhf_shape.testing.hf_reference import hf_token_logprobs, mean_abs_gap
-from openrlhf_shape.testing.weight_holder import HolderRanks
 from openrlhf_shape.weight_sync.driver import EngineWeightSync
+from support.engine_weights import capture_loaded_weights, expected_shard, read_weights
+from support.hf_reference import hf_token_logprobs, mean_abs_gap
+from support.weight_holder import HolderRanks
 
 GAP = 2e-5  # mean |dlogp|, float32 on both sides: kernel rounding only
 SEQS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42, 300, 301, 302, 500, 17]]

@@ -25,6 +25,7 @@ from long_runs import (ARCHS, LONG_CFG as CFG, RING2, batch as long_batch, long_
 from mg_helpers import max_abs_diff
 from openrlhf_shape.actor.launch import run_ranks
 from packing_checks import merged, worst_grad_rel_diff
+from support.preload import spawn_preloaded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,7 +49,7 @@ def runs(shared_results, tiny_models, batch) -> dict[str, list[dict]]:
     models = long_models(shared_results, tiny_models)
     ring2 = shared_zero_world2(shared_results, models)["ring2"]
     dp2 = run_ranks("ring_scenarios:ring_run", 4, timeout=900, env={"DS_ACCELERATOR": "cpu"},
-                    extra_pythonpath=[HERE, MEGATRON_TESTS],
+                    extra_pythonpath=[HERE, MEGATRON_TESTS], spawner=spawn_preloaded,
                     kwargs=dict(cfg=CFG, zero=RING2, model_dirs={"qwen3": models["qwen3"]}, batch=batch))
     return {"world1": shared_zero_world1(shared_results, models)["ring_world1"], "ring2": ring2, "ring2_dp2": dp2,
             "ring2_stride2_zero3": variant(ring2, "stride2_zero3")}

@@ -27,6 +27,7 @@ from mg_helpers import SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max
 from openrlhf_shape.actor.launch import run_ranks
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.batch import LogProbs
+from support.preload import spawn_preloaded
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +46,8 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def _ds(**kwargs) -> list[dict]:
-    return run_ranks("zero_scenarios:zero_run", 2, kwargs=kwargs, timeout=600, env=DS_ENV, extra_pythonpath=[HERE])
+    return run_ranks("zero_scenarios:zero_run", 2, kwargs=kwargs, timeout=600, env=DS_ENV, extra_pythonpath=[HERE],
+                     spawner=spawn_preloaded)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.batches import train_batches
 from openrlhf_shape.testing.rank_configs import zero_config
-from openrlhf_shape.testing.reference import reference_run
+from support.reference import reference_run
 
 
 def _one(worker, *, model_dirs: dict, batch: dict, train_dir: str | None, train_steps: int, save_at: int | None,

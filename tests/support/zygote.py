@@ -1,5 +1,5 @@
-"""The preloading zygote behind ``launch.run_ranks`` (opt-in: ``SHAPE_RANKS_PRELOAD``; the client side is
-:mod:`openrlhf_shape.actor.preload`).
+"""The preloading zygote behind the test session's rank spawner (``SHAPE_RANKS_PRELOAD``; the client side is
+:mod:`support.preload`).
 
 A rank started as ``python -m openrlhf_shape.actor.launch`` spends 4-6 s importing torch, transformers,
 megatron-core and DeepSpeed before its first line of work. The zygote is one fresh interpreter that imports them
@@ -155,7 +155,7 @@ def _first_of_each(paths: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m openrlhf_shape.actor.zygote FD MODULES``: serve forks on the socket ``FD`` after importing the
+    """``python -m support.zygote FD MODULES``: serve forks on the socket ``FD`` after importing the
     comma-separated ``MODULES``."""
     conn = Connection(int(argv[0]))
     parent = os.getppid()

@@ -1,4 +1,4 @@
-"""The learning-rate schedule of the actor, as a pure function of the optimizer step.
+"""The learning-rate schedule of the actor (``OptimConfig``'s fields), as a pure function of the optimizer step.
 
 It is the schedule the Megatron backend runs (``OptimizerParamScheduler`` built in
 ``megatron/worker.py``), written out so the DeepSpeed backend follows it step for step: linear
