@@ -205,8 +205,9 @@ def test_heldout_eval_is_judged_by_the_reward_function(parts, tiny_tokenizer, pa
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
 
     group, items, _ = parts
-    trainer = ShapeTrainer(load_config(None, ["--rollout.max_new_tokens", "24", "--ckpt.output_dir", str(tmp_path)],
-                                       check_paths=False))
+    trainer = ShapeTrainer(load_config(None, ["--rollout.max_new_tokens", "24", "--ckpt.output_dir", str(tmp_path),
+                                              "--eval.temperature", "0", "--eval.n_samples_per_prompt", "1"],
+                                       check_paths=False))  # greedy, as `want` below (OpenRLHF's default is 0.6 x 4)
     with RewardComputer(RewardConfig(remote_url=parity_reward_file)) as parity:
         trainer.run = SimpleNamespace(eval_items=items, cluster=SimpleNamespace(engines=group), reward=parity,
                                       tokenizer=tiny_tokenizer)
