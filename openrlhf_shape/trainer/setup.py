@@ -36,7 +36,7 @@ class Run:
     eval_items: list | None  # held-out prompt items
     cluster: ClusterRuntime  # rank group, engines, weight sync, lifecycle (openrlhf_shape/cluster/runtime.py)
     reward: RewardComputer
-    kl: KLPenalty | None  # the KL settings with a reference model (--algo.kl.init_coef > 0); the trainer owns the coefficient
+    kl: KLPenalty | None  # the KL settings with a reference model (--algo.kl.init_coef > 0); the trainer owns the coef
     schedule: SyncSchedule  # the experience maker's phases, and when they run relative to the update (--train.async_enable)
     gap_guard: LogprobGapGuard  # is the engine running the trained policy (every step)
     own_ray: bool
