@@ -43,7 +43,7 @@ def test_a_hugging_face_tokenizer_is_the_tokenizer_protocol(tiny_tokenizer) -> N
 
 @pytest.mark.parametrize("fn", [ShapeExperienceMaker.__init__, schedule.SyncSchedule.__init__,
                                 schedule.OneStepOffSchedule.__init__, schedule.make_schedule,
-                                partial.PartialRollouts.__init__])
+                                partial.PartialRollouts.__init__], ids=lambda fn: fn.__qualname__)
 def test_the_consumers_type_their_collaborators(fn) -> None:
     params = {p.name: p.annotation for p in _named(fn)}
     untyped = [n for n, a in params.items() if a is inspect.Parameter.empty]
