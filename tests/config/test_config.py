@@ -201,6 +201,16 @@ def test_the_rollout_asks_for_the_sampled_tokens_log_probs_where_they_are_the_po
     assert load_config(None, ["--rollout.top_k", "20", "--rollout.logprobs"]).rollout.sampling_config().logprobs
 
 
+def test_the_reward_shaping_flags_reach_the_maker_as_one_value() -> None:
+    from openrlhf_shape.algorithms.length_penalty import RewardShaping
+
+    cfg = load_config(None, ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.1", "0.9",
+                             "--algo.dynamic_filtering_max_rounds", "5", "--reward.clip_range", "-2", "3",
+                             "--reward.stop_properly_penalty_coef", "0.5"])
+    assert cfg.reward_shaping() == RewardShaping(True, (0.1, 0.9), 5, (-2.0, 3.0), 0.5)
+    assert load_config(None, []).reward_shaping() == RewardShaping()  # the flags' defaults are the value's
+
+
 @pytest.mark.parametrize(
     "flags, match",
     [
