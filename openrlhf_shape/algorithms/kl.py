@@ -149,10 +149,9 @@ class KLController:
 @dataclass
 class KLPenalty:
     """What a run does with the KL to its reference model (``--algo.kl.*``): the ``estimator``, whether it goes
-    into the loss (``in_loss``) or into the reward, the loss's ``unbiased_gradient``, and the coefficient's
-    ``controller`` (its ``value`` is the coefficient of the step being made)."""
+    into the loss (``in_loss``) or into the reward, and the loss's ``unbiased_gradient``. The coefficient is not
+    here: the trainer owns its :class:`KLController` and hands each batch the value it applies."""
 
-    controller: KLController
     estimator: str = "k1"
     in_loss: bool = False
     unbiased_gradient: bool = False
@@ -162,7 +161,3 @@ class KLPenalty:
         if self.unbiased_gradient and not self.in_loss:
             raise ValueError("--algo.kl.unbiased_gradient changes only the gradient of the KL in the loss; add "
                              "--algo.kl.use_loss or drop it")
-
-    @property
-    def coef(self) -> float:
-        return float(self.controller.value)

@@ -183,7 +183,7 @@ def _check_kl(cfg: "TrainConfig") -> None:
     """The KL settings, and the reference ranks' layout: the actor's TP x PP must divide them; colocated, they sit
     on the actor's GPUs one for one (OpenRLHF's rule)."""
     k = cfg.algo.kl
-    cfg.kl_penalty()  # estimator, init_coef, target, horizon, unbiased_gradient (errors name the flag)
+    cfg.kl_penalty(), cfg.kl_controller()  # estimator, unbiased_gradient; init_coef, target, horizon (errors name the flag)
     if not k.enabled:
         return
     world, ref = cfg.actor.world_size, cfg.ref.world_size(cfg.actor.world_size)

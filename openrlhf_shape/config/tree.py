@@ -19,6 +19,7 @@ from typing import Any
 from openrlhf_shape.actor.optim import OptimConfig, OptimSettings
 from openrlhf_shape.algorithms.config import ShapeConfig
 from openrlhf_shape.algorithms.kl import KLController, KLPenalty
+from openrlhf_shape.algorithms.length_penalty import RewardShaping
 from openrlhf_shape.data.prompts import PromptDataConfig
 from openrlhf_shape.megatron.config import MegatronConfig, MegatronSettings
 from openrlhf_shape.rewards.computer import RewardConfig
@@ -67,9 +68,12 @@ class RolloutSection:
         return self.partial_chunk_tokens if self.partial_chunk_tokens is not None else max(1, self.max_new_tokens // 4)
 
     def sampling_config(self) -> SamplingConfig:
-        """One generate call's :class:`SamplingConfig` (``n`` samples of ``max_new_tokens``)."""
+        """The rollout's :class:`SamplingConfig` (``n`` samples of ``max_new_tokens``). Untruncated sampling (top-p 1,
+        no top-k) also returns the sampled tokens' log-probs: every step logs the rollout/trainer mismatch from them
+        (and the correction weighs by them); under top-p/top-k they are of another distribution."""
+        untruncated = self.top_p >= 1.0 and self.top_k in (-1, 0)
         return SamplingConfig(n=self.n_samples_per_prompt, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, max_tokens=self.max_new_tokens, logprobs=self.logprobs,
+                              top_k=self.top_k, max_tokens=self.max_new_tokens, logprobs=self.logprobs or untruncated,
                               stop=self.stop, stop_token_ids=self.stop_token_ids)
 
 
@@ -334,11 +338,21 @@ class TrainConfig:
                                        tuple(a.is_correction_threshold))
 
     def kl_penalty(self) -> KLPenalty:
-        """The KL settings (``--algo.kl.*``) with a fresh coefficient controller (``--algo.kl.init_coef``; adaptive
-        with ``--algo.kl.target``); whether a reference model runs at all is ``algo.kl.enabled``."""
+        """The KL settings (``--algo.kl.*``); whether a reference model runs at all is ``algo.kl.enabled``."""
         k = self.algo.kl
-        ctl = KLController(float(k.init_coef), None if k.target is None else float(k.target), int(k.horizon))
-        return KLPenalty(ctl, k.estimator, bool(k.use_loss), bool(k.unbiased_gradient))
+        return KLPenalty(k.estimator, bool(k.use_loss), bool(k.unbiased_gradient))
+
+    def kl_controller(self) -> KLController:
+        """A fresh KL coefficient controller (``--algo.kl.init_coef``; adaptive with ``--algo.kl.target``)."""
+        k = self.algo.kl
+        return KLController(float(k.init_coef), None if k.target is None else float(k.target), int(k.horizon))
+
+    def reward_shaping(self) -> RewardShaping:
+        """The rewards phase's switches: ``--algo.dynamic_filtering_*``, ``--reward.clip_range`` and
+        ``--reward.stop_properly_penalty_coef``."""
+        a, r = self.algo, self.reward
+        return RewardShaping(a.dynamic_filtering_enable, a.dynamic_filtering_range, a.dynamic_filtering_max_rounds,
+                             r.clip_range, r.stop_properly_penalty_coef)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

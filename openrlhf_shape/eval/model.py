@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 
@@ -57,9 +56,8 @@ def resolve_model_path(model_path: str, export_dir: str | Path) -> str:
     if is_hf_model_dir(export_dir):
         return str(export_dir)
     try:
-        mod = importlib.import_module("openrlhf_shape.megatron")
-        export_hf = getattr(mod, "export_hf")
-    except (ImportError, AttributeError) as exc:
+        from openrlhf_shape.megatron import export_hf
+    except ImportError as exc:
         raise RuntimeError(
             f"{model_path!r} is a Megatron checkpoint, but openrlhf_shape.megatron.export_hf is not "
             "available in this build; export it with `openrlhf-shape convert` first and pass the HF "

@@ -19,24 +19,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 from openrlhf_shape.algorithms.kl import KLPenalty, approx_kl, kl_penalty_returns, kl_token_rewards, masked_sample_mean
-from openrlhf_shape.algorithms.length_penalty import check_stop_properly_coef, stop_properly_penalty
+from openrlhf_shape.algorithms.length_penalty import RewardShaping, stop_properly_penalty
 from openrlhf_shape.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     rollout_correction_weights,
     rollout_mismatch_metrics,
 )
 from openrlhf_shape.batch import ExperienceBatch, LogProbs, SequenceBatch, length_mask, pad_rows
-from openrlhf_shape.rollout.engine import SamplingConfig
+from openrlhf_shape.rollout.engine import Generation, SamplingConfig
 from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER, ProbeConfig, ProbeSuffixes, estimate_potentials
+from openrlhf_shape.rollout.protocol import Engines, Rewards, Tokenizer
 from openrlhf_shape.rollout.seeds import PROBES, REFILL, ROLLOUT, derive_seed
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
+
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.rollout.agents import AgentRunner
 
 
 # Old log-probs and entropy of a SequenceBatch, per sample (and the MoE routing this pass used, under replay).
@@ -77,7 +81,7 @@ def merge_round_metrics(into: dict[str, Any], new: dict[str, Any], done: int, ma
         into["rollout/tokens_per_s"] = into["rollout/tokens"] / max(into["time/generate"], 1e-9)
 
 
-def delimiter_token_ids(tokenizer, delimiter: str) -> set[int]:
+def delimiter_token_ids(tokenizer: Tokenizer, delimiter: str) -> set[int]:
     """Ids whose decoded text contains ``delimiter`` (for the delimiter-segmentation ablation)."""
     ids = set()
     for tok_id in range(len(tokenizer)):
@@ -94,67 +98,84 @@ def slot_idle_share(lengths: Sequence[int]) -> float:
     return 1.0 - sum(lengths) / (len(lengths) * max(lengths)) if lengths and max(lengths) else 0.0
 
 
+def generated_batch(sample_items: Sequence, gens: Sequence[Generation], seconds: float,
+                    with_logprobs: bool) -> PhaseOutput:
+    """One :class:`ExperienceBatch` (no rewards yet) of the engines' samples ``gens`` (prompt-major) and their prompt
+    items, with the generate phase's metrics (``seconds``: the engines' time); ``with_logprobs``: the samples carry
+    the engines' log-probs of their tokens (``SamplingConfig.logprobs``). The maker's generate phase and the
+    responses that partial rollouts finished (trainer/partial.py) make their batches here."""
+    empty = [i for i, g in enumerate(gens) if not g.token_ids]
+    if empty:
+        raise RuntimeError(f"vLLM returned empty responses for samples {empty[:5]}: check --rollout.max_new_tokens")
+    lengths = torch.tensor([len(g.token_ids) for g in gens])
+    width = int(lengths.max())
+    rollout_lp = None
+    if with_logprobs:
+        rollout_lp = pad_rows([torch.tensor(g.logprobs, dtype=torch.float32) for g in gens], width)
+    exp = ExperienceBatch(
+        items=list(sample_items), sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
+        prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
+        response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
+        truncated=torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool),
+        routed_experts=[g.routed_experts for g in gens] if all(g.routed_experts is not None for g in gens) else None,
+    )
+    lf = lengths.float()
+    return PhaseOutput(exp, {
+        "rollout/response_length/mean": float(lf.mean()),
+        "rollout/response_length/max": float(lf.max()),
+        "rollout/response_lengths": [int(x) for x in lengths.tolist()],
+        "rollout/truncated_rate": sum(g.finish_reason == "length" for g in gens) / len(gens),
+        "rollout/tokens": float(lf.sum()),
+        "rollout/tokens_per_s": float(lf.sum()) / max(seconds, 1e-9),
+    })
+
+
 class ShapeExperienceMaker:
     """Phase functions that turn a batch of prompt items into an :class:`ExperienceBatch`.
 
     Args:
         estimator: the advantage estimator (``--algo.advantage.estimator``) bound to its settings (``--shape.*``):
             :func:`~openrlhf_shape.algorithms.estimators.get_estimator`.
-        sampling: rollout sampling (``--sampling.*``; ``n`` samples per prompt).
+        sampling: rollout sampling (``--rollout.*``, ``TrainConfig.rollout.sampling_config()``; ``n`` samples per
+            prompt). With ``sampling.logprobs`` the engines return the sampled tokens' log-probs and every step logs
+            the rollout/trainer mismatch (``rollout/mismatch/*``).
         probe: ``--probe.*`` (m, the probe length, adaptive rounds).
-        engines: an :class:`~openrlhf_shape.rollout.group.EngineGroup` (rollouts and probes).
+        engines: the engine group (rollouts and probes; :class:`~openrlhf_shape.rollout.protocol.Engines`).
         logprobs_fn: old log-probs and entropy of a batch (see module doc).
-        reward: a :class:`~openrlhf_shape.rewards.computer.RewardComputer` (outcomes and probe scores: the probes
-            take the answer's reward path, or Math-Verify under ``probe.scorer == "math_verify"``).
-        tokenizer: the policy's tokenizer (probe suffixes, delimiter ids).
-        dynamic_filtering: DAPO: drop prompt groups whose mean score is not strictly inside
-            ``dynamic_filtering_range`` (OpenRLHF's rule; (0, 1) drops all-wrong and all-right groups), and, given a
-            prompt source, sample new prompts in their place until the step's groups all passed (:meth:`fill`).
-        dynamic_filtering_max_rounds: the most refill rounds of one step (``--algo.dynamic_filtering_max_rounds``).
+        reward: the reward path (:class:`~openrlhf_shape.rollout.protocol.Rewards`: outcomes and probe scores; the
+            probes take the answer's reward path, or Math-Verify under ``probe.scorer == "math_verify"``).
+        tokenizer: the policy's tokenizer (probe suffixes, delimiter ids, agents' episodes).
+        shaping: the rewards phase's switches (:class:`~openrlhf_shape.algorithms.length_penalty.RewardShaping`):
+            DAPO's group filter, refilled by :meth:`fill` given a prompt source; the truncation penalty; the clip.
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
-        reward_clip_range: ``--reward.clip_range``: SHAPE/MRT clamp the outcome into it as it comes; the outcome
-            estimators (GRPO, REINFORCE++, ...) clamp their baselined outcome, as OpenRLHF.
-        stop_properly_penalty_coef: truncated responses' rewards scaled by it (in [0, 1]) or set to it (< 0),
-            before any clip or baseline (``--reward.stop_properly_penalty_coef``; None: off). See algorithms/length_penalty.py.
-        agent: an :class:`~openrlhf_shape.rollout.agents.AgentRunner` (``--train.agent_func_path``): the
+        agent: the :class:`~openrlhf_shape.rollout.agents.AgentRunner` of ``--train.agent_func_path``: the
             samples are its episodes, their rewards its own (the reward function scores the episodes it leaves
             without one). Credit (segments, probes, advantages), the loss and the KL then cover only the
             policy's turns (``ExperienceBatch.action_mask``), never the environment's replies.
         ref_logprobs_fn: the reference model's log-probs of a batch (the reference ranks, through the lifecycle);
             None without a reference model (``--algo.kl.init_coef 0``).
-        kl: the KL settings and coefficient (``--algo.kl.*``, algorithms/kl.py); needed with ``ref_logprobs_fn``.
-
-    With untruncated sampling (top-p 1, no top-k) the engines also return the sampled tokens'
-    log-probs, and every step logs the rollout/trainer mismatch (``rollout/mismatch/*``).
+        kl: the KL settings (``--algo.kl.*``, algorithms/kl.py); needed with ``ref_logprobs_fn``. The coefficient
+            comes with each batch (:meth:`make_experience`'s ``kl_coef``): the trainer owns its controller.
     """
 
-    def __init__(self, estimator: AdvantageEstimator, sampling: SamplingConfig, probe: ProbeConfig, engines, logprobs_fn: LogProbFn,
-                 reward, tokenizer, dynamic_filtering: bool = False,
-                 dynamic_filtering_range: tuple[float, float] = (0.0, 1.0), dynamic_filtering_max_rounds: int = 32,
-                 rollout_correction: RolloutCorrectionConfig | None = None,
-                 reward_clip_range: tuple[float, float] = (-10.0, 10.0),
-                 stop_properly_penalty_coef: float | None = None, agent=None,
-                 ref_logprobs_fn: LogProbFn | None = None, kl: KLPenalty | None = None):
+    def __init__(self, estimator: AdvantageEstimator, sampling: SamplingConfig, probe: ProbeConfig,
+                 engines: Engines, logprobs_fn: LogProbFn, reward: Rewards, tokenizer: Tokenizer, *,
+                 shaping: RewardShaping | None = None, rollout_correction: RolloutCorrectionConfig | None = None,
+                 agent: AgentRunner | None = None, ref_logprobs_fn: LogProbFn | None = None,
+                 kl: KLPenalty | None = None):
         if (ref_logprobs_fn is None) != (kl is None):
             raise ValueError("the KL to the reference model needs both the reference's log-probs and the KL settings")
         self.ref_logprobs_fn, self.kl = ref_logprobs_fn, kl
         self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
-        untruncated = sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)
-        if self.correction.level != "off" and not untruncated:
+        if self.correction.level != "off" and not (sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)):
             raise ValueError(
                 "--algo.advantage.is_correction_level needs --rollout.top_p 1 and --rollout.top_k -1: under "
                 "top-p/top-k vLLM's log-probs are of the truncated, renormalised distribution, so every importance "
                 f"weight would carry the truncation mass (got top_p {sampling.top_p}, top_k {sampling.top_k})"
             )
-        if untruncated and not sampling.logprobs:  # the sampled token's log-prob: mismatch metrics, correction
-            sampling = dataclasses.replace(sampling, logprobs=True)
-        self.dynamic_filtering_range = tuple(dynamic_filtering_range)
-        self.reward_clip_range = tuple(reward_clip_range)
-        self.stop_properly_coef = None if stop_properly_penalty_coef is None else check_stop_properly_coef(
-            stop_properly_penalty_coef)
+        self.shaping = shaping or RewardShaping()
         self.estimator, self.shape, self.sampling, self.probe_cfg = estimator, estimator.cfg, sampling, probe
         self.engines, self.logprobs_fn, self.reward, self.tokenizer = engines, logprobs_fn, reward, tokenizer
-        self.dynamic_filtering, self.max_refill_rounds = dynamic_filtering, dynamic_filtering_max_rounds
         self.agent = agent
         if agent is not None and self.estimator.needs_segments and probe.scorer == "auto":
             raise ValueError(AGENT_PROBE_SCORER)
@@ -163,17 +184,19 @@ class ShapeExperienceMaker:
                         else None)
 
     def make_experience(self, items: Sequence, log: StepLog | None = None, seed: int | None = None,
-                        more_prompts: Callable[[int], Sequence] | None = None) -> ExperienceBatch:
+                        more_prompts: Callable[[int], Sequence] | None = None,
+                        kl_coef: float | None = None) -> ExperienceBatch:
         """All experience phases for ``items`` (prompt items with index, prompt, prompt_ids, label), timed
         into ``log`` (the step's :class:`StepLog`; a fresh one when None). ``exp.metrics`` is the log's metrics
         so far. ``seed``: the step's seed (``rollout/seeds.py:step_seed``), from which every rollout and probe
         request's seed derives (None: the engines' own generators). ``more_prompts(k)``: k further prompt items
         (the batcher), for dynamic filtering's refill (:meth:`rollout`); without it the filter only drops, and the
-        batch may be empty (every group filtered): then only generate and rewards ran."""
+        batch may be empty (every group filtered): then only generate and rewards ran. ``kl_coef``: the KL
+        coefficient this batch applies (with a reference model; :meth:`ref_logprobs`)."""
         log = log if log is not None else StepLog()
         exp = self.rollout(items, log, seed, more_prompts)
         if len(exp):
-            exp = self.credit(self.old_policy(exp, log), log, seed)
+            exp = self.credit(self.old_policy(exp, log, kl_coef), log, seed)
         exp.metrics = log.metrics
         return exp
 
@@ -186,8 +209,6 @@ class ShapeExperienceMaker:
         groups passed (:meth:`fill`), round r sampling with its own seed stream (``rollout/seeds.py``)."""
         exp = log.phase("generate", self.generate, items, seed)
         exp = log.phase("rewards", self.rewards, exp)
-        if not self.dynamic_filtering:
-            return exp
         refill = None if more_prompts is None else functools.partial(self.refill_round, more_prompts, seed)
         return self.fill(exp, len(items), log, refill)
 
@@ -206,15 +227,18 @@ class ShapeExperienceMaker:
         whose metrics fold into ``log`` (:func:`merge_round_metrics`). Logs ``rollout/refill_rounds``,
         ``rollout/prompts_consumed`` (groups generated and judged, refills included) and ``rollout/filter_pass_rate``
         (the share of them that passed). Past ``dynamic_filtering_max_rounds`` rounds: :class:`FilteringExhausted`.
-        ``next_round`` None (no prompt source: tests, tools): no refill, the batch keeps what passed."""
-        n, parts, rounds = self.sampling.n, [exp], 0
+        ``next_round`` None (no prompt source: tests, tools): no refill, the batch keeps what passed. Without
+        dynamic filtering: ``exp`` as it is."""
+        if not self.shaping.dynamic_filtering_enable:
+            return exp
+        n, parts, rounds, limit = self.sampling.n, [exp], 0, self.shaping.dynamic_filtering_max_rounds
         generated = len(exp) + n * int(log.metrics["rollout/filtered_groups"])  # samples judged so far
         while next_round is not None and (have := sum(map(len, parts)) // n) < target:
-            if rounds == self.max_refill_rounds:
-                lo, hi = self.dynamic_filtering_range
+            if rounds == limit:
+                lo, hi = self.shaping.dynamic_filtering_range
                 raise FilteringExhausted(
                     f"--algo.dynamic_filtering_enable: after {rounds} refill rounds (--algo.dynamic_filtering_max_rounds "
-                    f"{self.max_refill_rounds}) only {have} of the step's {target} prompt groups have a mean score "
+                    f"{limit}) only {have} of the step's {target} prompt groups have a mean score "
                     f"inside --algo.dynamic_filtering_range ({lo}, {hi}), of {generated // n} tried: the data cannot fill "
                     "a batch at this policy (every group all right or all wrong?). Raise --algo.dynamic_filtering_max_rounds, "
                     "widen --algo.dynamic_filtering_range, change the prompts, or turn --algo.dynamic_filtering_enable off")
@@ -230,11 +254,12 @@ class ShapeExperienceMaker:
                             "rollout/filter_pass_rate": sum(map(len, parts)) // n / max(consumed, 1)})
         return exp if len(parts) == 1 else ExperienceBatch.concat(parts)
 
-    def old_policy(self, exp: ExperienceBatch, log: StepLog) -> ExperienceBatch:
-        """Ranks: ``logprobs`` (old log-probs and entropy), then ``ref_logprobs`` with a reference model."""
+    def old_policy(self, exp: ExperienceBatch, log: StepLog, kl_coef: float | None = None) -> ExperienceBatch:
+        """Ranks: ``logprobs`` (old log-probs and entropy), then ``ref_logprobs`` with a reference model, which
+        gives the batch its KL coefficient ``kl_coef``."""
         exp = log.phase("logprobs", self.logprobs, exp)
         if self.ref_logprobs_fn is not None:
-            exp = log.phase("ref_logprobs", self.ref_logprobs, exp)
+            exp = log.phase("ref_logprobs", self.ref_logprobs, exp, kl_coef)
         return exp
 
     def credit(self, exp: ExperienceBatch, log: StepLog, seed: int | None = None) -> ExperienceBatch:
@@ -265,38 +290,9 @@ class ShapeExperienceMaker:
         seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
-        out = self.batch_of([items[g.prompt_index] for g in gens], gens, seconds)
+        out = generated_batch([items[g.prompt_index] for g in gens], gens, seconds, sampling.logprobs)
         out.metrics["rollout/slot_idle_share"] = slot_idle_share([len(g.token_ids) for g in gens])
         return out
-
-    def batch_of(self, sample_items: Sequence, gens: Sequence, seconds: float) -> PhaseOutput:
-        """One :class:`ExperienceBatch` (no rewards yet) of the engines' samples ``gens`` (``Generation``, prompt-major)
-        and their prompt items, with the generate phase's metrics (``seconds``: the engines' time). Also the batch of
-        the responses that partial rollouts finished (trainer/partial.py)."""
-        empty = [i for i, g in enumerate(gens) if not g.token_ids]
-        if empty:
-            raise RuntimeError(f"vLLM returned empty responses for samples {empty[:5]}: check --rollout.max_new_tokens")
-        lengths = torch.tensor([len(g.token_ids) for g in gens])
-        width = int(lengths.max())
-        rollout_lp = None
-        if self.sampling.logprobs:
-            rollout_lp = pad_rows([torch.tensor(g.logprobs, dtype=torch.float32) for g in gens], width)
-        exp = ExperienceBatch(
-            items=list(sample_items), sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
-            prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
-            response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
-            truncated=torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool),
-            routed_experts=[g.routed_experts for g in gens] if all(g.routed_experts is not None for g in gens) else None,
-        )
-        lf = lengths.float()
-        return PhaseOutput(exp, {
-            "rollout/response_length/mean": float(lf.mean()),
-            "rollout/response_length/max": float(lf.max()),
-            "rollout/response_lengths": [int(x) for x in lengths.tolist()],
-            "rollout/truncated_rate": sum(g.finish_reason == "length" for g in gens) / len(gens),
-            "rollout/tokens": float(lf.sum()),
-            "rollout/tokens_per_s": float(lf.sum()) / max(seconds, 1e-9),
-        })
 
     def _generate_episodes(self, items: Sequence, sampling: SamplingConfig) -> PhaseOutput:
         """The agent's episodes (``--train.agent_func_path``), n per prompt, as an :class:`ExperienceBatch`
@@ -325,15 +321,16 @@ class ShapeExperienceMaker:
         """Outcome rewards and scores ``[B]``; then DAPO filtering when on (may leave 0 samples)."""
         rewards, scores, metrics = self._outcomes(exp)
         rewards = rewards.float()
-        if self.stop_properly_coef is not None:  # OpenRLHF: on the raw rewards, before the clip and any baseline
+        shaping = self.shaping
+        if shaping.stop_properly_penalty_coef is not None:  # OpenRLHF: on the raw rewards, before clip and baseline
             if exp.truncated is None:
                 raise RuntimeError("--reward.stop_properly_penalty_coef: this batch carries no truncation flags "
                                    "(ExperienceBatch.truncated); whoever made it must record the finish reasons")
-            rewards = stop_properly_penalty(rewards, exp.truncated, self.stop_properly_coef)
+            rewards = stop_properly_penalty(rewards, exp.truncated, shaping.stop_properly_penalty_coef)
             metrics["rollout/stop_properly_penalized"] = float(exp.truncated.sum())
         # SHAPE/MRT: R is the last potential, clipped as it comes; the outcome estimators clip their baselined
         # outcome instead (OpenRLHF's order), in the advantages phase.
-        exp.rewards = rewards.clamp(*self.reward_clip_range) if self.estimator.needs_segments else rewards
+        exp.rewards = rewards.clamp(*shaping.clip_range) if self.estimator.needs_segments else rewards
         exp.scores = scores.float()
         if self.estimator.needs_segments and ((exp.rewards < 0) | (exp.rewards > 1)).any():
             raise ValueError(
@@ -348,9 +345,9 @@ class ShapeExperienceMaker:
         metrics["rollout/group_all_wrong_rate"] = float((grouped.max(-1).values <= 0).float().mean())
         exp.samples = [{"prompt": exp.items[i].prompt, "response": exp.texts[i], "label": exp.items[i].label,
                         "reward": float(exp.rewards[i])} for i in range(min(len(exp), 4))]
-        if self.dynamic_filtering:  # as OpenRLHF: a group stays when its mean score lies strictly inside the range
-            # (the maker's fill() then replaces the groups dropped here)
-            lo, hi = self.dynamic_filtering_range
+        if shaping.dynamic_filtering_enable:  # as OpenRLHF: a group stays when its mean score is strictly inside
+            # the range (the maker's fill() then replaces the groups dropped here)
+            lo, hi = shaping.dynamic_filtering_range
             # in float64, as OpenRLHF's Python floats: a float32 score of 0.2 is above a range end of 0.2 there
             mean_score = exp.scores.double().view(-1, self.sampling.n).mean(-1)
             keep = (mean_score > lo) & (mean_score < hi)  # [prompts]
@@ -376,7 +373,8 @@ class ShapeExperienceMaker:
         metrics: dict[str, Any] = {"actor/old_entropy/mean": float(exp.entropy[mask].mean())}
         if exp.rollout_log_probs is None and self.correction.level != "off":
             raise ValueError("--algo.advantage.is_correction_level needs the engines' log-probs of every sampled "
-                             "token; the agent's episodes came without them (its sampling_params dropped logprobs)")
+                             "token; the samples came without them (SamplingConfig.logprobs off, or an agent's "
+                             "sampling_params dropped logprobs)")
         if exp.rollout_log_probs is not None:  # vLLM's vs the trainer's log-probs of the sampled tokens
             for k, v in rollout_mismatch_metrics(exp.old_log_probs, exp.rollout_log_probs, mask).items():
                 metrics[f"rollout/mismatch/{k}"] = v
@@ -386,14 +384,18 @@ class ShapeExperienceMaker:
                 metrics.update({f"rollout/correction/{k}": v for k, v in wm.items()})
         return PhaseOutput(exp, metrics)
 
-    def ref_logprobs(self, exp: ExperienceBatch) -> PhaseOutput:
+    def ref_logprobs(self, exp: ExperienceBatch, kl_coef: float | None) -> PhaseOutput:
         """The reference model's log-probs ``[B, T]`` of the sampled tokens (same temperature, free MoE routing) and
         the per-token KL estimate of the old policy against it (``--algo.kl.estimator``), 0 at an agent's
         environment replies: only the policy's own tokens are penalised (OpenRLHF's action mask). Metrics with
         OpenRLHF's names, over the policy's tokens: ``kl`` (KL in the reward: the mean over samples of each sample's
         token-mean KL; in the loss the trainer logs the updates'), ``logprobs_diff`` (the same mean of
         log pi_old - log pi_ref; in the loss ``ref/logprobs_diff``, and the trainer logs the updates', as OpenRLHF).
-        The batch's KL coefficient is read here (``exp.kl_coef``), once."""
+        The batch takes its KL coefficient here (``exp.kl_coef = kl_coef``), once: the trainer's controller value
+        when the batch's ranks' side ran (trainer/schedule.py)."""
+        if kl_coef is None:
+            raise ValueError("the KL to the reference model needs the batch's coefficient (kl_coef): the trainer "
+                             "hands its KL controller's value to make_experience / old_policy")
         mask = exp.response_mask
         out = self.ref_logprobs_fn(SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens,
                                                  temperature=self.sampling.temperature))
@@ -402,9 +404,8 @@ class ShapeExperienceMaker:
             raise RuntimeError(f"reference returned log-probs of {got[:8]} tokens for responses of {want[:8]}")
         ref, _ = out.padded(mask.shape[1])
         exp.ref_log_probs = torch.where(mask, ref.float(), torch.zeros_like(ref, dtype=torch.float32))
-        # The coefficient is read here, once: every schedule runs this pass on the thread that drives the batch,
-        # before the update beside which its credit may run (trainer/schedule.py); the batch carries it from here.
-        exp.kl_coef = self.kl.coef
+        # The batch carries the coefficient from here into its advantages, its update and the logged kl_coef.
+        exp.kl_coef = float(kl_coef)
         policy = exp.loss_mask()  # environment replies: the policy did not sample them, no KL is charged there
         kl = approx_kl(exp.old_log_probs, exp.ref_log_probs, self.kl.estimator)
         exp.kl = torch.where(policy, kl, torch.zeros_like(kl))
@@ -481,7 +482,7 @@ class ShapeExperienceMaker:
             self.estimator, mask, exp.rewards,
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
             max_response_len=self.sampling.max_tokens, entropy=entropy, boundaries=boundaries,
-            potentials=potentials, token_rewards=token_rewards, reward_clip_range=self.reward_clip_range,
+            potentials=potentials, token_rewards=token_rewards, reward_clip_range=self.shaping.clip_range,
         )
         exp.advantages = res.token_advantages if cols is None else cols.scatter(res.token_advantages)
         metrics = dict(res.metrics)

@@ -15,26 +15,32 @@ from typing import Any
 import torch
 
 from openrlhf_shape.batch import pad_rows
+from openrlhf_shape.data.prompts import PromptBatcher
+from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.partial import PartialRolloutPool, finished_generations
+from openrlhf_shape.rollout.protocol import Engines, Tokenizer
+from openrlhf_shape.trainer.experience import generated_batch
 from openrlhf_shape.trainer.phases import PhaseOutput
 
 
 class PartialRollouts:
-    """``maker``: the experience maker (its engines, sampling, tokenizer and batch builder); ``batcher``: the prompt
-    batcher; ``chunk_tokens``: ``--rollout.partial_chunk_tokens``; ``run_seed``: ``--train.seed``; ``num_steps``: the
-    run's last step (no prompt is admitted that no step would train on)."""
+    """``engines``, ``sampling``, ``tokenizer``: the rollout's (the experience maker's: the same sampling and the same
+    batch builder, :func:`~openrlhf_shape.trainer.experience.generated_batch`); ``batcher``: the prompt batcher;
+    ``chunk_tokens``: ``--rollout.partial_chunk_tokens``; ``run_seed``: ``--train.seed``; ``num_steps``: the run's
+    last step (no prompt is admitted that no step would train on)."""
 
-    def __init__(self, maker, batcher, chunk_tokens: int, run_seed: int, num_steps: int):
-        s = maker.sampling
-        self.maker, self.batcher, self.num_steps = maker, batcher, num_steps
+    def __init__(self, engines: Engines, sampling: SamplingConfig, tokenizer: Tokenizer, batcher: PromptBatcher,
+                 chunk_tokens: int, run_seed: int, num_steps: int):
+        self.engines, self.sampling, self.tokenizer = engines, sampling, tokenizer
+        self.batcher, self.num_steps = batcher, num_steps
         self.groups_per_step = batcher.batch_size
-        self.pool = PartialRolloutPool(chunk_tokens, s.max_tokens, s.n, run_seed)
+        self.pool = PartialRolloutPool(chunk_tokens, sampling.max_tokens, sampling.n, run_seed)
 
     def generate(self, step: int, version: int, groups: int | None = None) -> PhaseOutput:
         """The batch that trains at ``step`` (no rewards yet): ``groups`` finished prompt groups (default a step's;
         dynamic filtering's refill asks for those still missing), generated with weights of ``version`` updates for
         its tokens sampled now; metrics: the generate phase's plus ``partial/*`` and ``rollout/response_versions``."""
-        maker, pool = self.maker, self.pool
+        pool, sampling = self.pool, self.sampling
         groups = self.groups_per_step if groups is None else groups
         needed = (self.num_steps - step) * self.groups_per_step + groups  # groups the rest of the run trains on
 
@@ -42,12 +48,12 @@ class PartialRollouts:
             return self.batcher.next_batch() if len(pool.groups) < needed else None
 
         t0 = time.perf_counter()
-        done, stats = pool.collect(maker.engines, maker.sampling, version, groups, next_prompts)
+        done, stats = pool.collect(self.engines, sampling, version, groups, next_prompts)
         seconds = time.perf_counter() - t0
         if not done:
             raise RuntimeError(f"step {step}: partial rollouts finished no prompt group (the run needs no more prompts)")
-        items, gens, versions = finished_generations(done, maker.tokenizer, maker.sampling.skip_special_tokens)
-        out = maker.batch_of(items, gens, seconds)
+        items, gens, versions = finished_generations(done, self.tokenizer, sampling.skip_special_tokens)
+        out = generated_batch(items, gens, seconds, sampling.logprobs)
         exp = out.value
         exp.token_versions = pad_rows([torch.tensor(v, dtype=torch.long) for v in versions],
                                       exp.response_mask.shape[1], torch.long).masked_fill(~exp.response_mask, -1)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from openrlhf_shape.algorithms.kl import KLController
 from openrlhf_shape.batch import KLLossTerm
 from openrlhf_shape.config import TrainConfig
 from openrlhf_shape.trainer.console import RunConsole
@@ -65,6 +66,9 @@ class ShapeTrainer:
         self.run: Run | None = None
         self._ray_was_up: bool | None = None  # at set-up, before build_run (None: set-up stopped before that)
         self._resume_row: dict | None = None  # the resumed checkpoint's metrics line (MetricsLogger's resume_row)
+        # The KL coefficient (with a reference model): updated after each update, saved with each checkpoint,
+        # handed to the schedule for the batches it makes (trainer/schedule.py)
+        self.kl_controller: KLController | None = None
         self.length_alarm = LengthCollapseAlarm(cfg.shape.length_alarm_fraction, cfg.shape.length_alarm_window)
 
     def setup(self) -> None:
@@ -73,6 +77,7 @@ class ShapeTrainer:
 
         self._ray_was_up = ray.is_initialized()
         self.run = build_run(self.cfg)
+        self.kl_controller = self.cfg.kl_controller() if self.run.kl is not None else None
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
@@ -87,7 +92,8 @@ class ShapeTrainer:
             for step in steps:
                 rec = StepLog()
                 # generate, rewards, logprobs, segment, probes, advantages; async: made ahead, engines start the next
-                exp = schedule.experience(step, rec)
+                kl_coef = None if self.kl_controller is None else float(self.kl_controller.value)
+                exp = schedule.experience(step, rec, kl_coef)
                 if len(exp):
                     run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
                     rec.phase("to_update", cluster.lifecycle.before_update)  # colocated: engines sleep, ranks onload
@@ -124,7 +130,7 @@ class ShapeTrainer:
         if n < mb:
             raise RuntimeError(f"step {step}: {n} samples do not fill one mini-batch of --train.batch_size {mb}")
         gen = torch.Generator().manual_seed(cfg.train.seed * 100003 + step)
-        kl, rows = self.run.maker.kl, []
+        kl, rows = self.run.kl, []
         # the coefficient the batch carries (read once when it was made: trainer/experience.py ref_logprobs)
         term = KLLossTerm(exp.kl_coef, kl.estimator, kl.unbiased_gradient) if kl is not None and kl.in_loss else None
         for _epoch in range(cfg.train.max_epochs):
@@ -141,7 +147,7 @@ class ShapeTrainer:
                 out["kl"], out["logprobs_diff"] = out["actor/kl"], out["actor/logprobs_diff"]
             # the coefficient for the next step (adaptive: from this step's kl over the step's samples, as OpenRLHF)
             samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-            kl.controller.update(out.get("kl", exp.metrics.get("kl", 0.0)), samples)
+            self.kl_controller.update(out.get("kl", exp.metrics.get("kl", 0.0)), samples)
         return PhaseOutput(None, out)
 
     def sync(self, step: int) -> PhaseOutput:
@@ -208,8 +214,8 @@ class ShapeTrainer:
         if step_metrics is not None:
             extra["metrics_row"] = checkpoint_row({**step_metrics, "checkpoint": path,
                                                    "data/epoch": float(self.run.batcher.epoch)})
-        if self.run.maker.kl is not None:  # the adaptive KL coefficient moves every step
-            extra["kl_controller"] = self.run.maker.kl.controller.state_dict()
+        if self.kl_controller is not None:  # the adaptive KL coefficient moves every step
+            extra["kl_controller"] = self.kl_controller.state_dict()
         self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.ranks.save_checkpoint, path, extra)
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.ckpt.max_num]:
@@ -228,8 +234,8 @@ class ShapeTrainer:
         extra = self.run.cluster.ranks.load_checkpoint(path)
         self.run.batcher.load_state_dict(extra["batcher"])
         self.run.schedule.load_pending(extra, self.ckpt_root)
-        if self.run.maker.kl is not None and "kl_controller" in extra:
-            self.run.maker.kl.controller.load_state_dict(extra["kl_controller"])
+        if self.kl_controller is not None and "kl_controller" in extra:
+            self.kl_controller.load_state_dict(extra["kl_controller"])
         step = int(extra["step"])
         self._resume_row = extra.get("metrics_row")  # the step's line, if the run stopped before writing it
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,

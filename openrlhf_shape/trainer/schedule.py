@@ -24,14 +24,15 @@ the engines' and the trainer's log-probs is then the policy's drift (``rollout/m
 ``--algo.advantage.is_correction_level``); whether the engines compute the trained policy is checked on a few
 re-scored sequences instead (``rollout/fidelity/*``, the gap guard's metric in this mode).
 
-The KL coefficient (``--algo.kl.*`` with a reference model; adaptive with ``--algo.kl.target``) is read once per batch,
-in its reference pass (``ShapeExperienceMaker.ref_logprobs``, part of the ranks' side, which runs on the thread that
-calls :meth:`experience`), and the batch carries it (``ExperienceBatch.kl_coef``) into its advantages (KL in the
-reward), its update (KL in the loss) and the logged ``kl_coef``; the engines' thread never reads the controller,
-which ``train`` updates after each step. So batch t applies the controller's value after step t-1 in synchronous
-training and at staleness 1 (its ranks' side runs after update t-1), and after step t-2 at staleness 2 (its ranks'
-side runs before update t-1; the first batch of a run, made serially, after step t-1). A resumed run reads the
-same values: the controller is saved with each checkpoint, the batches in flight with their coefficients.
+The KL coefficient (``--algo.kl.*`` with a reference model; adaptive with ``--algo.kl.target``) belongs to the
+trainer, which updates its controller after each step's update and hands the value to :meth:`experience`; every
+batch whose ranks' side (its reference pass, ``ShapeExperienceMaker.ref_logprobs``) runs in that call takes it
+(``ExperienceBatch.kl_coef``) and carries it into its advantages (KL in the reward), its update (KL in the loss)
+and the logged ``kl_coef``; the engines' thread never sees it. So batch t applies the controller's value after
+step t-1 in synchronous training and at staleness 1 (its ranks' side runs in window t), and after step t-2 at
+staleness 2 (its ranks' side runs in window t-1; the first batch of a run, made serially, after step t-1). A
+resumed run applies the same values: the controller is saved with each checkpoint, the batches in flight with
+their coefficients.
 
 Every request a batch makes carries its own seed, derived from the step that trains on the batch
 (``rollout/seeds.py:step_seed``, in both schedules), so a batch's content depends only on (seed, step, weights),
@@ -54,15 +55,21 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from openrlhf_shape.batch import ExperienceBatch, SequenceBatch
+from openrlhf_shape.data.prompts import PromptBatcher
+from openrlhf_shape.rollout.engine import SamplingConfig
+from openrlhf_shape.rollout.protocol import Engines, Tokenizer
 from openrlhf_shape.rollout.seeds import step_seed
-from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+from openrlhf_shape.trainer.experience import LogProbFn, ShapeExperienceMaker
 from openrlhf_shape.trainer.partial import PartialRollouts
 from openrlhf_shape.trainer.phases import StepLog
+
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.config import TrainConfig
 
 PENDING_DIR = "async_pending"  # beside the step_XXXXXX checkpoints: the batches in flight when each was written
 FIDELITY_ROWS = 2  # sequences per engine that the engines re-score each step (asynchronous training)
@@ -99,14 +106,17 @@ def check_resumable(extra: dict, async_enable: bool, staleness: int, partial_chu
 class SyncSchedule:
     """The six experience phases of the step's own batch, with the weights of the previous update."""
 
-    def __init__(self, maker: ShapeExperienceMaker, batcher, engines, seed: int):
-        self.maker, self.batcher, self.engines, self.seed = maker, batcher, engines, seed
+    def __init__(self, maker: ShapeExperienceMaker, batcher: PromptBatcher, seed: int):
+        self.maker, self.batcher, self.seed = maker, batcher, seed
 
-    def experience(self, step: int, rec: StepLog) -> ExperienceBatch:
+    def experience(self, step: int, rec: StepLog, kl_coef: float | None = None) -> ExperienceBatch:
+        """The batch that trains at ``step``, complete. ``kl_coef``: the trainer's KL coefficient now (with a
+        reference model), which the batches whose reference pass runs in this call apply (module doc)."""
         items = self.batcher.next_batch()
         # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
         # generate, rewards (dynamic filtering: refills from the batcher), logprobs, segment, probes, advantages
-        return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step), more_prompts=self.batcher.next_batch)
+        return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step), more_prompts=self.batcher.next_batch,
+                                          kl_coef=kl_coef)
 
     def settle(self, rec: StepLog, updated: bool) -> None:
         """Nothing runs beside the update."""
@@ -122,17 +132,22 @@ class SyncSchedule:
 
 
 class OneStepOffSchedule(SyncSchedule):
-    """Asynchronous schedule (module doc). ``logprobs_fn`` is the maker's (ranks, through the lifecycle);
-    ``num_steps``: the run's last step (nothing is generated past it)."""
+    """Asynchronous schedule (module doc). ``engines``, ``sampling``, ``tokenizer``: the rollout's, the maker's too
+    (the fidelity check, partial rollouts); ``logprobs_fn``: the old log-probs' (ranks, through the lifecycle);
+    ``num_steps``: the run's last step (nothing is generated past it); ``partial_chunk``: partial rollouts' cut
+    (0: off)."""
 
-    def __init__(self, maker: ShapeExperienceMaker, batcher, engines, seed: int, staleness: int, num_steps: int,
+    def __init__(self, maker: ShapeExperienceMaker, batcher: PromptBatcher, seed: int, staleness: int, num_steps: int,
+                 engines: Engines, sampling: SamplingConfig, tokenizer: Tokenizer, logprobs_fn: LogProbFn,
                  partial_chunk: int = 0):
-        super().__init__(maker, batcher, engines, seed)
+        super().__init__(maker, batcher, seed)
         if staleness not in (1, 2):
             raise ValueError(f"--train.max_staleness {staleness}: 1 or 2")
         self.staleness, self.num_steps = staleness, num_steps
+        self.engines, self.temperature, self.logprobs_fn = engines, sampling.temperature, logprobs_fn
         # --train.partial_rollout_enable: the responses in flight across syncs (trainer/partial.py); None: off
-        self.partial = PartialRollouts(maker, batcher, partial_chunk, seed, num_steps) if partial_chunk else None
+        self.partial = (PartialRollouts(engines, sampling, tokenizer, batcher, partial_chunk, seed, num_steps)
+                        if partial_chunk else None)
         self.updates = 0  # optimizer updates the ranks have applied (= the engines', after each sync)
         self.generated: ExperienceBatch | None = None  # generated and scored: the next step's (staleness 1) or the one after
         self.ready: ExperienceBatch | None = None  # staleness 2: advantages done, for the next step
@@ -146,12 +161,13 @@ class OneStepOffSchedule(SyncSchedule):
         self.events: list[tuple[str, int, float, float]] = []
 
     # ---- the step --------------------------------------------------------------------------------
-    def experience(self, step: int, rec: StepLog) -> ExperienceBatch:
-        """The batch that trains at ``step``, complete; the engines' share of the window starts before returning."""
+    def experience(self, step: int, rec: StepLog, kl_coef: float | None = None) -> ExperienceBatch:
+        """The batch that trains at ``step``, complete; the engines' share of the window starts before returning.
+        ``kl_coef``: as :meth:`SyncSchedule.experience`."""
         if self.staleness == 1:
             exp = self.generated if self.generated is not None else self._generate(step)  # first step: serial
             self.generated = None
-            exp = self._engine_side(self._rank_side(exp, step), step)
+            exp = self._engine_side(self._rank_side(exp, step, kl_coef), step)
 
             def engines_work() -> None:
                 self.generated = self._generate(step + 1)
@@ -160,13 +176,14 @@ class OneStepOffSchedule(SyncSchedule):
                 self._start(engines_work)
         else:
             if self.ready is None:  # first step of a run: batch `step` serially, then batch step + 1 generated
-                self.ready = self._engine_side(self._rank_side(self._generate(step), step), step)
+                self.ready = self._engine_side(self._rank_side(self._generate(step), step, kl_coef), step)
             if self.generated is None and step + 1 <= self.num_steps:
                 self.generated = self._generate(step + 1)
             exp, nxt = self.ready, self.generated
             self.ready = self.generated = None
             if nxt is not None:
-                nxt = self._rank_side(nxt, step + 1)  # its old log-probs and entropy, before the update changes the weights
+                # its old log-probs and entropy, before the update changes the weights
+                nxt = self._rank_side(nxt, step + 1, kl_coef)
 
                 def engines_work() -> None:
                     self.ready = self._engine_side(nxt, step + 1)
@@ -212,13 +229,12 @@ class OneStepOffSchedule(SyncSchedule):
         if self.partial is not None:  # the first groups the responses in flight finish, tokens of several versions
             exp = log.phase("generate", self.partial.generate, step, self.updates)
             exp = log.phase("rewards", self.maker.rewards, exp)
-            if self.maker.dynamic_filtering:  # refills: further finished groups of the pool
 
-                def refill(r: int, missing: int, sub: StepLog) -> ExperienceBatch:
-                    return sub.phase("rewards", self.maker.rewards,
-                                     sub.phase("generate", self.partial.generate, step, self.updates, missing))
+            def refill(r: int, missing: int, sub: StepLog) -> ExperienceBatch:  # further finished groups of the pool
+                return sub.phase("rewards", self.maker.rewards,
+                                 sub.phase("generate", self.partial.generate, step, self.updates, missing))
 
-                exp = self.maker.fill(exp, self.batcher.batch_size, log, refill)
+            exp = self.maker.fill(exp, self.batcher.batch_size, log, refill)  # dynamic filtering's refills
         else:  # dynamic filtering refills from the batcher here, on the engines' side
             exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step),
                                      more_prompts=self.batcher.next_batch)
@@ -227,14 +243,15 @@ class OneStepOffSchedule(SyncSchedule):
         self.events.append(("generate", step, t0, time.perf_counter()))
         return exp
 
-    def _rank_side(self, exp: ExperienceBatch, step: int) -> ExperienceBatch:
+    def _rank_side(self, exp: ExperienceBatch, step: int, kl_coef: float | None) -> ExperienceBatch:
         """Ranks: old log-probs and entropy with the weights they hold now (the engines hold the same: the
         fidelity check re-scores a few sequences on the engines and compares); with a reference model its
-        log-probs and the batch's KL coefficient (module doc). Runs on the thread that calls :meth:`experience`."""
+        log-probs and the batch's KL coefficient ``kl_coef`` (module doc). Runs on the thread that calls
+        :meth:`experience`."""
         if not len(exp):
             return exp
         t0 = time.perf_counter()
-        exp = self.maker.old_policy(exp, _log_into(exp.metrics))
+        exp = self.maker.old_policy(exp, _log_into(exp.metrics), kl_coef)
         exp.logprob_version = self.updates
         exp.metrics.update(self._fidelity(exp))
         self.events.append(("old_policy", step, t0, time.perf_counter()))
@@ -257,10 +274,10 @@ class OneStepOffSchedule(SyncSchedule):
         rows = list(range(min(len(exp), FIDELITY_ROWS * len(self.engines))))
         seqs, plens = [exp.sequences[i] for i in rows], [exp.prompt_lens[i] for i in rows]
         engine_lp = self.engines.score(seqs)
-        if self.maker.sampling.temperature == 1.0:
+        if self.temperature == 1.0:
             trainer_lp = exp.old_log_probs[rows]
         else:
-            trainer_lp = self.maker.logprobs_fn(SequenceBatch(sequences=seqs, prompt_lens=plens, temperature=1.0)).log_probs
+            trainer_lp = self.logprobs_fn(SequenceBatch(sequences=seqs, prompt_lens=plens, temperature=1.0)).log_probs
         gaps = []
         for j, (seq, p) in enumerate(zip(seqs, plens)):
             n = len(seq) - p
@@ -318,10 +335,13 @@ def _version_report(exp: ExperienceBatch, updates: int) -> dict[str, float]:
     return out
 
 
-def make_schedule(cfg, maker: ShapeExperienceMaker, batcher, engines) -> SyncSchedule:
+def make_schedule(cfg: TrainConfig, maker: ShapeExperienceMaker, batcher: PromptBatcher, engines: Engines,
+                  sampling: SamplingConfig, tokenizer: Tokenizer, logprobs_fn: LogProbFn) -> SyncSchedule:
     """``--train.async_enable``: :class:`OneStepOffSchedule` at ``--train.max_staleness`` (with partial rollouts under
-    ``--train.partial_rollout_enable``); else :class:`SyncSchedule`."""
-    if cfg.train.async_enable:
-        return OneStepOffSchedule(maker, batcher, engines, cfg.train.seed, cfg.train.max_staleness, cfg.train.num_steps,
-                                  partial_chunk=cfg.partial_chunk_in_effect())
-    return SyncSchedule(maker, batcher, engines, cfg.train.seed)
+    ``--train.partial_rollout_enable``) over the rollout's ``engines``, ``sampling`` and ``tokenizer`` (the maker's)
+    and the old log-probs' ``logprobs_fn``; else :class:`SyncSchedule`."""
+    t = cfg.train
+    if t.async_enable:
+        return OneStepOffSchedule(maker, batcher, t.seed, t.max_staleness, t.num_steps, engines, sampling, tokenizer,
+                                  logprobs_fn, partial_chunk=cfg.partial_chunk_in_effect())
+    return SyncSchedule(maker, batcher, t.seed)

@@ -17,10 +17,10 @@ from openrlhf_shape.config.checks import check_dtypes
 from openrlhf_shape.trainer.logging_utils import log
 
 if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf_shape.algorithms.kl import KLPenalty
     from openrlhf_shape.cluster.runtime import ClusterRuntime
     from openrlhf_shape.data.prompts import PromptBatcher
     from openrlhf_shape.rewards.computer import RewardComputer
-    from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import LogprobGapGuard
     from openrlhf_shape.trainer.schedule import SyncSchedule
 
@@ -36,8 +36,8 @@ class Run:
     eval_items: list | None  # held-out prompt items
     cluster: ClusterRuntime  # rank group, engines, weight sync, lifecycle (openrlhf_shape/cluster/runtime.py)
     reward: RewardComputer
-    maker: ShapeExperienceMaker
-    schedule: SyncSchedule  # when experience is made relative to the update (trainer/schedule.py; --train.async_enable)
+    kl: KLPenalty | None  # the KL settings with a reference model (--algo.kl.init_coef > 0); the trainer owns the coef
+    schedule: SyncSchedule  # the experience maker's phases, and when they run relative to the update (--train.async_enable)
     gap_guard: LogprobGapGuard  # is the engine running the trained policy (every step)
     own_ray: bool
     setup_seconds: float
@@ -180,22 +180,17 @@ def build_run(cfg: TrainConfig) -> Run:
     if cluster.refs is not None:  # --algo.kl.init_coef > 0: the initial weights, forward only
         log.info("reference model (%d ranks): %s", cluster.refs.world_size, cluster.refs.init_reference(model_dir))
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
-    reward = RewardComputer(cfg.reward)
-    # The maker's forward (old log-probs) runs inside the colocation lifecycle.
-    estimator = cfg.advantage_estimator()  # --algo.advantage.estimator over --shape.* and --algo.advantage.gamma
-    maker = ShapeExperienceMaker(estimator, cfg.rollout.sampling_config(), cfg.probe, engines, lifecycle.logprobs,
-                                 reward, tokenizer, dynamic_filtering=cfg.algo.dynamic_filtering_enable,
-                                 dynamic_filtering_range=tuple(cfg.algo.dynamic_filtering_range),
-                                 dynamic_filtering_max_rounds=cfg.algo.dynamic_filtering_max_rounds,
-                                 rollout_correction=cfg.rollout_correction(),
-                                 reward_clip_range=tuple(cfg.reward.clip_range),
-                                 stop_properly_penalty_coef=cfg.reward.stop_properly_penalty_coef,
-                                 agent=build_agent(cfg, tokenizer),
-                                 ref_logprobs_fn=lifecycle.ref_logprobs if cluster.refs is not None else None,
-                                 kl=cfg.kl_penalty() if cluster.refs is not None else None)
-    schedule = make_schedule(cfg, maker, batcher, engines)
+    reward, sampling = RewardComputer(cfg.reward), cfg.rollout.sampling_config()
+    kl = cfg.kl_penalty() if cluster.refs is not None else None
+    # The maker's forwards (old and reference log-probs) run inside the colocation lifecycle.
+    maker = ShapeExperienceMaker(cfg.advantage_estimator(), sampling, cfg.probe, engines, lifecycle.logprobs, reward,
+                                 tokenizer, shaping=cfg.reward_shaping(), rollout_correction=cfg.rollout_correction(),
+                                 agent=build_agent(cfg, tokenizer), kl=kl,
+                                 ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None)
+    schedule = make_schedule(cfg, maker, batcher, engines, sampling, tokenizer, lifecycle.logprobs)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items,
-               cluster=cluster, reward=reward, maker=maker, schedule=schedule, gap_guard=gap_guard, own_ray=own_ray, setup_seconds=seconds)
+               cluster=cluster, reward=reward, kl=kl, schedule=schedule, gap_guard=gap_guard,
+               own_ray=own_ray, setup_seconds=seconds)

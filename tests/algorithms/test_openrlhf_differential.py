@@ -301,6 +301,7 @@ def test_dynamic_filter_keep_rule_equals_openrlhfs(tmp_path, tiny_tokenizer, lo,
     from openrlhf_source import openrlhf_dynamic_filter_keeps
 
     from openrlhf_shape.algorithms import ShapeConfig, get_estimator
+    from openrlhf_shape.algorithms.length_penalty import RewardShaping
     from openrlhf_shape.batch import ExperienceBatch, length_mask
     from openrlhf_shape.data.prompts import PromptItem
     from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
@@ -321,8 +322,7 @@ def test_dynamic_filter_keep_rule_equals_openrlhfs(tmp_path, tiny_tokenizer, lo,
     reward = RewardComputer(RewardConfig(remote_url=str(reward_file), num_workers=1))
     try:
         maker = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=4), ProbeConfig(), None,
-                                     None, reward, tiny_tokenizer, dynamic_filtering=True,
-                                     dynamic_filtering_range=(lo, hi))
+                                     None, reward, tiny_tokenizer, shaping=RewardShaping(True, (lo, hi)))
         kept = maker.rewards(exp).value
     finally:
         reward.close()

@@ -185,12 +185,30 @@ def test_kl_and_reference_flags():
     k = cfg.algo.kl
     assert (k.init_coef, k.use_loss, k.estimator, k.target, k.horizon) == (1e-3, True, "k3", 0.05, 500)
     assert cfg.ref.world_size(cfg.actor.world_size) == 2  # both --ref.* unset: the actor's
-    pen = cfg.kl_penalty()
-    ctl = pen.controller
+    pen, ctl = cfg.kl_penalty(), cfg.kl_controller()
     assert ctl.adaptive and (ctl.value, ctl.target, ctl.horizon) == (1e-3, 0.05, 500)
-    assert pen.in_loss and pen.estimator == "k3" and pen.coef == 1e-3
+    assert pen.in_loss and pen.estimator == "k3"
     cfg = load_config(None, ["--algo.kl.init_coef", "0.01", "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "4"])
     assert cfg.ref.world_size(cfg.actor.world_size) == 4  # disaggregated: its own GPUs, any multiple of TP x PP
+
+
+def test_the_rollout_asks_for_the_sampled_tokens_log_probs_where_they_are_the_policys() -> None:
+    """Untruncated sampling returns the engines' log-probs of the sampled tokens (every step's rollout/trainer
+    mismatch, the correction's weights); under top-p/top-k they are of another distribution: only on request."""
+    assert load_config(None, []).rollout.sampling_config().logprobs
+    assert not load_config(None, ["--rollout.top_p", "0.9"]).rollout.sampling_config().logprobs
+    assert not load_config(None, ["--rollout.top_k", "20"]).rollout.sampling_config().logprobs
+    assert load_config(None, ["--rollout.top_k", "20", "--rollout.logprobs"]).rollout.sampling_config().logprobs
+
+
+def test_the_reward_shaping_flags_reach_the_maker_as_one_value() -> None:
+    from openrlhf_shape.algorithms.length_penalty import RewardShaping
+
+    cfg = load_config(None, ["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.1", "0.9",
+                             "--algo.dynamic_filtering_max_rounds", "5", "--reward.clip_range", "-2", "3",
+                             "--reward.stop_properly_penalty_coef", "0.5"])
+    assert cfg.reward_shaping() == RewardShaping(True, (0.1, 0.9), 5, (-2.0, 3.0), 0.5)
+    assert load_config(None, []).reward_shaping() == RewardShaping()  # the flags' defaults are the value's
 
 
 @pytest.mark.parametrize(

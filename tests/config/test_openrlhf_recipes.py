@@ -109,7 +109,7 @@ def test_scripts_refused_nothing_load_whole(name):
     assert cfg.ref.num_nodes * cfg.ref.num_gpus_per_node == cfg.actor.world_size == 8 and cfg.train.colocate_all
     kl = cfg.kl_penalty()
     assert kl.in_loss and kl.estimator == {"dapo": "k3", "prorlv2_math": "k2"}[name]
-    assert kl.coef == pytest.approx({"dapo": 1e-3, "prorlv2_math": 1e-4}[name])
+    assert cfg.kl_controller().value == pytest.approx({"dapo": 1e-3, "prorlv2_math": 1e-4}[name])
 
 
 def test_the_four_critic_free_scripts_are_refused_nothing():
@@ -159,11 +159,12 @@ def test_what_the_honoured_flags_set():
     # OpenRLHF's default (k1 in the reward) for PPO; the agent's reference ranks on GPUs of their own (async)
     for cfg in (rb, agent):
         kl = cfg.kl_penalty()
-        assert kl.in_loss and kl.estimator == "k2" and kl.coef == pytest.approx(1e-5)
+        assert kl.in_loss and kl.estimator == "k2" and cfg.kl_controller().value == pytest.approx(1e-5)
         assert cfg.ref.world_size(cfg.actor.world_size) == 4 and cfg.algo.advantage.estimator == "reinforce_baseline"
     assert agent.train.agent_func_path == AGENT_FILE
-    ppo = _rest("ppo").kl_penalty()
-    assert not ppo.in_loss and ppo.estimator == "k1" and ppo.coef == pytest.approx(0.01)
+    ppo = _rest("ppo")
+    assert not ppo.kl_penalty().in_loss and ppo.kl_penalty().estimator == "k1"
+    assert ppo.kl_controller().value == pytest.approx(0.01)
 
 
 def test_accepted_switches_are_said_once(caplog):

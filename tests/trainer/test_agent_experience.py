@@ -49,7 +49,7 @@ def _maker(parts, tok, estimator: str) -> ShapeExperienceMaker:
     engines, _, actor, reward = parts
     return ShapeExperienceMaker(
         get_estimator(estimator, ShapeConfig(num_segments=4, min_segment_len=2)),
-        SamplingConfig(n=N, max_tokens=64, stop=["0"]),
+        SamplingConfig(n=N, max_tokens=64, stop=["0"], logprobs=True),
         ProbeConfig(num_probes=2, max_tokens=8, scorer="math_verify"),  # the agent's reward cannot judge a probe
         engines, actor.compute_logprobs_and_entropy, reward, tok, agent=AgentRunner(CALCULATOR, tok, 320))
 

@@ -14,6 +14,7 @@ from openrlhf_shape.algorithms import (
     get_estimator,
     grpo_advantages,
 )
+from openrlhf_shape.algorithms.length_penalty import RewardShaping
 from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
@@ -58,7 +59,7 @@ def _build(engines, logprobs_fn, reward, tok, estimator: AdvantageEstimator, max
            dynamic_filtering: bool = False, num_probes: int = 8):
     probe = ProbeConfig(num_probes=num_probes, max_tokens=16)
     return ShapeExperienceMaker(estimator, SamplingConfig(n=N, max_tokens=max_tokens), probe, engines, logprobs_fn, reward, tok,
-                                dynamic_filtering=dynamic_filtering)
+                                shaping=RewardShaping(dynamic_filtering_enable=dynamic_filtering))
 
 
 def _maker(engines, parts, estimator="shape", dynamic_filtering=False, num_probes=8, **shape_kw):
@@ -239,8 +240,8 @@ def _filtering_rollout(engines, parts, prompt_set, reward_text, tmp_path, max_ro
     with RewardComputer(RewardConfig(remote_url=str(path), num_workers=1)) as reward:
         maker = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=12),
                                      ProbeConfig(num_probes=1, max_tokens=4), engines,
-                                     actor.compute_logprobs_and_entropy, reward, tok, dynamic_filtering=True,
-                                     dynamic_filtering_max_rounds=max_rounds)
+                                     actor.compute_logprobs_and_entropy, reward, tok,
+                                     shaping=RewardShaping(True, dynamic_filtering_max_rounds=max_rounds))
         log = StepLog()
         exp = maker.rollout(batcher.next_batch(), log, seed=seed, more_prompts=batcher.next_batch)
     return exp, log.metrics, batcher
@@ -301,7 +302,8 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     tok, items, actor, reward = parts
     tis = RolloutCorrectionConfig("token", "clip", "ratio", (0.5, 5.0))
     probe = ProbeConfig(num_probes=1, max_tokens=4)
-    maker = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=32, temperature=0.7),
+    maker = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()),
+                                 SamplingConfig(n=N, max_tokens=32, temperature=0.7, logprobs=True),
                                  probe, engines, actor.compute_logprobs_and_entropy, reward, tok, rollout_correction=tis)
     exp = maker.make_experience(items[:2])
     m, mask = exp.metrics, exp.response_mask
@@ -320,8 +322,10 @@ def test_rollout_mismatch_metrics_and_tis_weights(engines, parts):
     with pytest.raises(ValueError, match="needs --rollout.top_p 1 and --rollout.top_k -1"):
         ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, top_p=0.9), probe, engines, actor.compute_logprobs_and_entropy,
                              reward, tok, rollout_correction=tis)
-    # without a correction the metrics are still logged (untruncated sampling)
-    off = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=16), probe, engines,
+    # without a correction the metrics are still logged (the engines' log-probs: TrainConfig.rollout.sampling_config()
+    # asks for them under untruncated sampling)
+    off = ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=N, max_tokens=16, logprobs=True),
+                               probe, engines,
                                actor.compute_logprobs_and_entropy, reward, tok).make_experience(items[:1])
     assert off.is_weights is None and "rollout/mismatch/abs_log_ratio/max" in off.metrics
 
@@ -371,10 +375,10 @@ def test_kl_in_the_reward_through_a_step(engines, parts, other_weights, estimato
     """KL in the reward (OpenRLHF's default): every token's advantage is GRPO's plus -coef x the KL still to come,
     the KL of the old policy's log-probs against the reference model's, recomputed here by hand (the reference's own
     forward, the estimator's formula, the sum to the end of the response); OpenRLHF's ``kl`` and ``logprobs_diff``."""
-    from openrlhf_shape.algorithms.kl import KLController, KLPenalty
+    from openrlhf_shape.algorithms.kl import KLPenalty
 
     coef = 0.05
-    exp = _kl_maker(engines, parts, other_weights, KLPenalty(KLController(coef), estimator)).make_experience(parts[1][:2])
+    exp = _kl_maker(engines, parts, other_weights, KLPenalty(estimator)).make_experience(parts[1][:2], kl_coef=coef)
     ref = other_weights.compute_logprobs_and_entropy(
         SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens, temperature=1.0)).log_probs
     grpo = grpo_advantages(exp.rewards.view(-1, N)).reshape(-1)
@@ -398,18 +402,19 @@ def test_kl_in_the_reward_through_a_step(engines, parts, other_weights, estimato
 
 def test_kl_in_the_loss_leaves_the_advantages_and_hands_the_reference_to_the_update(engines, parts, other_weights):
     """KL in the loss: the advantages stay the estimator's; the update's batch carries the reference log-probs
-    and the term (its coefficient is the controller's of this step); ``kl`` is left to the update's metrics."""
-    from openrlhf_shape.algorithms.kl import KLController, KLPenalty
+    and the term (its coefficient is the one the batch carries); ``kl`` is left to the update's metrics."""
+    from openrlhf_shape.algorithms.kl import KLPenalty
     from openrlhf_shape.batch import KLLossTerm
 
-    kl = KLPenalty(KLController(0.01), "k3", in_loss=True)
-    exp = _kl_maker(engines, parts, other_weights, kl).make_experience(parts[1][:1])
+    kl = KLPenalty("k3", in_loss=True)
+    exp = _kl_maker(engines, parts, other_weights, kl).make_experience(parts[1][:1], kl_coef=0.01)
     want = grpo_advantages(exp.rewards.view(-1, N)).reshape(-1)
     for i in range(len(exp)):
         adv = exp.advantages[i][exp.response_mask[i]]
         assert torch.allclose(adv, torch.full_like(adv, float(want[i])))
     assert "kl" not in exp.metrics and exp.metrics["ref/kl/mean"] > 0
-    batch = exp.train_batch([1, 2], 1.0, KLLossTerm(kl.coef, kl.estimator))
+    assert exp.kl_coef == 0.01
+    batch = exp.train_batch([1, 2], 1.0, KLLossTerm(exp.kl_coef, kl.estimator))
     batch.validate()
     assert torch.equal(batch.ref_log_probs, exp.ref_log_probs[[1, 2], : batch.ref_log_probs.shape[1]])
     assert exp.train_batch([1, 2], 1.0).ref_log_probs is None  # no term, nothing carried

@@ -24,7 +24,7 @@ import torch
 from openrlhf_shape.actor.batching import build_micro_batch
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss
 from openrlhf_shape.algorithms import ReturnConfig, ShapeConfig, get_estimator
-from openrlhf_shape.algorithms.kl import KLController, KLPenalty
+from openrlhf_shape.algorithms.kl import KLPenalty
 from openrlhf_shape.batch import ExperienceBatch, KLLossTerm, length_mask
 from openrlhf_shape.rollout.engine import SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
@@ -64,7 +64,7 @@ def _maker(actors, tokenizer, estimator: str = "grpo", in_loss: bool = False, kl
         get_estimator(estimator, cfg or ShapeConfig(), returns), SamplingConfig(n=2, max_tokens=10), ProbeConfig(),
         engines=None, logprobs_fn=policy.compute_logprobs_and_entropy, reward=None, tokenizer=tokenizer,
         ref_logprobs_fn=ref.compute_logprobs_and_entropy if kl else None,
-        kl=KLPenalty(KLController(COEF), "k3", in_loss=in_loss) if kl else None)
+        kl=KLPenalty("k3", in_loss=in_loss) if kl else None)
 
 
 def _hand_k3(actors) -> list[list[float]]:
@@ -79,9 +79,9 @@ def _hand_k3(actors) -> list[list[float]]:
     return out
 
 
-def _with_kl(maker: ShapeExperienceMaker):
+def _with_kl(maker: ShapeExperienceMaker, coef: float = COEF):
     exp = maker.logprobs(_agent_batch()).value
-    return maker.ref_logprobs(exp)
+    return maker.ref_logprobs(exp, coef)
 
 
 @torch.no_grad()
@@ -123,16 +123,21 @@ def test_kl_in_the_reward_charges_only_the_policys_tokens(actors, tiny_tokenizer
 
 @torch.no_grad()
 def test_the_batch_applies_the_coefficient_of_its_reference_pass(actors, tiny_tokenizer):
-    """The coefficient is read once, in the batch's reference pass: a controller that moves afterwards (the update
-    beside which the batch's credit runs, asynchronous training) changes neither its advantages nor its logged
-    ``kl_coef``; a batch that carries none is refused rather than read from the controller at credit time."""
+    """The coefficient is handed to the batch's reference pass, once, and the batch carries it: a later batch given
+    another value (the trainer's controller moved after an update, beside which this batch's credit may run in
+    asynchronous training) changes neither this batch's advantages nor its logged ``kl_coef``. A reference pass
+    without a coefficient, or a batch that carries none, is refused."""
     maker = _maker(actors, tiny_tokenizer)
     exp = _with_kl(maker).value
     assert exp.kl_coef == COEF
     want = maker.advantages(exp, None, None).value.advantages.clone()
-    maker.kl.controller.value = 10 * COEF
+    later = _with_kl(maker, 10 * COEF).value
+    assert later.kl_coef == 10 * COEF
+    assert not torch.equal(maker.advantages(later, None, None).value.advantages, want)  # the value matters
     out = maker.advantages(exp, None, None)
     assert torch.equal(out.value.advantages, want) and out.metrics["kl_coef"] == COEF
+    with pytest.raises(ValueError, match="needs the batch's coefficient"):
+        maker.ref_logprobs(maker.logprobs(_agent_batch()).value, None)
     exp.kl_coef = None
     with pytest.raises(RuntimeError, match="carries no KL coefficient"):
         maker.advantages(exp, None, None)
@@ -201,7 +206,7 @@ def _worked_maker(actors, tokenizer, estimator: str, returns: ReturnConfig, n: i
     return ShapeExperienceMaker(
         get_estimator(estimator, ShapeConfig(), returns), SamplingConfig(n=n, max_tokens=3), ProbeConfig(),
         engines=None, logprobs_fn=policy.compute_logprobs_and_entropy, reward=None, tokenizer=tokenizer,
-        ref_logprobs_fn=ref.compute_logprobs_and_entropy, kl=KLPenalty(KLController(COEF_R), "k1"))
+        ref_logprobs_fn=ref.compute_logprobs_and_entropy, kl=KLPenalty("k1"))
 
 
 def test_reinforce_baseline_whitens_returns_that_hold_the_kl(actors, tiny_tokenizer):

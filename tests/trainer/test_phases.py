@@ -68,3 +68,21 @@ def test_the_loop_runs_the_experience_phases_through_make_experience() -> None:
                    for c in _calls(fn)[1].get("maker", [])]
     assert {"rollout", "old_policy", "credit"} <= set(async_calls), async_calls
     assert not set(async_calls) & {"generate", "rewards", "logprobs", "segment", "probes", "advantages"}, async_calls
+
+
+def test_the_makers_users_call_its_stages_and_read_nothing_of_it() -> None:
+    """The schedules, partial rollouts, set-up and the loop use the maker through its stages (and the two phases a
+    partial rollout's window runs itself); what it holds (engines, sampling, tokenizer, the KL) each is handed."""
+    from pathlib import Path
+
+    stages = {"make_experience", "rollout", "old_policy", "credit", "rewards", "fill"}
+    trainer_dir = Path(ppo_trainer.__file__).parent
+    used = {}
+    for name in ("schedule.py", "partial.py", "setup.py", "ppo_trainer.py"):
+        for node in ast.walk(ast.parse((trainer_dir / name).read_text())):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                if (isinstance(owner, ast.Name) and owner.id == "maker") or (
+                        isinstance(owner, ast.Attribute) and owner.attr == "maker"):
+                    used.setdefault(node.attr, []).append(name)
+    assert set(used) <= stages, {k: v for k, v in used.items() if k not in stages}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from openrlhf_shape.algorithms import ShapeConfig, get_estimator, grpo_advantages
+from openrlhf_shape.algorithms.length_penalty import RewardShaping
 from openrlhf_shape.batch import ExperienceBatch, length_mask
 from openrlhf_shape.config import load_config
 from openrlhf_shape.data.prompts import PromptItem
@@ -33,8 +34,8 @@ def label_reward(tmp_path_factory):
 
 def _maker(tok, reward, n: int, coef, engines=None, logprobs_fn=None, max_tokens: int = 8, **sampling):
     return ShapeExperienceMaker(get_estimator("grpo", ShapeConfig()), SamplingConfig(n=n, max_tokens=max_tokens, **sampling),
-                                ProbeConfig(), engines, logprobs_fn, reward, tok, reward_clip_range=(-10.0, 10.0),
-                                stop_properly_penalty_coef=coef)
+                                ProbeConfig(), engines, logprobs_fn, reward, tok,
+                                shaping=RewardShaping(clip_range=(-10.0, 10.0), stop_properly_penalty_coef=coef))
 
 
 def _worked_batch(tok) -> ExperienceBatch:
