@@ -18,7 +18,7 @@ from mg_helpers import (SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, ma
                         shared_world1, shared_world2)
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.batch import LogProbs
-from openrlhf_shape.megatron.worker import latest_checkpoint
+from openrlhf_shape.checkpoint_dir import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
-"""The backends as siblings: each backend's checkpoint and export are functions of an explicit state
-object and never import the worker; both workers implement the one rank interface
+"""The backends as siblings: each backend's checkpoint and export (and Megatron's build, step and router losses) are
+functions of an explicit state object and never import the worker; both workers implement the one rank interface
 (:class:`openrlhf_shape.actor.protocol.RankWorker`) with the same signatures; and no backend imports
 the other (what both need lives in ``openrlhf_shape/actor/``)."""
 
@@ -30,7 +30,11 @@ def _imported_modules(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("backend,name", [(b, n) for b in BACKENDS for n in ("checkpoint.py", "export.py", "state.py")])
+STATE_MODULES = {"megatron": ("build.py", "step.py", "router_loss.py")}  # besides checkpoint, export and state
+
+
+@pytest.mark.parametrize("backend,name", [(b, n) for b in BACKENDS
+                                          for n in ("checkpoint.py", "export.py", "state.py", *STATE_MODULES.get(b, ()))])
 def test_checkpoint_and_export_do_not_import_the_worker(backend: str, name: str) -> None:
     path = PKG / backend / name
     assert f"openrlhf_shape.{backend}.worker" not in _imported_modules(path)
@@ -41,7 +45,8 @@ def test_checkpoint_and_export_do_not_import_the_worker(backend: str, name: str)
 def test_worker_hands_its_state_to_checkpoint_and_export(backend: str) -> None:
     src = (PKG / backend / "worker.py").read_text()
     calls = {"megatron": ("save_distributed_checkpoint(self.state", "load_distributed_checkpoint(self.state",
-                          "iter_buckets(self.state", "export_hf_dir(self.state"),
+                          "iter_buckets(self.state", "export_hf_dir(self.state", "build_model(self.state",
+                          "step.logprobs_and_entropy(self.state", "step.train_step(self.state"),
              "zero": ("save_checkpoint(self.state", "load_checkpoint(self.state", "iter_buckets(self.state",
                       "export_hf_dir(self.state")}[backend]
     for call in calls:
