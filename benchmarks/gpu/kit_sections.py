@@ -285,7 +285,7 @@ def throughput(*, rank: int, world_size: int, master_addr: str, master_port: int
                 res["peak_bytes_at_error"] = int(torch.cuda.max_memory_allocated())
         # the TransformerConfig (held by the bridge) references the DDP model through no_sync_func
         st = worker.state
-        st.model = st.optimizer = st.scheduler = st.bridge = st.tconfig = None
+        st.model = st.optimizer = st.bridge = st.tconfig = None
         gc.collect()
         if _cuda():
             torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
 """Building one Megatron rank's model and optimizer into its :class:`~openrlhf_shape.megatron.state.ActorState`:
-the rank's GPT stage from the bridge (HF weights), the bf16 wrapper, Megatron's DDP with fp32 gradient buffers,
-Megatron's Adam and its LR schedule. Functions of the state; the worker calls them inside its device mode.
+the rank's GPT stage from the bridge (HF weights), the bf16 wrapper, Megatron's DDP with fp32 gradient buffers and
+Megatron's Adam (its LR is set before each step: :func:`~openrlhf_shape.actor.lr_schedule.apply_lr`). Functions of the
+state; the worker calls them inside its device mode.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from openrlhf_shape.megatron.state import ActorState
 
 
 def build_model(state: ActorState, hf_dir: str, *, load_weights: bool = True, train: bool = True) -> dict:
-    """Build the GPT model through the bridge, load HF weights, build optimizer + LR schedule into ``state``; returns
+    """Build the GPT model through the bridge, load HF weights, build the optimizer into ``state``; returns
     the model's description (parameter counts, layout, MoE settings).
 
     ``load_weights=False`` keeps Megatron's random initialisation (benchmarks: only the shapes of ``hf_dir``'s
-    config matter). ``train=False`` builds a forward-only model: no DDP gradient buffers, no optimizer or schedule.
+    config matter). ``train=False`` builds a forward-only model: no DDP gradient buffers, no optimizer.
     """
     from megatron.core.transformer.module import Float16Module
     from transformers import AutoConfig
@@ -33,15 +34,15 @@ def build_model(state: ActorState, hf_dir: str, *, load_weights: bool = True, tr
     gpt = _build_gpt(state, bridge, hf_dir, load_weights)
     state.routing = None if cfg.routing_replay == "none" else RoutingReplay(gpt, sequence_parallel=cfg.sequence_parallel)
     module = Float16Module(bridge.config, gpt) if cfg.use_bf16 else gpt
-    optimizer = scheduler = None
+    optimizer = None
     if train:
         module = _wrap_ddp(module, bridge.config, cfg)
-        optimizer, scheduler = _build_optimizer(module, cfg)
+        optimizer = _build_optimizer(module, cfg)
     else:
         for p in module.parameters():
             p.requires_grad_(False)
     state.bridge, state.tconfig, state.hf_config, state.hf_dir = bridge, bridge.config, hf_config, hf_dir
-    state.model, state.optimizer, state.scheduler = module, optimizer, scheduler
+    state.model, state.optimizer = module, optimizer
     return _model_info(state, gpt)
 
 
@@ -131,15 +132,14 @@ def _wrap_ddp(module, tconfig, cfg: MegatronConfig):
 
 
 def _build_optimizer(model, cfg: MegatronConfig):
-    """(Megatron Adam over ``model``, its LR / weight-decay schedule: linear warm-up, then ``lr_decay_style``)."""
+    """Megatron Adam over ``model``; no decay on biases and norms (their groups' ``wd_mult`` 0). No scheduler: the
+    step sets each update's LR (``actor/lr_schedule.py``), as the DeepSpeed backend does."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optim, adam = cfg.optim, cfg.optim.adam
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=adam.lr,
-        min_lr=optim.final_lr,
         weight_decay=adam.weight_decay,
         adam_beta1=adam.betas[0],
         adam_beta2=adam.betas[1],
@@ -150,22 +150,9 @@ def _build_optimizer(model, cfg: MegatronConfig):
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
-    warmup = optim.warmup_steps
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        # step k < warmup uses lr * (k + 1) / (warmup + 1): no wasted zero-lr first step
-        init_lr=adam.lr / (warmup + 1),
-        max_lr=adam.lr,
-        min_lr=optim.final_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=optim.total_steps,
-        lr_decay_style=optim.lr_scheduler,
-        start_wd=adam.weight_decay,
-        end_wd=adam.weight_decay,
-        wd_incr_steps=optim.total_steps,
-        wd_incr_style="constant",
-    )
-    return optimizer, scheduler
+    for group in optimizer.param_groups:  # what Megatron's scheduler would set: the decay times the group's multiplier
+        group["weight_decay"] = adam.weight_decay * group.get("wd_mult", 1.0)
+    return optimizer
 
 
 def _finalize_without_token_scaling(finalize):

@@ -22,12 +22,12 @@ from openrlhf_shape.platform import Platform
 
 @dataclass
 class ActorState:
-    """Model, optimizer, schedule and counters of one rank.
+    """Model, optimizer and counters of one rank.
 
     ``cfg`` is resolved for ``platform`` (``bf16`` and ``layer_spec`` concrete). ``model`` is the
     DDP-wrapped model chunk when training (its ``.module`` is the Float16Module or GPTModel), or
-    the bare forward-only module (``optimizer``/``scheduler`` None). ``step`` counts successful
-    optimizer steps (skipped non-finite updates do not count).
+    the bare forward-only module (``optimizer`` None). ``step`` counts successful optimizer steps (skipped
+    non-finite updates do not count; the LR schedule is a function of it: :func:`~openrlhf_shape.actor.lr_schedule.lr_at`).
     """
 
     cfg: MegatronConfig
@@ -37,7 +37,6 @@ class ActorState:
     dp_size: int
     model: Any = None
     optimizer: Any = None
-    scheduler: Any = None
     bridge: Any = None  # the mbridge bridge (HF <-> Megatron names and shards)
     tconfig: Any = None  # Megatron's TransformerConfig of the model
     hf_config: Any = None

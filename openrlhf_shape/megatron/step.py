@@ -22,6 +22,7 @@ from openrlhf_shape.actor.batching import MicroBatch, micro_batch_budget, rank_m
 from openrlhf_shape.actor.cp_comm import sum_over_cp
 from openrlhf_shape.actor.cp_split import CpShard, cp_shard
 from openrlhf_shape.actor.logprobs import vocab_parallel_logprobs_entropy
+from openrlhf_shape.actor.lr_schedule import apply_lr
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
 from openrlhf_shape.megatron.attention import packed_seq_params, varlen_kernel
@@ -234,7 +235,7 @@ def train_step(state: ActorState, batch: TrainBatch) -> dict:
     dist.all_reduce(sums)  # results live on one rank per DP replica; others add zeros
     sums = sums.cpu()
     loss_finite = sums[METRIC_KEYS.index("nonfinite")].item() == 0
-    lr_used = float(state.optimizer.param_groups[0]["lr"])
+    lr_used = apply_lr(state.optimizer, optim, state.step)
     found_inf = state.optimizer.prepare_grads()
     grad_norm = float(state.optimizer.get_grad_norm()) if not found_inf else float("nan")
     ok = loss_finite and not found_inf and math.isfinite(grad_norm)
@@ -243,7 +244,6 @@ def train_step(state: ActorState, batch: TrainBatch) -> dict:
             _clip_to_total_norm(state.optimizer, optim.max_norm, grad_norm)
         ok = bool(state.optimizer.step_with_ready_grads())
     if ok:
-        state.scheduler.step(increment=1)
         state.step += 1
     else:
         state.optimizer.zero_grad()

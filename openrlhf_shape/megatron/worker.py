@@ -38,7 +38,7 @@ from openrlhf_shape.rng import seed_all
 
 class MegatronRankWorker:
     """Owns one Megatron rank (plain class; :class:`openrlhf_shape.cluster.rank_group.RankActor` hosts it); its model,
-    optimizer, schedule and step count are ``self.state``.
+    optimizer and step count are ``self.state``.
 
     ``platform``: the run's profile as handed by the driver (a :class:`Platform` or its dict). A rank
     without a driver (the subprocess ranks of ``actor/launch.py``, ``convert``) passes
@@ -119,7 +119,7 @@ class MegatronRankWorker:
 
     # ------------------------------------------------------------------ model
     def init_model(self, hf_dir: str, *, load_weights: bool = True, train: bool = True) -> dict:
-        """Build the GPT model through the bridge, load HF weights, build optimizer + LR schedule
+        """Build the GPT model through the bridge, load HF weights, build the optimizer
         (:func:`~openrlhf_shape.megatron.build.build_model`: ``load_weights=False`` keeps Megatron's random
         initialisation, ``train=False`` builds a forward-only model; ``train_step`` and checkpoints then refuse)."""
         with self._mode():
@@ -169,7 +169,7 @@ class MegatronRankWorker:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:
-        """Atomically write model + optimizer + scheduler + RNG + step (+ ``extra``) to ``ckpt_dir``."""
+        """Atomically write model + optimizer + RNG + step (+ ``extra``) to ``ckpt_dir``."""
         self.state.require_model()
         self.state.require_optimizer("save_checkpoint")
         self._require_onloaded(STATE_GROUPS, "save_checkpoint")
@@ -210,7 +210,7 @@ class MegatronRankWorker:
         """Destroy model-parallel state and the process group (idempotent)."""
         try:
             st = self.state
-            st.model = st.optimizer = st.scheduler = st.routing = None
+            st.model = st.optimizer = st.routing = None
             from megatron.core import parallel_state as mpu
 
             mpu.destroy_model_parallel()

@@ -70,7 +70,7 @@ def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: 
     if keep_group:  # another worker follows in this process: free this one, keep the process group
         from megatron.core import parallel_state as mpu
 
-        w.state.model = w.state.optimizer = w.state.scheduler = None
+        w.state.model = w.state.optimizer = None
         mpu.destroy_model_parallel()
     else:
         w.shutdown()
