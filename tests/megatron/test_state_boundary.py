@@ -11,13 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from openrlhf_shape.actor.backends import BACKENDS as RECORDS
 from openrlhf_shape.actor.protocol import RankWorker
+from openrlhf_shape.config import TrainConfig  # noqa: F401  (registers every backend's record)
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.state import ActorState
 from openrlhf_shape.platform import cpu_platform
 
 PKG = Path(__file__).resolve().parents[2] / "openrlhf_shape"
-BACKENDS = {"megatron": "MegatronRankWorker", "zero": "ZeroRankWorker"}
+# each registered backend's package folder -> its worker class (the records' "openrlhf_shape.<folder>.worker:<Class>")
+BACKENDS = {r.worker.split(".")[1]: r.worker.rsplit(":", 1)[1] for r in RECORDS.values()}
 
 
 def _imported_modules(path: Path) -> set[str]:
