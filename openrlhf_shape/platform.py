@@ -58,7 +58,7 @@ class Platform:
     """
 
     device: str = "cpu"  # "cpu" | "cuda"
-    trainer_dtype: str = "float32"  # "float32" | "bfloat16": the ranks' parameters when the backend's dtype flag is auto
+    trainer_dtype: str = "float32"  # "float32" | "bfloat16": the ranks' parameters under an auto dtype flag
     collective_backend: str = "gloo"  # "gloo" | "nccl": ranks' process group and the weight-sync group
     layer_spec: str = "local"  # "local" | "te": --megatron.layer_spec auto
     engine_dtype: str = "float32"  # vLLM dtype for --vllm.dtype auto ("auto" = the checkpoint's, on GPU)

@@ -99,7 +99,7 @@ class OptimSettings:
             raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.adam.lr:
             raise ValueError(f"{name}.min_lr must be in [0, adam.lr={self.adam.lr}], got {self.min_lr}")
-        # our own two knobs, refused where the schedule would not read them (OpenRLHF's ratios are read or not, as there)
+        # our own two knobs, refused where the schedule would not read them (OpenRLHF's ratios: unread, as there)
         if self.min_lr and not schedule.has_floor:
             raise ValueError(f"{name}.min_lr {self.min_lr}: {self.lr_scheduler} has no floor (linear and cosine decay "
                              "to 0); use lr_scheduler cosine_with_min_lr, or drop min_lr")
@@ -182,8 +182,8 @@ class OptimConfig(OptimSettings):
 
     @property
     def warmup_steps(self) -> int:
-        """Optimizer steps of linear warm-up: ``lr_warmup_steps``, else ``ceil(total_steps x lr_warmup_ratio)`` (OpenRLHF's
-        count; ``constant`` does not read it)."""
+        """Optimizer steps of linear warm-up: ``lr_warmup_steps``, else ``ceil(total_steps x lr_warmup_ratio)``
+        (OpenRLHF's count; ``constant`` does not read it)."""
         if self.lr_warmup_steps is not None:
             return self.lr_warmup_steps
         return math.ceil(self.total_steps * self.lr_warmup_ratio)

@@ -36,7 +36,8 @@ def _import_class(name: str) -> type:
 
 
 class RankActor(WeightSenderMixin):
-    """Ray actor body: one rank, hosting an instance of the ``worker`` class it is named. Methods run on the actor's main thread.
+    """Ray actor body: one rank, hosting an instance of the ``worker`` class it is named. Methods run on the
+    actor's main thread.
 
     Built without a rendezvous: the group asks rank 0's actor for its node's address and a free port
     (``endpoint``), then calls ``connect`` on every rank, which builds the worker."""

@@ -4,8 +4,9 @@ The rank worker (:mod:`openrlhf_shape.megatron.worker`) owns one :class:`ActorSt
 the functions that do the work, each module one concern: build (:mod:`~openrlhf_shape.megatron.build`), forward
 and train step (:mod:`~openrlhf_shape.megatron.step`, with the MoE router losses of
 :mod:`~openrlhf_shape.megatron.router_loss`), checkpoint (:mod:`~openrlhf_shape.megatron.checkpoint`) and export
-(:mod:`~openrlhf_shape.megatron.export`). They read and write only what is here; none imports the worker. Parallel ranks and groups are Megatron's ``parallel_state`` (process-wide once
-the worker initialised it); the RNG states live in Python/torch/Megatron's tracker and are saved and
+(:mod:`~openrlhf_shape.megatron.export`). They read and write only what is here; none imports the worker.
+Parallel ranks and groups are Megatron's ``parallel_state`` (process-wide once the worker initialised it); the
+RNG states live in Python/torch/Megatron's tracker and are saved and
 restored by the checkpoint module.
 """
 
@@ -27,7 +28,7 @@ class ActorState:
     ``cfg`` is resolved for ``platform`` (``bf16`` and ``layer_spec`` concrete). ``model`` is the
     DDP-wrapped model chunk when training (its ``.module`` is the Float16Module or GPTModel), or
     the bare forward-only module (``optimizer`` None). ``step`` counts successful optimizer steps (skipped
-    non-finite updates do not count; the LR schedule is a function of it: :func:`~openrlhf_shape.actor.lr_schedule.lr_at`).
+    non-finite updates do not count; the LR is a function of it: :func:`~openrlhf_shape.actor.lr_schedule.lr_at`).
     """
 
     cfg: MegatronConfig

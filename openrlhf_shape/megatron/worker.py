@@ -93,7 +93,7 @@ class MegatronRankWorker:
         return self.state.cfg
 
     @cfg.setter
-    def cfg(self, cfg: MegatronConfig) -> None:  # a new configuration for the next init_model (tests vary it on one rank)
+    def cfg(self, cfg: MegatronConfig) -> None:  # a configuration for the next init_model (tests vary it on a rank)
         self.state.cfg = cfg.for_platform(self.platform)
 
     def _require_onloaded(self, groups: tuple[str, ...], what: str) -> None:

@@ -135,10 +135,10 @@ def build_run(cfg: TrainConfig) -> Run:
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(cfg.actor.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes): the LR schedule's length
+    batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes): the LR's length
     backend = cfg.backend()
     model_config = AutoConfig.from_pretrained(model_dir)
-    backend.check_model(cfg, model_config, model_dir)  # a model this backend and layout cannot train, before anything starts
+    backend.check_model(cfg, model_config, model_dir)  # a model the backend and layout cannot train: refused now
 
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
