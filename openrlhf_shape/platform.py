@@ -3,7 +3,7 @@
 :func:`detect_platform` is the one place that asks whether the run has GPUs (the Ray cluster's
 declared ``GPU`` resources when Ray is up, else ``torch.cuda.is_available()`` of this process). It
 returns a frozen :class:`Platform` that the driver (``trainer/setup.py``) builds once and hands to
-``cluster/runtime.py:start_cluster``, which passes it to every Megatron rank actor and every vLLM
+``cluster/runtime.py:start_cluster``, which passes it to every training rank actor and every vLLM
 engine actor. Inside a rank or engine process the profile is rebuilt from what was handed
 (:meth:`Platform.from_dict`), never re-detected: a rank on a GPU node of a cluster whose driver runs
 on a CPU head still gets the GPU profile, and a test can hand a process any profile.
@@ -22,7 +22,8 @@ What each field controls (docs/architecture.md, "CPU or GPU"):
 * ``device`` / ``on_gpu``: the Megatron rank's device, the CPU patches (``megatron/cpu.py``) and the
   CUDA->CPU device mode, pinned host memory for colocation offload and the object-store sender's staging,
   the weight sender's device;
-* ``megatron_dtype``: parameters when ``--megatron.bf16`` is unset (float32 on CPU, bf16 on GPU);
+* ``trainer_dtype``: the ranks' parameters when the backend's dtype flag is auto (``--megatron.bf16`` unset,
+  ``--ds.param_dtype auto``): float32 on CPU, bf16 on GPU;
 * ``collective_backend``: torch.distributed among ranks and the weight-sync group (gloo | nccl);
 * ``layer_spec``: Megatron's layer spec for ``--megatron.layer_spec auto`` (local | te);
 * ``engine_*``: vLLM settings the platform decides (dtype for ``--vllm.dtype auto``, KV block,
@@ -57,7 +58,7 @@ class Platform:
     """
 
     device: str = "cpu"  # "cpu" | "cuda"
-    megatron_dtype: str = "float32"  # "float32" | "bfloat16": Megatron parameters when --megatron.bf16 is unset
+    trainer_dtype: str = "float32"  # "float32" | "bfloat16": the ranks' parameters under an auto dtype flag
     collective_backend: str = "gloo"  # "gloo" | "nccl": ranks' process group and the weight-sync group
     layer_spec: str = "local"  # "local" | "te": --megatron.layer_spec auto
     engine_dtype: str = "float32"  # vLLM dtype for --vllm.dtype auto ("auto" = the checkpoint's, on GPU)
@@ -80,8 +81,8 @@ class Platform:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"Platform.device {self.device!r}: use one of {DEVICES}")
-        if self.megatron_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"Platform.megatron_dtype {self.megatron_dtype!r}: use 'float32' or 'bfloat16'")
+        if self.trainer_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"Platform.trainer_dtype {self.trainer_dtype!r}: use 'float32' or 'bfloat16'")
         if self.collective_backend not in ("gloo", "nccl"):
             raise ValueError(f"Platform.collective_backend {self.collective_backend!r}: use 'gloo' or 'nccl'")
         if self.layer_spec not in ("local", "te"):
@@ -141,7 +142,7 @@ def cpu_platform(**overrides: Any) -> Platform:
 
 def gpu_platform(**overrides: Any) -> Platform:
     """The GPU path's profile."""
-    base = dict(device="cuda", megatron_dtype="bfloat16", collective_backend="nccl", layer_spec="te",
+    base = dict(device="cuda", trainer_dtype="bfloat16", collective_backend="nccl", layer_spec="te",
                 engine_dtype="auto", engine_block_size=None, engine_enforce_eager=False, engine_sleep_mode=True,
                 engine_chunked_prefill=True,
                 engine_tp_executor="ray", engine_bind_threads=False, engine_cpu_kv_space=False,

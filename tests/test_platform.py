@@ -41,7 +41,7 @@ def test_cpu_profile_on_this_machine() -> None:
     p = detect_platform(cfg)
     assert (p.device, p.on_gpu, p.cluster_gpus) == ("cpu", False, 0.0)
     assert p.source == ("ray" if ray.is_initialized() else "local")  # a local Ray here declares no GPUs
-    assert (p.megatron_dtype, p.collective_backend, p.layer_spec) == ("float32", "gloo", "local")
+    assert (p.trainer_dtype, p.collective_backend, p.layer_spec) == ("float32", "gloo", "local")
     assert (p.engine_dtype, p.engine_block_size, p.engine_enforce_eager, p.engine_sleep_mode) == ("float32", 32, True, False)
     assert p.engine_tp_executor == "mp" and not p.pin_memory
     assert (p.gpus_per_bundle, p.gpus_per_engine, p.cpus_per_rank, p.cpus_per_engine) == (0.0, 0.0, 0.25, 0.75)

@@ -373,7 +373,7 @@ class Kit:
             bucket_bytes = 64 << 20
         steps, save_at = TRAIN_STEPS[k], SAVE_AT[k]
         cfg.update(use_distributed_optimizer=True, local_attention="sdpa", lr_warmup_steps=1 if self.smoke else 2,
-                   lr_scheduler="cosine", total_steps=steps, min_lr=cfg["lr"] / 10, max_norm=1.0)
+                   lr_scheduler="cosine_warmup_with_min_lr", total_steps=steps, min_lr=cfg["lr"] / 10, max_norm=1.0)
         state: dict[str, Any] = {}
 
         def train_section() -> dict:

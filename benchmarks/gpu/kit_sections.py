@@ -99,7 +99,7 @@ def parity(*, rank: int, world_size: int, master_addr: str, master_port: int, cf
         mg[attention] = _megatron_logprobs(worker, batch)
         if attention == attentions[-1]:
             negative = _wrong_qkv_logprobs(worker, model_dir, batch)
-        worker.model = worker.bridge = worker.tconfig = None
+        worker.state.model = worker.state.bridge = worker.state.tconfig = None
         gc.collect()
     worker.shutdown()
     del worker
@@ -117,7 +117,7 @@ def moe_parity(*, rank: int, world_size: int, master_addr: str, master_port: int
     worker = _worker(cfg, rank, world_size, master_addr, master_port)
     info = worker.init_model(model_dir, train=False)
     mg = _megatron_logprobs(worker, batch)
-    swapped = swap_experts_pairwise(worker._gpt())
+    swapped = swap_experts_pairwise(worker.state.gpt)
     negative = _megatron_logprobs(worker, batch)
     worker.shutdown()
     del worker
@@ -160,8 +160,8 @@ def _wrong_qkv_logprobs(worker: MegatronRankWorker, model_dir: str, batch: dict)
 
     Shows the parity tolerance is not vacuous: a real conversion bug must land far outside it.
     """
-    with flat_qkv_conversion(worker.bridge):
-        worker.bridge.load_weights([worker._gpt()], model_dir)
+    with flat_qkv_conversion(worker.state.bridge):
+        worker.state.bridge.load_weights([worker.state.gpt], model_dir)
     return _megatron_logprobs(worker, batch)
 
 
@@ -284,7 +284,8 @@ def throughput(*, rank: int, world_size: int, master_addr: str, master_port: int
             if _cuda():
                 res["peak_bytes_at_error"] = int(torch.cuda.max_memory_allocated())
         # the TransformerConfig (held by the bridge) references the DDP model through no_sync_func
-        worker.model = worker.optimizer = worker.scheduler = worker.bridge = worker.tconfig = None
+        st = worker.state
+        st.model = st.optimizer = st.bridge = st.tconfig = None
         gc.collect()
         if _cuda():
             torch.cuda.empty_cache()

@@ -7,9 +7,10 @@ The field names are the flag names: :class:`OptimSettings` is the ``--actor.*`` 
 (the schedule's length, the micro-batch token budget, the seed). The Megatron backend
 (``MegatronConfig.optim``) and the DeepSpeed backend (``ZeroConfig.optim``) read the same object.
 
-Defaults are OpenRLHF 0.11.2's (``--actor.*``: AdamW betas (0.9, 0.95), cosine decay to 0.1 x the peak after 3%
-warm-up, PPO clip 0.2 on both sides); the paper's settings (constant LR after 10% warm-up, betas (0.9, 0.999),
-clip-higher 0.2/0.28) are written out in the presets (configs/*.yaml).
+Defaults are OpenRLHF 0.11.2's (``--actor.*``: AdamW betas (0.9, 0.95), ``cosine_with_min_lr`` to 0.1 x the peak after
+3% warm-up, PPO clip 0.2 on both sides); the paper's settings (``constant_with_warmup`` over 10% of the run, betas
+(0.9, 0.999), clip-higher 0.2/0.28) are written out in the presets (configs/*.yaml). The schedules are transformers'
+(:mod:`openrlhf_shape.actor.lr_schedule`).
 
 Units: learning rates are absolute (``min_lr_ratio`` is a fraction of ``adam.lr``); steps count
 optimizer steps; ``micro_batch_max_tokens`` (training) and ``forward_max_tokens`` (forward only) count
@@ -18,10 +19,12 @@ prompt+response tokens of one micro-batch on one data-parallel rank; ``entropy_c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-LR_SCHEDULERS = ("constant", "cosine", "linear")
+from openrlhf_shape.actor.lr_schedule import SCHEDULES
+
 POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")  # = algorithms/loss.py LOSS_TYPES (this module stays torch-free)
 
 
@@ -57,11 +60,11 @@ class OptimSettings:
     """The ``--actor.*`` training settings both backends share (a field's name is its flag under ``actor.``)."""
 
     adam: AdamConfig = field(default_factory=AdamConfig)
-    lr_scheduler: str = "cosine"  # constant | cosine | linear (decay after warmup to the minimum LR)
-    lr_warmup_ratio: float = 0.03  # of the optimizer steps
-    lr_warmup_steps: Optional[int] = None  # wins over lr_warmup_ratio
-    min_lr: Optional[float] = None  # absolute; wins over min_lr_ratio
-    min_lr_ratio: Optional[float] = 0.1  # min lr = ratio x adam.lr (None: 0)
+    lr_scheduler: str = "cosine_with_min_lr"  # transformers' schedule of this name (actor/lr_schedule.py: SCHEDULES)
+    lr_warmup_ratio: float = 0.03  # warm-up over ceil(ratio x the run's optimizer steps), OpenRLHF's count
+    lr_warmup_steps: Optional[int] = None  # ours: the warm-up count itself, wins over lr_warmup_ratio
+    min_lr: Optional[float] = None  # ours: the *_with_min_lr floor, absolute; wins over min_lr_ratio
+    min_lr_ratio: Optional[float] = 0.1  # the *_with_min_lr floor = ratio x adam.lr (None: 0)
     max_norm: float = 1.0  # gradient clipping by the global L2 norm (0 off)
     eps_clip: float = 0.2  # PPO ratio clip [1 - eps, 1 + eps] when eps_clip_low_high is unset (OpenRLHF's rule)
     eps_clip_low_high: Optional[tuple[float, float]] = None  # [1 - low, 1 + high] (DAPO clip-higher: 0.2 0.28)
@@ -84,8 +87,10 @@ class OptimSettings:
 
     def _check_schedule(self) -> None:
         name = type(self).__name__
-        if self.lr_scheduler not in LR_SCHEDULERS:
-            raise ValueError(f"{name}.lr_scheduler must be one of {LR_SCHEDULERS}, got {self.lr_scheduler!r}")
+        schedule = SCHEDULES.get(self.lr_scheduler)
+        if schedule is None:
+            raise ValueError(f"{name}.lr_scheduler must be one of {', '.join(SCHEDULES)} (transformers' schedules, "
+                             f"as OpenRLHF builds them), got {self.lr_scheduler!r}")
         if not 0.0 <= self.lr_warmup_ratio < 1.0:
             raise ValueError(f"{name}.lr_warmup_ratio must be in [0, 1), got {self.lr_warmup_ratio}")
         if self.lr_warmup_steps is not None and self.lr_warmup_steps < 0:
@@ -94,6 +99,13 @@ class OptimSettings:
             raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.adam.lr:
             raise ValueError(f"{name}.min_lr must be in [0, adam.lr={self.adam.lr}], got {self.min_lr}")
+        # our own two knobs, refused where the schedule would not read them (OpenRLHF's ratios: unread, as there)
+        if self.min_lr and not schedule.has_floor:
+            raise ValueError(f"{name}.min_lr {self.min_lr}: {self.lr_scheduler} has no floor (linear and cosine decay "
+                             "to 0); use lr_scheduler cosine_with_min_lr, or drop min_lr")
+        if self.lr_warmup_steps and not schedule.warms_up:
+            raise ValueError(f"{name}.lr_warmup_steps {self.lr_warmup_steps}: constant never warms up (transformers'); "
+                             "use lr_scheduler constant_with_warmup")
         if self.max_norm < 0:
             raise ValueError(f"{name}.max_norm must be >= 0 (0 disables), got {self.max_norm}")
 
@@ -121,11 +133,12 @@ class OptimSettings:
         return tuple(self.cispo_eps_clip_low_high if self.policy_loss_type == "cispo" else self.eps_clip_low_high)
 
     @property
-    def final_lr(self) -> float:
-        """The learning rate the decay ends at (absolute): ``min_lr`` when set, else ``min_lr_ratio x adam.lr``."""
+    def min_lr_rate(self) -> float:
+        """The floor of the ``*_with_min_lr`` schedules over ``adam.lr``: ``min_lr / adam.lr`` when ``min_lr`` is set
+        (transformers' ``min_lr`` argument), else ``min_lr_ratio`` (OpenRLHF's ``min_lr_rate``)."""
         if self.min_lr is not None:
-            return self.min_lr
-        return (self.min_lr_ratio or 0.0) * self.adam.lr
+            return self.min_lr / self.adam.lr
+        return self.min_lr_ratio or 0.0
 
     @property
     def clip_bounds(self) -> tuple[float, float]:
@@ -169,7 +182,8 @@ class OptimConfig(OptimSettings):
 
     @property
     def warmup_steps(self) -> int:
-        """Optimizer steps of linear warmup: ``lr_warmup_steps``, else ``lr_warmup_ratio x total_steps``."""
+        """Optimizer steps of linear warm-up: ``lr_warmup_steps``, else ``ceil(total_steps x lr_warmup_ratio)``
+        (OpenRLHF's count; ``constant`` does not read it)."""
         if self.lr_warmup_steps is not None:
             return self.lr_warmup_steps
-        return int(self.lr_warmup_ratio * self.total_steps)
+        return math.ceil(self.total_steps * self.lr_warmup_ratio)

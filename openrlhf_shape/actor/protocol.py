@@ -3,8 +3,10 @@
 
 Two backends implement it today: :class:`openrlhf_shape.megatron.worker.MegatronRankWorker` (TP/PP/DP,
 the bridge) and :class:`openrlhf_shape.zero.worker.ZeroRankWorker` (DeepSpeed ZeRO on the HF model).
-A third backend (a MoE layout, an async trainer's worker) is a class with these methods; nothing
-above the worker branches on which backend runs.
+A third backend is a package with a class with these methods, its rank config and its record
+(:mod:`openrlhf_shape.actor.backends`: worker, rank config from the flags, model checks, trainer dtype),
+registered beside its flag section in ``config/tree.py``. Above the backends' packages only the dry-run
+planner's memory model tells them apart by name (``tests/actor/test_backends.py``); everything else reads the record.
 
 SPMD contract: every rank of a job receives the same calls in the same order with the same
 arguments (the whole batch); each rank takes its own data-parallel shard. Collective methods

@@ -1,8 +1,8 @@
 """The training ranks of any backend as Ray actors, driven SPMD from the trainer.
 
 :class:`RankGroup` starts one :class:`RankActor` per rank on the placement's bundles; each actor hosts
-one rank worker of the class it is given (a :class:`openrlhf_shape.actor.protocol.RankWorker`: the
-Megatron or the DeepSpeed worker). Every call goes to all ranks in the same order (the workers'
+one rank worker of the class it is named (a :class:`openrlhf_shape.actor.protocol.RankWorker`: a backend
+record's ``worker``, imported in the rank process). Every call goes to all ranks in the same order (the workers'
 collectives need that) and the results are merged here. Rank 0's address and a free port form the
 torch.distributed rendezvous. Nothing here knows which backend runs.
 """
@@ -36,19 +36,19 @@ def _import_class(name: str) -> type:
 
 
 class RankActor(WeightSenderMixin):
-    """Ray actor body: one rank, hosting a ``worker_cls`` instance. Methods run on the actor's main thread.
+    """Ray actor body: one rank, hosting an instance of the ``worker`` class it is named. Methods run on the
+    actor's main thread.
 
     Built without a rendezvous: the group asks rank 0's actor for its node's address and a free port
     (``endpoint``), then calls ``connect`` on every rank, which builds the worker."""
 
-    def __init__(self, worker_cls: type | str, cfg: Any, rank: int, world_size: int, platform: dict):
-        """``worker_cls``: the rank worker class, or its ``"module:QualName"``, imported here with the collector
-        paused (RankGroup hands the name: Megatron's import spent ~0.85 of a rank's ~4 start-up CPU-seconds in
+    def __init__(self, worker: str, cfg: Any, rank: int, world_size: int, platform: dict):
+        """``worker``: the rank worker class's ``"module:QualName"``, imported here with the collector
+        paused (Megatron's import spent ~0.85 of a rank's ~4 start-up CPU-seconds in
         collections; ``openrlhf_shape/startup_gc.py``). ``platform``: the driver's profile as a dict
         (``Platform.to_dict()``); rebuilt here, not re-detected (``openrlhf_shape/platform.py``)."""
-        if isinstance(worker_cls, str):
-            with collector_paused():
-                worker_cls = _import_class(worker_cls)
+        with collector_paused():
+            worker_cls = _import_class(worker)
         self.platform = Platform.from_dict(platform)
         if self.platform.threads_per_rank:
             # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the rank and the engines
@@ -89,10 +89,11 @@ class RankActor(WeightSenderMixin):
 
 
 class RankGroup:
-    """All ranks of the actor model (or of the reference model), each a :class:`RankActor` hosting a ``worker_cls``.
+    """All ranks of the actor model (or of the reference model), each a :class:`RankActor` hosting a ``worker``.
 
     Args:
-        worker_cls: the backend's rank worker (a :class:`~openrlhf_shape.actor.protocol.RankWorker`).
+        worker: the backend's rank worker class (a :class:`~openrlhf_shape.actor.protocol.RankWorker`) as
+            ``"module:QualName"`` (``Backend.worker``; the driver never imports it).
         cfg: the worker's config (handed to every rank as is).
         world_size: number of ranks.
         placement: an ``openrlhf_shape.cluster.ray_placement.RayPlacement``; rank r on its bundle.
@@ -101,7 +102,7 @@ class RankGroup:
             build them with :meth:`init_reference`.
     """
 
-    def __init__(self, worker_cls: type, cfg: Any, world_size: int, placement, platform: Platform,
+    def __init__(self, worker: str, cfg: Any, world_size: int, placement, platform: Platform,
                  reference: bool = False):
         from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
 
@@ -109,12 +110,12 @@ class RankGroup:
         if planned != world_size:
             flag = "--ref.num_nodes x --ref.num_gpus_per_node" if reference else "--actor.num_nodes x --actor.num_gpus_per_node"
             raise ValueError(f"placement plan has {planned} ranks, {flag} = {world_size}")
-        self.worker_cls, self.cfg, self.world_size, self.platform = worker_cls, cfg, world_size, platform
+        self.worker, self.cfg, self.world_size, self.platform = worker, cfg, world_size, platform
         self.reference = reference
         handed = platform.to_dict()
         self.actors, self.rendezvous = spawn_rank_actors(
             placement, ray.remote(RankActor), num_cpus=platform.cpus_per_rank, reference=reference,
-            args_for_rank=lambda r: (f"{worker_cls.__module__}:{worker_cls.__qualname__}", cfg, r, world_size, handed))
+            args_for_rank=lambda r: (worker, cfg, r, world_size, handed))
         ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
         self.clock = BusyClock()  # ranks at work (a call in flight); the weight stream is timed by the sync
 

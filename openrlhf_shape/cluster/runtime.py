@@ -1,9 +1,9 @@
-"""Start the trainer's cluster side in one call: placement plan -> placement groups -> Megatron
+"""Start the trainer's cluster side in one call: placement plan -> placement groups -> training
 rank actors (rendezvous on rank 0's node), the reference model's rank actors (with KL) and vLLM engine
 actors on their bundles -> the weight sync owned by the trainer's engine group -> the colocation lifecycle.
 
 The trainer uses this on CPU and GPU alike. On CPU (tests, the demo) the bundles are CPU slots
-(``{"CPU": c}``) on the local node; colocation then runs the same transitions (Megatron storages
+(``{"CPU": c}``) on the local node; colocation then runs the same transitions (the ranks' storages
 really go to "host" and back, engines refuse to generate or load while asleep).
 """
 
@@ -44,27 +44,19 @@ class ClusterRuntime:
             self.placement.remove()
 
 
-def make_rank_group(cfg, mcfg, placement, platform: Platform, reference: bool = False) -> RankGroup:
-    """The ranks of ``--actor.backend`` (``cfg``: the TrainConfig; ``mcfg``: its rank-side training
-    settings) on ``placement``'s bundles under ``platform``: the one place that picks the worker class. With
-    ``reference``: the reference model's ranks (``--ref.*``), the same backend and layout (free MoE routing)."""
-    import dataclasses
-
+def make_rank_group(cfg, placement, platform: Platform, reference: bool = False) -> RankGroup:
+    """The ranks of ``--actor.backend`` (its record's worker and rank config: ``actor/backends.py``) on
+    ``placement``'s bundles under ``platform``. With ``reference``: the reference model's ranks (``--ref.*``), the
+    same backend and layout, built by ``init_reference`` (forward only, free MoE routing)."""
     from openrlhf_shape.cluster.rank_group import RankGroup
 
+    backend = cfg.backend()
     world = cfg.ref.world_size(cfg.actor.world_size) if reference else cfg.actor.world_size
-    if cfg.actor.backend == "deepspeed":
-        from openrlhf_shape.zero.worker import ZeroRankWorker
-
-        return RankGroup(ZeroRankWorker, cfg.zero_config(), world, placement, platform, reference=reference)
-    from openrlhf_shape.megatron.worker import MegatronRankWorker
-
-    wcfg = dataclasses.replace(mcfg, routing_replay="none") if reference else mcfg
-    return RankGroup(MegatronRankWorker, wcfg, world, placement, platform, reference=reference)
+    return RankGroup(backend.worker, backend.rank_config(cfg), world, placement, platform, reference=reference)
 
 
-def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
-    """Everything the PPO loop drives; the engines start while the Megatron ranks connect.
+def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
+    """Everything the PPO loop drives; the engines start while the training ranks connect.
 
     ``platform``: the run's profile (``openrlhf_shape/platform.py``, decided once by the driver). It
     sets the bundles' GPUs, the actors' CPU shares and threads and the weight-sync backend here, and
@@ -86,9 +78,9 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
         engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False)
-        ranks = make_rank_group(cfg, mcfg, placement, platform)  # --actor.backend megatron | deepspeed
+        ranks = make_rank_group(cfg, placement, platform)  # --actor.backend's worker
         if plan.refs:  # --algo.kl.init_coef > 0: the reference model's ranks, a world of their own
-            refs = make_rank_group(cfg, mcfg, placement, platform, reference=True)
+            refs = make_rank_group(cfg, placement, platform, reference=True)
         ray.get([h.ready.remote() for h in engines.engines])
         transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
         log.info("weight sync: %s (%s)", transport, why)
@@ -103,5 +95,5 @@ def start_cluster(cfg, mcfg, engine_cfg, platform: Platform) -> ClusterRuntime:
 
 
 def connect_sync(rt: ClusterRuntime) -> None:
-    """After the Megatron model exists: form the sync group (rank 0 sends)."""
+    """After the actor's model exists: form the sync group (rank 0 sends)."""
     rt.sync.connect(rt.ranks.actors[0])

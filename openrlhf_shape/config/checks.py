@@ -13,10 +13,12 @@ import re
 from typing import TYPE_CHECKING, Callable
 
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
+from openrlhf_shape.config.openrlhf import show
 from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.config.tree import TrainConfig
+    from openrlhf_shape.platform import Platform
 
 
 def _need(cond: bool, flag: str, msg: str) -> None:
@@ -39,10 +41,10 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     cfg.data.validate()
     _check_rollout(cfg, estimator)
     _check_batches(cfg)
-    _check_backend(cfg)
+    replica = _check_backend(cfg)
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
-    _check_kl(cfg)
+    _check_kl(cfg, replica)
     _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
     _check_agent(cfg, check_paths)
@@ -75,7 +77,7 @@ def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
 
 
 def _check_batches(cfg: "TrainConfig") -> None:
-    r, t, m = cfg.rollout, cfg.train, cfg.megatron
+    r, t = cfg.rollout, cfg.train
     samples = r.batch_size * r.n_samples_per_prompt
     _need(t.batch_size >= 1, "train.batch_size", "must be >= 1")
     # A batch that does not divide the step's samples drops the rest each pass (OpenRLHF's drop_last; the console says
@@ -90,44 +92,25 @@ def _check_batches(cfg: "TrainConfig") -> None:
         if (budget is not None or flag == "train") and (not isinstance(budget, int) or budget < 1):
             raise ValueError(f"--{flag}.max_tokens_per_gpu must be an integer >= 1 (tokens of one micro-batch on one "
                              f"GPU), got {budget!r}")
-    world = cfg.actor.world_size
-    _need(world >= 1, "actor.num_gpus_per_node", "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
-    cp = m.context_parallel_size if cfg.actor.backend == "megatron" else cfg.ds.ring_attn_size
-    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
+    _need(cfg.actor.world_size >= 1, "actor.num_gpus_per_node",
+          "ranks (--actor.num_nodes x --actor.num_gpus_per_node) must be >= 1")
+
+
+def _check_backend(cfg: "TrainConfig") -> int:
+    """The backend, the rank config it builds from the flags (it refuses those it cannot honour) and the ranks
+    against its layout; returns the ranks of one data-parallel replica (TP x PP x CP; DeepSpeed: a ring group)."""
+    backend = cfg.backend()
+    reworded(cfg.optim_config, "OptimConfig", lambda f: f"actor.{f}")  # the settings against the schedule's length
+    reworded(cfg.megatron_config, "MegatronConfig", lambda f: f"megatron.{f}")  # the --megatron.* section as a whole
+    mp, world = backend.rank_config(cfg).ranks_per_replica, cfg.actor.world_size
     _need(world % mp == 0, "actor.num_gpus_per_node",
           f"{world} ranks is not a multiple of TP x PP x CP = {mp}; set --actor.num_nodes x "
           "--actor.num_gpus_per_node to TP x PP x CP x DP, or change the context-parallel size "
           "(--megatron.context_parallel_size; --ds.ring_attn_size on --actor.backend deepspeed)")
     dp = world // mp
-    _need(t.batch_size % dp == 0, "train.batch_size",
-          f"{t.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP x CP))")
-
-
-def _check_backend(cfg: "TrainConfig") -> None:
-    a, ds = cfg.actor, cfg.ds
-    if a.backend not in ("megatron", "deepspeed"):
-        raise ValueError(f"--actor.backend: {a.backend!r}; use megatron or deepspeed")
-    reworded(cfg.optim_config, "OptimConfig", lambda f: f"actor.{f}")  # the settings against the schedule's length
-    reworded(cfg.megatron_config, "MegatronConfig", lambda f: f"megatron.{f}")  # the layout
-    if a.backend == "megatron":
-        if ds.ring_attn_size != 1:
-            raise ValueError("--ds.ring_attn_size is the DeepSpeed backend's context parallelism; on --actor.backend "
-                             "megatron use --megatron.context_parallel_size (and leave --ds.ring_attn_size 1)")
-        if ds.zero_stage == 3 or ds.adam_offload:
-            raise ValueError(
-                "--ds.zero_stage 3 / --ds.adam_offload configure the DeepSpeed backend; add --actor.backend "
-                "deepspeed, or shard on Megatron with --megatron.use_distributed_optimizer")
-        return
-    m = cfg.megatron
-    if m.context_parallel_size != 1:
-        raise ValueError("--megatron.context_parallel_size is Megatron's context parallelism; --actor.backend deepspeed "
-                         "does not read it: set it to 1 (the DeepSpeed backend's flag is --ds.ring_attn_size) or use "
-                         "--actor.backend megatron")
-    if m.tensor_model_parallel_size != 1 or m.pipeline_model_parallel_size != 1:
-        raise ValueError("--actor.backend deepspeed shards over data parallelism only: set "
-                         "--megatron.tensor_model_parallel_size 1 and --megatron.pipeline_model_parallel_size 1 "
-                         "(or use --actor.backend megatron for TP/PP)")
-    cfg.zero_config()  # its own errors name the flags (--megatron.use_distributed_optimizer is Megatron's: unread here)
+    _need(cfg.train.batch_size % dp == 0, "train.batch_size",
+          f"{cfg.train.batch_size} is not divisible by the data-parallel size {dp} (world / (TP x PP x CP))")
+    return mp
 
 
 def _check_loop(cfg: "TrainConfig", check_paths: bool) -> None:
@@ -179,17 +162,14 @@ def _check_partial(cfg: "TrainConfig") -> None:
           "and weight versions: use r2 with --train.partial_rollout_enable")
 
 
-def _check_kl(cfg: "TrainConfig") -> None:
-    """The KL settings, and the reference ranks' layout: the actor's TP x PP must divide them; colocated, they sit
-    on the actor's GPUs one for one (OpenRLHF's rule)."""
+def _check_kl(cfg: "TrainConfig", mp: int) -> None:
+    """The KL settings, and the reference ranks' layout: the actor's TP x PP x CP (``mp``) must divide them;
+    colocated, they sit on the actor's GPUs one for one (OpenRLHF's rule)."""
     k = cfg.algo.kl
     cfg.kl_penalty(), cfg.kl_controller()  # estimator, unbiased_gradient; init_coef, target, horizon (errors name the flag)
     if not k.enabled:
         return
     world, ref = cfg.actor.world_size, cfg.ref.world_size(cfg.actor.world_size)
-    m = cfg.megatron
-    cp = m.context_parallel_size if cfg.actor.backend == "megatron" else cfg.ds.ring_attn_size
-    mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
     _need(ref >= 1 and ref % mp == 0, "ref.num_gpus_per_node",
           f"the reference runs the actor's layout, so its {ref} ranks (--ref.num_nodes x --ref.num_gpus_per_node) must "
           f"be a multiple of TP x PP x CP = {mp}")
@@ -251,21 +231,19 @@ def _check_agent(cfg: "TrainConfig", check_paths: bool) -> None:
           "calls and the environment's replies: use r2 with --train.agent_func_path")
 
 
-def check_dtypes(cfg: "TrainConfig", on_gpu: bool) -> str | None:
-    """The training dtype against the run's devices (``on_gpu``: the platform the driver decided), at start-up.
+def check_dtypes(cfg: "TrainConfig", platform: "Platform") -> str | None:
+    """The training dtype against the run's devices (``platform``: the profile the driver decided), at start-up.
 
-    bf16 asked for on a CPU run: Megatron cannot run it there (refused now, before any rank starts, naming the flag);
-    DeepSpeed can, but the CPU only emulates bf16 (one ZeRO-3 update of 16 short samples took ~370 s on the 2-core
-    machine): one warning says so and names the flag that avoids it, and is returned. None: nothing to say."""
-    if on_gpu:
+    A dtype the backend cannot run there is refused by its record (Megatron: bf16 on a CPU run), before any rank
+    starts, naming the flag. bf16 a CPU only emulates (DeepSpeed runs it: one ZeRO-3 update of 16 short samples took
+    ~370 s on the 2-core machine) is said in one warning naming the flag that avoids it, and returned. None: nothing
+    to say."""
+    backend = cfg.backend()
+    if backend.trainer_dtype(cfg, platform) != "bfloat16" or platform.on_gpu:
         return None
-    if cfg.actor.backend == "megatron" and cfg.megatron.bf16:
-        raise ValueError("--megatron.bf16 true: Megatron trains in bf16 on GPUs only, and this run has none; leave it "
-                         "unset (auto: fp32 on CPU, bf16 on GPU) or give --megatron.bf16 false")
-    if cfg.actor.backend != "deepspeed" or cfg.ds.param_dtype != "bf16":
-        return None
-    said = ("--ds.param_dtype bf16 on a CPU run: this CPU only emulates bf16, so every update is many times slower "
-            "than in fp32 (one ZeRO-3 update of 16 short samples took ~370 s on a 2-core machine); "
-            "--ds.param_dtype fp32 (or auto: fp32 on CPU, bf16 on GPU) avoids it")
+    flag = backend.dtype_flag
+    said = (f"--{flag} {show(cfg.get(flag))} on a CPU run: this CPU only emulates bf16, so every update is many times "
+            "slower than in fp32 (one ZeRO-3 update of 16 short samples took ~370 s on a 2-core machine); leave "
+            f"--{flag} unset (auto: fp32 on CPU, bf16 on GPU) to avoid it")
     logging.getLogger(__name__).warning("%s", said)
     return said

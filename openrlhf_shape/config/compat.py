@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from openrlhf_shape.actor.lr_schedule import SCHEDULES
+from openrlhf_shape.actor.optim import OptimSettings
 from openrlhf_shape.config.flags import convert
 from openrlhf_shape.config.openrlhf import (ALWAYS, BY_NAME, OPENRLHF_PPO_FLAGS, OWN, VALUES, our_default, refusal,
                                             show, translated_value)
@@ -49,13 +51,11 @@ class FlagError(ValueError):
 
 def _value(name: str, value: Any) -> Any:
     """OpenRLHF encodings that differ here (each kept because OpenRLHF's own value would be refused or
-    mean something else): -1 "off" steps, one-value thresholds, estimator and scheduler names."""
+    mean something else): -1 "off" steps, one-value thresholds, estimator names."""
     if name in ("eval.steps", "ckpt.save_steps"):
         return 0 if float(value) < 0 else value  # OpenRLHF's -1 is our 0 (off)
     if name == "algo.advantage.estimator":  # OpenRLHF's group_norm is GRPO (our name)
         return "grpo" if translated_value(BY_NAME[name], value) == "group_norm" else translated_value(BY_NAME[name], value)
-    if name == "actor.lr_scheduler":  # cosine_with_min_lr -> cosine, constant_with_warmup -> constant
-        return translated_value(BY_NAME[name], value)
     if name == "algo.advantage.is_correction_threshold":
         vals = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
         return [0.0, float(vals[0])] if len(vals) == 1 else list(vals)  # one value: an upper bound only
@@ -165,6 +165,20 @@ def own_defaults_note(given: set[str]) -> str | None:
             "OpenRLHF's value to get it; why each differs: docs/openrlhf_compat.md): " + ", ".join(parts))
 
 
+def _unread_schedule_flags(values: dict[str, Any]) -> list[str]:
+    name = values.get("actor.lr_scheduler", OptimSettings.lr_scheduler)
+    schedule = SCHEDULES.get(name)
+    if schedule is None:  # refused by the config's checks, naming the accepted names
+        return []
+    unread = [f"--actor.{flag} {show(values[f'actor.{flag}'])}" for flag, read in
+              (("lr_warmup_ratio", schedule.warms_up), ("min_lr_ratio", schedule.has_floor))
+              if values.get(f"actor.{flag}") and not read]
+    if not unread:
+        return []
+    return [f"{' and '.join(unread)}: --actor.lr_scheduler {name} does not read it, as in OpenRLHF (transformers' "
+            "schedules: constant_with_warmup warms up, cosine_with_min_lr decays to the floor)"]
+
+
 def implied(values: dict[str, Any]) -> list[str]:
     """OpenRLHF's meaning across flags, applied to ``values`` (resolved flag paths -> values, everything the
     YAML file and the command line gave); returns one line per change, to log.
@@ -177,6 +191,8 @@ def implied(values: dict[str, Any]) -> list[str]:
       both): an agent's episode is not cut; it runs whole inside one window of the asynchronous schedule, so every
       token of it comes from one policy version (the agent's state lives in its executor's coroutines, which a
       checkpoint cannot hold). OpenRLHF's episodes continue under new weights only when a sync lands mid-episode.
+    * ``--actor.lr_warmup_ratio`` / ``--actor.min_lr_ratio`` given to an ``--actor.lr_scheduler`` that does not read
+      them (``constant`` never warms up, only the ``*_with_min_lr`` schedules have a floor): unread, as in OpenRLHF.
     """
     out: list[str] = []
     if "actor.backend" not in values and ("ds.zero_stage" in values or values.get("ds.adam_offload")):
@@ -188,6 +204,7 @@ def implied(values: dict[str, Any]) -> list[str]:
         values["train.colocate_all"] = False
         out.append("--train.colocate_all with --train.async_enable: as in OpenRLHF, only the training models share "
                    "GPUs; the vLLM engines get their own (--train.colocate_all false for the engines)")
+    out += _unread_schedule_flags(values)
     if values.get("train.partial_rollout_enable") and values.get("train.agent_func_path"):
         out.append("--train.partial_rollout_enable with --train.agent_func_path: agent episodes are not cut; each runs "
                    "whole inside one window of the asynchronous schedule, on one policy version (its state lives in the "

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from openrlhf_shape.actor.lr_schedule import SCHEDULES
+
 SAME, OWN, ALWAYS, VALUES, REFUSED = "same", "own", "always", "values", "refused"
 
 
@@ -85,6 +87,7 @@ _T_LOSS = (_D + "test_policy_loss_equals_openrlhfs", _D + "test_aggregation_over
 _T_IS = (_D + "test_rollout_correction_equals_openrlhfs",
          _D + "test_gspo_with_the_correction_takes_the_engines_log_probs_as_openrlhf")
 _T_IS_0110 = "tests/config/test_openrlhf_0110_names.py::test_old_names_weigh_the_loss_as_openrlhf_0112_does"
+_T_LR = "tests/actor/test_lr_schedule.py::test_lr_at_is_the_scheduler_openrlhf_builds"
 
 
 def _critic_optim() -> list[OpenRLHFFlag]:
@@ -267,14 +270,15 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("actor.adam.betas", (0.9, 0.95), SAME),
     _f("actor.adam.eps", 1e-8, SAME),
     _f("actor.adam.weight_decay", 0.0, SAME),
-    _f("actor.lr_scheduler", "cosine_with_min_lr", VALUES,
-       accept={"cosine_with_min_lr": "cosine", "cosine": "cosine", "constant": "constant",
-               "constant_with_warmup": "constant", "linear": "linear"},
-       why="Megatron's schedulers: cosine_with_min_lr, constant(_with_warmup), linear"),
-    _f("actor.lr_warmup_ratio", 0.03, SAME, why="linear warm-up over this share of the run's optimizer steps; "
-       "--actor.lr_warmup_steps (ours) wins when given"),
-    _f("actor.min_lr_ratio", 0.1, SAME, why="the decay ends at this share of --actor.adam.lr; --actor.min_lr (ours, "
-       "absolute) wins when given"),
+    _f("actor.lr_scheduler", "cosine_with_min_lr", VALUES, accept={name: name for name in SCHEDULES},
+       why="transformers' schedule of that name, as OpenRLHF builds it (warm-up from LR 0); the other transformers "
+       "schedules are not built here", checked_by=(_T_LR,)),
+    _f("actor.lr_warmup_ratio", 0.03, SAME, why="warm-up over ceil(ratio x the run's optimizer steps), from LR 0; "
+       "constant does not read it (constant_with_warmup does); --actor.lr_warmup_steps (ours) wins when given",
+       checked_by=(_T_LR,)),
+    _f("actor.min_lr_ratio", 0.1, SAME, why="the floor, x --actor.adam.lr, of cosine_with_min_lr and "
+       "cosine_warmup_with_min_lr (the others do not read it); --actor.min_lr (ours, absolute) wins when given",
+       checked_by=(_T_LR,)),
     _f("actor.max_norm", 1.0, SAME),
     _f("algo.kl.init_coef", 0.01, OWN,
        why="0 here: no reference model, no KL (the paper's setting); > 0 starts the reference ranks",

@@ -7,7 +7,9 @@ plus ours (``shape``, ``probe``, ``megatron``, ``ds``, ``reward``). A YAML prese
 names nested by dots. Components keep their own config types (:class:`EngineConfig`,
 :class:`SamplingConfig`, :class:`OptimConfig`, :class:`MegatronConfig`, ...); a section that feeds one
 extends the component's settings class, so its fields are the component's, by name. The
-``*_config()`` methods build the components from the sections, in one place each.
+``*_config()`` methods build the components from the sections, in one place each. ``--actor.backend`` names a
+backend record (:mod:`openrlhf_shape.actor.backends`), each registered by its package's ``backend.py``, imported
+here beside its flag section.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from openrlhf_shape.actor.backends import Backend, backend_named
 from openrlhf_shape.actor.optim import OptimConfig, OptimSettings
 from openrlhf_shape.algorithms.config import ShapeConfig
 from openrlhf_shape.algorithms.kl import KLController, KLPenalty
 from openrlhf_shape.algorithms.length_penalty import RewardShaping
 from openrlhf_shape.data.prompts import PromptDataConfig
+from openrlhf_shape.megatron.backend import MEGATRON  # noqa: F401  (registers --actor.backend megatron)
 from openrlhf_shape.megatron.config import MegatronConfig, MegatronSettings
 from openrlhf_shape.rewards.computer import RewardConfig
 from openrlhf_shape.rollout.engine import EngineConfig, SamplingConfig
 from openrlhf_shape.rollout.probes import ProbeConfig
+from openrlhf_shape.zero.backend import DEEPSPEED  # noqa: F401  (registers --actor.backend deepspeed)
 from openrlhf_shape.zero.config import ZeroConfig, ZeroSettings
 
 DEFAULT_MAX_PROMPT_LEN = 1024  # --data.max_prompt_len's default (OpenRLHF's --data.max_len subtracts it)
@@ -125,7 +130,7 @@ class ActorSection(OptimSettings):
     schedule, clipping and policy-loss settings both backends train with (validated when set)."""
 
     model_name_or_path: str = "demo"  # an HF model directory, or "demo" for the bundled SmolLM2-135M-Instruct
-    backend: str = "megatron"  # megatron (TP/PP/DP, openrlhf_shape/megatron) | deepspeed (ZeRO DP, openrlhf_shape/zero)
+    backend: str = "megatron"  # a registered backend's name (actor/backends.py; the README's table)
     # ranks = num_nodes x num_gpus_per_node (both unset: 1; one unset: 1 node / 8 GPUs per node, OpenRLHF's defaults)
     num_nodes: int | None = None
     num_gpus_per_node: int | None = None
@@ -310,6 +315,10 @@ class TrainConfig:
         return OptimConfig(**own, total_steps=self.total_optimizer_steps(),
                            micro_batch_max_tokens=self.train.max_tokens_per_gpu,
                            forward_max_tokens=self.rollout.max_tokens_per_gpu, seed=self.train.seed)
+
+    def backend(self) -> Backend:
+        """The record of ``--actor.backend`` (its worker, rank config, model checks, trainer dtype)."""
+        return backend_named(self.actor.backend)
 
     def megatron_config(self) -> MegatronConfig:
         """What each Megatron rank gets: ``megatron.*`` (same names) and :meth:`optim_config`."""

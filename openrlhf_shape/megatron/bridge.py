@@ -78,7 +78,7 @@ def moe_config_overrides(cfg: MegatronConfig) -> dict[str, Any]:
     0 keeps mbridge's RL default (``moe_router_load_balancing_type="none"``, no z-loss); a positive
     ``moe_aux_loss_coeff`` turns on Megatron's per-micro-batch switch load-balancing loss ("aux_loss"), a
     positive ``moe_z_loss_coeff`` the router z-loss. How they are scaled in the gradient: the worker
-    (``_router_loss_scale``). ``moe_router_fusion``: megatron-core's fused top-k kernel (GPU, transformer-engine).
+    (``router_loss.py:router_loss_scale``). ``moe_router_fusion``: megatron-core's fused top-k kernel (GPU, transformer-engine).
     """
     out: dict[str, Any] = {"moe_z_loss_coeff": float(cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff > 0 else None,
                            "moe_router_fusion": bool(cfg.moe_router_fusion)}

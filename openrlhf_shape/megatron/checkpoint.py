@@ -1,4 +1,4 @@
-"""Atomic Megatron distributed checkpoints (model, optimizer, scheduler, RNG, step, trainer extra).
+"""Atomic Megatron distributed checkpoints (model, optimizer, RNG, step, trainer extra).
 
 Layout of one checkpoint directory (written through :func:`openrlhf_shape.checkpoint_dir.staged_checkpoint_dir`:
 all ranks write into ``<dir>.tmp``; rank 0 renames it to ``<dir>`` after a barrier, so a crash
@@ -6,7 +6,7 @@ never leaves a directory that looks complete):
 
     <dir>/dist/            megatron dist_checkpointing (torch_dist): model + optimizer
     <dir>/rng/rank<r>.pt   per-rank RNG states (python, torch, Megatron tracker)
-    <dir>/meta.json        step, scheduler state, parallel layout, trainer ``extra``
+    <dir>/meta.json        step (the LR schedule is a function of it), parallel layout, trainer ``extra``
     <dir>/COMPLETE         written last, before the rename
 
 Assumes a filesystem shared by all ranks. ``openrlhf_shape.checkpoint_dir.latest_checkpoint(root)``
@@ -88,13 +88,12 @@ def _write_results_in_process() -> None:
 
 
 def save_distributed_checkpoint(state: ActorState, ckpt_dir: str, extra: dict) -> None:
-    """Write ``state`` (model, optimizer, scheduler, RNG, step) and the trainer's ``extra`` atomically;
+    """Write ``state`` (model, optimizer, RNG, step) and the trainer's ``extra`` atomically;
     every rank calls it (collective)."""
     from megatron.core import dist_checkpointing
 
     _write_results_in_process()
-    meta = {"step": state.step, "scheduler": state.scheduler.state_dict(), "layout": state.layout(),
-            "hf_dir": state.hf_dir, "extra": extra}
+    meta = {"step": state.step, "layout": state.layout(), "hf_dir": state.hf_dir, "extra": extra}
     with staged_checkpoint_dir(ckpt_dir, ("dist", "rng"), meta) as tmp:
         dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), os.path.join(tmp, "dist"))
         torch.save(_rng_state(state.platform.on_gpu), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
@@ -110,7 +109,6 @@ def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
     sd = _sharded_state_dict(state, is_loading=True)
     loaded = dist_checkpointing.load(sd, os.path.join(path, "dist"))
     state.model.module.load_state_dict(loaded["model"], strict=True)
-    state.scheduler.load_state_dict(meta["scheduler"])
     state.step = int(meta["step"])
     with torch.no_grad():  # distributed-optimizer main params are views: no autograd here
         _load_optimizer_state(state, loaded["optimizer"], state.step)

@@ -141,8 +141,9 @@ class MegatronConfig(MegatronSettings):
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+    def ranks_per_replica(self) -> int:
+        """Ranks that hold one data-parallel replica: TP x PP x CP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
     @property
     def sequence_multiple(self) -> int:
@@ -185,7 +186,7 @@ class MegatronConfig(MegatronSettings):
         """This config with ``bf16`` decided by ``platform`` (ranks call it on the handed profile)."""
         if self.bf16 is not None:
             return self
-        return replace(self, bf16=platform.megatron_dtype == "bfloat16")
+        return replace(self, bf16=platform.trainer_dtype == "bfloat16")
 
     def check_device(self, platform: Platform) -> None:
         """Called by each rank with its profile: refuse bf16 or the TE spec where they cannot run."""
@@ -211,7 +212,7 @@ class MegatronConfig(MegatronSettings):
                 ) from exc
 
     def data_parallel_size(self, world_size: int) -> int:
-        ranks = self.model_parallel_size * self.context_parallel_size
+        ranks = self.ranks_per_replica
         if world_size % ranks:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor_model_parallel_size x "

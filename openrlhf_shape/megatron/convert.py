@@ -41,7 +41,7 @@ def _export_rank(rank: int, world_size: int, master_addr: str, master_port: int,
         worker.init_model(hf_dir)
         extra = worker.load_checkpoint(ckpt_dir)
         worker.export_hf(out_dir)
-        return {"step": worker.step, "extra": extra}
+        return {"step": worker.state.step, "extra": extra}
     finally:
         worker.shutdown()
 

@@ -37,7 +37,8 @@ import torch
 
 ROUTING_REPLAY_MODES = ("none", "r2", "r3")
 
-__all__ = ["ROUTING_REPLAY_MODES", "MicroBatchRouting", "RoutingReplay", "moe_routers", "routing_dtype", "check_routed_experts"]
+__all__ = ["ROUTING_REPLAY_MODES", "MicroBatchRouting", "RoutingReplay", "moe_routers", "routing_dtype", "check_routed_experts",
+           "routing_for_pass"]
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -246,6 +247,25 @@ class MicroBatchRouting:
         else:
             got = self.replay.take_recorded([len(self.sequences[r]) for r in mb.rows], int(seq_len), int(rows))
         self.recorded.update(zip(mb.rows, got))
+
+
+def routing_for_pass(replay: RoutingReplay | None, mode: str, batch, *, update: bool) -> MicroBatchRouting | None:
+    """The routing of one forward pass over ``batch`` (a ``SequenceBatch`` or ``TrainBatch``) under ``mode``
+    (``--megatron.routing_replay``): None (free routing), record, or replay.
+
+    A batch carrying ``routed_experts`` is replayed (R3's passes, R2's update passes, or any re-run on a known
+    routing); without them R2's old-log-prob pass records, and every other replayed pass refuses."""
+    if mode == "none" or replay is None:
+        return None
+    if mode == "r2" and not update and batch.routed_experts is None:
+        return MicroBatchRouting(replay, batch.sequences)  # the old-log-prob pass records
+    if batch.routed_experts is None:
+        source = ("compute_logprobs_and_entropy's 'routed_experts' output (the old-log-prob pass)" if mode == "r2"
+                  else "the rollout engine (Generation.routed_experts, EngineConfig.return_routed_experts)")
+        raise ValueError(f"--megatron.routing_replay {mode}: this pass needs batch.routed_experts from {source}; "
+                         "pass them, or set --megatron.routing_replay none")
+    check_routed_experts(batch.routed_experts, batch.sequences, replay.num_layers, replay.top_k, replay.num_experts)
+    return MicroBatchRouting(replay, batch.sequences, batch.routed_experts)
 
 
 def _cover(routed: torch.Tensor, n: int, layers: int, top_k: int) -> torch.Tensor:

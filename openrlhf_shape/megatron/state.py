@@ -1,10 +1,12 @@
 """The state of one Megatron rank, as an explicit object.
 
 The rank worker (:mod:`openrlhf_shape.megatron.worker`) owns one :class:`ActorState` and hands it to
-the checkpoint (:mod:`~openrlhf_shape.megatron.checkpoint`) and export
-(:mod:`~openrlhf_shape.megatron.export`) functions, which read and write only what is here; neither
-imports the worker. Parallel ranks and groups are Megatron's ``parallel_state`` (process-wide once
-the worker initialised it); the RNG states live in Python/torch/Megatron's tracker and are saved and
+the functions that do the work, each module one concern: build (:mod:`~openrlhf_shape.megatron.build`), forward
+and train step (:mod:`~openrlhf_shape.megatron.step`, with the MoE router losses of
+:mod:`~openrlhf_shape.megatron.router_loss`), checkpoint (:mod:`~openrlhf_shape.megatron.checkpoint`) and export
+(:mod:`~openrlhf_shape.megatron.export`). They read and write only what is here; none imports the worker.
+Parallel ranks and groups are Megatron's ``parallel_state`` (process-wide once the worker initialised it); the
+RNG states live in Python/torch/Megatron's tracker and are saved and
 restored by the checkpoint module.
 """
 
@@ -13,18 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.platform import Platform
 
 
 @dataclass
 class ActorState:
-    """Model, optimizer, schedule and counters of one rank.
+    """Model, optimizer and counters of one rank.
 
     ``cfg`` is resolved for ``platform`` (``bf16`` and ``layer_spec`` concrete). ``model`` is the
     DDP-wrapped model chunk when training (its ``.module`` is the Float16Module or GPTModel), or
-    the bare forward-only module (``optimizer``/``scheduler`` None). ``step`` counts successful
-    optimizer steps (skipped non-finite updates do not count).
+    the bare forward-only module (``optimizer`` None). ``step`` counts successful optimizer steps (skipped
+    non-finite updates do not count; the LR is a function of it: :func:`~openrlhf_shape.actor.lr_schedule.lr_at`).
     """
 
     cfg: MegatronConfig
@@ -34,12 +38,24 @@ class ActorState:
     dp_size: int
     model: Any = None
     optimizer: Any = None
-    scheduler: Any = None
     bridge: Any = None  # the mbridge bridge (HF <-> Megatron names and shards)
     tconfig: Any = None  # Megatron's TransformerConfig of the model
     hf_config: Any = None
     hf_dir: Optional[str] = None  # the HF directory the model was built from (config/tokenizer source)
+    routing: Any = None  # MoE routing replay's hooks on the model (--megatron.routing_replay), None without
     step: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.platform.on_gpu else torch.device("cpu")
+
+    @property
+    def gpt(self):
+        """The GPTModel inside the DDP and Float16Module wrappers."""
+        model = self.model
+        while hasattr(model, "module"):
+            model = model.module
+        return model
 
     @property
     def model_chunks(self) -> list:

@@ -318,7 +318,7 @@ def _training_memory(plan: Plan, cfg: TrainConfig) -> tuple[list[MegatronMemory]
     fwd_mbt = max(cfg.optim_config().forward_budget, math.ceil(max_seq / cp))
     fwd_size = dict(micro_batch_tokens=fwd_mbt, seq_len=min(fwd_mbt * cp, max_seq), forward_only=True)
     target = gpu_platform() if plan.on_gpu else cpu_platform()
-    dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.megatron_dtype]
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}[target.trainer_dtype]
     spec = target.layer_spec
     recompute = "full" if cfg.actor.gradient_checkpointing_enable else "none"
     if cfg.actor.backend == "deepspeed" and not model.is_moe:  # one ZeRO rank (planner/zero_memory.py)

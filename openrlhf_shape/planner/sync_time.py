@@ -28,7 +28,7 @@ from openrlhf_shape.planner.cost import Phase
 from openrlhf_shape.planner.model import ModelShape
 
 GIB = 2**30
-DTYPE_BYTES = 2  # the sync sends bf16 on GPU (Platform.megatron_dtype)
+DTYPE_BYTES = 2  # the sync sends bf16 on GPU (Platform.trainer_dtype)
 
 # Copy rates in GiB/s MEASURED on one NVIDIA H200 (torch 2.11 + CUDA 13.0) on 2026-11-26, median of 7, per
 # bucket size in MiB: docs/gpu_results.md, "Host staging" (raw: docs/gpu_results/host_staging_2026-11-26.json,

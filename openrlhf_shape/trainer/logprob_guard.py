@@ -81,17 +81,11 @@ class LogprobGapGuard:
         return None
 
 
-def guard_for_run(cfg, platform, model_config, engine_dtype: str, megatron_bf16: bool | None) -> LogprobGapGuard:
+def guard_for_run(cfg, platform, model_config, engine_dtype: str) -> LogprobGapGuard:
     """The guard of a training run: the engines' dtype as started (``auto``: the checkpoint's), the
-    trainer's as its backend resolves it on ``platform`` (``megatron_bf16``: the Megatron config's
-    ``bf16``, None = the platform's choice), ``--rollout.max_logprob_gap``."""
+    trainer's as its backend resolves it on ``platform`` (``Backend.trainer_dtype``), ``--rollout.max_logprob_gap``."""
     if engine_dtype == "auto":
         engine_dtype = str(getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
                            or "bfloat16")
-    if cfg.actor.backend == "deepspeed":
-        trainer_dtype = {"auto": platform.megatron_dtype, "bf16": "bfloat16", "fp32": "float32"}[cfg.ds.param_dtype]
-    else:
-        trainer_dtype = (platform.megatron_dtype if megatron_bf16 is None
-                         else ("bfloat16" if megatron_bf16 else "float32"))
-    return LogprobGapGuard(engine_dtype, trainer_dtype, float(cfg.rollout.max_logprob_gap),
+    return LogprobGapGuard(engine_dtype, cfg.backend().trainer_dtype(cfg, platform), float(cfg.rollout.max_logprob_gap),
                            FIDELITY_METRIC if cfg.train.async_enable else GAP_METRIC)

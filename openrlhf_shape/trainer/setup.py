@@ -108,23 +108,6 @@ def start_ray(cfg: TrainConfig) -> bool:
     return True
 
 
-def _check_model_fits_backend(cfg: TrainConfig, mcfg, model_config, model_dir: str) -> None:
-    """Refuse, before anything starts, a model the chosen backend and layout cannot train (MoE on DeepSpeed,
-    heads not divisible by TP, routing replay without experts)."""
-    if getattr(model_config, "num_experts", None) and cfg.actor.backend != "megatron":
-        raise ValueError(
-            f"--actor.backend {cfg.actor.backend}: {model_dir} is a mixture-of-experts model "
-            f"({model_config.model_type}); the DeepSpeed backend names its experts as transformers 5 holds them "
-            "(one fused mlp.experts.gate_up_proj per layer), not per expert as the engine's checkpoint does, so "
-            "the weight sync cannot load them; use --actor.backend megatron (docs/moe.md)")
-    mcfg.validate_against_model(model_config, cfg.actor.world_size)  # heads % TP, ...
-    if cfg.algo.kl.enabled:  # the reference model runs the same layout on its own rank count
-        mcfg.validate_against_model(model_config, cfg.ref.world_size(cfg.actor.world_size))
-    if mcfg.routing_replay != "none" and (cfg.actor.backend != "megatron" or not getattr(model_config, "num_experts", None)):
-        raise ValueError(f"--megatron.routing_replay {mcfg.routing_replay}: routing replay is for a mixture-of-experts "
-                         "policy on --actor.backend megatron; set --megatron.routing_replay none (docs/moe.md)")
-
-
 def build_agent(cfg: TrainConfig, tokenizer):
     """The agent runner of ``--train.agent_func_path`` (None without one): episodes of up to
     ``--data.max_prompt_len`` + ``--rollout.max_new_tokens`` tokens, OpenRLHF's ``--data.max_len``."""
@@ -152,29 +135,29 @@ def build_run(cfg: TrainConfig) -> Run:
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(cfg.actor.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes)
-    mcfg = cfg.megatron_config()  # the LR schedule's length follows num_steps
+    batcher, eval_items = build_data(cfg, tokenizer)  # may set num_steps (--train.num_episodes): the LR's length
+    backend = cfg.backend()
     model_config = AutoConfig.from_pretrained(model_dir)
-    _check_model_fits_backend(cfg, mcfg, model_config, model_dir)
+    backend.check_model(cfg, model_config, model_dir)  # a model the backend and layout cannot train: refused now
 
     own_ray = start_ray(cfg)
     platform = detect_platform(cfg)  # THE CPU/GPU decision of the run, handed to every rank and engine
-    check_dtypes(cfg, platform.on_gpu)  # bf16 on a CPU run: refused (Megatron) or said once (DeepSpeed)
-    log.info("platform: %s (%s, %g GPUs seen), Megatron %s over %s, layer spec %s, vLLM dtype %s", platform.device,
-             platform.source, platform.cluster_gpus, platform.megatron_dtype, platform.collective_backend,
-             platform.layer_spec, platform.engine_dtype)
+    check_dtypes(cfg, platform)  # bf16 on a CPU run: refused (Megatron) or said once (DeepSpeed)
+    log.info("platform: %s (%s, %g GPUs seen), %s in %s over %s, layer spec %s, vLLM dtype %s", platform.device,
+             platform.source, platform.cluster_gpus, backend.name, backend.trainer_dtype(cfg, platform),
+             platform.collective_backend, platform.layer_spec, platform.engine_dtype)
     engine_cfg = cfg.vllm.engine_config(
         model_path=model_dir, seed=cfg.train.seed, max_model_len=cfg.max_model_len(),
         enable_sleep_mode=bool(platform.engine_sleep_mode and cfg.train.colocate_all),
         dtype=platform.engine_dtype if cfg.vllm.dtype == "auto" else cfg.vllm.dtype,
-        return_routed_experts=mcfg.routing_replay == "r3",  # R3: the engines return each token's experts
+        return_routed_experts=cfg.megatron.routing_replay == "r3",  # R3: the engines return each token's experts
     )
-    log.info("starting %d vLLM engine(s) and %d %s rank(s) (TP %d, PP %d, DP %d)%s",
-             cfg.vllm.num_engines, cfg.actor.world_size, cfg.actor.backend, mcfg.tensor_model_parallel_size,
-             mcfg.pipeline_model_parallel_size, mcfg.data_parallel_size(cfg.actor.world_size),
+    replica = backend.rank_config(cfg).ranks_per_replica
+    log.info("starting %d vLLM engine(s) and %d %s rank(s) (%d per data-parallel replica, DP %d)%s",
+             cfg.vllm.num_engines, cfg.actor.world_size, backend.name, replica, cfg.actor.world_size // replica,
              f" and {cfg.ref.world_size(cfg.actor.world_size)} reference rank(s)" if cfg.algo.kl.enabled else "")
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
-    cluster = start_cluster(cfg, mcfg, engine_cfg, platform)
+    cluster = start_cluster(cfg, engine_cfg, platform)
     engines, lifecycle = cluster.engines, cluster.lifecycle
     log.info("actor: %s", cluster.ranks.init_model(model_dir))
     if cluster.refs is not None:  # --algo.kl.init_coef > 0: the initial weights, forward only
@@ -188,7 +171,7 @@ def build_run(cfg: TrainConfig) -> Run:
                                  agent=build_agent(cfg, tokenizer), kl=kl,
                                  ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None)
     schedule = make_schedule(cfg, maker, batcher, engines, sampling, tokenizer, lifecycle.logprobs)
-    gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype, mcfg.bf16)
+    gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype)
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items,

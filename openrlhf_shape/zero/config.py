@@ -74,6 +74,11 @@ class ZeroConfig(ZeroSettings):
 
     # ------------------------------------------------------------------ derived
     @property
+    def ranks_per_replica(self) -> int:
+        """Ranks that hold one data-parallel shard: a ring attention group (``ring_attn_size``)."""
+        return self.ring_attn_size
+
+    @property
     def use_bf16(self) -> bool:
         """bf16 parameters? ``auto`` is resolved by each rank from the profile the driver handed it
         (:meth:`for_platform`), so a driver without a GPU still gives GPU ranks bf16; reading it
@@ -87,7 +92,7 @@ class ZeroConfig(ZeroSettings):
         """This config with ``param_dtype`` auto decided by ``platform`` (an ``openrlhf_shape.platform.Platform``)."""
         if self.param_dtype != "auto":
             return self
-        return dataclasses.replace(self, param_dtype="bf16" if platform.megatron_dtype == "bfloat16" else "fp32")
+        return dataclasses.replace(self, param_dtype="bf16" if platform.trainer_dtype == "bfloat16" else "fp32")
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from openrlhf_shape.actor.lr_schedule import lr_at
+from openrlhf_shape.actor.lr_schedule import apply_lr
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.zero.config import ZeroConfig
 
@@ -44,10 +44,7 @@ class ZeroState:
 
     def apply_lr(self) -> float:
         """Set the optimizer's learning rate to the schedule's value at ``step``; returns it."""
-        lr = lr_at(self.cfg.optim, self.step)
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+        return apply_lr(self.engine.optimizer, self.cfg.optim, self.step)
 
     def require_model(self) -> None:
         if self.engine is None:

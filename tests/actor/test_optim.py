@@ -12,11 +12,11 @@ from openrlhf_shape.actor.optim import AdamConfig, OptimConfig, OptimSettings
 
 def test_defaults_are_openrlhfs():
     """OpenRLHF 0.11.2's --actor.* defaults (tests/config/test_openrlhf_defaults.py checks them against its parser):
-    AdamW betas (0.9, 0.95), cosine to 0.1 x the peak after 3% warm-up, clip 0.2 on both sides."""
+    AdamW betas (0.9, 0.95), cosine_with_min_lr to 0.1 x the peak after 3% warm-up (ceil), clip 0.2 on both sides."""
     cfg = OptimConfig()
     assert cfg.eps_clip_low_high == (0.2, 0.2) and cfg.adam == AdamConfig(lr=1e-6, betas=(0.9, 0.95))
-    assert (cfg.lr_scheduler, cfg.max_norm, cfg.total_steps) == ("cosine", 1.0, 1000)
-    assert cfg.final_lr == pytest.approx(1e-7) and cfg.warmup_steps == 30
+    assert (cfg.lr_scheduler, cfg.max_norm, cfg.total_steps) == ("cosine_with_min_lr", 1.0, 1000)
+    assert cfg.min_lr_rate == pytest.approx(0.1) and cfg.warmup_steps == 30
 
 
 def test_eps_clip_on_both_sides_unless_low_high_is_given():
@@ -57,13 +57,13 @@ def test_adam_errors_name_the_field(kwargs, field):
 
 
 def test_schedule_values():
-    cfg = OptimConfig(adam=AdamConfig(lr=1e-3), min_lr=1e-4, lr_warmup_ratio=0.25, total_steps=8)
-    assert cfg.warmup_steps == 2 and cfg.final_lr == 1e-4
-    assert dataclasses.replace(cfg, lr_warmup_steps=3).warmup_steps == 3  # steps win over the ratio
+    cfg = OptimConfig(adam=AdamConfig(lr=1e-3), min_lr=1e-4, lr_warmup_ratio=0.25, total_steps=9)
+    assert cfg.warmup_steps == 3 and cfg.min_lr_rate == pytest.approx(0.1)  # ceil(2.25): OpenRLHF's count
+    assert dataclasses.replace(cfg, lr_warmup_steps=1).warmup_steps == 1  # steps win over the ratio
     # --actor.min_lr (absolute, ours) wins over --actor.min_lr_ratio, whose default (OpenRLHF's 0.1) is always set
-    assert dataclasses.replace(cfg, min_lr_ratio=0.5).final_lr == 1e-4
-    assert dataclasses.replace(cfg, min_lr=None, min_lr_ratio=0.5).final_lr == pytest.approx(5e-4)
-    assert dataclasses.replace(cfg, min_lr=None, min_lr_ratio=None).final_lr == 0.0
+    assert dataclasses.replace(cfg, min_lr_ratio=0.5).min_lr_rate == pytest.approx(0.1)
+    assert dataclasses.replace(cfg, min_lr=None, min_lr_ratio=0.5).min_lr_rate == 0.5
+    assert dataclasses.replace(cfg, min_lr=None, min_lr_ratio=None).min_lr_rate == 0.0
 
 
 def test_both_backends_hold_the_one_optimiser_config():

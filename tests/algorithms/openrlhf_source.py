@@ -100,6 +100,27 @@ def _method_block(relpath: str, cls: str, method: str, test_src: str) -> ast.Mod
     return ast.Module(body=[found[0]], type_ignores=[])
 
 
+def openrlhf_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: dict):
+    """The LR scheduler OpenRLHF's ``DeepspeedStrategy._ds_init_train_model`` builds for ``optimizer`` from the model's
+    ``cfg`` (``scheduler_steps``, ``lr_scheduler``, ``lr_warmup_ratio``, ``min_lr_ratio``: what ``ppo_actor.py`` passes):
+    its statements from ``scheduler_steps = ...`` to ``sched_factory = ...``, run with transformers' ``get_scheduler``
+    as the file imports it, the factory then called on ``optimizer`` (DeepSpeed's ``initialize`` does that)."""
+    import math
+    from functools import partial
+
+    from transformers.trainer import get_scheduler
+
+    path = os.path.join(_package_dir(), "utils", "deepspeed", "deepspeed.py")
+    klass = next(n for n in _definitions(path, {"DeepspeedStrategy"}).body)
+    fn = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == "_ds_init_train_model")
+    names = [next((t.id for t in getattr(n, "targets", []) if isinstance(t, ast.Name)), None) for n in fn.body]
+    assert "scheduler_steps" in names and "sched_factory" in names, f"{path}: the scheduler block moved"
+    block = fn.body[names.index("scheduler_steps"): names.index("sched_factory") + 1]
+    scope = {"cfg": dict(cfg), "math": math, "partial": partial, "get_scheduler": get_scheduler}
+    _exec(ast.Module(body=block, type_ignores=[]), path, scope)
+    return scope["sched_factory"](optimizer)
+
+
 def openrlhf_status_mean(status_list: list[dict]) -> dict:
     """``ActorPPOTrainer.ppo_train``'s step aggregation of its per-update statuses (``status_mean``: "token"-weighted
     keys by ``_num_action_tokens``, the others by ``_num_samples``, grad norm and LR the last), run from its source."""

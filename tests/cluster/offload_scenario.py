@@ -13,7 +13,7 @@ from openrlhf_shape.megatron.worker import MegatronRankWorker
 
 
 def _snapshot(worker) -> dict[str, list[torch.Tensor]]:
-    return {g: [t.detach().clone() for t in ts] for g, ts in state_tensors([worker.model], worker.optimizer).items()}
+    return {g: [t.detach().clone() for t in ts] for g, ts in state_tensors(worker.state.model_chunks, worker.state.optimizer).items()}
 
 
 def run_both(**kw) -> dict:
@@ -37,7 +37,7 @@ def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: 
         info = w.offload_states()
         out["offloaded_bytes"] = info["offloaded_bytes"]
         out["empty_after_offload"] = all(t.untyped_storage().nbytes() == 0
-                                         for ts in state_tensors([w.model], w.optimizer).values() for t in ts)
+                                         for ts in state_tensors(w.state.model_chunks, w.state.optimizer).values() for t in ts)
         errors = []
         for call in (lambda: w.train_step(batches[1]), lambda: w.compute_logprobs_and_entropy(batches[1]),
                      lambda: list(w.iter_hf_weights(1 << 20))):
@@ -70,7 +70,7 @@ def run(*, rank: int, world_size: int, master_addr: str, master_port: int, cfg: 
     if keep_group:  # another worker follows in this process: free this one, keep the process group
         from megatron.core import parallel_state as mpu
 
-        w.model = w.optimizer = w.scheduler = None
+        w.state.model = w.state.optimizer = None
         mpu.destroy_model_parallel()
     else:
         w.shutdown()

@@ -257,14 +257,13 @@ def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(cluster) -> Non
     import torch
 
     from openrlhf_shape.cluster.rank_group import RankActor
-    from openrlhf_shape.megatron.worker import MegatronRankWorker
     from openrlhf_shape.platform import Platform, detect_platform
 
     cfg = _platform_cfg(**{"actor.num_gpus_per_node": "2", "vllm.tensor_parallel_size": "2"})
     p = detect_platform(cfg)
     assert not torch.cuda.is_available()  # the driver itself has no GPU: the cluster decides
     assert (p.device, p.source, p.cluster_gpus) == ("cuda", "ray", float(NODES * GPUS))
-    assert (p.megatron_dtype, p.collective_backend, p.layer_spec) == ("bfloat16", "nccl", "te")
+    assert (p.trainer_dtype, p.collective_backend, p.layer_spec) == ("bfloat16", "nccl", "te")
     assert (p.engine_dtype, p.engine_block_size, p.engine_enforce_eager, p.engine_sleep_mode) == ("auto", None, False, True)
     assert p.engine_tp_executor == "ray" and p.pin_memory and p.threads_per_rank is None and p.threads_per_engine is None
     assert (p.gpus_per_bundle, p.gpus_per_engine) == (1.0, 0.0)  # engine TP 2: vLLM's Ray workers hold the GPUs
@@ -273,9 +272,9 @@ def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(cluster) -> Non
     plan = plan_placement(world_size=2, tp=1, pp=1, num_engines=1, engine_tp=2, colocate=False, gpus_per_node=8)
     placement = RayPlacement(plan, cpus_per_bundle=0.5, gpus=p.gpus_per_bundle > 0, timeout_s=120)
     try:
-        mcfg = cfg.megatron_config()
+        backend = cfg.backend()
         actors, _ = spawn_rank_actors(placement, ray.remote(RankActor), num_cpus=0.25,
-                                      args_for_rank=lambda r: (MegatronRankWorker, mcfg, r, 2, p.to_dict()))
+                                      args_for_rank=lambda r: (backend.worker, backend.rank_config(cfg), r, 2, p.to_dict()))
         got = ray.get([a.platform_profile.remote() for a in actors])
         for g in got:
             g.pop("torch_threads")
@@ -297,12 +296,12 @@ def test_gpu_profile_from_declared_gpu_cluster_reaches_the_ranks(cluster) -> Non
 def test_cpu_rank_actor_sets_the_handed_threads(cluster) -> None:
     """A CPU profile handed to a rank: its torch threads come from the profile."""
     from openrlhf_shape.cluster.rank_group import RankActor
+    from openrlhf_shape.megatron.backend import MEGATRON
     from openrlhf_shape.megatron.config import MegatronConfig
-    from openrlhf_shape.megatron.worker import MegatronRankWorker
     from openrlhf_shape.platform import Platform, cpu_platform
 
     handed = cpu_platform(threads_per_rank=2)
-    a = ray.remote(RankActor).options(num_cpus=0.25).remote(MegatronRankWorker, MegatronConfig(), 0, 1, handed.to_dict())
+    a = ray.remote(RankActor).options(num_cpus=0.25).remote(MEGATRON.worker, MegatronConfig(), 0, 1, handed.to_dict())
     got = ray.get(a.platform_profile.remote())
     assert got.pop("torch_threads") == 2 and Platform.from_dict(got) == handed
     ray.kill(a)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from openrlhf_shape.actor.cp_split import cp_shard
 from openrlhf_shape.batch import SequenceBatch
 from openrlhf_shape.megatron.export import iter_hf_tensors
+from openrlhf_shape.megatron.step import plan
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.batches import train_batches
@@ -46,9 +47,10 @@ def cp_run(*, rank: int, world_size: int, master_addr: str, master_port: int, cf
         worker.cfg = replaced(base, **overrides)
         res.setdefault("variants", {})[vname] = {
             arch: {name: cp_pass(worker, model_dirs[arch], batch, pack) for name, pack in LAYOUTS} for arch in archs}
-    mpu = worker.mpu
+    from megatron.core import parallel_state as mpu
+
     res["ranks"] = {"cp": mpu.get_context_parallel_rank(), "tp": mpu.get_tensor_model_parallel_rank(),
-                    "pp": mpu.get_pipeline_model_parallel_rank(), "dp_size": worker.dp_size,
+                    "pp": mpu.get_pipeline_model_parallel_rank(), "dp_size": worker.state.dp_size,
                     "cp_group": sorted(dist.get_process_group_ranks(mpu.get_context_parallel_group())),
                     "ep_group": sorted(dist.get_process_group_ranks(mpu.get_expert_model_parallel_group()))}
     release_megatron(worker, keep_group)
@@ -64,9 +66,9 @@ def cp_pass(worker, path: str, batch: dict, pack: bool) -> dict:
     out = {"info": info, "logprobs": worker.compute_logprobs_and_entropy(batch)}
     out["metrics"] = worker.train_step(train_batches(batch, 1, seed=1234)[0])
     # the reduced gradients stay in the grad buffers after the step
-    out["shard_grads"] = {n: p.main_grad.detach().float().cpu().clone() for n, p in worker._gpt().named_parameters()}
+    out["shard_grads"] = {n: p.main_grad.detach().float().cpu().clone() for n, p in worker.state.gpt.named_parameters()}
     out["grads"] = hf_named_grads(worker)
-    _, mbs = worker._plan(SequenceBatch.coerce(batch), forward_only=False)
+    _, mbs = plan(worker.state, SequenceBatch.coerce(batch), forward_only=False)
     out["micro_batches"] = [{"rows": list(mb.rows), "shape": tuple(mb.input_ids.shape), "packed": mb.packed}
                             for mb in mbs]
     out["split"] = split_record(worker, mbs)
@@ -77,7 +79,7 @@ def cp_pass(worker, path: str, batch: dict, pack: bool) -> dict:
 def hf_named_grads(worker) -> dict[str, torch.Tensor]:
     """This step's reduced gradients (Megatron's ``main_grad`` buffers) as full HF-named tensors: the bridge's
     export run with every parameter's data swapped for its gradient (all ranks iterate in lockstep)."""
-    params = [p for p in worker._gpt().parameters()]
+    params = [p for p in worker.state.gpt.parameters()]
     saved = [p.data for p in params]
     try:
         for p in params:
@@ -94,13 +96,15 @@ def split_record(worker, mbs) -> dict:
     megatron-core's ``get_batch_on_this_cp_rank`` gives this rank the same tokens."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from megatron.core import parallel_state as mpu
+
     cp = worker.cfg.context_parallel_size
     rec: dict = {"global": [], "positions": [], "megatron_agrees": []}
     for mb in mbs:
         rec["global"].append(int(mb.input_ids.shape[1]))
         if cp == 1:
             continue
-        view = cp_shard(mb, cp, worker.mpu.get_context_parallel_rank())
+        view = cp_shard(mb, cp, mpu.get_context_parallel_rank())
         rec["positions"].append(view.index.tolist())
         if not mb.packed:
             theirs = get_batch_on_this_cp_rank({"tokens": mb.input_ids.clone()})["tokens"]

@@ -12,12 +12,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 TRAIN_STEPS = 5
 SAVE_AT = 3
-# lr high enough that 5 steps visibly move the tiny model; warmup + cosine exercise the schedule
-TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_scheduler="cosine", total_steps=TRAIN_STEPS,
+# lr high enough that 5 steps visibly move the tiny model; warm-up + cosine exercise the schedule (the variant whose
+# warm-up starts above 0: lr / 2, lr, then the decay to min_lr)
+TRAIN_CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=2, lr_scheduler="cosine_warmup_with_min_lr", total_steps=TRAIN_STEPS,
                  micro_batch_max_tokens=96, max_norm=1.0, entropy_chunk_size=16)
 # Attention and activation switches are TransformerConfig settings, not process groups: the same ranks rebuild the
 # models with each switch on (mg_scenarios.layout_run's ``variants``) instead of launching again.
 SDPA = {"local_attention": "sdpa"}
+
+
+def transformers_lrs(cfg: dict, steps: int) -> list[float]:
+    """The LR of each of ``steps`` updates under transformers' own ``get_scheduler`` for a scenario config ``cfg``
+    (its warm-up count and absolute ``min_lr``, as OpenRLHF hands them): what the workers must apply."""
+    from transformers import get_scheduler
+
+    from openrlhf_shape.testing.rank_configs import megatron_config
+
+    optim = megatron_config(cfg).optim
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.adam.lr)
+    sched = get_scheduler(optim.lr_scheduler, opt, num_warmup_steps=optim.warmup_steps,
+                          num_training_steps=optim.total_steps, scheduler_specific_kwargs={"min_lr": optim.min_lr})
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
 
 
 def hf_logprobs_entropy(model_dir: str, batch: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

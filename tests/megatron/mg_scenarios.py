@@ -116,6 +116,6 @@ def _wrong_qkv_logprobs(worker: MegatronRankWorker, path: str, batch: dict) -> d
     """Negative control: load q/k/v concatenated flat (no per-KV-group interleave) and re-run."""
     if worker.cfg.use_distributed_optimizer:
         raise RuntimeError("negative control expects the plain optimizer")
-    with flat_qkv_conversion(worker.bridge):
-        worker.bridge.load_weights([worker._gpt()], path)
+    with flat_qkv_conversion(worker.state.bridge):
+        worker.state.bridge.load_weights([worker.state.gpt], path)
     return worker.compute_logprobs_and_entropy(batch)

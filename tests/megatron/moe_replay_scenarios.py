@@ -29,7 +29,7 @@ def _shared(worker, out: dict, n: int) -> LogProbs:
 def _routing_seen(worker, store: list):
     """Capture what every router of the model actually routed each token to (its routing_map output)."""
     handles = []
-    routers = moe_routers(worker._gpt())
+    routers = moe_routers(worker.state.gpt)
 
     def hook(module, args, output):
         _, routing_map = output  # [tokens, experts] bool
@@ -84,7 +84,7 @@ def replay_run(*, rank: int, world_size: int, master_addr: str, master_port: int
     res["trained"] = {}
     for name, routing in (("dropped", dropped), ("free", res["free_perturbed"].routed_experts)):
         worker.init_model(perturbed_dir)
-        gpt = worker._gpt()
+        gpt = worker.state.gpt
         router0 = moe_routers(gpt)[0]
         fc1 = dict(gpt.named_parameters())
         fc1_name = next(k for k in fc1 if f"local_experts.{layer0_drop}.linear_fc1" in k and ".layers.0." in k)

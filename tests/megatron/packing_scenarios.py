@@ -11,6 +11,7 @@ negative control: there the head holds a micro-batch's whole ``[N, V/tp]``).
 from __future__ import annotations
 
 from openrlhf_shape.batch import SequenceBatch
+from openrlhf_shape.megatron.step import plan
 from openrlhf_shape.megatron.worker import MegatronRankWorker
 from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.testing.batches import train_batches
@@ -48,10 +49,10 @@ def layout_pass(worker, path: str, batch: dict, pack: bool) -> dict:
     worker.init_model(path)
     out = {"logprobs": worker.compute_logprobs_and_entropy(batch)}
     step = train_batches(batch, 1, seed=1234)[0]
-    if hasattr(worker, "_gpt"):  # Megatron: the reduced gradients stay in the grad buffers after the step
+    if isinstance(worker, MegatronRankWorker):  # the reduced gradients stay in the grad buffers after the step
         out["metrics"] = worker.train_step(step)
-        out["grads"] = {n: p.main_grad.detach().float().cpu().clone() for n, p in worker._gpt().named_parameters()}
-        _, mbs = worker._plan(SequenceBatch.coerce(batch), forward_only=False)
+        out["grads"] = {n: p.main_grad.detach().float().cpu().clone() for n, p in worker.state.gpt.named_parameters()}
+        _, mbs = plan(worker.state, SequenceBatch.coerce(batch), forward_only=False)
     else:  # DeepSpeed: read them at the accumulation boundary, before the step releases them
         from deepspeed.utils import safe_get_full_grad
 
@@ -78,16 +79,18 @@ def watch_head(worker, path: str, batch: dict) -> dict:
         with LogitsWatch(vocab) as train:
             worker.train_step(train_batches(batch, 1, seed=1234)[0])
         out[name] = {"forward": fwd.max_rows, "train": train.max_rows, "vocab": vocab}
-    plan = worker._plan if hasattr(worker, "_gpt") else worker._plans
-    _, mbs = plan(SequenceBatch.coerce(batch), forward_only=False)
+    if isinstance(worker, MegatronRankWorker):
+        _, mbs = plan(worker.state, SequenceBatch.coerce(batch), forward_only=False)
+    else:
+        _, mbs = worker._plans(SequenceBatch.coerce(batch), forward_only=False)
     out["max_response_tokens"] = max(int(mb.resp_targets.numel()) for mb in mbs)
     worker.cfg = replaced(worker.cfg, entropy_chunk_size=chunk)
     return out
 
 
 def _vocab_shard(worker) -> int:
-    if hasattr(worker, "_gpt"):
-        gpt = worker._gpt()
+    if isinstance(worker, MegatronRankWorker):
+        gpt = worker.state.gpt
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
         return int(weight.shape[0])
     return int(worker.state.hf_config.vocab_size)

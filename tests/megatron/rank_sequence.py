@@ -48,7 +48,7 @@ def release_megatron(worker, keep_group: bool) -> None:
         return
     from megatron.core import parallel_state as mpu
 
-    worker.model = worker.optimizer = worker.scheduler = None
+    worker.state.model = worker.state.optimizer = None
     mpu.destroy_model_parallel()
 
 

@@ -12,7 +12,7 @@ Same weights and tokens as world 1 (the 8 sequences of 33..1900 tokens of the CP
 response), packed and padded micro-batches: log-probs and entropy within 1e-5, and after one step the loss, token
 count, grad norm and every parameter's gradient (full HF-named tensors, gathered over TP/PP/EP by the bridge's export)
 within 1e-5 relative. With the MoE router losses on (aux 0.1, z 0.01), CP2 x EP2 and TP2 + SP (world 2) give world
-1's gradient on the same micro-batches (MegatronRankWorker._router_loss_scale; 0.25 relative error before it
+1's gradient on the same micro-batches (megatron/router_loss.py:router_loss_scale; 0.25 relative error before it
 scaled by the TP x CP group size).
 
 The launches are long_runs.py's, shared with the other CP, packing and pad-token tests: world 1's reference passes
@@ -136,7 +136,7 @@ def tp2_sp(shared_results, models) -> list[dict]:
 def test_sp_cp_router_losses_give_the_world1_gradient_on_cpu(request, world1, name, layout):
     """--megatron.moe_aux_loss_coeff 0.1 and --megatron.moe_z_loss_coeff 0.01 at CP2 x EP2 and TP2 + SP: every parameter's
     gradient after one step equals world 1's (the router losses are partial sums over the CP ranks, each to be
-    weighted by the micro-batch's token count, not the rank's: MegatronRankWorker._router_loss_scale); and the losses
+    weighted by the micro-batch's token count, not the rank's: megatron/router_loss.py:router_loss_scale); and the losses
     do move the gradient (against the run without them)."""
     ref = world1[0]["variants"]["router_losses"]["qwen3_moe"][layout]
     plain = world1[0]["qwen3_moe"][layout]

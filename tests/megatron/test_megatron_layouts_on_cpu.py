@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from mg_helpers import (SAVE_AT, TRAIN_CFG, TRAIN_STEPS, hf_logprobs_entropy, max_abs_diff, run_layout,
-                        shared_world1, shared_world2)
+                        shared_world1, shared_world2, transformers_lrs)
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.batch import LogProbs
-from openrlhf_shape.megatron.worker import latest_checkpoint
+from openrlhf_shape.checkpoint_dir import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -135,8 +135,9 @@ def test_training_trajectory_is_layout_invariant_on_cpu(world1, layouts, dp2_dis
             assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4), name
             assert [m["num_tokens"] for m in got] == [m["num_tokens"] for m in ref], name
             assert [m["lr"] for m in got] == pytest.approx([m["lr"] for m in ref], rel=1e-9), name
-    # warmup then cosine decay
+    # the LR each update ran with is transformers' schedule of that name, exactly (warm-up, then cosine to min_lr)
     lrs = [m["lr"] for m in ref]
+    assert lrs == transformers_lrs(TRAIN_CFG, TRAIN_STEPS)
     assert lrs[0] == pytest.approx(TRAIN_CFG["lr"] / 2) and lrs[1] == pytest.approx(TRAIN_CFG["lr"])
     assert lrs[1] > lrs[2] > lrs[3] > lrs[4] >= TRAIN_CFG["min_lr"]
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 PARITY_TOL = 1e-4
 SAVE_AT = 2
-CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=1, lr_scheduler="cosine", total_steps=3,
+CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=2, lr_scheduler="cosine_warmup_with_min_lr", total_steps=3,
            micro_batch_max_tokens=96, max_norm=1.0, entropy_chunk_size=16)
 
 

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 HERE = str(Path(__file__).resolve().parent)
 TOL = 1e-4
-CFG = dict(lr=2e-3, min_lr=2e-4, lr_warmup_steps=0, total_steps=3, micro_batch_max_tokens=4096, max_norm=1.0,
+CFG = dict(lr=2e-3, lr_warmup_steps=0, total_steps=3, micro_batch_max_tokens=4096, max_norm=1.0,
            entropy_chunk_size=16, routing_replay="r2")
 
 

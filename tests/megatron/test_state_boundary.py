@@ -1,5 +1,5 @@
-"""The backends as siblings: each backend's checkpoint and export are functions of an explicit state
-object and never import the worker; both workers implement the one rank interface
+"""The backends as siblings: each backend's checkpoint and export (and Megatron's build, step and router losses) are
+functions of an explicit state object and never import the worker; both workers implement the one rank interface
 (:class:`openrlhf_shape.actor.protocol.RankWorker`) with the same signatures. (That neither backend imports the
 other, what both need living in ``openrlhf_shape/actor/``, is their shared floor in ``tests/test_layers.py``.)"""
 
@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from openrlhf_shape.actor.backends import BACKENDS as RECORDS
 from openrlhf_shape.actor.protocol import RankWorker
+from openrlhf_shape.config import TrainConfig  # noqa: F401  (registers every backend's record)
 from openrlhf_shape.megatron.config import MegatronConfig
 from openrlhf_shape.megatron.state import ActorState
 from openrlhf_shape.platform import cpu_platform
 from support.imports import edges
 
 PKG = Path(__file__).resolve().parents[2] / "openrlhf_shape"
-BACKENDS = {"megatron": "MegatronRankWorker", "zero": "ZeroRankWorker"}
+# each registered backend's package folder -> its worker class (the records' "openrlhf_shape.<folder>.worker:<Class>")
+BACKENDS = {r.worker.split(".")[1]: r.worker.rsplit(":", 1)[1] for r in RECORDS.values()}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,11 @@ def imported() -> dict[str, set[str]]:
     return out
 
 
-@pytest.mark.parametrize("backend,name", [(b, n) for b in BACKENDS for n in ("checkpoint", "export", "state")])
+STATE_MODULES = {"megatron": ("build", "step", "router_loss")}  # besides checkpoint, export and state
+
+
+@pytest.mark.parametrize("backend,name", [(b, n) for b in BACKENDS
+                                          for n in ("checkpoint", "export", "state", *STATE_MODULES.get(b, ()))])
 def test_checkpoint_and_export_do_not_import_the_worker(backend: str, name: str, imported) -> None:
     assert f"openrlhf_shape.{backend}.worker" not in imported.get(f"openrlhf_shape.{backend}.{name}", set())
     assert BACKENDS[backend] not in (PKG / backend / f"{name}.py").read_text()
@@ -39,7 +46,8 @@ def test_checkpoint_and_export_do_not_import_the_worker(backend: str, name: str,
 def test_worker_hands_its_state_to_checkpoint_and_export(backend: str) -> None:
     src = (PKG / backend / "worker.py").read_text()
     calls = {"megatron": ("save_distributed_checkpoint(self.state", "load_distributed_checkpoint(self.state",
-                          "iter_buckets(self.state", "export_hf_dir(self.state"),
+                          "iter_buckets(self.state", "export_hf_dir(self.state", "build_model(self.state",
+                          "step.logprobs_and_entropy(self.state", "step.train_step(self.state"),
              "zero": ("save_checkpoint(self.state", "load_checkpoint(self.state", "iter_buckets(self.state",
                       "export_hf_dir(self.state")}[backend]
     for call in calls:

@@ -87,7 +87,7 @@ def measure_update_peaks(
     out["after_warmup"] = _rss()
     out["peaks"] = {}
     for k, rows in enumerate(rows_list):
-        tokens = rows // worker.dp_size * seq_len  # this rank's DP shard is one micro-batch
+        tokens = rows // worker.state.dp_size * seq_len  # this rank's DP shard is one micro-batch
         worker.cfg.optim.micro_batch_max_tokens = tokens
         batch = _batch(rows, seq_len, vocab, seed=10 + k)
         _reset_peak()

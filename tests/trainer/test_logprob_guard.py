@@ -41,17 +41,21 @@ def test_steps_without_comparable_logprobs_pass():
 
 
 def test_guard_for_run_reads_each_sides_dtype():
-    from openrlhf_shape.platform import detect_platform
-    from openrlhf_shape.config import TrainConfig
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.platform import detect_platform, gpu_platform
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
 
     class Model:  # an HF config's dtype attribute
         dtype = "bfloat16"
 
     cpu = detect_platform()
-    cfg = TrainConfig()
-    assert guard_for_run(cfg, cpu, Model(), "float32", None).dtype == "float32"  # CPU: float32 both sides
-    assert guard_for_run(cfg, cpu, Model(), "auto", None).dtype == "bfloat16"  # engine at the checkpoint's bf16
-    assert guard_for_run(cfg, cpu, Model(), "float32", True).dtype == "bfloat16"  # Megatron in bf16
-    cfg.actor.backend, cfg.ds.param_dtype = "deepspeed", "bf16"
-    assert guard_for_run(cfg, cpu, Model(), "float32", None).dtype == "bfloat16"
+    cfg = load_config(None, [])
+    assert guard_for_run(cfg, cpu, Model(), "float32").dtype == "float32"  # CPU: float32 both sides
+    assert guard_for_run(cfg, cpu, Model(), "auto").dtype == "bfloat16"  # engine at the checkpoint's bf16
+    assert guard_for_run(cfg, gpu_platform(), Model(), "float32").dtype == "bfloat16"  # Megatron auto on a GPU: bf16
+    bf16 = load_config(None, ["--megatron.bf16", "true"])
+    assert guard_for_run(bf16, gpu_platform(), Model(), "float32").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--megatron.bf16 true: Megatron trains in bf16 on GPUs only"):
+        guard_for_run(bf16, cpu, Model(), "float32")  # refused at start-up before (check_dtypes)
+    ds = load_config(None, ["--actor.backend", "deepspeed", "--ds.param_dtype", "bf16"])
+    assert guard_for_run(ds, cpu, Model(), "float32").dtype == "bfloat16"

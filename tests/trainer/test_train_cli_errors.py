@@ -14,6 +14,7 @@ import pytest
 
 from openrlhf_shape.config import load_config
 from openrlhf_shape.config.checks import check_dtypes
+from openrlhf_shape.platform import cpu_platform, gpu_platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,13 +51,13 @@ def test_bf16_on_a_cpu_run_is_said_or_refused_with_the_flag_that_avoids_it(caplo
     ds = load_config(None, ["--actor.backend", "deepspeed", "--ds.param_dtype", "bf16"])
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="openrlhf_shape.config"):
-        said = check_dtypes(ds, on_gpu=False)
+        said = check_dtypes(ds, cpu_platform())
     assert [r.getMessage() for r in caplog.records] == [said]
     assert said.startswith("--ds.param_dtype bf16 on a CPU run: this CPU only emulates bf16") and "\n" not in said
-    assert "--ds.param_dtype fp32 (or auto" in said
-    assert check_dtypes(ds, on_gpu=True) is None
-    assert check_dtypes(load_config(None, ["--actor.backend", "deepspeed"]), on_gpu=False) is None  # auto: fp32
+    assert "leave --ds.param_dtype unset (auto: fp32 on CPU" in said
+    assert check_dtypes(ds, gpu_platform()) is None
+    assert check_dtypes(load_config(None, ["--actor.backend", "deepspeed"]), cpu_platform()) is None  # auto: fp32
     mg = load_config(None, ["--megatron.bf16", "true"])
     with pytest.raises(ValueError, match=r"^--megatron.bf16 true: Megatron trains in bf16 on GPUs only"):
-        check_dtypes(mg, on_gpu=False)
-    assert check_dtypes(mg, on_gpu=True) is None
+        check_dtypes(mg, cpu_platform())
+    assert check_dtypes(mg, gpu_platform()) is None
