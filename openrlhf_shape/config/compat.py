@@ -52,9 +52,7 @@ def _value(name: str, value: Any) -> Any:
     mean something else): -1 "off" steps, one-value thresholds, estimator and scheduler names."""
     if name in ("eval.steps", "ckpt.save_steps"):
         return 0 if float(value) < 0 else value  # OpenRLHF's -1 is our 0 (off)
-    if name == "algo.advantage.estimator":  # OpenRLHF's group_norm is GRPO (our name)
-        return "grpo" if translated_value(BY_NAME[name], value) == "group_norm" else translated_value(BY_NAME[name], value)
-    if name == "actor.lr_scheduler":  # cosine_with_min_lr -> cosine, constant_with_warmup -> constant
+    if name in ("algo.advantage.estimator", "actor.lr_scheduler"):  # group_norm -> grpo, cosine_with_min_lr -> cosine
         return translated_value(BY_NAME[name], value)
     if name == "algo.advantage.is_correction_threshold":
         vals = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()

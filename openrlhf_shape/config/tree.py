@@ -174,10 +174,11 @@ class AdvantageSection:
     """``--algo.advantage.*``: the estimator and the rollout/trainer mismatch correction
     (algorithms/rollout_correction.py)."""
 
-    # shape | mrt | grpo (OpenRLHF's group_norm) | reinforce | reinforce_baseline | rloo | dr_grpo | flash_reinforce
+    # a registered name (algorithms/estimators.py:ESTIMATOR_REGISTRY) or OpenRLHF's alias of one
+    # (config/openrlhf.py:ESTIMATOR_ALIASES)
     estimator: str = "shape"
-    gamma: float = 1.0  # the return's per-token discount (reinforce only; OpenRLHF's --algo.advantage.gamma)
-    no_std_norm: bool = False  # whitening without the std division (reinforce, reinforce_baseline)
+    gamma: float = 1.0  # the return's per-token discount (estimators that discount returns; OpenRLHF's flag)
+    no_std_norm: bool = False  # whitening without the std division (estimators that whiten)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
