@@ -45,8 +45,8 @@ class RolloutSection:
     # Rollout/trainer log-prob gap (mean |dlogp|, nats) past which the run STOPS; 0 = warn only, past the
     # dtype's expectation (openrlhf_shape/trainer/logprob_guard.py: 5e-5 float32, 5e-2 bf16).
     max_logprob_gap: float = 0.0
-    # auto (decided per plan: cluster/placement.py:resolve_weight_sync) | collective (gloo on CPU, NCCL on GPU)
-    # | object_store | cuda_ipc
+    # auto (decided per plan by the transports' own constraints: weight_sync.choose_transport) or the name of a
+    # registered transport (weight_sync.TRANSPORTS)
     weight_sync: str = "auto"
     # Seconds a weight sync may go without a bucket completing on any side (the sync's progress bound, not
     # its total: a slow sync that keeps completing buckets runs as long as it needs; also the longest the sync
