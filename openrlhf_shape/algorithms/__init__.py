@@ -3,9 +3,9 @@
 Public, stable API (see docs/architecture.md):
 ``token_entropy``, ``entropy_cutpoints``, ``dynamic_gamma``, ``shape_segment_advantages``,
 ``mrt_segment_advantages``, ``grpo_advantages``, ``redistribute_token_credit``, ``policy_loss``,
-plus ``ShapeConfig`` and the batched helpers in :mod:`.pipeline`. The estimators are registered by name
-(:mod:`.estimators`: shape, mrt; :mod:`.reinforce`: OpenRLHF's grpo, reinforce, reinforce_baseline, rloo,
-dr_grpo, flash_reinforce, with their maths in :mod:`.returns`).
+plus ``ShapeConfig`` and the batched helpers in :mod:`.pipeline`. The estimators are registered by name in
+``ESTIMATOR_REGISTRY`` (:mod:`.estimators`: the paper's; :mod:`.reinforce`: OpenRLHF's outcome estimators, with
+their maths in :mod:`.returns`), the segmentation modes in ``SEGMENTATIONS`` (:mod:`.segmentation`).
 """
 
 from openrlhf_shape.algorithms.advantages import (
@@ -42,9 +42,13 @@ from openrlhf_shape.algorithms.pipeline import (
 )
 from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, estimator_moments, stopping_outcomes
 from openrlhf_shape.algorithms.segmentation import (
+    SEGMENTATIONS,
+    Segmentation,
     boundaries_to_segment_ids,
     delimiter_cutpoints,
     entropy_cutpoints,
+    get_segmentation,
+    register_segmentation,
     segment_lengths,
     uniform_cutpoints,
 )
@@ -52,7 +56,9 @@ from openrlhf_shape.algorithms.tcr import redistribute_token_credit, tcr_weights
 
 __all__ = [
     "ESTIMATOR_REGISTRY",
+    "SEGMENTATIONS",
     "AdvantageEstimator",
+    "Segmentation",
     "AdaptiveProbeRule",
     "estimator_moments",
     "stopping_outcomes",
@@ -60,7 +66,9 @@ __all__ = [
     "ReturnConfig",
     "RolloutCorrectionConfig",
     "get_estimator",
+    "get_segmentation",
     "register",
+    "register_segmentation",
     "segment_gamma",
     "ShapeConfig",
     "baselined_outcomes",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-SEGMENTATIONS = ("entropy", "uniform", "delimiter")
+from openrlhf_shape.algorithms.segmentation import SEGMENTATIONS
+
 OUTCOME_BASELINES = ("none", "group_mean", "group_norm", "group_norm_scaled")
 
 # Appendix A.1 (task consistency) needs alpha < 0.5. Appendix A.2 (reward-sign consistency): with m
@@ -35,7 +36,7 @@ class ShapeConfig:
     l_ref: float | None = None
     fixed_gamma: float | None = None  # ablation: constant gamma_k
     num_segments: int = 8  # K
-    segmentation: str = "entropy"
+    segmentation: str = "entropy"  # a registered mode (algorithms/segmentation.py:SEGMENTATIONS)
     entropy_threshold: float | None = None  # absolute tau; None = per-response quantile
     entropy_quantile: float = 0.8
     min_segment_len: int = 8
@@ -60,7 +61,7 @@ class ShapeConfig:
             return ValueError(f"--shape.{flag}: {msg}")
 
         if self.segmentation not in SEGMENTATIONS:
-            raise bad("segmentation", f"unknown segmentation {self.segmentation!r}; choose one of {SEGMENTATIONS}")
+            raise bad("segmentation", f"unknown segmentation {self.segmentation!r}; choose one of {tuple(SEGMENTATIONS)}")
         if self.outcome_baseline not in OUTCOME_BASELINES:
             raise bad("outcome_baseline", f"unknown baseline {self.outcome_baseline!r}; choose one of {OUTCOME_BASELINES}")
         if not 0.0 <= self.alpha:

@@ -8,8 +8,10 @@ gamma_k), ``tcr`` (token credit redistribution; on by default for SHAPE only, th
 credit), ``segmentation uniform|delimiter`` (instead of entropy-based segmentation); docs/algorithms.md
 maps them to the paper's tables.
 
-A new estimator: subclass :class:`AdvantageEstimator` and decorate it with ``@register("name")``; the
-registry is the one list of names (``--algo.advantage.estimator`` accepts exactly its keys).
+A new estimator is one module: subclass :class:`AdvantageEstimator`, decorate it with ``@register("name")`` and
+import the module before the run (registration happens at import); the registry is the one list of names
+(``--algo.advantage.estimator`` accepts exactly its keys, plus OpenRLHF's aliases: config/openrlhf.py), and what
+the rest of the trainer asks of an estimator it reads from the class's capability flags, never its name.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def register(name: str) -> Callable[[type["AdvantageEstimator"]], type["Advantag
         return cls
 
     return wrap
+
+
+def names_with(flag: str, value: bool = True) -> list[str]:
+    """The registered estimators whose capability ``flag`` (e.g. ``"whitens"``) is ``value``, for messages."""
+    return [n for n, cls in ESTIMATOR_REGISTRY.items() if getattr(cls, flag) == value]
 
 
 def get_estimator(name: str, cfg: ShapeConfig, returns: ReturnConfig | None = None) -> "AdvantageEstimator":
@@ -116,14 +123,14 @@ class AdvantageEstimator:
         ignores no_std_norm; here a setting that does nothing is an error that says so)."""
         if self.returns.gamma != 1.0 and not self.discounts_returns:
             raise ValueError(
-                f"--algo.advantage.gamma {self.returns.gamma}: only --algo.advantage.estimator reinforce discounts "
-                f"returns; {self.name} needs gamma 1 (drop the flag)"
-                + ("; SHAPE's own discount is --shape.gamma_min" if self.needs_segments else ""))
+                f"--algo.advantage.gamma {self.returns.gamma}: only --algo.advantage.estimator "
+                f"{' or '.join(names_with('discounts_returns'))} discounts returns; {self.name} needs gamma 1 (drop "
+                "the flag)" + ("; SHAPE's own discount is --shape.gamma_min" if self.needs_segments else ""))
         if self.returns.no_std_norm and not self.whitens:
             raise ValueError(
-                f"--algo.advantage.no_std_norm: {self.name} does not whiten advantages (only reinforce and "
-                "reinforce_baseline do); drop the flag, or use --algo.advantage.estimator dr_grpo for a group "
-                "baseline without std division")
+                f"--algo.advantage.no_std_norm: {self.name} does not whiten advantages (only "
+                f"{' and '.join(names_with('whitens'))} do); drop the flag, or use --algo.advantage.estimator dr_grpo "
+                "for a group baseline without std division")
 
     @property
     def uses_tcr(self) -> bool:

@@ -12,12 +12,13 @@ All tensors are right-padded: ``mask[i, :T_i]`` is True. Potentials are ``[B, K+
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from openrlhf_shape.algorithms.advantages import group_reward_scale, outcome_baseline, segment_to_token_advantages
 from openrlhf_shape.algorithms.config import ShapeConfig
-from openrlhf_shape.algorithms.estimators import AdvantageEstimator, SegmentInputs, SequenceInputs
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator, SegmentInputs, SequenceInputs, names_with
 from openrlhf_shape.algorithms.metrics import (
     advantage_by_outcome,
     describe,
@@ -27,45 +28,21 @@ from openrlhf_shape.algorithms.metrics import (
 )
 from openrlhf_shape.algorithms.segmentation import (
     PAD_BOUNDARY,
-    _check_nonempty,
     _valid_lengths,
     boundaries_to_segment_ids,
-    delimiter_candidates,
-    entropy_candidates_batched,
+    get_segmentation,
     segment_lengths,
-    select_cutpoints_batched,
 )
 from openrlhf_shape.algorithms.tcr import tcr_weights
 
 
-def segment_batch(
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: ShapeConfig,
-    token_ids: torch.Tensor | None = None,
-    delimiter_token_ids: set[int] | None = None,
-) -> torch.Tensor:
-    """Boundaries for every response, ``[B, T]`` -> ``[B, K-1]`` (sorted, -1 padded).
-
-    ``cfg.segmentation``: ``entropy`` (EBS), ``uniform`` or ``delimiter`` (needs ``token_ids`` and
-    ``delimiter_token_ids``). GRPO needs no segments: callers skip this for it.
-    """
-    if entropy.dim() != 2 or mask.shape != entropy.shape:
-        raise ValueError(f"entropy and mask must be [B, T] of one shape, got {tuple(entropy.shape)} and {tuple(mask.shape)}")
-    mask = mask.bool()
-    lengths = _valid_lengths(mask)
-    _check_nonempty(lengths)
-    k = cfg.num_segments
-    if cfg.segmentation == "entropy":
-        cand = entropy_candidates_batched(entropy, mask, cfg.entropy_threshold, cfg.entropy_quantile)
-    elif cfg.segmentation == "delimiter":
-        if token_ids is None or delimiter_token_ids is None:
-            raise ValueError("--shape.segmentation delimiter needs token_ids and the delimiter token ids")
-        cand = delimiter_candidates(token_ids, delimiter_token_ids) & mask
-    else:  # uniform: every position is a candidate, nearest to j*T/K wins -> equal lengths
-        cand = mask.clone()
-        cand[:, 0] = False
-    return select_cutpoints_batched(cand, lengths, k, cfg.min_segment_len)
+def segment_batch(entropy: torch.Tensor, mask: torch.Tensor, cfg: ShapeConfig, token_ids: torch.Tensor | None = None,
+                  tokenizer: Any = None) -> torch.Tensor:
+    """Boundaries for every response, ``[B, T]`` -> ``[B, K-1]`` (sorted, -1 padded), by the mode
+    ``cfg.segmentation`` (:data:`~openrlhf_shape.algorithms.segmentation.SEGMENTATIONS`); ``token_ids`` ``[B, T]``
+    and the ``tokenizer`` for modes that read them. A run binds its mode once (:func:`get_segmentation`); outcome
+    estimators need no segments: callers skip this for them."""
+    return get_segmentation(cfg, tokenizer)(entropy, mask, token_ids)
 
 
 @dataclass
@@ -145,7 +122,7 @@ def _check_segment_inputs(estimator: AdvantageEstimator, boundaries: torch.Tenso
         raise ValueError(f"estimator {estimator.name!r} needs boundaries and potentials")
     if token_rewards is not None:
         raise ValueError(f"estimator {estimator.name!r} takes no per-token reward (KL in the reward is defined for "
-                         "the outcome estimators: grpo, reinforce, reinforce_baseline, rloo, dr_grpo, flash_reinforce)")
+                         f"the outcome estimators: {', '.join(names_with('needs_segments', False))})")
 
 
 def _token_credit(estimator: AdvantageEstimator, tok: torch.Tensor, seg_ids: torch.Tensor, mask: torch.Tensor,

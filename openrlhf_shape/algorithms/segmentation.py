@@ -9,13 +9,80 @@ Downsampling (docs/architecture.md): for ``j = 1..K-1`` take the unused candidat
 ``j*T/K`` (ties: the earlier position) that keeps at least ``min_segment_len`` tokens between it and
 every boundary already chosen, and between it and both ends. Fewer candidates give fewer segments;
 no boundary is ever placed at a non-candidate position.
+
+The modes (``--shape.segmentation``) differ only in their candidates; each is a :class:`Segmentation` registered by
+name in :data:`SEGMENTATIONS`, the one list of them. A new mode is one module: subclass it, decorate it with
+``@register_segmentation("name")``, and import the module before the run.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, ClassVar, Protocol
+
 import torch
 
+
+class ShapeConfig(Protocol):
+    """What a segmentation mode reads of ``--shape.*`` (``algorithms/config.py``'s ``ShapeConfig``, which imports
+    this module to check ``segmentation`` against :data:`SEGMENTATIONS`)."""
+
+    segmentation: str
+    num_segments: int  # K
+    entropy_threshold: float | None
+    entropy_quantile: float
+    min_segment_len: int
+    delimiter: str
+
 PAD_BOUNDARY = -1  # padding value in batched boundary tensors
+SEGMENTATIONS: dict[str, type["Segmentation"]] = {}
+
+
+def register_segmentation(name: str) -> Callable[[type["Segmentation"]], type["Segmentation"]]:
+    """Class decorator: make a segmentation mode available as ``--shape.segmentation name``."""
+
+    def wrap(cls: type["Segmentation"]) -> type["Segmentation"]:
+        if name in SEGMENTATIONS:
+            raise ValueError(f"segmentation {name!r} is registered twice")
+        cls.name = name
+        SEGMENTATIONS[name] = cls
+        return cls
+
+    return wrap
+
+
+class Segmentation:
+    """A segmentation mode: which positions of a batch may be boundaries (:meth:`candidates`). Bound to a run once
+    by :func:`get_segmentation`, where a mode prepares what it reads (the delimiter's token ids from the tokenizer);
+    ``needs_token_ids``: its candidates read the responses' token ids. Called on a batch it returns the boundaries
+    ``[B, K-1]`` (sorted, -1 padded): the candidates downsampled by the one rule of :func:`select_cutpoints_batched`."""
+
+    name: ClassVar[str] = ""
+    needs_token_ids: ClassVar[bool] = False
+
+    def __init__(self, cfg: "ShapeConfig", tokenizer: Any = None):
+        self.cfg = cfg
+
+    def candidates(self, entropy: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """``[B, T]`` bool from the entropy ``[B, T]``, the right-padded mask ``[B, T]`` and the token ids (or None)."""
+        raise NotImplementedError
+
+    def __call__(self, entropy: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if entropy.dim() != 2 or mask.shape != entropy.shape:
+            raise ValueError(f"entropy and mask must be [B, T] of one shape, got {tuple(entropy.shape)} and "
+                             f"{tuple(mask.shape)}")
+        if self.needs_token_ids and token_ids is None:
+            raise ValueError(f"--shape.segmentation {self.name} needs the responses' token ids")
+        mask = mask.bool()
+        lengths = _valid_lengths(mask)
+        _check_nonempty(lengths)
+        cand = self.candidates(entropy, mask, token_ids)
+        return select_cutpoints_batched(cand, lengths, self.cfg.num_segments, self.cfg.min_segment_len)
+
+
+def get_segmentation(cfg: "ShapeConfig", tokenizer: Any = None) -> Segmentation:
+    """The mode ``cfg.segmentation`` (``--shape.segmentation``, checked by ``ShapeConfig``) bound to ``cfg`` and the
+    policy's ``tokenizer`` (needed only by modes that read token ids)."""
+    return SEGMENTATIONS[cfg.segmentation](cfg, tokenizer)
 
 
 def _valid_lengths(mask: torch.Tensor) -> torch.Tensor:
@@ -215,6 +282,14 @@ def delimiter_candidates(token_ids: torch.Tensor, delimiter_token_ids: set[int] 
     return cand
 
 
+def delimiter_token_ids(tokenizer: Any, delimiter: str) -> set[int]:
+    """Ids whose decoded text contains ``delimiter`` (the delimiter mode's candidates follow them)."""
+    ids = {tok_id for tok_id in range(len(tokenizer)) if delimiter in tokenizer.decode([tok_id])}
+    if not ids:
+        raise ValueError(f"no token of this vocabulary contains the delimiter {delimiter!r} (--shape.delimiter)")
+    return ids
+
+
 def delimiter_cutpoints(
     token_ids: torch.Tensor,
     mask: torch.Tensor,
@@ -271,3 +346,38 @@ def segment_lengths(boundaries: torch.Tensor, lengths: torch.Tensor) -> tuple[to
     edges = torch.where(is_pad, lengths[:, None].expand_as(edges), edges)
     # padding sits after valid boundaries, so edges are non-decreasing with T repeated.
     return edges[:, 1:] - edges[:, :-1], num_segments
+
+
+@register_segmentation("entropy")
+class EntropySegmentation(Segmentation):
+    """EBS (the paper): positions whose entropy exceeds ``--shape.entropy_threshold``, else the response's
+    ``--shape.entropy_quantile``."""
+
+    def candidates(self, entropy: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        return entropy_candidates_batched(entropy, mask, self.cfg.entropy_threshold, self.cfg.entropy_quantile)
+
+
+@register_segmentation("uniform")
+class UniformSegmentation(Segmentation):
+    """Ablation (w/o EBS): every position is a candidate; the one nearest j*T/K wins, so segments are equal."""
+
+    def candidates(self, entropy: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        cand = mask.clone()
+        cand[:, 0] = False
+        return cand
+
+
+@register_segmentation("delimiter")
+class DelimiterSegmentation(Segmentation):
+    """Ablation (w/o EBS): positions right after a token whose text contains ``--shape.delimiter``."""
+
+    needs_token_ids = True
+
+    def __init__(self, cfg: "ShapeConfig", tokenizer: Any = None):
+        super().__init__(cfg, tokenizer)
+        if tokenizer is None:
+            raise ValueError("--shape.segmentation delimiter needs the policy's tokenizer (the delimiter's token ids)")
+        self.delimiter_ids = delimiter_token_ids(tokenizer, cfg.delimiter)
+
+    def candidates(self, entropy: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        return delimiter_candidates(token_ids, self.delimiter_ids) & mask

@@ -1,4 +1,5 @@
-"""Where every Megatron rank and every vLLM engine worker runs: a pure plan, no Ray.
+"""Where every Megatron rank and every vLLM engine worker runs: a pure plan, no Ray; the weight-sync transport the
+plan's layout allows (the transports' own constraints, ``weight_sync.choose_transport``).
 
 The plan numbers GPUs as *bundles*: one bundle per GPU, node after node (node 0's GPUs first).
 Bundle ``b`` lives on node ``slot.node`` as local GPU ``slot.gpu``; ``openrlhf_shape.cluster.ray_placement``
@@ -27,6 +28,8 @@ Errors are ``ValueError`` naming the flags to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from openrlhf_shape.weight_sync import SyncLayout, choose_transport
 
 # Flag names used in error messages (the trainer's dotted config keys).
 FLAG_WORLD = "--actor.num_nodes x --actor.num_gpus_per_node"
@@ -291,10 +294,8 @@ def _number_bundles(used: list[int], gpus_per_node: int,
 
 
 # ---------------------------------------------------------------------------------------------------
-# Which weight-sync transport a plan can use
+# Which weight-sync transport a plan can use: the registry decides (weight_sync.choose_transport)
 # ---------------------------------------------------------------------------------------------------
-
-FLAG_WEIGHT_SYNC = "--rollout.weight_sync"
 
 
 def sync_group_devices(plan: PlacementPlan) -> list[tuple[int, int]]:
@@ -306,38 +307,10 @@ def sync_group_devices(plan: PlacementPlan) -> list[tuple[int, int]]:
 
 
 def resolve_weight_sync(requested: str, plan: PlacementPlan, on_gpu: bool) -> tuple[str, str]:
-    """(transport, why) for ``--rollout.weight_sync`` on this plan; ``auto`` decides here, an explicit
-    choice that cannot work on this plan is refused (``ValueError`` naming the flag and the fix).
-
-    * NCCL (the collective on GPU) refuses two ranks of one communicator on one GPU ("Duplicate GPU
-      detected"); colocation always puts the sender (rank 0) on engine 0 worker 0's GPU. gloo (CPU) has
-      no such limit.
-    * CUDA IPC from the one sending rank reaches only the engine workers on the sender's GPU.
-    * The object store reaches every worker (staged through host memory: slower, always possible).
-    """
-    devices = sync_group_devices(plan)
-    shared_gpu = len(set(devices)) < len(devices)
-    receivers_off_sender_gpu = any(d != devices[0] for d in devices[1:])
-    if requested == "auto":
-        if not on_gpu:
-            return "collective", "CPU: gloo group (no one-device limit)"
-        if not shared_gpu:
-            return "collective", "GPU, disjoint engine GPUs: NCCL group"
-        if not receivers_off_sender_gpu:
-            return "cuda_ipc", "GPU, colocated, every engine worker on the sender's GPU: CUDA IPC"
-        return "object_store", ("GPU, colocated with engine workers on other GPUs: NCCL cannot hold two ranks on "
-                                "one GPU and CUDA IPC from rank 0 reaches only its own GPU, so buckets go "
-                                "through the Ray object store (host memory)")
-    if requested == "collective" and on_gpu and shared_gpu:
-        node, gpu = next(d for d in devices if devices.count(d) > 1)
-        raise ValueError(
-            f"{FLAG_WEIGHT_SYNC} collective: the NCCL weight-sync group would hold two ranks on node {node} GPU {gpu} "
-            f"(colocation puts Megatron rank 0 and engine 0's worker 0 there) and NCCL refuses that at the first "
-            f"sync; use {FLAG_WEIGHT_SYNC} auto (it picks a transport that works) or object_store")
-    if requested == "cuda_ipc" and (not on_gpu or receivers_off_sender_gpu):
-        where = "needs CUDA" if not on_gpu else "the sending rank's GPU does not host every engine worker"
-        raise ValueError(f"{FLAG_WEIGHT_SYNC} cuda_ipc: {where}; use {FLAG_WEIGHT_SYNC} auto")
-    return requested, "as requested"
+    """(transport, why) for ``--rollout.weight_sync`` on this plan: the registered transports' own constraints on
+    the plan's sync-group devices (:func:`~openrlhf_shape.weight_sync.choose_transport`; ``auto`` decides there, an
+    explicit choice the plan cannot serve is refused with a ``ValueError`` naming the flag and the fix)."""
+    return choose_transport(requested, SyncLayout(tuple(sync_group_devices(plan)), on_gpu))
 
 
 def plan_for(cfg, on_gpu: bool) -> PlacementPlan:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 from openrlhf_shape.config.openrlhf import show
 from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER
+from openrlhf_shape.weight_sync import TRANSPORTS
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.config.tree import TrainConfig
@@ -70,10 +71,11 @@ def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
           f"{r.weight_sync_timeout}: use a positive number of seconds (the longest a weight sync may go without a bucket completing)")
     _need(r.max_logprob_gap >= 0, "rollout.max_logprob_gap",
           f"{r.max_logprob_gap}: use 0 (warn past the dtype's expected gap) or a gap in nats past which the run stops")
-    _need(r.weight_sync in ("auto", "collective", "object_store", "cuda_ipc"), "rollout.weight_sync",
-          f"{r.weight_sync!r}: use auto, collective, object_store or cuda_ipc")
-    _need(r.weight_sync != "cuda_ipc" or cfg.train.colocate_all, "rollout.weight_sync",
-          "cuda_ipc needs --train.colocate_all (sender and engine worker on the same GPU)")
+    transport = TRANSPORTS.get(r.weight_sync)  # what each needs of the layout: weight_sync.choose_transport
+    _need(r.weight_sync == "auto" or transport is not None, "rollout.weight_sync",
+          f"{r.weight_sync!r}: use auto or a registered transport ({', '.join(TRANSPORTS)})")
+    _need(transport is None or not transport.same_gpu_only or cfg.train.colocate_all, "rollout.weight_sync",
+          f"{r.weight_sync} needs --train.colocate_all (sender and engine worker on the same GPU)")
 
 
 def _check_batches(cfg: "TrainConfig") -> None:

@@ -55,7 +55,7 @@ def _value(name: str, value: Any) -> Any:
     if name in ("eval.steps", "ckpt.save_steps"):
         return 0 if float(value) < 0 else value  # OpenRLHF's -1 is our 0 (off)
     if name == "algo.advantage.estimator":  # OpenRLHF's group_norm is GRPO (our name)
-        return "grpo" if translated_value(BY_NAME[name], value) == "group_norm" else translated_value(BY_NAME[name], value)
+        return translated_value(BY_NAME[name], value)
     if name == "algo.advantage.is_correction_threshold":
         vals = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
         return [0.0, float(vals[0])] if len(vals) == 1 else list(vals)  # one value: an upper bound only

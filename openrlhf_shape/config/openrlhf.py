@@ -24,10 +24,12 @@ Kinds:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from openrlhf_shape.actor.lr_schedule import SCHEDULES
+from openrlhf_shape.algorithms.estimators import ESTIMATOR_REGISTRY
 
 SAME, OWN, ALWAYS, VALUES, REFUSED = "same", "own", "always", "values", "refused"
 
@@ -39,13 +41,12 @@ class OpenRLHFFlag:
     kind: str
     ours: str | None = None  # our flag (same / values kinds); None: the same name
     why: str = ""  # refusal reason + what to use, or what "always" means
-    accept: dict[Any, Any] = field(default_factory=dict)  # values kind: OpenRLHF value -> our value
+    accept: Mapping[Any, Any] = field(default_factory=dict)  # values kind: OpenRLHF value -> our value
     # tests that run OpenRLHF's own installed function and ours on the same inputs ("path::test_name")
     checked_by: tuple[str, ...] = ()
 
 
-_NO_CRITIC = ("no critic here; use a critic-free --algo.advantage.estimator (group_norm, reinforce, reinforce_baseline, "
-              "rloo, dr_grpo, flash_reinforce, shape, mrt)")
+_NO_CRITIC = "no critic here; every --algo.advantage.estimator here is critic-free; drop it"
 _REF_RANKS = ("the reference model's ranks (started when --algo.kl.init_coef > 0; unset: as many as the actor's): "
               "the actor's backend and TP/PP layout, on the actor's GPUs under --train.colocate_all, else on their own")
 _ACTOR_RANKS = ("ranks = num_nodes x num_gpus_per_node = TP x PP x CP x DP; both unset: one rank, so a bare command "
@@ -68,9 +69,31 @@ _SLEEP = ("whenever --train.colocate_all is set the engines sleep while the rank
           "turns vLLM's sleep off then)")
 
 
-def _f(name: str, default: Any, kind: str, ours: str | None = None, why: str = "", accept: dict | None = None,
+def _f(name: str, default: Any, kind: str, ours: str | None = None, why: str = "", accept: Mapping | None = None,
        checked_by: tuple[str, ...] = ()) -> OpenRLHFFlag:
-    return OpenRLHFFlag(name, default, kind, ours, why, dict(accept or {}), tuple(checked_by))
+    return OpenRLHFFlag(name, default, kind, ours, why, accept if accept is not None else {}, tuple(checked_by))
+
+
+# OpenRLHF's names for estimators registered here under another name (its users type them).
+ESTIMATOR_ALIASES = {"group_norm": "grpo"}
+
+
+class RegisteredEstimators(Mapping):
+    """``--algo.advantage.estimator``'s accepted values, read from ``ESTIMATOR_REGISTRY`` whenever asked, so an
+    estimator registered after this module loaded is accepted too: each name as itself, each alias as its name."""
+
+    def _names(self) -> dict[str, str]:
+        names = {n: n for n in ESTIMATOR_REGISTRY}
+        return names | {a: n for a, n in ESTIMATOR_ALIASES.items() if n in names}
+
+    def __getitem__(self, value: Any) -> str:
+        return self._names()[value]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 # Tests that compare with OpenRLHF's own functions (the "machine-checked" marks of docs/openrlhf_compat.md).
@@ -134,10 +157,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        "prefix from the cache"),
     _f("vllm.enable_sleep", False, ALWAYS, why=_SLEEP),
     _f("vllm.sync_backend", "nccl", VALUES, accept={"nccl": None},
-       why="weights go to vLLM through the trainer's streamed weight sync (--rollout.weight_sync: a collective group "
-           "over NCCL, gloo on CPU; the object store; CUDA IPC when colocated)"),
+       why="weights go to vLLM through the trainer's streamed weight sync (--rollout.weight_sync: auto picks a "
+           "registered transport per layout, openrlhf_shape/weight_sync/README.md)"),
     _f("vllm.sync_with_ray", False, REFUSED,
-       why="the weight-sync path is --rollout.weight_sync (auto: a collective group, NCCL on GPU, gloo on CPU); drop it"),
+       why="the weight-sync path is --rollout.weight_sync (auto picks a transport per layout); drop it"),
     # ---- rollout-correction (TIS / ICEPOP / sequence mask)
     _f("algo.advantage.is_correction_level", "off", SAME, checked_by=(*_T_IS, _T_IS_0110,)),
     _f("algo.advantage.is_correction_mode", "mask", SAME, checked_by=(*_T_IS, _T_IS_0110,)),
@@ -291,22 +314,19 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        checked_by=(_D + "test_adaptive_controller_equals_openrlhfs", _T_KL_ADAPTIVE,)),
     _f("algo.kl.horizon", 10000, SAME, why="the adaptive KL controller's horizon in samples", checked_by=(_T_KL_ADAPTIVE,)),
     # ---- advantages
-    _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator",
-       accept={"group_norm": "group_norm", "grpo": "group_norm", "reinforce": "reinforce",
-               "reinforce_baseline": "reinforce_baseline", "rloo": "rloo", "dr_grpo": "dr_grpo",
-               "flash_reinforce": "flash_reinforce", "shape": "shape", "mrt": "mrt"},
-       why="gae needs a critic, and there is none here; the critic-free estimators are OpenRLHF's group_norm (GRPO), "
-           "reinforce (REINFORCE++), reinforce_baseline, rloo, dr_grpo, flash_reinforce (its semantics, "
-           "docs/algorithms.md) and the paper's shape and mrt (the default here)",
+    _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator", accept=RegisteredEstimators(),
+       why="gae needs a critic, and there is none here; the registered estimators are critic-free (OpenRLHF's with its "
+           "semantics, docs/algorithms.md; " + ", ".join(f"{a} is {n}" for a, n in ESTIMATOR_ALIASES.items()) + " here)",
        checked_by=(_T_RETURNS, _T_KL_REWARD)),
     _f("algo.advantage.gamma", 1, SAME,
-       why="the return's per-token discount; only reinforce discounts (other estimators refuse a gamma other than 1, "
-           "where OpenRLHF resets it to 1 with a warning); SHAPE's own discount is --shape.gamma_min",
+       why="the return's per-token discount, for the estimators that discount returns (OpenRLHF's reinforce); the others "
+           "refuse a gamma other than 1, where OpenRLHF resets it to 1 with a warning; SHAPE's own discount is "
+           "--shape.gamma_min",
        checked_by=(_T_RETURNS,)),
     _f("algo.advantage.lambd", 1, VALUES, accept={1: None, 1.0: None}, why=f"GAE's lambda: {_NO_CRITIC}"),
     _f("algo.advantage.no_std_norm", False, SAME,
-       why="whitening without the std division, for reinforce and reinforce_baseline (the estimators that whiten; "
-           "refused with the others, which OpenRLHF ignores it for)", checked_by=(_T_RETURNS,)),
+       why="whitening without the std division, for the estimators that whiten (OpenRLHF's reinforce and "
+           "reinforce_baseline); refused with the others, which OpenRLHF ignores it for", checked_by=(_T_RETURNS,)),
     _f("algo.dynamic_filtering_enable", False, SAME,
        why="groups outside --algo.dynamic_filtering_range are dropped and new prompts sampled in their place until "
            "--rollout.batch_size groups pass, so every step trains a full batch; a short last mini-batch is dropped "

@@ -51,8 +51,8 @@ class RolloutSection:
     # Rollout/trainer log-prob gap (mean |dlogp|, nats) past which the run STOPS; 0 = warn only, past the
     # dtype's expectation (openrlhf_shape/trainer/logprob_guard.py: 5e-5 float32, 5e-2 bf16).
     max_logprob_gap: float = 0.0
-    # auto (decided per plan: cluster/placement.py:resolve_weight_sync) | collective (gloo on CPU, NCCL on GPU)
-    # | object_store | cuda_ipc
+    # auto (decided per plan by the transports' own constraints: weight_sync.choose_transport) or the name of a
+    # registered transport (weight_sync.TRANSPORTS)
     weight_sync: str = "auto"
     # Seconds a weight sync may go without a bucket completing on any side (the sync's progress bound, not
     # its total: a slow sync that keeps completing buckets runs as long as it needs; also the longest the sync
@@ -183,10 +183,11 @@ class AdvantageSection:
     """``--algo.advantage.*``: the estimator and the rollout/trainer mismatch correction
     (algorithms/rollout_correction.py)."""
 
-    # shape | mrt | grpo (OpenRLHF's group_norm) | reinforce | reinforce_baseline | rloo | dr_grpo | flash_reinforce
+    # a registered name (algorithms/estimators.py:ESTIMATOR_REGISTRY) or OpenRLHF's alias of one
+    # (config/openrlhf.py:ESTIMATOR_ALIASES)
     estimator: str = "shape"
-    gamma: float = 1.0  # the return's per-token discount (reinforce only; OpenRLHF's --algo.advantage.gamma)
-    no_std_norm: bool = False  # whitening without the std division (reinforce, reinforce_baseline)
+    gamma: float = 1.0  # the return's per-token discount (estimators that discount returns; OpenRLHF's flag)
+    no_std_norm: bool = False  # whitening without the std division (estimators that whiten)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 
 import torch
 
-from openrlhf_shape.weight_sync.base import worker_device, worker_rank
+from openrlhf_shape.weight_sync.base import transport_class, worker_device, worker_rank
 
 
 class WeightSyncExtension:
@@ -109,21 +109,18 @@ class WeightSyncExtension:
     def shape_init_receiver(self, transport: str, sync_id: str, part: Any, timeout_s: float) -> int:
         """Keep this worker's part of sync ``sync_id`` (a collective transport joins its group here,
         returning when every member joined); returns this worker's rank."""
-        from openrlhf_shape.weight_sync import TRANSPORTS
-
+        cls = transport_class(transport, part)
         receivers = self.__dict__.setdefault("_shape_receivers", {})
-        receivers[sync_id] = (transport, TRANSPORTS[transport].open_receiver(self, part, timeout_s), timeout_s)
+        receivers[sync_id] = (cls, cls.open_receiver(self, part, timeout_s), timeout_s)
         return worker_rank(self)
 
     def shape_receive(self, sync_id: str) -> dict[str, float]:
         """Receive one sync of ``sync_id``, loading it in one reload call."""
-        from openrlhf_shape.weight_sync import TRANSPORTS
-
         entry = self.__dict__.get("_shape_receivers", {}).get(sync_id)
         if entry is None:
             raise RuntimeError(f"weight sync {sync_id!r} received before shape_init_receiver (connect the sync first)")
-        transport, state, timeout_s = entry
-        return self._shape_load(TRANSPORTS[transport].stream(self, state, timeout_s))
+        cls, state, timeout_s = entry
+        return self._shape_load(cls.stream(self, state, timeout_s))
 
     # ---- inspection (tests) -------------------------------------------------------------------------
     def shape_capture_loaded_weights(self, enable: bool = True) -> bool:

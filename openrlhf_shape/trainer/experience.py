@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, pad_potentials, segment_batch
+from openrlhf_shape.algorithms import boundaries_as_lists, compute_token_advantages, get_segmentation, pad_potentials
 from openrlhf_shape.algorithms.estimators import AdvantageEstimator
 from openrlhf_shape.algorithms.kl import KLPenalty, approx_kl, kl_penalty_returns, kl_token_rewards, masked_sample_mean
 from openrlhf_shape.algorithms.length_penalty import RewardShaping, stop_properly_penalty
@@ -81,17 +81,6 @@ def merge_round_metrics(into: dict[str, Any], new: dict[str, Any], done: int, ma
         into["rollout/tokens_per_s"] = into["rollout/tokens"] / max(into["time/generate"], 1e-9)
 
 
-def delimiter_token_ids(tokenizer: Tokenizer, delimiter: str) -> set[int]:
-    """Ids whose decoded text contains ``delimiter`` (for the delimiter-segmentation ablation)."""
-    ids = set()
-    for tok_id in range(len(tokenizer)):
-        if delimiter in tokenizer.decode([tok_id]):
-            ids.add(tok_id)
-    if not ids:
-        raise ValueError(f"no token of this vocabulary contains the delimiter {delimiter!r} (--shape.delimiter)")
-    return ids
-
-
 def slot_idle_share(lengths: Sequence[int]) -> float:
     """Of the decode slots one generate call holds (its requests x its longest response, all decoding together),
     the share that decodes nothing: requests already finished while the longest still runs (the long tail's cost)."""
@@ -144,7 +133,7 @@ class ShapeExperienceMaker:
         logprobs_fn: old log-probs and entropy of a batch (see module doc).
         reward: the reward path (:class:`~openrlhf_shape.rollout.protocol.Rewards`: outcomes and probe scores; the
             probes take the answer's reward path, or Math-Verify under ``probe.scorer == "math_verify"``).
-        tokenizer: the policy's tokenizer (probe suffixes, delimiter ids, agents' episodes).
+        tokenizer: the policy's tokenizer (probe suffixes; a segmentation mode that reads token ids; agents' episodes).
         shaping: the rewards phase's switches (:class:`~openrlhf_shape.algorithms.length_penalty.RewardShaping`):
             DAPO's group filter, refilled by :meth:`fill` given a prompt source; the truncation penalty; the clip.
         rollout_correction: the rollout/trainer mismatch correction (``--algo.advantage.is_correction_*``).
@@ -180,8 +169,7 @@ class ShapeExperienceMaker:
         if agent is not None and self.estimator.needs_segments and probe.scorer == "auto":
             raise ValueError(AGENT_PROBE_SCORER)
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
-        self._delims = (delimiter_token_ids(tokenizer, self.shape.delimiter) if self.shape.segmentation == "delimiter"
-                        else None)
+        self.segmentation = get_segmentation(self.shape, tokenizer)  # --shape.segmentation, bound once per run
 
     def make_experience(self, items: Sequence, log: StepLog | None = None, seed: int | None = None,
                         more_prompts: Callable[[int], Sequence] | None = None,
@@ -424,9 +412,8 @@ class ShapeExperienceMaker:
         if not self.estimator.needs_segments:
             return PhaseOutput(None, {})
         cols = exp.action_columns()  # boundaries counted in the policy's tokens (an agent's replies left out)
-        ids = cols.gather(exp.response_ids()) if self._delims is not None else None
-        return PhaseOutput(segment_batch(cols.gather(exp.entropy), cols.mask, self.shape, token_ids=ids,
-                                         delimiter_token_ids=self._delims), {})
+        ids = cols.gather(exp.response_ids()) if self.segmentation.needs_token_ids else None
+        return PhaseOutput(self.segmentation(cols.gather(exp.entropy), cols.mask, ids), {})
 
     def probes(self, exp: ExperienceBatch, boundaries: torch.Tensor | None, seed: int | None = None) -> PhaseOutput:
         """Potentials ``[B, K+1]`` (Phi_0..Phi_n probed, Phi_n = R) from m probes per state; ``boundaries``

@@ -11,7 +11,11 @@ A transport has three sides, each running in a different process:
   keeps its part, :meth:`Transport.stream` yields one sync's ``(hf_name, tensor)`` pairs, which the worker
   loads in ONE ``reload_weights`` call (fused q/k/v and gate/up load layer-wise: they arrive together).
 
-Transports register by name (:data:`TRANSPORTS`); nothing switches on the name elsewhere. Buckets are
+Transports register by name (:data:`TRANSPORTS`) when their module is imported, and declare what they need of the
+layout and what a sync costs (:class:`Transport`'s class attributes and :meth:`Transport.cost`): ``auto``'s choice
+(:func:`choose_transport`), the config checks and the dry-run planner read those, and nothing switches on a
+transport's name. The driver hands every side the transport's module with its part, so a transport defined outside
+this package reaches the sender's and the engine workers' processes by being importable there. Buckets are
 ``list[(hf_name, tensor)]`` as the bridge export produces them; each leaves the sender as soon as it is
 produced (no full-model gather). Every side reports its progress per bucket (``progress.py``): the driver fails a
 sync in which no bucket completed for ``--rollout.weight_sync_timeout``, naming who holds it up and at which bucket;
@@ -20,6 +24,7 @@ every wait on either side is bounded too (a little longer: the driver's verdict 
 
 from __future__ import annotations
 
+import importlib
 import json
 import queue as stdlib_queue
 import threading
@@ -31,6 +36,8 @@ import torch
 
 from openrlhf_shape.weight_sync.progress import SENDER, ProgressReporter, worker_member
 
+FLAG = "--rollout.weight_sync"
+GIB = 2**30
 QUEUE_DEPTH = 2  # buckets a sender may be ahead of the slowest receiver
 DEFAULT_TIMEOUT_S = 600.0  # --rollout.weight_sync_timeout: the longest a sync may go without a bucket completing
 Bucket = list[tuple[str, torch.Tensor]]
@@ -202,6 +209,78 @@ class RssSampler:
 TRANSPORTS: dict[str, type["Transport"]] = {}  # name -> class, filled by each transport module
 
 
+@dataclass(frozen=True)
+class SyncLayout:
+    """Where the sync group's members sit, as plain values (``cluster/placement.py`` makes it from a plan):
+    ``devices``: (node, GPU) of the sender (actor rank 0) first, then every engine worker; ``on_gpu``: the
+    platform's (CPU: ranks and engines share no device)."""
+
+    devices: tuple[tuple[int, int], ...]
+    on_gpu: bool
+
+    def shared_gpu(self) -> tuple[int, int] | None:
+        """A device that holds two members of the group (colocation: the sender and engine 0's worker 0), or None."""
+        return next((d for d in self.devices if self.devices.count(d) > 1), None)
+
+    def receivers_off_sender_gpu(self) -> bool:
+        return any(d != self.devices[0] for d in self.devices[1:])
+
+
+@dataclass(frozen=True)
+class SyncSize:
+    """One sync as the dry-run planner sizes it: ``sync_bytes`` sent to every engine worker, its largest bucket
+    (``largest_bucket_bytes``), the bucket limit ``bucket_mb`` (``--vllm.weight_sync_bucket_mb``), the nodes other
+    than the sender's that host engine workers (``remote_nodes``) and the planner's assumed links in GB/s
+    (``--plan.link_gbs`` across nodes, ``--plan.nvlink_gbs`` within one)."""
+
+    sync_bytes: int
+    largest_bucket_bytes: int
+    bucket_mb: float
+    remote_nodes: int
+    link_gbs: float
+    nvlink_gbs: float
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """A transport's rough cost of one :class:`SyncSize`: ``seconds`` per sync, ``bucket_seconds`` for the largest
+    bucket through every stage (the longest a healthy sync goes without progress), ``how`` the model in words (and
+    whether its rates were measured), ``note`` one more line for the dry run ("" for none)."""
+
+    seconds: float
+    bucket_seconds: float
+    how: str
+    note: str = ""
+
+
+def choose_transport(requested: str, layout: SyncLayout) -> tuple[str, str]:
+    """(transport, why) for ``--rollout.weight_sync requested`` on ``layout``. ``auto`` takes the transport of lowest
+    ``auto_rank`` among those whose declared constraints the layout meets; a named one it does not meet is refused
+    (``ValueError`` naming the flag, the reason and what auto would take)."""
+    if requested != "auto" and requested not in TRANSPORTS:
+        raise ValueError(f"{FLAG} {requested!r}: use auto or a registered transport ({', '.join(TRANSPORTS)})")
+    refused = {name: why for name, cls in TRANSPORTS.items() if (why := cls.refusal(layout))}
+    usable = sorted((cls.auto_rank, name) for name, cls in TRANSPORTS.items() if name not in refused)
+    if requested != "auto":
+        if requested in refused:
+            instead = f" (here: {usable[0][1]})" if usable else ""
+            raise ValueError(f"{FLAG} {requested}: {refused[requested]}; use {FLAG} auto{instead}")
+        return requested, "as requested"
+    if not usable:
+        raise ValueError(f"{FLAG} auto: no registered transport serves this layout: "
+                         + "; ".join(f"{n}: {why}" for n, why in refused.items()))
+    rank, name = usable[0]
+    passed = "".join(f"; not {n}: {why}" for n, why in refused.items() if TRANSPORTS[n].auto_rank < rank)
+    return name, f"{'GPU' if layout.on_gpu else 'CPU'}: {TRANSPORTS[name].summary}{passed}"
+
+
+def transport_class(name: str, part: dict) -> type["Transport"]:
+    """The transport ``name`` in a sender's or engine worker's process: the module the driver named in ``part`` is
+    imported first, which registers a transport defined outside this package (it must be importable there)."""
+    importlib.import_module(part.get("module", __name__))
+    return TRANSPORTS[name]
+
+
 class Transport:
     """One way of moving buckets from the sender to every engine worker (see the module docstring).
 
@@ -211,9 +290,20 @@ class Transport:
     memory, GPU). Sender and worker sides are classmethods: they run in other processes, with only the plain
     parts :meth:`connect` handed them. A transport implements :meth:`parts`, :meth:`sender_for`,
     :meth:`receiver_for` and :meth:`buckets`; the public :meth:`make_sender`, :meth:`open_receiver` and
-    :meth:`stream` wrap those with the progress reports (``progress.py``), the same for every transport."""
+    :meth:`stream` wrap those with the progress reports (``progress.py``), the same for every transport.
+
+    What it needs of the layout, declared once here and read by :func:`choose_transport`, ``config/checks.py`` and
+    the docs: ``platforms`` it runs on (``cpu``, ``gpu``); ``same_gpu_only``: it reaches only engine workers on the
+    sender's GPU (so it needs ``--train.colocate_all``); ``one_member_per_gpu``: on GPU its group cannot hold two
+    members on one GPU (an NCCL communicator). ``auto_rank``: auto's preference among the transports a layout
+    allows (lowest first); ``summary``: one line saying what it does. :meth:`cost`: its rough cost for the planner."""
 
     name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    platforms: ClassVar[tuple[str, ...]] = ("cpu", "gpu")
+    same_gpu_only: ClassVar[bool] = False
+    one_member_per_gpu: ClassVar[bool] = False
+    auto_rank: ClassVar[int] = 100
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -223,14 +313,40 @@ class Transport:
         self.engines, self.engine_tp, self.backend, self.timeout_s = list(engines), int(engine_tp), backend, timeout_s
         self.pin_memory = bool(pin_memory)
 
+    @classmethod
+    def refusal(cls, layout: SyncLayout) -> str | None:
+        """Why this transport cannot serve ``layout``, from its declared constraints (None: it can)."""
+        if ("gpu" if layout.on_gpu else "cpu") not in cls.platforms:
+            return "needs CUDA" if not layout.on_gpu else "runs on CPU only"
+        if cls.same_gpu_only and layout.receivers_off_sender_gpu():
+            return "the sending rank's GPU does not host every engine worker"
+        if cls.one_member_per_gpu and layout.on_gpu and (shared := layout.shared_gpu()) is not None:
+            return (f"its group would hold two ranks on node {shared[0]} GPU {shared[1]} (colocation puts actor rank 0 "
+                    "and engine 0's worker 0 there), which NCCL refuses at the first sync")
+        return None
+
+    @classmethod
+    def cost(cls, size: SyncSize) -> SyncCost:
+        """A rough cost of one sync for the dry run (``planner/sync_time.py``). This default: the whole stream at the
+        link between the sender and its farthest receiver, the planner's assumed rates (not measured); a transport
+        with measured rates overrides it."""
+        remote = size.remote_nodes
+        gbs = size.link_gbs if remote else size.nvlink_gbs
+        where = (f"--plan.link_gbs {size.link_gbs:g} GB/s (receivers on {remote} other node(s))" if remote
+                 else f"--plan.nvlink_gbs {size.nvlink_gbs:g} GB/s (every receiver on the sender's node)")
+        return SyncCost(size.sync_bytes / (gbs * 1e9), size.largest_bucket_bytes / (gbs * 1e9),
+                        f"{size.sync_bytes / GIB:.1f} GiB at {where}; not measured")
+
     # ---- driver ---------------------------------------------------------------------------------
     def connect(self, sender, sync_id: str, progress: dict | None = None) -> list:
         """Start handing out the parts: returns the refs of the sender's ``init_weight_sender`` and every
         engine's ``init_weight_receiver`` (awaited together by the driver: a group forms only when all
-        members join). ``progress``: the driver's board (``ProgressBoard.address``), handed to every side."""
+        members join). ``progress``: the driver's board (``ProgressBoard.address``), handed to every side, as is
+        this transport's module (:func:`transport_class`)."""
         sender_part, engine_parts = self.parts(sender)
-        sender_part = {**sender_part, "progress": progress, "member": SENDER}
-        engine_parts = [{**part, "progress": progress, "member": f"engine {i}"} for i, part in enumerate(engine_parts)]
+        common = {"progress": progress, "module": type(self).__module__}
+        sender_part = {**sender_part, **common, "member": SENDER}
+        engine_parts = [{**part, **common, "member": f"engine {i}"} for i, part in enumerate(engine_parts)]
         return ([sender.init_weight_sender.remote(self.name, sync_id, sender_part, self.timeout_s)]
                 + [e.init_weight_receiver.remote(self.name, sync_id, part, self.timeout_s)
                    for e, part in zip(self.engines, engine_parts)])

@@ -2,11 +2,12 @@
 (rank ``1 + engine * engine_tp + worker``), a standalone ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL``
 (GPU) over a ``TCPStore`` on the sender's node, formed once and used for every sync. Per bucket: a size
 header, the JSON index and ONE flat byte buffer, broadcast from rank 0. Sender memory: the bucket's copies
-plus its packed buffer. Never on a colocated GPU plan (two members on one GPU: NCCL refuses;
-``placement.resolve_weight_sync``)."""
+plus its packed buffer. Never on a colocated GPU plan (two members on one GPU: NCCL refuses; declared by
+``one_member_per_gpu``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -14,6 +15,8 @@ import torch
 
 from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
+    SyncCost,
+    SyncSize,
     Transport,
     WeightSender,
     pack_bucket,
@@ -108,6 +111,15 @@ class CollectiveSender(WeightSender):
 
 class Collective(Transport):
     name = "collective"
+    summary = "one process group of the sender and every engine worker (gloo on CPU, NCCL on GPU), a broadcast per bucket"
+    one_member_per_gpu = True
+    auto_rank = 0
+
+    @classmethod
+    def cost(cls, size: SyncSize) -> SyncCost:
+        """A broadcast at the planner's assumed link rate (not measured)."""
+        c = super().cost(size)
+        return dataclasses.replace(c, how="NCCL broadcast of " + c.how)
 
     def parts(self, sender) -> tuple[dict, list[dict]]:
         import ray

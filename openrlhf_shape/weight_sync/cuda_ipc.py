@@ -1,7 +1,6 @@
 """The ``cuda_ipc`` transport (GPU, colocated): each bucket's flat buffer stays on the sender's GPU; every
 engine worker on that GPU opens it through a CUDA IPC handle, copies it and acknowledges; at most
-``QUEUE_DEPTH`` buffers are alive. Only where the sender's GPU hosts every receiver
-(``placement.resolve_weight_sync``). The receiver opens the handle on ITS index of the sender's GPU,
+``QUEUE_DEPTH`` buffers are alive. Only where the sender's GPU hosts every receiver (``same_gpu_only``). The receiver opens the handle on ITS index of the sender's GPU,
 found by UUID: processes number GPUs by their own ``CUDA_VISIBLE_DEVICES``. Checked by the GPU kit's
 ``cuda_ipc`` section (two processes on one GPU, the receiver running this module's worker side)."""
 
@@ -13,7 +12,10 @@ import torch
 
 from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
+    GIB,
     QUEUE_DEPTH,
+    SyncCost,
+    SyncSize,
     Transport,
     WeightSender,
     get_or_raise,
@@ -24,6 +26,12 @@ from openrlhf_shape.weight_sync.base import (
     worker_rank,
 )
 from openrlhf_shape.weight_sync.object_store import make_queue
+
+
+# End to end (our CudaIpcSender -> the worker extension's receive path in a second process on the same GPU, 216 MiB
+# in 8 buckets of 32 MiB), MEASURED on one NVIDIA H200 (torch 2.11 + CUDA 13.0) on 2026-11-26: docs/gpu_results.md
+# (kit section cuda_ipc; raw docs/gpu_results/gpu_kit_2026-11-26_arch3.json, sections.cuda_ipc.GBps = 4.37 GiB/s).
+CUDA_IPC_GIBS = 4.4
 
 
 def gpu_uuid(index: int) -> str:
@@ -66,8 +74,8 @@ class CudaIpcSender(WeightSender):
 
     def __init__(self, queues: list, acks: list, timeout_s: float = DEFAULT_TIMEOUT_S):
         if not torch.cuda.is_available():
-            raise RuntimeError("transport 'cuda_ipc' needs CUDA (colocated GPU engines); use 'collective' "
-                               "or 'object_store' on CPU")
+            raise RuntimeError("transport 'cuda_ipc' needs CUDA (colocated GPU engines); use --rollout.weight_sync "
+                               "auto on CPU")
         self.queues, self.acks = queues, acks
         self.timeout_s = float(timeout_s)
         self._alive: list[torch.Tensor] = []
@@ -102,6 +110,17 @@ class CudaIpcSender(WeightSender):
 
 class CudaIpc(Transport):
     name = "cuda_ipc"
+    summary = "CUDA IPC: every engine worker, on the sender's GPU, copies each bucket out of the sender's buffer"
+    platforms = ("gpu",)
+    same_gpu_only = True
+    auto_rank = 1
+
+    @classmethod
+    def cost(cls, size: SyncSize) -> SyncCost:
+        """End to end at the measured rate."""
+        rate = CUDA_IPC_GIBS * GIB
+        return SyncCost(size.sync_bytes / rate, size.largest_bucket_bytes / rate,
+                        f"{size.sync_bytes / GIB:.1f} GiB at {CUDA_IPC_GIBS:g} GiB/s (CUDA IPC, measured on an H200)")
 
     def parts(self, sender) -> tuple[dict, list[dict]]:
         self.queues = [[make_queue(QUEUE_DEPTH) for _ in range(self.engine_tp)] for _ in self.engines]

@@ -177,8 +177,8 @@ class EngineWeightSync:
     Args:
         engines: engine actor handles (``VLLMEngine`` in Ray).
         engine_tp: TP workers per engine (every one receives the whole stream).
-        transport: a registered transport name (``weight_sync.TRANSPORTS``: collective, object_store,
-            cuda_ipc); ``auto`` is decided before, per placement plan (``cluster/placement.py:resolve_weight_sync``).
+        transport: a registered transport's name (``weight_sync.TRANSPORTS``); ``auto`` is decided before, per
+            placement plan (``base.choose_transport``).
         backend: the collective backend of the platform: ``gloo`` (CPU) or ``nccl`` (GPU).
         timeout_s: ``--rollout.weight_sync_timeout``: the longest a sync may go without a bucket completing on
             any side (the connection and the engines' state check: the longest they may take). Past it the

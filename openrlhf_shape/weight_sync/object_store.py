@@ -12,6 +12,7 @@ the bucket's tensors are put as they are, as before.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Iterator
 
@@ -19,7 +20,10 @@ import torch
 
 from openrlhf_shape.weight_sync.base import (
     DEFAULT_TIMEOUT_S,
+    GIB,
     QUEUE_DEPTH,
+    SyncCost,
+    SyncSize,
     SyncStats,
     Transport,
     WeightSender,
@@ -31,6 +35,43 @@ from openrlhf_shape.weight_sync.base import (
     worker_rank,
 )
 from openrlhf_shape.weight_sync.staging import HostStaging
+
+
+# Copy rates in GiB/s MEASURED on one NVIDIA H200 (torch 2.11 + CUDA 13.0) on 2026-11-26, median of 7, per
+# bucket size in MiB: docs/gpu_results.md, "Host staging" (raw: docs/gpu_results/host_staging_2026-11-26.json,
+# made by benchmarks/gpu/host_staging.py). d2h_pinned: GPU -> pinned host (the staged sender);
+# d2h_pageable: tensor.cpu() into fresh pageable memory (the sender before issue 37); host_memcpy: a host copy
+# into fresh memory (ray.put into the object store); h2d_pageable: host -> GPU from pageable memory (an engine
+# worker's copy out of the object store).
+HOST_STAGING_GIBS: dict[int, dict[str, float]] = {
+    64: {"d2h_pinned": 50.8, "d2h_pageable": 1.13, "host_memcpy": 8.8, "h2d_pageable": 9.1},
+    256: {"d2h_pinned": 51.3, "d2h_pageable": 1.30, "host_memcpy": 10.1, "h2d_pageable": 7.2},
+    1024: {"d2h_pinned": 51.5, "d2h_pageable": 1.41, "host_memcpy": 11.2, "h2d_pageable": 7.6},
+}
+
+
+def staging_rates(bucket_mb: float) -> dict[str, float]:
+    """The measured row nearest ``bucket_mb`` (on a log scale)."""
+    size = min(HOST_STAGING_GIBS, key=lambda mb: abs(math.log(mb / max(bucket_mb, 1e-3))))
+    return HOST_STAGING_GIBS[size]
+
+
+def staged_stages(size: SyncSize, nbytes: float, d2h: str) -> dict[str, float]:
+    """Seconds of each stage for ``nbytes``: the sender stages them (``d2h``: the rate's key) and ``ray.put``s them,
+    Ray ships them once to every other node with engine workers (over the sender's link), every worker copies them
+    to its GPU at once. The sender's two stages run in one process."""
+    r = staging_rates(size.bucket_mb)
+    return {"sender": nbytes / (r[d2h] * GIB) + nbytes / (r["host_memcpy"] * GIB),
+            "ship": nbytes * size.remote_nodes / (size.link_gbs * 1e9), "load": nbytes / (r["h2d_pageable"] * GIB)}
+
+
+def staged_seconds(size: SyncSize, d2h: str = "d2h_pinned") -> float:
+    """One sync: the queues overlap the stages across buckets, so the slowest stage for the whole model plus one
+    (largest) bucket through the others."""
+    whole = staged_stages(size, size.sync_bytes, d2h)
+    one = staged_stages(size, min(size.largest_bucket_bytes, size.sync_bytes), d2h)
+    neck = max(whole, key=whole.get)
+    return whole[neck] + sum(one.values()) - one[neck]
 
 
 def make_queue(maxsize: int = 0):
@@ -94,6 +135,25 @@ def unstage(obj: Any, device: torch.device) -> list[tuple[str, torch.Tensor]]:
 
 class ObjectStore(Transport):
     name = "object_store"
+    summary = "each bucket through the Ray object store (host memory), one bounded queue per engine worker"
+    auto_rank = 2
+
+    @classmethod
+    def cost(cls, size: SyncSize) -> SyncCost:
+        """The staged sender, the network to the other nodes and every worker's upload, overlapped bucket by bucket,
+        at the copy rates measured on an H200; the note: the same through pageable memory (the sender before
+        issue 37)."""
+        r, w, nodes = staging_rates(size.bucket_mb), size.sync_bytes, size.remote_nodes
+        stage, put = w / (r["d2h_pinned"] * GIB), w / (r["host_memcpy"] * GIB)
+        ship, load = w * nodes / (size.link_gbs * 1e9), w / (r["h2d_pageable"] * GIB)
+        how = (f"{w / GIB:.1f} GiB: stage GPU -> pinned host {stage:.1f} s ({r['d2h_pinned']:g} GiB/s) + ray.put "
+               f"{put:.1f} s ({r['host_memcpy']:g} GiB/s), to {nodes} other node(s) {ship:.1f} s (--plan.link_gbs "
+               f"{size.link_gbs:g}), each worker host -> GPU {load:.1f} s ({r['h2d_pageable']:g} GiB/s); overlapped "
+               "bucket by bucket; copy rates measured on an H200")
+        bucket = sum(staged_stages(size, size.largest_bucket_bytes, "d2h_pinned").values())
+        note = (f"staged through pageable memory (tensor.cpu(), before issue 37) it would take "
+                f"{staged_seconds(size, 'd2h_pageable'):.0f} s")
+        return SyncCost(staged_seconds(size), bucket, how, note)
 
     def parts(self, sender) -> tuple[dict, list[dict]]:
         self.queues = [[make_queue(QUEUE_DEPTH) for _ in range(self.engine_tp)] for _ in self.engines]

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from openrlhf_shape.weight_sync import TRANSPORTS, RssSampler, WeightSender
+from openrlhf_shape.weight_sync.base import RssSampler, WeightSender, transport_class
 
 
 class WeightSenderMixin:
@@ -22,7 +22,7 @@ class WeightSenderMixin:
         """Make and keep the sender of sync ``sync_id`` from its transport's part (for the collective
         transport this joins the group: it returns when every engine worker joined)."""
         senders = self.__dict__.setdefault("_weight_senders", {})
-        senders[sync_id] = TRANSPORTS[transport].make_sender(part, timeout_s)
+        senders[sync_id] = transport_class(transport, part).make_sender(part, timeout_s)
         return True
 
     def _weight_sender(self, sync_id: str) -> WeightSender:

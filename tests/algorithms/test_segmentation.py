@@ -113,3 +113,31 @@ def test_batched_segmentation_matches_single():
         single = boundaries_to_segment_ids(bb[i][bb[i] >= 0], 40)
         assert torch.equal(ids[i], single)
         assert ids[i, : lengths[i]].max() == n[i] - 1
+
+
+def test_batched_modes_match_single(tiny_tokenizer):
+    """Every mode through its registered class (as the maker binds it: once, with the tokenizer) equals the
+    single-response functions row by row; the delimiter mode's ids are the tokens whose text holds the delimiter."""
+    from openrlhf_shape.algorithms import get_segmentation
+
+    text = "First we add.\n\nThen we carry the one.\n\nSo 12 + 9 = 21.\n\nDone, that is all there is to it."
+    row = tiny_tokenizer(text)["input_ids"]
+    ids = torch.tensor([row, row[3:] + [row[0]] * 3])
+    lengths = torch.tensor([len(row), len(row) - 6])
+    mask = torch.arange(len(row))[None, :] < lengths[:, None]
+    ent = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1))
+    cfg = ShapeConfig(segmentation="delimiter", delimiter=".", num_segments=4, min_segment_len=2)
+    delimiter = get_segmentation(cfg, tiny_tokenizer)  # the tiny vocabulary splits "\n\n": cut after "."
+    assert delimiter.needs_token_ids
+    assert delimiter.delimiter_ids == {i for i in range(len(tiny_tokenizer)) if "." in tiny_tokenizer.decode([i])}
+    uniform = get_segmentation(ShapeConfig(segmentation="uniform", num_segments=4, min_segment_len=2))
+    bd, bu = delimiter(ent, mask, ids), uniform(ent, mask)
+    for i in range(2):
+        want = delimiter_cutpoints(ids[i], mask[i], delimiter.delimiter_ids, num_segments=4, min_segment_len=2)
+        assert torch.equal(bd[i][bd[i] >= 0], want) and len(want) == 3  # right after each "." but the last
+        t = int(lengths[i])  # the downsampling rule: the position nearest j*T/K, ties to the earlier one
+        assert bu[i].tolist() == [min(range(1, t), key=lambda b: (abs(b - j * t / 4), b)) for j in (1, 2, 3)]
+    with pytest.raises(ValueError, match="--shape.segmentation delimiter needs the responses' token ids"):
+        delimiter(ent, mask)
+    with pytest.raises(ValueError, match="--shape.segmentation delimiter needs the policy's tokenizer"):
+        segment_batch(ent, mask, ShapeConfig(segmentation="delimiter"))
