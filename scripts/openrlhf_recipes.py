@@ -37,7 +37,8 @@ SHRINK = ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1", "--ref.num
           "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "4",
           "--rollout.max_new_tokens", "64", "--data.max_len", "512", "--vllm.kv_cache_gib", "1",
           "--train.stop_after_steps", "2", "--reward.num_workers", "1", "--eval.n_samples_per_prompt", "1",
-          "--eval.max_samples", "4", "--ckpt.save_hf", "false"]
+          "--eval.max_samples", "4", "--ckpt.save_hf", "false",
+          "--ds.param_dtype", "auto"]  # the scripts' bf16: emulated by this CPU, ~4x slower; auto is bf16 on a GPU
 RING = ["--ds.ring_attn_size", "1"]  # one rank here: the scripts' ring of 2 shrinks with the layout
 # a reward with signal in every group on a 135M model in 64 tokens: even response length (in characters)
 PARITY_REWARD = """import torch
@@ -101,11 +102,14 @@ def run_one(name: str, estimator: str, out_root: str, drop_refused: bool, reward
 
 
 def _markdown(runs: list[dict]) -> str:
-    head = "| recipe | estimator | refused | rc | wall s | steps | reward / kl / kl_coef per step |\n|---|---|---|---|---|---|---|\n"
+    head = ("| recipe | estimator | refused | rc | wall s | steps | per step: reward / kl / applied kl_coef / "
+            "samples trained (dropped) / refill rounds / prompts consumed |\n|---|---|---|---|---|---|---|\n")
     rows = []
     for r in runs:
         per = "; ".join(f"{s.get('rollout/reward/mean', float('nan')):.3f} / {s.get('kl', float('nan')):.2e} / "
-                        f"{s.get('kl_coef', float('nan')):.1e}" for s in r.get("steps", []))
+                        f"{s.get('kl_coef', float('nan')):.1e} / {s.get('actor/samples', '-')} "
+                        f"({s.get('actor/dropped_samples', '-')}) / {s.get('rollout/refill_rounds', '-')} / "
+                        f"{s.get('rollout/prompts_consumed', '-')}" for s in r.get("steps", []))
         rows.append(f"| {r['recipe']} | {r['estimator']} | {len(r['refused'])} | {r['returncode']} | {r['wall_s']} | "
                     f"{len(r.get('steps', []))} | {per} |")
     return head + "\n".join(rows) + "\n"
