@@ -215,7 +215,7 @@ def implied(values: dict[str, Any]) -> list[str]:
         e = values["train.num_episodes"]
         out.append(f"--train.num_episodes {e} with --algo.dynamic_filtering_enable: the run takes {e} x (prompts // "
                    "--rollout.batch_size) steps, each on a full batch (the filter's refills take further prompts), so it "
-                   f"reads more than {e} pass(es) over the prompts (each prompt once per pass) and its LR schedule ends "
-                   f"with its last step; OpenRLHF stops after {e} pass(es) instead (each pass's last step short) with its "
-                   "LR schedule unfinished. --train.num_steps sizes a run in steps")
+                   f"reads about {e} / (the filter's pass rate) passes over the prompts (each prompt at most once per "
+                   f"pass) and its LR schedule ends with its last step; OpenRLHF stops after {e} pass(es) instead (each "
+                   "pass's last step short), its LR schedule unfinished. --train.num_steps sizes a run in steps")
     return out

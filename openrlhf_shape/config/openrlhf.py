@@ -256,7 +256,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("train.num_episodes", 1, OWN, why="passes over the prompt set; given, it sets the number of steps before the "
        "run starts: episodes x (prompts // --rollout.batch_size), every step a full batch (a pass's tail shorter than "
        "a batch is skipped, where OpenRLHF trains it as a short last step). With --algo.dynamic_filtering_enable the "
-       "refills take further prompts, so the run reads more passes than that (each prompt once per pass, said at "
+       "refills take further prompts, so the run reads more passes than that (each prompt at most once per pass; said at "
        "start-up) and its LR schedule ends with its last step; OpenRLHF instead stops when the passes run out, before "
        "its LR schedule (sized for unfiltered passes) ends. Unset here: a run is sized by --train.num_steps (default "
        "360, the paper's runs)"),

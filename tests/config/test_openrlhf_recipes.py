@@ -187,7 +187,7 @@ def test_episodes_with_dynamic_filtering_say_what_the_run_takes(caplog):
     said = [r.getMessage() for r in caplog.records
             if r.getMessage().startswith("--train.num_episodes 100 with --algo.dynamic_filtering_enable: the run takes "
                                          "100 x (prompts // --rollout.batch_size) steps")]
-    assert len(said) == 1 and "reads more than 100 pass(es)" in said[0] and "--train.num_steps" in said[0], said
+    assert len(said) == 1 and "reads about 100 / (the filter's pass rate) passes" in said[0] and "--train.num_steps" in said[0], said
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="openrlhf_shape.config"):
         load_config(None, ["--train.num_episodes", "2"])
