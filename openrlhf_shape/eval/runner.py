@@ -153,11 +153,6 @@ def _judge(scorer: Any, ordered: list[list[Any]], prompt_ids: Sequence[list[int]
     return scorer.compute(queries=queries, prompts=prompts, labels=labels, responses=texts)["scores"].tolist()
 
 
-def judged_by(cfg: EvalConfig) -> str:
-    """The scorer's name, as the report gives it."""
-    return f"--reward.remote_url {cfg.scorer.remote_url}" if cfg.scorer.remote_url else "Math-Verify"
-
-
 def _problem_result(rec: dict[str, Any]) -> ProblemResult:
     return ProblemResult(
         problem_id=str(rec["problem_id"]),
@@ -312,6 +307,7 @@ def _build_report(cfg: EvalConfig, plan: list[_BenchmarkWork], sv: dict[str, Any
         n_boot=cfg.bootstrap_samples,
         confidence=cfg.confidence,
         seed=cfg.bootstrap_seed,
-        config={**cfg.to_dict(), **sv, "judged_by": judged_by(cfg)},
+        config={**cfg.to_dict(), **sv,
+                "judged_by": f"--reward.remote_url {cfg.scorer.remote_url}" if cfg.scorer.remote_url else "Math-Verify"},
         generated_problems=n_todo,
     )
