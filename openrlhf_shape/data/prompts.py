@@ -138,14 +138,11 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
         return _load_local(path)
     if path.exists():
         raise ValueError(f"--data.prompt_dataset {source}: a directory is not supported; pass a file {LOCAL_SUFFIXES}")
-    if path.suffix in LOCAL_SUFFIXES or os.sep in source and not _looks_like_hub_id(source):
+    parts = source.split("/")
+    hub_id = len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
+    if path.suffix in LOCAL_SUFFIXES or os.sep in source and not hub_id:
         raise FileNotFoundError(f"--data.prompt_dataset {source}: file not found")
     return _load_hub(source, split)
-
-
-def _looks_like_hub_id(source: str) -> bool:
-    parts = source.split("/")
-    return len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
 
 
 def _load_local(path: Path) -> list[dict[str, Any]]:

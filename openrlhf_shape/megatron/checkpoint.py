@@ -56,19 +56,6 @@ def _inner_optimizers(optimizer) -> list:
     return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
-def _rng_state(on_gpu: bool) -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    return {**capture_rng(on_gpu), "tracker": get_cuda_rng_tracker().get_states()}
-
-
-def _set_rng_state(state: dict, on_gpu: bool) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    restore_rng(state, on_gpu)
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def _write_results_in_process() -> None:
     """Hand megatron-core's checkpoint writer an in-process queue for its write results.
 
@@ -91,18 +78,21 @@ def save_distributed_checkpoint(state: ActorState, ckpt_dir: str, extra: dict) -
     """Write ``state`` (model, optimizer, RNG, step) and the trainer's ``extra`` atomically;
     every rank calls it (collective)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     _write_results_in_process()
     meta = {"step": state.step, "layout": state.layout(), "hf_dir": state.hf_dir, "extra": extra}
     with staged_checkpoint_dir(ckpt_dir, ("dist", "rng"), meta) as tmp:
         dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), os.path.join(tmp, "dist"))
-        torch.save(_rng_state(state.platform.on_gpu), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
+        rng = {**capture_rng(state.platform.on_gpu), "tracker": get_cuda_rng_tracker().get_states()}
+        torch.save(rng, os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
 
 
 def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
     """Restore what :func:`save_distributed_checkpoint` wrote into ``state`` (built with the same
     model; any layout, see docs/architecture.md); returns the trainer's ``extra``."""
     from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     path, meta = read_complete_meta(ckpt_dir)
     same_layout = meta["layout"] == state.layout()
@@ -115,7 +105,9 @@ def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if same_layout and os.path.isfile(rng_file):
         # RNG streams only line up when every rank plays the same role as when saved.
-        _set_rng_state(torch.load(rng_file, weights_only=False), state.platform.on_gpu)
+        rng = torch.load(rng_file, weights_only=False)
+        restore_rng(rng, state.platform.on_gpu)
+        get_cuda_rng_tracker().set_states(rng["tracker"])
     dist.barrier()
     return dict(meta.get("extra") or {})
 
