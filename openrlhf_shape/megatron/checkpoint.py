@@ -32,22 +32,16 @@ def _sharded_state_dict(state: ActorState, *, is_loading: bool) -> dict:
     model_sd = state.model.module.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": state.cfg.dist_optimizer_ckpt_format}
     if state.cfg.use_distributed_optimizer and is_loading:
-        _ensure_optimizer_state(state)
-    opt_sd = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-    return {"model": model_sd, "optimizer": opt_sd}
-
-
-def _ensure_optimizer_state(state: ActorState) -> None:
-    """A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
-    asserts; initialise zero state with step 0 (overwritten by the load)."""
-    for inner in _inner_optimizers(state.optimizer):
-        for group in inner.param_groups:
-            for p in group["params"]:
+        # A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
+        # asserts: zero state with step 0 (the load overwrites it).
+        for inner in _inner_optimizers(state.optimizer):
+            for p in [p for group in inner.param_groups for p in group["params"]]:
                 st = inner.state[p]
                 if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p.data)
-                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p.data), torch.zeros_like(p.data)
                     st["step"] = torch.zeros((), dtype=torch.float32)
+    opt_sd = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return {"model": model_sd, "optimizer": opt_sd}
 
 
 def _inner_optimizers(optimizer) -> list:

@@ -591,8 +591,14 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
         gpus_per_node=plan.options.gpus_per_node, lengths=plan.lengths, packing=plan.packing, cp=plan.cp,
     )
-    if plan.sync is not None:
-        plan.phases = [_sync_phase(plan, cfg) if p.name == "weight sync" else p for p in plan.phases]
+    if plan.sync is not None:  # the picked transport's estimate (planner/sync_time.py: copy rates measured on an H200)
+        from openrlhf_shape.planner.sync_time import weight_sync_phase
+
+        # plus the engines' wake-up copy of their weights after sleep level 1 when colocated (PCIe assumption)
+        wake = (plan.sync.sync_bytes / cfg.vllm.tensor_parallel_size / (plan.options.pcie_gbs * 1e9)
+                if cfg.train.colocate_all and plan.options.vllm_sleep_level == 1 else 0.0)
+        sync = weight_sync_phase(plan.sync, wake)
+        plan.phases = [sync if p.name == "weight sync" else p for p in plan.phases]
     if plan.reference is not None:  # after the actor's log-probs, before the probes (the same place in the step)
         from openrlhf_shape.planner.reference import reference_time
 
@@ -601,17 +607,6 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
             plan.model, ref_world=plan.ref_world, total_tokens=plan.packing.computed, seq=plan.packing.attention_seq,
             colocate=cfg.train.colocate_all, weight_bytes=plan.reference.static_bytes, opt=plan.options))
     plan.async_plan = _async_plan(plan, cfg)
-
-
-def _sync_phase(plan: Plan, cfg: TrainConfig) -> Phase:
-    """The step's weight sync from the estimate of the transport the trainer picks (``planner/sync_time.py``: copy
-    rates measured on an H200), plus the engines' wake-up copy of their weights after sleep level 1 when colocated
-    (the cost model's PCIe assumption)."""
-    from openrlhf_shape.planner.sync_time import weight_sync_phase
-
-    wake = (plan.sync.sync_bytes / cfg.vllm.tensor_parallel_size / (plan.options.pcie_gbs * 1e9)
-            if cfg.train.colocate_all and plan.options.vllm_sleep_level == 1 else 0.0)
-    return weight_sync_phase(plan.sync, wake)
 
 
 def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:
