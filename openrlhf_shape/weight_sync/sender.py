@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from openrlhf_shape.weight_sync.base import RssSampler, WeightSender, transport_class
+from openrlhf_shape.weight_sync.base import RssSampler, transport_class
 
 
 class WeightSenderMixin:
