@@ -90,13 +90,7 @@ def run_ranks(
     with EADDRINUSE before any work) is retried on a new port, ``_PORT_ATTEMPTS`` times in all."""
     if ":" not in target:
         raise ValueError(f"target must be 'module:function', got {target!r}")
-    # this process's environment with the ranks' thread counts, the repository first on PYTHONPATH, then ``env``
-    rank_env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank), MKL_NUM_THREADS=str(threads_per_rank),
-                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    paths = [repo_root, *(extra_pythonpath or []), rank_env.get("PYTHONPATH", "")]
-    rank_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    rank_env.update(env or {})
+    rank_env = _rank_env(threads_per_rank, extra_pythonpath, env)
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         workdir = tempfile.mkdtemp(prefix="shape_ranks_")
         failed = _launch_once(target, world_size, workdir, free_port(), kwargs or {}, rank_env, timeout, spawner)
@@ -144,6 +138,22 @@ def _launch_once(target: str, world_size: int, workdir: str, port: int, kwargs: 
                 p.kill()
         for p in procs:
             p.wait()
+
+
+def _rank_env(threads_per_rank: int, extra_pythonpath: Optional[list[str]], env: Optional[dict]) -> dict:
+    """This process's environment with the ranks' thread counts, the repository first on PYTHONPATH, then ``env``."""
+    base_env = dict(os.environ)
+    base_env.update(
+        OMP_NUM_THREADS=str(threads_per_rank),
+        MKL_NUM_THREADS=str(threads_per_rank),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [repo_root, *(extra_pythonpath or []), base_env.get("PYTHONPATH", "")]
+    base_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    base_env.update(env or {})
+    return base_env
 
 
 def run_rank(argv: list[str]) -> None:

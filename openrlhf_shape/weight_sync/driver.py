@@ -168,8 +168,6 @@ def _error_of(ref) -> BaseException | None:
     return None
 
 
-
-
 class EngineWeightSync:
     """One transport between a sender actor (rank 0 of the actor) and every engine worker.
 
