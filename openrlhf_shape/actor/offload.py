@@ -46,15 +46,6 @@ class StateOffloader:
     host_bytes_allocated: int = 0  # host buffer bytes ever allocated (reuse keeps it at one copy of the states)
     _host: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # (group, position) -> buffer
 
-    def _host_buffer(self, group: str, position: int, nbytes: int) -> torch.Tensor:
-        """The host buffer of the ``position``-th storage of ``group``, allocated on first use."""
-        buf = self._host.get((group, position))
-        if buf is None or buf.numel() != nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
-            self._host[(group, position)] = buf
-            self.host_bytes_allocated += nbytes
-        return buf
-
     @property
     def pin_memory(self) -> bool:
         return self.on_gpu
@@ -89,7 +80,11 @@ class StateOffloader:
                 if owner[key] != g:
                     continue
                 n = st.nbytes()
-                host = self._host_buffer(g, len(saved), n)
+                host = self._host.get((g, len(saved)))  # kept for the next offload; allocated on first use
+                if host is None or host.numel() != n:
+                    host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+                    self._host[(g, len(saved))] = host
+                    self.host_bytes_allocated += n
                 host.copy_(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st), non_blocking=self.pin_memory)
                 saved.append(_Saved(st, n, host))
             if self.pin_memory:

@@ -1,4 +1,5 @@
-"""``openrlhf-shape eval``: avg@N pass@1 with Math-Verify (the paper's appendix B.1.2 protocol).
+"""``openrlhf-shape eval``: avg@N pass@1 (the paper's appendix B.1.2 protocol), judged as training judges answers:
+Math-Verify, or with ``--reward.remote_url`` an OpenRLHF ``reward_func`` file or HTTP reward server (its ``scores``).
 
 Example (the paper's five benchmarks, 4 engines)::
 
@@ -31,8 +32,16 @@ _HELP = {
     "max_model_len": "default: longest prompt + max_new_tokens",
     "chunk_size": "problems per generate call, the resume granularity (default: 512 sequences per engine "
                   "with --preset paper, 16 with cpu)",
-    "scorer_workers": "Math-Verify processes",
+    "scorer_workers": "Math-Verify processes (= --reward.num_workers)",
+    "scorer_timeout_s": "seconds per Math-Verify answer (= --reward.timeout_s)",
+    "reward.remote_url": "judge with this reward_func .py file or http(s) reward server(s), comma-separated, as "
+                         "training's --reward.remote_url (its `scores` count); default: Math-Verify",
+    "reward.remote_timeout_s": "per HTTP request to the reward server",
+    "reward.remote_retries": "retries per HTTP request to the reward server",
+    "reward.max_chars": "Math-Verify reads the last this many characters of a response",
 }
+# The flat flags that training spells --reward.*: both names work.
+_TRAINING_NAMES = {"scorer_workers": "reward.num_workers", "scorer_timeout_s": "reward.timeout_s"}
 
 
 def _flat_defaults() -> dict[str, tuple[type, object]]:
@@ -81,7 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no_save_responses", action="store_true", help="keep only scores and token counts")
     p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out_dir")
     for flag, (tp, default) in _flat_defaults().items():
-        p.add_argument(f"--{flag}", type=_arg_type(tp), default=default, help=_HELP.get(flag, f"= {FLAT_FLAGS[flag]}"))
+        names = [f"--{flag}"] + ([f"--{_TRAINING_NAMES[flag]}"] if flag in _TRAINING_NAMES else [])
+        p.add_argument(*names, dest=flag, type=_arg_type(tp), default=default,
+                       help=_HELP.get(flag, f"= {FLAT_FLAGS[flag]}"))
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:

@@ -9,6 +9,7 @@ torch.distributed rendezvous. Nothing here knows which backend runs.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ray
@@ -24,17 +25,6 @@ from openrlhf_shape.startup_gc import collector_paused
 from openrlhf_shape.weight_sync.sender import WeightSenderMixin
 
 
-def _import_class(name: str) -> type:
-    """``"package.module:QualName"`` -> the class."""
-    import importlib
-
-    module, _, qualname = name.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class RankActor(WeightSenderMixin):
     """Ray actor body: one rank, hosting an instance of the ``worker`` class it is named. Methods run on the
     actor's main thread.
@@ -47,8 +37,11 @@ class RankActor(WeightSenderMixin):
         paused (Megatron's import spent ~0.85 of a rank's ~4 start-up CPU-seconds in
         collections; ``openrlhf_shape/startup_gc.py``). ``platform``: the driver's profile as a dict
         (``Platform.to_dict()``); rebuilt here, not re-detected (``openrlhf_shape/platform.py``)."""
+        module, _, qualname = worker.partition(":")
         with collector_paused():
-            worker_cls = _import_class(worker)
+            worker_cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            worker_cls = getattr(worker_cls, part)
         self.platform = Platform.from_dict(platform)
         if self.platform.threads_per_rank:
             # Ray pins OMP_NUM_THREADS=1 for fractional-CPU actors; on CPU the rank and the engines

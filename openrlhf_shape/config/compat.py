@@ -193,6 +193,8 @@ def implied(values: dict[str, Any]) -> list[str]:
       checkpoint cannot hold). OpenRLHF's episodes continue under new weights only when a sync lands mid-episode.
     * ``--actor.lr_warmup_ratio`` / ``--actor.min_lr_ratio`` given to an ``--actor.lr_scheduler`` that does not read
       them (``constant`` never warms up, only the ``*_with_min_lr`` schedules have a floor): unread, as in OpenRLHF.
+    * ``--train.num_episodes`` with ``--algo.dynamic_filtering_enable`` (three of OpenRLHF's RL scripts pass both):
+      the step count is fixed before the filter runs, so the run reads more passes than asked; said, not refused.
     """
     out: list[str] = []
     if "actor.backend" not in values and ("ds.zero_stage" in values or values.get("ds.adam_offload")):
@@ -209,4 +211,11 @@ def implied(values: dict[str, Any]) -> list[str]:
         out.append("--train.partial_rollout_enable with --train.agent_func_path: agent episodes are not cut; each runs "
                    "whole inside one window of the asynchronous schedule, on one policy version (its state lives in the "
                    "agent's coroutines, which a checkpoint cannot hold); single-turn responses have no agent here")
+    if values.get("train.num_episodes") and values.get("algo.dynamic_filtering_enable"):
+        e = values["train.num_episodes"]
+        out.append(f"--train.num_episodes {e} with --algo.dynamic_filtering_enable: the run takes {e} x (prompts // "
+                   "--rollout.batch_size) steps, each on a full batch (the filter's refills take further prompts), so it "
+                   f"reads about {e} / (the filter's pass rate) passes over the prompts (each prompt at most once per "
+                   f"pass) and its LR schedule ends with its last step; OpenRLHF stops after {e} pass(es) instead (each "
+                   "pass's last step short), its LR schedule unfinished. --train.num_steps sizes a run in steps")
     return out

@@ -253,8 +253,13 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
            "data-parallel rank; unset: --train.max_tokens_per_gpu, as in OpenRLHF"),
     _f("rollout.micro_batch_size", 1, ALWAYS, why=_TOKEN_BUDGET),
     _f("train.micro_batch_size", 1, ALWAYS, why=_TOKEN_BUDGET),
-    _f("train.num_episodes", 1, OWN, why="passes over the prompt set (given, it sets the number of steps); unset here: "
-       "a run is sized by --train.num_steps (default 360, the paper's runs)"),
+    _f("train.num_episodes", 1, OWN, why="passes over the prompt set; given, it sets the number of steps before the "
+       "run starts: episodes x (prompts // --rollout.batch_size), every step a full batch (a pass's tail shorter than "
+       "a batch is skipped, where OpenRLHF trains it as a short last step). With --algo.dynamic_filtering_enable the "
+       "refills take further prompts, so the run reads more passes than that (each prompt at most once per pass; said at "
+       "start-up) and its LR schedule ends with its last step; OpenRLHF instead stops when the passes run out, before "
+       "its LR schedule (sized for unfiltered passes) ends. Unset here: a run is sized by --train.num_steps (default "
+       "360, the paper's runs)"),
     _f("rollout.batch_size", 1024, OWN, why="the paper's step: 128 prompts x 8 samples"),
     _f("train.batch_size", 128, OWN, why="the paper's mini-batch: 256 samples, 4 updates per step of 128 x 8"),
     _f("train.max_epochs", 1, SAME),

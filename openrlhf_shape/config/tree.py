@@ -256,16 +256,13 @@ class MegatronSection(MegatronSettings):
     gpus_per_rank: float = 1.0
 
 
-def _train_data() -> PromptDataConfig:
-    return PromptDataConfig(prompt_dataset="bundled:train", input_key="question", label_key="answer",
-                            apply_chat_template=True, max_prompt_len=DEFAULT_MAX_PROMPT_LEN, max_samples=100_000_000)
-
-
 @dataclass
 class TrainConfig:
     """The whole job. Validation: :func:`openrlhf_shape.config.checks.validate` (``load_config`` runs it)."""
 
-    data: PromptDataConfig = field(default_factory=_train_data)
+    data: PromptDataConfig = field(default_factory=lambda: PromptDataConfig(
+        prompt_dataset="bundled:train", input_key="question", label_key="answer", apply_chat_template=True,
+        max_prompt_len=DEFAULT_MAX_PROMPT_LEN, max_samples=100_000_000))
     rollout: RolloutSection = field(default_factory=RolloutSection)
     vllm: VllmSection = field(default_factory=VllmSection)
     train: TrainSection = field(default_factory=TrainSection)

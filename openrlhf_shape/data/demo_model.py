@@ -87,20 +87,6 @@ def load_gguf(gguf_path: str | os.PathLike):
     return tokenizer, model
 
 
-def _clean_config(gguf_config):
-    """A plain ``LlamaConfig`` with the GGUF model's shapes and none of its loading metadata."""
-    from transformers import LlamaConfig
-
-    raw = gguf_config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version",
-                "architectures", "model_type", "dtype", "torch_dtype"):
-        raw.pop(key, None)
-    cfg = LlamaConfig(**raw)
-    cfg.architectures = ["LlamaForCausalLM"]
-    cfg.dtype = "float32"
-    return cfg
-
-
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, loaded=None) -> Path:
     """Convert a Llama GGUF file into an HF directory at ``out_dir`` (written in place, not atomic).
 
@@ -109,14 +95,19 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     holds it (saves the ~25 s de-quantisation). Returns ``Path(out_dir)``.
     """
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer, src = loaded if loaded is not None else load_gguf(gguf_path)
     if src.config.model_type != "llama":
         raise ValueError(f"--gguf {gguf_path}: expected a Llama GGUF model, got model_type={src.config.model_type!r}")
-    cfg = _clean_config(src.config)
+    # a plain LlamaConfig with the GGUF model's shapes and none of its loading metadata
+    raw = {k: v for k, v in src.config.to_dict().items() if k not in (
+        "quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "architectures",
+        "model_type", "dtype", "torch_dtype")}
+    cfg = LlamaConfig(**raw, architectures=["LlamaForCausalLM"])
+    cfg.dtype = "float32"
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.float32)
     state = {k: v.detach().to(torch.float32) for k, v in src.state_dict().items()}

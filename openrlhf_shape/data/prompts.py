@@ -138,14 +138,18 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
         return _load_local(path)
     if path.exists():
         raise ValueError(f"--data.prompt_dataset {source}: a directory is not supported; pass a file {LOCAL_SUFFIXES}")
-    if path.suffix in LOCAL_SUFFIXES or os.sep in source and not _looks_like_hub_id(source):
-        raise FileNotFoundError(f"--data.prompt_dataset {source}: file not found")
-    return _load_hub(source, split)
-
-
-def _looks_like_hub_id(source: str) -> bool:
     parts = source.split("/")
-    return len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
+    hub_id = len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
+    if path.suffix in LOCAL_SUFFIXES or os.sep in source and not hub_id:
+        raise FileNotFoundError(f"--data.prompt_dataset {source}: file not found")
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            f"--data.prompt_dataset {source!r} is not a local file, and loading a Hugging Face dataset id needs "
+            f"the 'datasets' package: pip install datasets, or pass a local .jsonl/.json/.parquet file"
+        ) from None
+    return [dict(row) for row in datasets.load_dataset(source, split=split)]
 
 
 def _load_local(path: Path) -> list[dict[str, Any]]:
@@ -177,18 +181,6 @@ def _load_local(path: Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise ValueError(f"--data.prompt_dataset {path}: row {i} is {type(row).__name__}, expected an object")
     return rows
-
-
-def _load_hub(source: str, split: str) -> list[dict[str, Any]]:
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(
-            f"--data.prompt_dataset {source!r} is not a local file, and loading a Hugging Face dataset id needs "
-            f"the 'datasets' package: pip install datasets, or pass a local .jsonl/.json/.parquet file"
-        ) from None
-    ds = datasets.load_dataset(source, split=split)
-    return [dict(row) for row in ds]
 
 
 def _render(row: dict[str, Any], cfg: PromptDataConfig, tokenizer, where: str) -> str:

@@ -123,7 +123,8 @@ class EvalConfig:
     # Problems per generate call (results are saved after every call, the resume granularity).
     # None: the preset's sequences per engine per call: max(1, chunk_sequences * num_engines // N).
     chunk_size: int | None = None
-    # Scoring (Math-Verify: scorer.num_workers processes, scorer.timeout_s per answer) and statistics.
+    # Scoring: training's answer reward path (Math-Verify: scorer.num_workers processes, scorer.timeout_s per answer;
+    # or the reward function / server of scorer.remote_url, whose `scores` count) and statistics.
     scorer: RewardConfig = field(default_factory=RewardConfig)
     bootstrap_samples: int = 1000
     confidence: float = 0.95
@@ -230,6 +231,8 @@ def fingerprint(cfg: EvalConfig, bench: BenchmarkSpec) -> dict[str, Any]:
         "system_prompt": cfg.system_prompt,
         "seed": cfg.engine.seed,
         **cfg.sampling_values(),
+        # results judged by a reward function do not mix with Math-Verify's (older directories: Math-Verify, no key)
+        **({"reward_remote_url": cfg.scorer.remote_url} if cfg.scorer.remote_url else {}),
     }
 
 
@@ -254,6 +257,11 @@ FLAT_FLAGS: dict[str, str] = {
     "chunk_size": "chunk_size",
     "scorer_workers": "scorer.num_workers",
     "scorer_timeout_s": "scorer.timeout_s",
+    # training's answer reward path (rewards/computer.py): a reward_func file or HTTP server instead of Math-Verify
+    "reward.remote_url": "scorer.remote_url",
+    "reward.remote_timeout_s": "scorer.remote_timeout_s",
+    "reward.remote_retries": "scorer.remote_retries",
+    "reward.max_chars": "scorer.max_chars",
     "bootstrap_samples": "bootstrap_samples",
     "confidence": "confidence",
 }

@@ -102,7 +102,8 @@ class EvalReport:
         lines = [
             f"# Evaluation: `{self.model_path}`",
             "",
-            f"avg@N pass@1 (Math-Verify) and mean generated tokens per response; [{pct}% bootstrap CI over problems].",
+            f"avg@N pass@1 (judged by {self.config.get('judged_by', 'Math-Verify')}) and mean generated tokens per "
+            f"response; [{pct}% bootstrap CI over problems].",
             "",
             "| Benchmark | Problems | N | Acc (%) | Acc CI | Tokens | Tokens CI | Truncated (%) |",
             "|---|---:|---:|---:|---|---:|---|---:|",

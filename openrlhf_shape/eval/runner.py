@@ -1,8 +1,10 @@
 """``evaluate(cfg) -> EvalReport``: the paper's avg@N pass@1 protocol over vLLM engines.
 
 Flow per benchmark: load problems -> skip those already in ``<out_dir>/samples/<name>.jsonl`` ->
-generate N samples per problem in chunks of ``chunk_size`` problems -> score every response with
-Math-Verify -> append the finished problems -> (after all benchmarks) the report with bootstrap CIs.
+generate N samples per problem in chunks of ``chunk_size`` problems -> score every response on the reward path
+training judges answers with (``RewardComputer``: Math-Verify, or the ``--reward.remote_url`` reward function or
+server, its ``scores`` as ``eval/accuracy``'s) -> append the finished problems -> (after all benchmarks) the report
+with bootstrap CIs, which names the scorer.
 
 The generation backend is anything with ``generate(prompt_token_ids: [prompts][tokens],
 sampling: SamplingConfig, request_seeds=[seed per prompt]) -> list[Generation]`` (``VLLMEngine`` or
@@ -33,6 +35,9 @@ class GenerationBackend(Protocol):
 
 
 class Scorer(Protocol):
+    """Anything that scores responses against labels alone (a ``MathVerifyScorer``); ``evaluate``'s own scorer is
+    training's ``RewardComputer``, which a reward function also gets the queries and prompts for."""
+
     def score(self, responses: list[str], labels: list[str]) -> list[float]: ...
 
 
@@ -89,10 +94,12 @@ def run_benchmark_chunk(
     sampling: Any,
     save_responses: bool = True,
     seeds: Sequence[Sequence[int]] | None = None,
+    tokenizer=None,
 ) -> list[dict[str, Any]]:
     """Generate ``sampling.n`` samples for each problem, score them, return one record per problem.
     ``seeds``: per problem, its samples' request seeds (:func:`problem_seeds`); each sample is then its own
-    request (n = 1) with its own seed."""
+    request (n = 1) with its own seed. ``scorer``: a :class:`Scorer`, or a ``RewardComputer`` (:func:`_judge`;
+    with a reward function it needs ``tokenizer``)."""
     n = sampling.n
     if seeds is None:
         gens = backend.generate([list(p) for p in prompt_ids], sampling)
@@ -114,7 +121,7 @@ def run_benchmark_chunk(
     ordered = [[g for _, g in sorted(by_prompt[i], key=lambda x: x[0])] for i in range(len(problems))]
     texts = [g.text for gs in ordered for g in gs]
     labels = [p.answer for p, gs in zip(problems, ordered) for _ in gs]
-    scores = scorer.score(texts, labels)
+    scores = _judge(scorer, ordered, prompt_ids, texts, labels, tokenizer)
     if len(scores) != len(texts):
         raise RuntimeError(f"scorer returned {len(scores)} scores for {len(texts)} responses")
     out, k = [], 0
@@ -122,6 +129,28 @@ def run_benchmark_chunk(
         out.append(_record(p, gs, scores[k : k + len(gs)], save_responses))
         k += len(gs)
     return out
+
+
+def _judge(scorer: Any, ordered: list[list[Any]], prompt_ids: Sequence[list[int]], texts: list[str], labels: list[str],
+           tokenizer) -> list[float]:
+    """One score per response (``texts``, problem-major as ``ordered``). A ``RewardComputer`` judges as it judges
+    training's held-out answers: a reward function gets OpenRLHF's arguments (the query is prompt + response
+    decoded with special tokens kept, the prompt as rendered) and its ``scores`` count; Math-Verify scores the
+    response text."""
+    from openrlhf_shape.rewards.computer import RewardComputer
+
+    if not isinstance(scorer, RewardComputer):
+        return scorer.score(texts, labels)
+    if scorer.plugin is None:
+        return scorer.compute(queries=texts, prompts=[""] * len(texts), labels=labels, responses=texts)["scores"].tolist()
+    if tokenizer is None:
+        raise ValueError("run_benchmark_chunk: a reward function judges prompt + response; pass tokenizer=")
+    queries, prompts = [], []
+    for ids, gs in zip(prompt_ids, ordered):
+        prompt = tokenizer.decode(list(ids), skip_special_tokens=False)
+        prompts += [prompt] * len(gs)
+        queries += [tokenizer.decode(list(ids) + list(g.token_ids), skip_special_tokens=False) for g in gs]
+    return scorer.compute(queries=queries, prompts=prompts, labels=labels, responses=texts)["scores"].tolist()
 
 
 def _problem_result(rec: dict[str, Any]) -> ProblemResult:
@@ -153,9 +182,10 @@ def _make_engines(cfg: EvalConfig, hf_dir: str, max_model_len: int, stack: ExitS
 
 
 def _make_scorer(cfg: EvalConfig):
-    from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
+    """Training's answer reward path (``--reward.*``): Math-Verify unless ``--reward.remote_url`` is given."""
+    from openrlhf_shape.rewards.computer import RewardComputer
 
-    return MathVerifyScorer(num_workers=cfg.scorer.num_workers, timeout_s=cfg.scorer.timeout_s)
+    return RewardComputer(cfg.scorer)
 
 
 def evaluate(
@@ -169,8 +199,9 @@ def evaluate(
     """Run (or resume) the evaluation described by ``cfg``; writes ``report.json`` / ``report.md``
     into ``cfg.out_dir`` and returns the report.
 
-    ``backend`` / ``scorer`` / ``tokenizer`` default to vLLM engines on the resolved model, a
-    Math-Verify process pool and the model's tokenizer; pass your own to share engines with a trainer.
+    ``backend`` / ``scorer`` / ``tokenizer`` default to vLLM engines on the resolved model, the reward path of
+    ``cfg.scorer`` (a ``RewardComputer``: Math-Verify unless ``--reward.remote_url``) and the model's tokenizer;
+    pass your own to share engines with a trainer.
     """
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,7 +221,7 @@ def evaluate(
             scorer = _make_scorer(cfg)
             if hasattr(scorer, "close"):
                 stack.callback(scorer.close)
-        _generate(cfg, plan, backend, scorer, sv, n_todo, progress)
+        _generate(cfg, plan, backend, scorer, sv, n_todo, progress, tokenizer)
     report = _build_report(cfg, plan, sv, n_todo)
     report.save(out_dir)
     return report
@@ -227,7 +258,7 @@ def _start_backend(cfg: EvalConfig, hf_dir: str, plan: list[_BenchmarkWork], max
 
 
 def _generate(cfg: EvalConfig, plan: list[_BenchmarkWork], backend: GenerationBackend, scorer: Scorer,
-              sv: dict[str, Any], n_todo: int, progress: bool) -> None:
+              sv: dict[str, Any], n_todo: int, progress: bool, tokenizer=None) -> None:
     """Generate and score the problems still to do, chunk by chunk, appending each chunk to its store."""
     from tqdm.auto import tqdm
 
@@ -248,7 +279,7 @@ def _generate(cfg: EvalConfig, plan: list[_BenchmarkWork], backend: GenerationBa
             bar.set_postfix_str(bench.name)
             seeds = [problem_seeds(cfg.engine.seed, bench.name, p.problem_id, sampling.n) for p in chunk]
             records = run_benchmark_chunk(
-                backend, scorer, chunk, ids[start : start + step], sampling, cfg.save_responses, seeds
+                backend, scorer, chunk, ids[start : start + step], sampling, cfg.save_responses, seeds, tokenizer
             )
             store.append(records)
             bar.update(len(chunk))
@@ -276,6 +307,7 @@ def _build_report(cfg: EvalConfig, plan: list[_BenchmarkWork], sv: dict[str, Any
         n_boot=cfg.bootstrap_samples,
         confidence=cfg.confidence,
         seed=cfg.bootstrap_seed,
-        config={**cfg.to_dict(), **sv},
+        config={**cfg.to_dict(), **sv,
+                "judged_by": f"--reward.remote_url {cfg.scorer.remote_url}" if cfg.scorer.remote_url else "Math-Verify"},
         generated_problems=n_todo,
     )

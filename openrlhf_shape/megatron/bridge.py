@@ -163,7 +163,8 @@ class _ShapeBridgeMixin:
         # (local id + this EP rank's offset), on export (``consider_ep=False``) the all-gather of every EP rank's
         # experts under their global ids. Renamed later, the export of an EP rank would carry its own experts only.
         mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)  # type: ignore[misc]
-        offset = self._expert_offset() if consider_ep else 0
+        ep = getattr(self.mpu, "ep_size", 1) or 1  # offset: this EP rank's first global expert id
+        offset = self.config.num_moe_experts // ep * self.mpu.ep_rank if consider_ep and ep > 1 else 0
         for local_name, global_name in list(mapping.items()):
             m = _LOCAL_EXPERT.search(global_name)
             if m and self._shape_loading_dense_only:
@@ -212,11 +213,6 @@ class _ShapeBridgeMixin:
                                  f"{tuple(param.shape)} (expert TP {etp_size})")
             with torch.no_grad():
                 param.copy_(shard.to(param.device, dtype=param.dtype))
-
-    def _expert_offset(self) -> int:
-        """The first global expert id on this expert-parallel rank (local ids start at 0)."""
-        ep = getattr(self.mpu, "ep_size", 1) or 1
-        return 0 if ep == 1 else self.config.num_moe_experts // ep * self.mpu.ep_rank
 
     def _get_gptmodel_args(self) -> dict:
         return dict(

@@ -125,7 +125,8 @@ def _wrap_ddp(module, tconfig, cfg: MegatronConfig):
     model = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=module)
     model.broadcast_params()
     # The loss is normalised by the global valid-token count already: no extra scaling.
-    tconfig.finalize_model_grads_func = _finalize_without_token_scaling(finalize_model_grads)
+    tconfig.finalize_model_grads_func = (
+        lambda model, num_tokens=None, *args, **kwargs: finalize_model_grads(model, None, *args, **kwargs))
     tconfig.no_sync_func = model.no_sync
     tconfig.grad_scale_func = None
     return model
@@ -153,10 +154,3 @@ def _build_optimizer(model, cfg: MegatronConfig):
     for group in optimizer.param_groups:  # what Megatron's scheduler would set: the decay times the group's multiplier
         group["weight_decay"] = adam.weight_decay * group.get("wd_mult", 1.0)
     return optimizer
-
-
-def _finalize_without_token_scaling(finalize):
-    def finalize_model_grads_func(model, num_tokens=None, *args, **kwargs):
-        return finalize(model, None, *args, **kwargs)
-
-    return finalize_model_grads_func

@@ -32,41 +32,22 @@ def _sharded_state_dict(state: ActorState, *, is_loading: bool) -> dict:
     model_sd = state.model.module.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": state.cfg.dist_optimizer_ckpt_format}
     if state.cfg.use_distributed_optimizer and is_loading:
-        _ensure_optimizer_state(state)
-    opt_sd = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-    return {"model": model_sd, "optimizer": opt_sd}
-
-
-def _ensure_optimizer_state(state: ActorState) -> None:
-    """A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
-    asserts; initialise zero state with step 0 (overwritten by the load)."""
-    for inner in _inner_optimizers(state.optimizer):
-        for group in inner.param_groups:
-            for p in group["params"]:
+        # A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
+        # asserts: zero state with step 0 (the load overwrites it).
+        for inner in _inner_optimizers(state.optimizer):
+            for p in [p for group in inner.param_groups for p in group["params"]]:
                 st = inner.state[p]
                 if "exp_avg" not in st:
-                    st["exp_avg"] = torch.zeros_like(p.data)
-                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p.data), torch.zeros_like(p.data)
                     st["step"] = torch.zeros((), dtype=torch.float32)
+    opt_sd = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return {"model": model_sd, "optimizer": opt_sd}
 
 
 def _inner_optimizers(optimizer) -> list:
     """The torch optimizers inside a Megatron optimizer: one, or one per part of a ``ChainedOptimizer``
     (a MoE model with expert parallelism has a dense and an expert part, reduced over different groups)."""
     return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def _rng_state(on_gpu: bool) -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    return {**capture_rng(on_gpu), "tracker": get_cuda_rng_tracker().get_states()}
-
-
-def _set_rng_state(state: dict, on_gpu: bool) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    restore_rng(state, on_gpu)
-    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _write_results_in_process() -> None:
@@ -91,18 +72,21 @@ def save_distributed_checkpoint(state: ActorState, ckpt_dir: str, extra: dict) -
     """Write ``state`` (model, optimizer, RNG, step) and the trainer's ``extra`` atomically;
     every rank calls it (collective)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     _write_results_in_process()
     meta = {"step": state.step, "layout": state.layout(), "hf_dir": state.hf_dir, "extra": extra}
     with staged_checkpoint_dir(ckpt_dir, ("dist", "rng"), meta) as tmp:
         dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), os.path.join(tmp, "dist"))
-        torch.save(_rng_state(state.platform.on_gpu), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
+        rng = {**capture_rng(state.platform.on_gpu), "tracker": get_cuda_rng_tracker().get_states()}
+        torch.save(rng, os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
 
 
 def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
     """Restore what :func:`save_distributed_checkpoint` wrote into ``state`` (built with the same
     model; any layout, see docs/architecture.md); returns the trainer's ``extra``."""
     from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     path, meta = read_complete_meta(ckpt_dir)
     same_layout = meta["layout"] == state.layout()
@@ -115,7 +99,9 @@ def load_distributed_checkpoint(state: ActorState, ckpt_dir: str) -> dict:
     rng_file = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if same_layout and os.path.isfile(rng_file):
         # RNG streams only line up when every rank plays the same role as when saved.
-        _set_rng_state(torch.load(rng_file, weights_only=False), state.platform.on_gpu)
+        rng = torch.load(rng_file, weights_only=False)
+        restore_rng(rng, state.platform.on_gpu)
+        get_cuda_rng_tracker().set_states(rng["tracker"])
     dist.barrier()
     return dict(meta.get("extra") or {})
 

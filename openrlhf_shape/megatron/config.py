@@ -78,7 +78,14 @@ class MegatronSettings:
 
     def __post_init__(self) -> None:
         self._check_layout()
-        self._check_spec()
+        name = type(self).__name__
+        if self.layer_spec not in _LAYER_SPECS:
+            raise ValueError(f"{name}.layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
+        if self.local_attention not in _LOCAL_ATTENTIONS:
+            raise ValueError(f"{name}.local_attention must be one of {_LOCAL_ATTENTIONS}, got {self.local_attention!r}")
+        if self.layer_spec == "te" and self.local_attention != "megatron":
+            raise ValueError(f"{name}.local_attention applies to the local layer spec only; with layer_spec='te' "
+                             "leave local_attention='megatron' (TE brings its own fused attention)")
         self._check_moe()
 
     def _check_layout(self) -> None:
@@ -98,16 +105,6 @@ class MegatronSettings:
         if self.dist_optimizer_ckpt_format not in _CKPT_FORMATS:
             raise ValueError(f"{name}.dist_optimizer_ckpt_format must be 'dp_reshardable' or "
                              f"'fully_reshardable', got {self.dist_optimizer_ckpt_format!r}")
-
-    def _check_spec(self) -> None:
-        name = type(self).__name__
-        if self.layer_spec not in _LAYER_SPECS:
-            raise ValueError(f"{name}.layer_spec must be one of {_LAYER_SPECS}, got {self.layer_spec!r}")
-        if self.local_attention not in _LOCAL_ATTENTIONS:
-            raise ValueError(f"{name}.local_attention must be one of {_LOCAL_ATTENTIONS}, got {self.local_attention!r}")
-        if self.layer_spec == "te" and self.local_attention != "megatron":
-            raise ValueError(f"{name}.local_attention applies to the local layer spec only; with layer_spec='te' "
-                             "leave local_attention='megatron' (TE brings its own fused attention)")
 
     def _check_moe(self) -> None:
         from openrlhf_shape.megatron.routing_replay import ROUTING_REPLAY_MODES

@@ -15,18 +15,6 @@ import os
 from openrlhf_shape.checkpoint_dir import COMPLETE_MARKER, latest_checkpoint
 
 
-def _resolve(ckpt_dir: str) -> str:
-    path = os.path.abspath(ckpt_dir)
-    if os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-        return path
-    newest = latest_checkpoint(path)  # a run's checkpoints/ folder: take the newest complete one
-    if newest is None:
-        raise FileNotFoundError(
-            f"{ckpt_dir} is neither a complete checkpoint (no {COMPLETE_MARKER}) nor a folder holding one"
-        )
-    return newest
-
-
 def _export_rank(rank: int, world_size: int, master_addr: str, master_port: int, *, ckpt_dir: str,
                  out_dir: str, hf_dir: str, tp: int, pp: int, distributed_optimizer: bool) -> dict:
     from openrlhf_shape.megatron.config import MegatronConfig
@@ -54,7 +42,11 @@ def export_checkpoint_to_hf(ckpt_dir: str, out_dir: str, hf_dir: str | None = No
     """
     from openrlhf_shape.actor.launch import run_ranks
 
-    path = _resolve(ckpt_dir)
+    path = os.path.abspath(ckpt_dir)
+    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        path = latest_checkpoint(path)  # a run's checkpoints/ folder: take the newest complete one
+        if path is None:
+            raise FileNotFoundError(f"{ckpt_dir} is neither a complete checkpoint (no {COMPLETE_MARKER}) nor a folder holding one")
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     base = hf_dir or meta.get("hf_dir")

@@ -66,12 +66,6 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return any(isinstance(m, _CudaToCpuMode) for m in _get_current_function_mode_stack())
-
-
 @contextlib.contextmanager
 def cpu_device_mode() -> Iterator[None]:
     """Enter the CUDA->CPU TorchFunctionMode here unless already active (no-op unless the CPU
@@ -80,7 +74,9 @@ def cpu_device_mode() -> Iterator[None]:
     The mode stack is per thread and the autograd engine does not carry it into backward, so
     code that re-runs forward code in backward (activation recompute) enters it again.
     """
-    if not _APPLIED or _mode_active():
+    from torch.overrides import _get_current_function_mode_stack
+
+    if not _APPLIED or any(isinstance(m, _CudaToCpuMode) for m in _get_current_function_mode_stack()):
         yield
         return
     with _CudaToCpuMode():

@@ -16,23 +16,6 @@ import torch
 from openrlhf_shape.actor.offload import GROUPS
 
 
-def _optimizers(optimizer) -> list:
-    """The leaf Megatron optimizers (a ChainedOptimizer holds several)."""
-    subs = getattr(optimizer, "chained_optimizers", None)
-    return list(subs) if subs else [optimizer]
-
-
-def _ddp_buffers(chunk) -> list:
-    """DDP's contiguous parameter/gradient buffers of a model chunk; none for a forward-only model (the reference
-    model's bare module, where ``buffers`` is ``nn.Module.buffers``, a method)."""
-    out = []
-    for name in ("buffers", "expert_parallel_buffers"):
-        bufs = getattr(chunk, name, None)
-        if isinstance(bufs, (list, tuple)):
-            out.extend(bufs)
-    return out
-
-
 def state_tensors(model_chunks: Iterable, optimizer) -> dict[str, list[torch.Tensor]]:
     """group -> tensors of the model chunks and the (possibly chained) Megatron optimizer."""
     out: dict[str, list[torch.Tensor]] = {g: [] for g in GROUPS}
@@ -42,13 +25,16 @@ def state_tensors(model_chunks: Iterable, optimizer) -> dict[str, list[torch.Ten
             g = getattr(p, "main_grad", None)
             if g is not None:
                 out["grads"].append(g)
-        for buf in _ddp_buffers(chunk):
+        # DDP's contiguous buffers; a forward-only model (the reference's bare module) has none: its
+        # ``buffers`` is ``nn.Module.buffers``, a method
+        ddp_buffers = [getattr(chunk, n, None) for n in ("buffers", "expert_parallel_buffers")]
+        for buf in [b for bufs in ddp_buffers if isinstance(bufs, (list, tuple)) for b in bufs]:
             if getattr(buf, "param_data", None) is not None:
                 out["params"].append(buf.param_data)
             if getattr(buf, "grad_data", None) is not None:
                 out["grads"].append(buf.grad_data)
     if optimizer is not None:
-        for opt in _optimizers(optimizer):
+        for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:  # a ChainedOptimizer holds several
             inner = getattr(opt, "optimizer", None)
             if inner is None:
                 continue

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,17 +104,6 @@ def response_logprobs(state: ActorState, hidden: torch.Tensor, mb: MicroBatch, t
     return sum_over_cp(lp, held, group), (sum_over_cp(en, held, group) if en is not None else None)
 
 
-@contextlib.contextmanager
-def _hidden_states_only(gpt) -> Iterator[None]:
-    """Make GPTModel.forward stop after the final norm (we apply the output layer in chunks)."""
-    saved = gpt.post_process
-    gpt.post_process = False
-    try:
-        yield
-    finally:
-        gpt.post_process = saved
-
-
 def _run_schedule(state: ActorState, mbs: list[MicroBatch], loss_fn, *, forward_only: bool,
                   routing: MicroBatchRouting | None = None) -> list:
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -128,8 +117,11 @@ def _run_schedule(state: ActorState, mbs: list[MicroBatch], loss_fn, *, forward_
         ids, pos, extra = _rank_inputs(state, mb, kernel, router_mask=masked)
         if routing is not None:
             routing.before(mb)
-        with _hidden_states_only(gpt):
+        saved, gpt.post_process = gpt.post_process, False  # stop after the final norm: we apply the output layer in chunks
+        try:
             out = model(ids, pos, None, **extra)
+        finally:
+            gpt.post_process = saved
         if routing is not None:
             routing.after(mb)
         return out, functools.partial(loss_fn, mb)

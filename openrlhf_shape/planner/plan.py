@@ -150,11 +150,6 @@ class Plan:
         return worst.name, worst.free
 
 
-def _suffix_tokens(text: str) -> int:
-    """Token count of a probe suffix without a tokenizer: ~3.5 characters per BPE token."""
-    return max(1, math.ceil(len(text) / 3.5))
-
-
 def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None = None) -> Plan:
     """``cfg``: a :class:`~openrlhf_shape.config.TrainConfig` (paths need not exist), read directly. The cheapest
     async engine:trainer split is searched on top of a plan (``planner/split.py:search_split``), which builds plans."""
@@ -299,7 +294,7 @@ def _size_workload(plan: Plan, cfg: TrainConfig) -> None:
     plan.packing = Packing.of([prompt_tokens + r for r in plan.lengths.batch(samples)], mbt * cp, plan.dp)
     shape_on = cfg.advantage_estimator().needs_segments  # SHAPE and MRT probe; the outcome estimators do not
     probes_per_response = cfg.shape.num_segments * cfg.probe.num_probes if shape_on else 0
-    suffix = _suffix_tokens(cfg.probe.think_suffix)
+    suffix = max(1, math.ceil(len(cfg.probe.think_suffix) / 3.5))  # no tokenizer here: ~3.5 characters per BPE token
     probe_tokens = suffix + cfg.probe.max_tokens
     mb_per_dp = max(1, math.ceil(plan.packing.micro_batches / plan.dp * cfg.train.batch_size / samples))
     plan.inputs = dict(samples=samples, prompt_tokens=prompt_tokens, response_tokens=round(response_tokens),
@@ -390,12 +385,15 @@ def _gpu_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], fwds: 
         asleep = [Term("vLLM awake (--plan.vllm_sleep_level 0): " + t.name, t.bytes, t.formula) for t in vllm_awake]
     else:
         asleep = [Term(f"vLLM asleep (level {options.vllm_sleep_level}): " + t.name, t.bytes, t.formula) for t in vllm_asleep]
+    # the log-prob forward needs the weights on the GPU; offloaded grads / optimizer state can stay out
+    drop = {"all": ("grads", "optimizer"), "optimizer": ("optimizer",)}.get(options.megatron_offload, ())
     per_stage: list[list[PhaseMemory]] = []
     for st, (mg, fw) in enumerate(zip(megs, fwds)):
         if cfg.train.colocate_all:
+            fw_resident = [Term(f"{t.name} (offloaded to host)", 0, t.formula) if t.name in drop else t for t in fw.peak_terms()]
             per_stage.append([
                 PhaseMemory("rollout", _resident(mg, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
-                PhaseMemory("log-probs", _logprob_resident(fw, options.megatron_offload) + [ctx, nccl] + vllm_awake, cap, st),
+                PhaseMemory("log-probs", fw_resident + [ctx, nccl] + vllm_awake, cap, st),
                 PhaseMemory("update", mg.peak_terms() + [ctx, nccl] + asleep, cap, st),
             ])
         else:
@@ -460,7 +458,7 @@ def _host_memory(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, dtype: str) 
         if cfg.train.colocate_all and options.vllm_sleep_level == 1:
             per_node[slot.node] = per_node.get(slot.node, 0) + vm.weights.bytes
     node0 = plan.placement.ranks[0].node
-    off = _offloaded_bytes(meg, options.megatron_offload)
+    off = meg.static_bytes - sum(t.bytes for t in _resident(meg, options.megatron_offload))
     n_ranks_node0 = sum(1 for x in plan.placement.ranks if x.node == node0)
     plan.host = [
         Term("vLLM weights asleep (level 1), node of rank 0", per_node.get(node0, 0), "engine workers on the node x weights/etp"),
@@ -488,20 +486,6 @@ def _resident(meg: MegatronMemory, offload: str) -> list[Term]:
     if offload == "optimizer":
         return [t if t.name != "optimizer" else Term("optimizer (offloaded to host)", 0, t.formula) for t in meg.static]
     return list(meg.static)
-
-
-def _logprob_resident(fwd: MegatronMemory, offload: str) -> list[Term]:
-    """The forward needs the weights on the GPU; offloaded grads / optimizer state can stay out."""
-    drop = {"all": ("grads", "optimizer"), "optimizer": ("optimizer",)}.get(offload, ())
-    return [Term(f"{t.name} (offloaded to host)", 0, t.formula) if t.name in drop else t for t in fwd.peak_terms()]
-
-
-def _offloaded_bytes(meg: MegatronMemory, offload: str) -> int:
-    if offload == "all":
-        return meg.static_bytes
-    if offload == "optimizer":
-        return sum(t.bytes for t in meg.static if t.name == "optimizer")
-    return 0
 
 
 def _where(plan: Plan, stage: int, reference: bool = False) -> str:
@@ -607,8 +591,14 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
         gpus_per_node=plan.options.gpus_per_node, lengths=plan.lengths, packing=plan.packing, cp=plan.cp,
     )
-    if plan.sync is not None:
-        plan.phases = [_sync_phase(plan, cfg) if p.name == "weight sync" else p for p in plan.phases]
+    if plan.sync is not None:  # the picked transport's estimate (planner/sync_time.py: copy rates measured on an H200)
+        from openrlhf_shape.planner.sync_time import weight_sync_phase
+
+        # plus the engines' wake-up copy of their weights after sleep level 1 when colocated (PCIe assumption)
+        wake = (plan.sync.sync_bytes / cfg.vllm.tensor_parallel_size / (plan.options.pcie_gbs * 1e9)
+                if cfg.train.colocate_all and plan.options.vllm_sleep_level == 1 else 0.0)
+        sync = weight_sync_phase(plan.sync, wake)
+        plan.phases = [sync if p.name == "weight sync" else p for p in plan.phases]
     if plan.reference is not None:  # after the actor's log-probs, before the probes (the same place in the step)
         from openrlhf_shape.planner.reference import reference_time
 
@@ -617,17 +607,6 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
             plan.model, ref_world=plan.ref_world, total_tokens=plan.packing.computed, seq=plan.packing.attention_seq,
             colocate=cfg.train.colocate_all, weight_bytes=plan.reference.static_bytes, opt=plan.options))
     plan.async_plan = _async_plan(plan, cfg)
-
-
-def _sync_phase(plan: Plan, cfg: TrainConfig) -> Phase:
-    """The step's weight sync from the estimate of the transport the trainer picks (``planner/sync_time.py``: copy
-    rates measured on an H200), plus the engines' wake-up copy of their weights after sleep level 1 when colocated
-    (the cost model's PCIe assumption)."""
-    from openrlhf_shape.planner.sync_time import weight_sync_phase
-
-    wake = (plan.sync.sync_bytes / cfg.vllm.tensor_parallel_size / (plan.options.pcie_gbs * 1e9)
-            if cfg.train.colocate_all and plan.options.vllm_sleep_level == 1 else 0.0)
-    return weight_sync_phase(plan.sync, wake)
 
 
 def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:

@@ -69,20 +69,6 @@ def _number(value: Any, what: str, first_only: bool = False) -> float | None:
     raise AgentError(f"{FLAG}: {what} must be a number or a one-element tensor, got {type(value).__name__}")
 
 
-def _turn_mask(ranges: Any, length: int, episode: int) -> list[bool]:
-    """``[length]``: True inside the (sorted, disjoint) action ranges."""
-    mask = [False] * length
-    last_end = 0
-    for r in ranges:
-        start, end = int(r[0]), int(r[1])
-        if not last_end <= start <= end <= length:
-            raise AgentError(f"{FLAG}: episode {episode} has action range {(start, end)} outside its "
-                             f"{length} observation tokens, or overlapping / out of order ({list(ranges)})")
-        mask[start:end] = [True] * (end - start)
-        last_end = end
-    return mask
-
-
 def parse_episode(out: dict, item: Any, max_length: int, episode: int) -> Episode:
     """One executor output -> :class:`Episode`, cut at ``max_length`` tokens as OpenRLHF's rollout cuts it."""
     for key in ("observation_tokens", "action_ranges"):
@@ -94,7 +80,13 @@ def parse_episode(out: dict, item: Any, max_length: int, episode: int) -> Episod
     if not ranges:
         raise AgentError(f"{FLAG}: episode {episode} holds no action (empty action_ranges): the agent never let "
                          "the policy generate; check its step() and --data.max_prompt_len / --rollout.max_new_tokens")
-    mask = _turn_mask(ranges, len(tokens), episode)[:max_length]
+    mask, last_end = [False] * len(tokens), 0  # [len(tokens)]: True inside the (disjoint) action ranges
+    for start, end in ranges:
+        if not last_end <= start <= end <= len(tokens):
+            raise AgentError(f"{FLAG}: episode {episode} has action range {(start, end)} outside its "
+                             f"{len(tokens)} observation tokens, or overlapping / out of order ({ranges})")
+        mask[start:end], last_end = [True] * (end - start), end
+    mask = mask[:max_length]
     tokens, plen = tokens[:max_length], ranges[0][0]
     if plen < 1:
         raise AgentError(f"{FLAG}: episode {episode}'s first action starts at token 0: the observation after "

@@ -96,15 +96,6 @@ def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None
     return None if max_tokens is None else [int(max_tokens[i]) for i in idxs]
 
 
-def _is_actor(engine) -> bool:
-    try:
-        from ray.actor import ActorHandle
-
-        return isinstance(engine, ActorHandle)
-    except Exception:
-        return False
-
-
 class EngineGroup:
     """1..N engines (in-process :class:`VLLMEngine` or Ray actor handles) behind one ``generate``.
 
@@ -123,7 +114,12 @@ class EngineGroup:
         if len(engines) == 0:
             raise ValueError("EngineGroup needs at least one engine")
         self.engines = list(engines)
-        self.remote = [_is_actor(e) for e in self.engines]
+        try:
+            from ray.actor import ActorHandle
+
+            self.remote = [isinstance(e, ActorHandle) for e in self.engines]
+        except Exception:
+            self.remote = [False] * len(self.engines)
         if any(self.remote) and not all(self.remote):
             raise ValueError("EngineGroup engines must be all in-process or all Ray actors, not mixed")
         self._affinity: dict[Hashable, int] = {}

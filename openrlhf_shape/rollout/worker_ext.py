@@ -57,26 +57,17 @@ class WeightSyncExtension:
         runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
-    def _shape_tied_head(self) -> tuple[str, str] | None:
-        """(embedding name, LM-head name) when this worker's LM head shares the input embedding's
-        parameter (decided once, at the first load: a reload puts the same kernel tensors back)."""
-        if not hasattr(self, "_shape_tied"):
-            self._shape_tied = tied_head_names(self._shape_model())
-        return self._shape_tied
-
-    def _shape_expected_names(self) -> frozenset[str]:
-        """Tensor names of the checkpoint this engine started from (safetensors headers only)."""
-        if not hasattr(self, "_shape_expected"):
-            self._shape_expected = checkpoint_tensor_names(self.model_runner.model_config.model)
-        return self._shape_expected
-
     def _shape_load(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load one sync's tensors in ONE reload call; see the module docstring for the tied-head
         and coverage guarantees. Returns this worker's byte/tensor counts and seconds."""
         stats = {"bytes": 0, "tensors": 0}
         names: set[str] = set()
-        tied = self._shape_tied_head()
-        expected = self._shape_expected_names()
+        if not hasattr(self, "_shape_tied"):  # once, at the first load: a reload puts the same kernel tensors back
+            # tied: (embedding name, LM-head name) when the LM head shares the input embedding's parameter;
+            # expected: the tensor names of the checkpoint this engine started from (safetensors headers only)
+            self._shape_tied = tied_head_names(self._shape_model())
+            self._shape_expected = checkpoint_tensor_names(self.model_runner.model_config.model)
+        tied, expected = self._shape_tied, self._shape_expected
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in tensors:

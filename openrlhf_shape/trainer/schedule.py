@@ -194,7 +194,14 @@ class OneStepOffSchedule(SyncSchedule):
         rec.metrics.update(exp.metrics)
         rec.metrics["async/staleness"] = float(self.updates - exp.policy_version)
         rec.metrics["async/logprob_staleness"] = float(self.updates - exp.logprob_version)
-        rec.metrics.update(_version_report(exp, self.updates))
+        # which weights made the batch, in updates applied: its samples' (oldest token), its probes', and under
+        # partial rollouts its tokens' mean and largest distance to the update that trains on them
+        rec.metrics["async/policy_version"] = float(exp.policy_version)
+        if exp.probe_version is not None:
+            rec.metrics["async/probe_version"] = float(exp.probe_version)
+        if exp.token_versions is not None and len(exp):
+            age = (self.updates - exp.token_versions[exp.token_versions >= 0]).float()
+            rec.metrics["async/token_staleness/mean"], rec.metrics["async/token_staleness/max"] = float(age.mean()), float(age.max())
         self._step, self._update_since = step, time.perf_counter()
         return exp
 
@@ -321,18 +328,6 @@ def _log_into(metrics: dict) -> StepLog:
     log = StepLog()
     log.metrics = metrics
     return log
-
-
-def _version_report(exp: ExperienceBatch, updates: int) -> dict[str, float]:
-    """Which weights made the batch, in updates applied: its samples' (oldest token), its probes', and under partial
-    rollouts its tokens' mean and largest distance to the update that trains on them."""
-    out = {"async/policy_version": float(exp.policy_version)}
-    if exp.probe_version is not None:
-        out["async/probe_version"] = float(exp.probe_version)
-    if exp.token_versions is not None and len(exp):
-        age = (updates - exp.token_versions[exp.token_versions >= 0]).float()
-        out["async/token_staleness/mean"], out["async/token_staleness/max"] = float(age.mean()), float(age.max())
-    return out
 
 
 def make_schedule(cfg: TrainConfig, maker: ShapeExperienceMaker, batcher: PromptBatcher, engines: Engines,

@@ -72,8 +72,6 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-
-
 def bucket_index(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list, int]:
     """([[name, dtype, shape, offset, bytes], ...], total bytes) of a bucket packed tensor after tensor."""
     index, off = [], 0

@@ -48,16 +48,11 @@ def make_group(host: str, port: int, rank: int, world: int, backend: str, timeou
 
 
 def _bcast(pg, t: torch.Tensor) -> None:
-    pg.broadcast([t], _bcast_opts()).wait()
-
-
-def _bcast_opts():
     import torch.distributed as dist
 
     o = dist.BroadcastOptions()
-    o.rootRank = 0
-    o.rootTensor = 0
-    return o
+    o.rootRank, o.rootTensor = 0, 0
+    pg.broadcast([t], o).wait()
 
 
 def broadcast_bucket(pg, bucket: list[tuple[str, torch.Tensor]], device) -> int:

@@ -148,7 +148,10 @@ def _failure(where: str, first: tuple[str, BaseException], pending: list, label_
     who, cause = failed[0]
     also = "".join(f"; then {lab}: {type(e).__name__}" for lab, e in failed[1:])
     verb = "died" if isinstance(cause, ray.exceptions.ActorDiedError) else "failed"
-    err = WeightSyncError(f"{where}: {who} {verb} ({type(cause).__name__}: {_first_line(cause)}){also}. "
+    text = str(cause).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    msg = (lines[-1] if "Traceback" in text else lines[0]) if lines else repr(cause)  # a traceback ends with the error
+    err = WeightSyncError(f"{where}: {who} {verb} ({type(cause).__name__}: {msg}){also}. "
                           f"{RESUME}", who, step)
     err.__cause__ = cause
     return err
@@ -163,12 +166,6 @@ def _error_of(ref) -> BaseException | None:
     except Exception as e:  # ActorDiedError, a receiver's TimeoutError, a coverage error...
         return e
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return (lines[-1] if "Traceback" in text else lines[0]) if lines else repr(e)
 
 
 class EngineWeightSync:

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from openrlhf_shape.weight_sync.base import RssSampler, WeightSender, transport_class
+from openrlhf_shape.weight_sync.base import RssSampler, transport_class
 
 
 class WeightSenderMixin:
@@ -25,18 +25,14 @@ class WeightSenderMixin:
         senders[sync_id] = transport_class(transport, part).make_sender(part, timeout_s)
         return True
 
-    def _weight_sender(self, sync_id: str) -> WeightSender:
-        sender = self.__dict__.get("_weight_senders", {}).get(sync_id)
-        if sender is None:
-            raise RuntimeError(f"weight sync {sync_id!r} before init_weight_sender (connect the sync first)")
-        return sender
-
     def stream_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], sync_id: str,
                        model_bytes: int | None = None, bucket_bytes: int | None = None) -> dict[str, float]:
         """Send every bucket as it comes out of ``buckets`` (``bucket_bytes``: their limit, which sizes a host
         staging buffer; None: sized by the buckets); metrics of this sync (bytes, MB/s, peak in-flight bucket
         bytes, peak RSS growth of this process, both relative to the model)."""
-        sender = self._weight_sender(sync_id)
+        sender = self.__dict__.get("_weight_senders", {}).get(sync_id)
+        if sender is None:
+            raise RuntimeError(f"weight sync {sync_id!r} before init_weight_sender (connect the sync first)")
         with RssSampler() as rss:
             try:
                 sender.begin(bucket_bytes)

@@ -23,11 +23,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.zero.state import ZeroState
 
 
-
-def _full_numel(p: torch.nn.Parameter) -> int:
-    return int(getattr(p, "ds_numel", p.numel()))
-
-
 def plan_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """Consecutive groups of at most ``bucket_bytes`` (full size); a bigger tensor gets its own."""
     if bucket_bytes < 1:
@@ -36,7 +31,7 @@ def plan_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int)
     cur: list[tuple[str, torch.nn.Parameter]] = []
     size = 0
     for name, p in named:
-        nb = _full_numel(p) * p.element_size()
+        nb = int(getattr(p, "ds_numel", p.numel())) * p.element_size()  # ZeRO-3 full size
         if cur and size + nb > bucket_bytes:
             buckets.append(cur)
             cur, size = [], 0
@@ -47,20 +42,15 @@ def plan_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int)
     return buckets
 
 
-def _gathered(params: list[torch.nn.Parameter], zero3: bool):
-    if not zero3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
 def iter_buckets(state: "ZeroState", bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Rank 0: lists of (HF name, detached CPU copy); other ranks: ``[]`` at the same iterations."""
     keep = dist.get_rank() == 0
     zero3 = state.cfg.zero_stage == 3
+    if zero3:
+        import deepspeed
     for bucket in plan_buckets(hf_named_parameters(state.policy), bucket_bytes):
-        with _gathered([p for _, p in bucket], zero3):
+        params = [p for _, p in bucket]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else contextlib.nullcontext():
             out = [(name, p.detach().to("cpu", copy=True).contiguous()) for name, p in bucket] if keep else []
         yield out
 

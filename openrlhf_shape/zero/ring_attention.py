@@ -64,13 +64,6 @@ def register() -> str:
     return ATTENTION_NAME
 
 
-def _allowed(doc: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """``[length, T]`` bool: query ``start + i`` may see key ``j`` (same sample, ``j <= start + i``)."""
-    q = torch.arange(start, start + length, device=doc.device)
-    k = torch.arange(doc.shape[0], device=doc.device)
-    return (doc[q][:, None] == doc[None, :]) & (k[None, :] <= q[:, None])
-
-
 def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                            scaling: Optional[float] = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -83,7 +76,10 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         raise ValueError("ring attention takes packed micro-batches without an attention mask")
     heads, kv_heads, length = query.shape[1], key.shape[1], query.shape[2]
     rep, stride = heads // kv_heads, layout.head_stride
-    allowed = _allowed(layout.doc, layout.start, length)
+    doc = layout.doc  # [L, T] bool below: query start + i may see key j (same sample, j <= start + i)
+    q_pos = torch.arange(layout.start, layout.start + length, device=doc.device)
+    k_pos = torch.arange(doc.shape[0], device=doc.device)
+    allowed = (doc[q_pos][:, None] == doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])
     outs = []
     for g in range(0, kv_heads, stride):
         # [ring, 1, s, L, d] -> [1, s, T, d]: the group's pieces in ring-rank order are the micro-batch's order

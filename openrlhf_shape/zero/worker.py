@@ -41,15 +41,6 @@ from openrlhf_shape.zero.state import ZeroState
 __all__ = ["ZeroRankWorker"]
 
 
-def _ring_group(rank: int, world_size: int, ring: int):
-    """This rank's ring-attention group (consecutive ranks; every rank takes part in creating every group), or
-    None without ring attention."""
-    if ring == 1:
-        return None
-    groups = [dist.new_group(ranks=list(range(d, d + ring))) for d in range(0, world_size, ring)]
-    return groups[rank // ring]
-
-
 def set_cpu_accelerator(platform: Platform) -> None:
     """DeepSpeed picks its accelerator at import: under a CPU profile it must be told "cpu"."""
     if platform.on_cpu:
@@ -108,7 +99,9 @@ class ZeroRankWorker:
         deepspeed.init_distributed(dist_backend=self.platform.collective_backend, auto_mpi_discovery=False)
         # OpenRLHF's mesh (dp, sp): ring groups of consecutive ranks, one data-parallel shard each
         self.dp_size, self.dp_rank, self.ring_rank = world_size // ring, rank // ring, rank % ring
-        self.ring_group = _ring_group(rank, world_size, ring)
+        # every rank takes part in creating every group
+        groups = [dist.new_group(ranks=list(range(d, d + ring))) for d in range(0, world_size, ring)] if ring > 1 else []
+        self.ring_group = groups[rank // ring] if groups else None
         seed_all(cfg.optim.seed)
         from openrlhf_shape.actor.offload import StateOffloader
 

@@ -176,3 +176,20 @@ def test_accepted_switches_are_said_once(caplog):
     assert sum("--train.colocate_all with --train.async_enable" in m for m in said) == 1
     assert sum(m.startswith("--ds.zero_stage without --actor.backend: --actor.backend deepspeed") for m in said) == 1
     assert "--train.colocate_all" in next(m for m in said if m.startswith("--ds.enable_sleep"))
+
+
+def test_episodes_with_dynamic_filtering_say_what_the_run_takes(caplog):
+    """prorlv2_math passes --train.num_episodes 100 with dynamic filtering: the run's length is fixed in steps before
+    the filter runs, so it reads more than 100 passes where OpenRLHF stops after them; said once at load, naming both
+    flags and --train.num_steps (the step count itself: tests/data/test_prompts.py)."""
+    with caplog.at_level(logging.WARNING, logger="openrlhf_shape.config"):
+        _rest("prorlv2_math")
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("--train.num_episodes 100 with --algo.dynamic_filtering_enable: the run takes "
+                                         "100 x (prompts // --rollout.batch_size) steps")]
+    assert len(said) == 1 and "reads about 100 / (the filter's pass rate) passes" in said[0] and "--train.num_steps" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="openrlhf_shape.config"):
+        load_config(None, ["--train.num_episodes", "2"])
+        load_config(None, ["--algo.dynamic_filtering_enable"])
+    assert not any("with --algo.dynamic_filtering_enable: the run takes" in r.getMessage() for r in caplog.records)

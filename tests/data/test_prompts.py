@@ -193,3 +193,18 @@ def test_one_template_renderer_for_training_data_and_eval():
                    prompt_template="no placeholder")
     EvalConfig(model_path="m", benchmarks=[BenchmarkSpec("b", "b.jsonl")], out_dir="o", preset="cpu",
                prompt_template="{}, boxed")
+
+
+def test_num_episodes_sets_the_steps_and_the_lr_schedule_of_full_batches(tokenizer):
+    """--train.num_episodes E: E x (prompts // --rollout.batch_size) steps, every one a full batch (a pass's tail
+    skipped), so the LR schedule counts those steps' updates; with dynamic filtering the same count (its refills read
+    further passes: said at load, tests/config/test_openrlhf_recipes.py)."""
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.trainer.setup import build_data
+
+    for extra in ([], ["--algo.dynamic_filtering_enable"]):
+        cfg = load_config(None, ["--data.max_samples", "10", "--rollout.batch_size", "4", "--train.num_episodes", "3",
+                                 "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "4", *extra])
+        batcher, _ = build_data(cfg, tokenizer)
+        assert len(batcher.dataset) == 10 and cfg.train.num_steps == 3 * 2  # 10 // 4 full batches per pass
+        assert cfg.total_optimizer_steps() == 6 * 2 == cfg.optim_config().total_steps

