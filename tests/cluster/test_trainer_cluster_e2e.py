@@ -50,6 +50,7 @@ def _overrides(model_dir: str, reward_file: str, out_dir: str, **extra) -> list[
         "eval.steps": "0",
         "reward.remote_url": reward_file, "reward.num_workers": "1",
         "shape.num_segments": "2", "probe.num_probes": "2", "shape.min_segment_len": "2", "probe.max_tokens": "4",
+        "actor.lr_scheduler": "constant",  # OpenRLHF's default warms up from LR 0: update 1 would not move the policy
     }
     flags.update(extra)
     out = []

@@ -147,10 +147,8 @@ def _drain():
     the workers cannot import must): what ``shape_receive`` streams into its reload, returned."""
 
     def drain(worker, sync_id: str) -> list:
-        from openrlhf_shape.weight_sync import TRANSPORTS
-
-        transport, state, timeout_s = worker._shape_receivers[sync_id]
-        return list(TRANSPORTS[transport].stream(worker, state, timeout_s))
+        transport, state, timeout_s = worker._shape_receivers[sync_id]  # the class shape_init_receiver looked up
+        return list(transport.stream(worker, state, timeout_s))
 
     return drain
 

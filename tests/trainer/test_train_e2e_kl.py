@@ -85,6 +85,7 @@ def _agent_flags(model_dir: str, out_dir: str) -> list[str]:
         "--algo.advantage.estimator", "shape", "--shape.num_segments", "3", "--shape.min_segment_len", "2",
         "--probe.num_probes", "2", "--probe.max_tokens", "8",
         "--probe.scorer", "math_verify",  # the agent's reward cannot judge a probe (issue 46)
+        "--actor.lr_scheduler", "constant",  # OpenRLHF's default warms up from LR 0: step 1 would not move the policy
     ]
 
 
