@@ -467,8 +467,8 @@ def run_with_kills(flags: list[str], out_dir: str, num_steps: int, kills: int, s
             with open(console) as f:
                 pytest.fail(f"kill {i + 1} ({kind} of step {step}, resumed from {resumed_from}): the run ended or "
                             f"never got there (exit {proc.returncode}); landed before: {landed}\n{f.read()[-4000:]}")
-        where = _landing(out_dir)
         kill_run(proc)
+        where = _landing(out_dir)  # what the dead run left: what it had written when the kill came
         landed.append(f"kill {i + 1}: {kind} of step {step} (+{delay:.1f} s), resumed from {resumed_from}: {where}")
     return landed
 
