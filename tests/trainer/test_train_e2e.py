@@ -375,7 +375,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
 # and the weight sender's resident memory (its process's, which a new process does not share). Everything else must
 # come back exactly after any kill; ``resume/line_from_checkpoint`` marks a line a checkpoint kept.
 UNREPEATABLE = ("seconds", "per_s", "MBps", "rss")
-KILL_POINTS = ("mid_step", "before_line", "in_checkpoint")
+KILL_POINTS = ("mid_step", "after_checkpoint", "in_checkpoint")
 
 
 def repeatable_keys(row: dict) -> set[str]:
@@ -404,8 +404,9 @@ def assert_repeats_the_run(ref: dict[int, dict], got: dict[int, dict]) -> None:
 def draw_kill_point(rng: random.Random, resumed_from: int, num_steps: int) -> tuple[str, int]:
     """A seeded random point of a run resumed from step ``resumed_from`` (0: started afresh), as (kind, step c) with
     c a step it has yet to reach: ``mid_step`` (a random moment after step c's line: step c + 1's phases or its
-    engines' work beside the update), ``before_line`` (step c's checkpoint complete, its line not yet written) or
-    ``in_checkpoint`` (step c's checkpoint half-written). The first two need a step after c, so the kill lands before
+    engines' work beside the update), ``after_checkpoint`` (as soon as step c's checkpoint is complete: its line follows
+    within milliseconds, so the kill lands on either side of it; the side without the line is pinned by
+    test_sigkill_then_resume_equals_uninterrupted) or ``in_checkpoint`` (step c's checkpoint half-written). The first two need a step after c, so the kill lands before
     the run ends."""
     later = list(range(resumed_from + 1, num_steps))
     kind = rng.choice(KILL_POINTS if later else KILL_POINTS[-1:])
@@ -507,7 +508,7 @@ def check_several_kills(ref: dict, flags: list[str], run_dir: str, logs_dir: str
 def test_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp_path, sync_ref, tied_model_dir,
                                                                  parity_reward_file, ray_once):
     """The synchronous reference's command (refills every few steps) SIGKILLed twice at seeded random points (in a
-    step, in a checkpoint, between a checkpoint and its line), resumed each time, then finished: the prompts trained,
+    step, in a checkpoint, right after one), resumed each time, then finished: the prompts trained,
     in order, and every step's metrics but the wall clock's equal the uninterrupted run's exactly."""
     run_dir = str(tmp_path / "run")
     check_several_kills(sync_ref, _sync_flags(tied_model_dir, parity_reward_file, run_dir), run_dir, str(tmp_path),
@@ -521,7 +522,7 @@ def test_several_kills_negative_control_without_the_data_position(tmp_path, sync
     resumed: the check fails at step 2, naming the prompts (the resumed run draws from the data's start again)."""
     ref, run_dir = sync_ref["metrics"], str(tmp_path / "run")
     flags = _sync_flags(tied_model_dir, parity_reward_file, run_dir) + ["--ckpt.resume", "auto"]
-    run_with_kills(flags, run_dir, 3, 1, 0, 0.0, str(tmp_path), points=[("before_line", 1)],
+    run_with_kills(flags, run_dir, 3, 1, 0, 0.0, str(tmp_path), points=[("after_checkpoint", 1)],
                    module="support.lossy_checkpoint")
     got = run_in_process(flags)["metrics"]
     with pytest.raises(AssertionError, match=r"step 2: trained prompts"):

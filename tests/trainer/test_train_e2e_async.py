@@ -159,7 +159,7 @@ def test_staleness_2_adaptive_kl_resumed_after_a_kill_repeats_the_run(tmp_path, 
 def test_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp_path, async_ref, tied_model_dir,
                                                                  parity_reward_file, ray_once):
     """max_staleness 1: the asynchronous reference's command SIGKILLed twice at seeded random points (while the
-    engines make the next batch beside the update, in a checkpoint, between a checkpoint and its line), resumed each
+    engines make the next batch beside the update, in a checkpoint, right after one), resumed each
     time with the batch in flight, then finished: the prompts trained, in order (refills made on the engines' side
     included), and every step's metrics but the wall clock's equal the uninterrupted run's exactly
     (test_train_e2e.py: check_several_kills)."""
