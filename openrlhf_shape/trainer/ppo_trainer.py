@@ -107,11 +107,12 @@ class ShapeTrainer:
                     rec.metrics["actor/updates"] = 0.0
                 if _due(step, cfg.eval.steps):
                     rec.phase("eval", self.evaluate, step)
+                self.length_alarm.update(step, rec.metrics)  # before the checkpoint, which keeps the line so far
                 if _due(step, cfg.ckpt.save_steps) or step == cfg.train.num_steps:
                     rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step, rec.metrics)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
                 eta = (time.perf_counter() - t_loop) / (step - start) * (steps[-1] - step)
-                self._report_step(step, metrics, exp.samples, logger, eta)  # adds the idle shares and the alarm
+                self._report_step(step, metrics, exp.samples, logger, eta)  # adds the idle shares
                 history.append({"step": step, **metrics})  # after: the report shows what metrics.jsonl holds
         finally:
             logger.close()
@@ -124,7 +125,14 @@ class ShapeTrainer:
     def train(self, exp, step: int) -> PhaseOutput:
         """Mini-batch updates over the rollout batch (``train.max_epochs`` passes, shuffled per pass): ``n //
         train.batch_size`` per pass, the ``n % train.batch_size`` samples left over dropped (OpenRLHF's ``drop_last``;
-        ``actor/dropped_samples``, per pass), so the run takes exactly ``TrainConfig.total_optimizer_steps`` updates."""
+        ``actor/dropped_samples``, per pass), so the run takes exactly ``TrainConfig.total_optimizer_steps`` updates.
+
+        ``data/trained_prompts``: the prompt groups this update trained, in the batch's order (dynamic filtering's
+        refills and, asynchronously, the batch made in an earlier window included), as their rows in
+        ``--data.prompt_dataset`` (``PromptItem.index``, stable across shuffles and resumes): what shows that a
+        resumed run lost or repeated no prompt. A metrics key rather than a file beside ``metrics.jsonl``: it goes
+        where the step's line goes, so a resume's truncation and the line a checkpoint keeps carry it with no
+        bookkeeping of their own (``rollout.batch_size`` integers a step)."""
         cfg = self.cfg
         n, mb = len(exp), cfg.train.batch_size
         if n < mb:
@@ -141,6 +149,7 @@ class ShapeTrainer:
         out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
         out["actor/updates"] = float(len(rows))
         out["actor/samples"], out["actor/dropped_samples"] = float(n), float(n % mb)
+        out["data/trained_prompts"] = [exp.items[i].index for i in range(0, n, cfg.rollout.n_samples_per_prompt)]
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
         if kl is not None:
             if term is not None:  # OpenRLHF's kl in the loss: the updates' token-mean KL to the reference
@@ -276,7 +285,6 @@ class ShapeTrainer:
 
     def _report_step(self, step: int, metrics: dict, samples: list[dict], logger: MetricsLogger, eta_s: float) -> None:
         self._idle_shares(metrics)
-        self.length_alarm.update(step, metrics)  # one warning line when lengths collapse; never stops the run
         logger.log(step, metrics)
         log.info(step_line(step, self.cfg.train.num_steps, metrics, eta_s))
         for s in samples[: self.cfg.logger.log_samples]:  # the run's log file; the console with --logger.verbose

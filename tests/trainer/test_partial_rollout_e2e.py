@@ -23,8 +23,8 @@ import os
 import pytest
 
 from test_train_e2e import (COMPARED, MAX_GAP, REFILL_KEYS, _assert_engines_compute_trained_policy,  # noqa: F401
-                            _async_flags, _copy_run, _metrics, check_filled_steps, cut_back_to_step_1, ray_once,
-                            run_in_process, tied_model_dir)
+                            _async_flags, _copy_run, _metrics, check_filled_steps, check_several_kills,
+                            cut_back_to_step_1, ray_once, run_in_process, tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -105,3 +105,13 @@ def test_resume_after_step_1_repeats_the_run_with_the_responses_in_flight(tmp_pa
             assert resumed[step][key] == ref[step][key], (step, key)
         for key in COMPARED + ["rollout/mismatch/abs_log_ratio/mean", "rollout/correction/weight/mean"]:
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp_path, partial_ref, tied_model_dir,
+                                                                 parity_reward_file, ray_once):
+    """The partial-rollout reference's command SIGKILLed twice at seeded random points, resumed each time with the
+    responses in flight, then finished: the prompts trained, in order, and every step's metrics but the wall clock's
+    (response versions, admitted groups, refills included) equal the uninterrupted run's exactly."""
+    run_dir = str(tmp_path / "run")
+    check_several_kills(partial_ref, _partial_flags(tied_model_dir, parity_reward_file, run_dir), run_dir,
+                        str(tmp_path), kills=2, seed=4804)

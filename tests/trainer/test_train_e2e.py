@@ -28,6 +28,7 @@ with the engines' LM head left at its starting weights it was ~1e-2 here).
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -119,11 +120,13 @@ def _async_flags(model_dir, reward_file, out_dir):
         "--algo.advantage.is_correction_threshold", "0.8", "1.25"]
 
 
-def _train(flags, **popen_kw):
-    cmd = [sys.executable, "-m", "openrlhf_shape.cli.main", "train", *flags]
+def _train(flags, module="openrlhf_shape.cli.main", stdout=subprocess.PIPE):
+    """``openrlhf-shape train flags`` in a process (and process group) of its own; ``module``: the command's entry
+    (``support.lossy_checkpoint``: the same command with a deliberate resume bug, the negative control)."""
+    cmd = [sys.executable, "-m", module, "train", *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **popen_kw)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def _finish(proc, timeout=900):
@@ -159,6 +162,13 @@ def _kill_after_step_1_checkpoint(proc, out_dir) -> None:
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("no step-1 checkpoint appeared")
+    kill_run(proc)
+
+
+def kill_run(proc) -> None:
+    """SIGKILL the driver ``proc``, its process group and every process it started (its Ray: raylet, GCS, the
+    engine and rank workers; never `ray stop`, which would also end other Ray clusters on this machine), as a lost
+    job or node leaves it; returns once they are gone."""
     import psutil
 
     tree = psutil.Process(proc.pid).children(recursive=True)
@@ -169,6 +179,7 @@ def _kill_after_step_1_checkpoint(proc, out_dir) -> None:
         except psutil.NoSuchProcess:
             pass
     proc.wait()
+    psutil.wait_procs(tree, timeout=60)
 
 
 REFILL_KEYS = ["rollout/response_lengths", "rollout/prompts_consumed", "rollout/refill_rounds",
@@ -346,11 +357,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
     # step 1 is the crashed run's line as its checkpoint kept it (not redone); steps 2-3 ran after the restart
     assert resumed[1]["time"] < killed_at < resumed[2]["time"] < resumed[3]["time"]
     assert resumed[1]["resume/line_from_checkpoint"] == 1.0 and "resume/line_from_checkpoint" not in resumed[2]
-    # the same command computes the same step: the crashed run's step 1 is the reference's, exactly
-    same = _computed_keys(ref[1])
-    assert len(same) > 10
-    for key in same:
-        assert resumed[1][key] == ref[1][key], key
+    # the same command computes the same step: the crashed run's step 1 is the reference's, exactly, as its checkpoint
+    # kept the line (the length alarm's keys included: they once came after the checkpoint and were lost with it)
+    assert len(_computed_keys(ref[1])) > 10
+    assert_repeats_the_run({1: ref[1]}, {1: resumed[1]})
     for step in (2, 3):
         for key in COMPARED:
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
@@ -358,6 +368,166 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model
         # (rollout/seeds.py) and the data position comes back with the checkpoint
         for key in REFILL_KEYS:
             assert resumed[step][key] == ref[step][key], (step, key)
+
+
+# ---------------------------------------------------------------------------------------------- several kills
+# What a step logs that the same command cannot repeat: the wall clock (``time``, ``time/*``, durations and rates)
+# and the weight sender's resident memory (its process's, which a new process does not share). Everything else must
+# come back exactly after any kill; ``resume/line_from_checkpoint`` marks a line a checkpoint kept.
+UNREPEATABLE = ("seconds", "per_s", "MBps", "rss")
+KILL_POINTS = ("mid_step", "after_checkpoint", "in_checkpoint")
+
+
+def repeatable_keys(row: dict) -> set[str]:
+    return {k for k in row if k != "time" and not k.startswith("time/") and not any(w in k for w in UNREPEATABLE)
+            and k != "resume/line_from_checkpoint"}
+
+
+def assert_repeats_the_run(ref: dict[int, dict], got: dict[int, dict]) -> None:
+    """The run ``got`` (metrics by step) trained the prompts the uninterrupted run ``ref`` trained, in the same order
+    (``data/trained_prompts``, refills included: none lost, none repeated), and logged the same metrics at every
+    step, exactly, but for the wall clock (:func:`repeatable_keys`; ``checkpoint``, a path under the run's
+    directory, by its name)."""
+    assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
+    for step in sorted(ref):
+        a, b = ref[step], got[step]
+        assert a["data/trained_prompts"], step  # the reference says which prompts it trained
+        assert b.get("data/trained_prompts") == a["data/trained_prompts"], (
+            f"step {step}: trained prompts {b.get('data/trained_prompts')}, uninterrupted {a['data/trained_prompts']}")
+        keys = repeatable_keys(a)
+        assert repeatable_keys(b) == keys, (step, sorted(keys ^ repeatable_keys(b)))
+        a, b = ({**r, "checkpoint": os.path.basename(r.get("checkpoint", ""))} for r in (a, b))
+        differ = {k: (a[k], b[k]) for k in sorted(keys) if a[k] != b[k]}
+        assert not differ, f"step {step}: {differ}"
+
+
+def draw_kill_point(rng: random.Random, resumed_from: int, num_steps: int) -> tuple[str, int]:
+    """A seeded random point of a run resumed from step ``resumed_from`` (0: started afresh), as (kind, step c) with
+    c a step it has yet to reach: ``mid_step`` (a random moment after step c's line: step c + 1's phases or its
+    engines' work beside the update), ``after_checkpoint`` (as soon as step c's checkpoint is complete: its line follows
+    within milliseconds, so the kill lands on either side of it; the side without the line is pinned by
+    test_sigkill_then_resume_equals_uninterrupted) or ``in_checkpoint`` (step c's checkpoint half-written). The first two need a step after c, so the kill lands before
+    the run ends."""
+    later = list(range(resumed_from + 1, num_steps))
+    kind = rng.choice(KILL_POINTS if later else KILL_POINTS[-1:])
+    return kind, rng.choice(later + [num_steps] if kind == "in_checkpoint" else later)
+
+
+def _reached(out_dir: str, kind: str, step: int, since: float) -> bool:
+    """Whether the run started at ``since`` has reached kill point (``kind``, ``step``) (:func:`draw_kill_point`);
+    what a killed run left there before (a staged checkpoint, a line) is older than ``since``."""
+    ckpt = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+
+    def new(path: str) -> bool:
+        return os.path.exists(path) and os.path.getmtime(path) >= since
+
+    if kind == "in_checkpoint" and new(ckpt + ".tmp"):
+        return True
+    if kind != "mid_step":  # in_checkpoint too, when the staging went by between two looks
+        return new(os.path.join(ckpt, "COMPLETE"))
+    try:
+        row = _metrics(out_dir).get(step) if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else None
+    except json.JSONDecodeError:  # the line is being written
+        return False
+    return row is not None and row["time"] >= since
+
+
+def _landing(out_dir: str) -> str:
+    """What the run left at the kill: its checkpoint directories (``.tmp``: half-written) and the steps logged."""
+    root = os.path.join(out_dir, "checkpoints")
+    names = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
+    try:
+        lines = sorted(_metrics(out_dir)) if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else []
+    except json.JSONDecodeError:
+        lines = ["(a line half-written)"]
+    return f"checkpoints {names}, lines of steps {lines}"
+
+
+def run_with_kills(flags: list[str], out_dir: str, num_steps: int, kills: int, seed: int, step_seconds: float,
+                   logs_dir: str, points: list[tuple[str, int]] | None = None,
+                   module: str = "openrlhf_shape.cli.main") -> list[str]:
+    """Run the command ``flags`` (``openrlhf-shape train``, ``module``'s entry, writing to ``out_dir``; a run of
+    ``num_steps``) ``kills`` times, each time resumed by the same command from its newest complete checkpoint and
+    SIGKILLed with its Ray (:func:`kill_run`) at a point drawn from ``seed`` (:func:`draw_kill_point`; ``mid_step``
+    waits a random share of ``step_seconds`` first), or at ``points``. The consoles go to ``logs_dir``. Returns where
+    each kill landed; the caller finishes the run."""
+    rng, landed = random.Random(seed), []
+    for i in range(kills):
+        resumed_from = _newest_step(out_dir)
+        kind, step = points[i] if points else draw_kill_point(rng, resumed_from, num_steps)
+        delay = rng.uniform(0.0, 0.8) * step_seconds if kind == "mid_step" else 0.0
+        since, console = time.time(), os.path.join(logs_dir, f"console_{i}.txt")
+        with open(console, "w") as out:
+            proc = _train(flags, module=module, stdout=out)
+        while not _reached(out_dir, kind, step, since) and proc.poll() is None and time.time() < since + 900:
+            time.sleep(0.02)
+        time.sleep(delay)
+        if proc.poll() is not None or not _reached(out_dir, kind, step, since):
+            if proc.poll() is None:
+                kill_run(proc)
+            with open(console) as f:
+                pytest.fail(f"kill {i + 1} ({kind} of step {step}, resumed from {resumed_from}): the run ended or "
+                            f"never got there (exit {proc.returncode}); landed before: {landed}\n{f.read()[-4000:]}")
+        kill_run(proc)
+        where = _landing(out_dir)  # what the dead run left: what it had written when the kill came
+        landed.append(f"kill {i + 1}: {kind} of step {step} (+{delay:.1f} s), resumed from {resumed_from}: {where}")
+    return landed
+
+
+def _newest_step(out_dir: str) -> int:
+    """The step of the newest complete checkpoint under ``out_dir`` (0: none), where the next run resumes."""
+    from openrlhf_shape.checkpoint_dir import latest_checkpoint
+
+    path = latest_checkpoint(os.path.join(out_dir, "checkpoints"))
+    return int(os.path.basename(path)[len("step_"):]) if path else 0
+
+
+def median_step_seconds(metrics: dict[int, dict]) -> float:
+    """The median step time of a run (what ``mid_step`` kill points draw their delay from)."""
+    times = sorted(r["time/step"] for r in metrics.values())
+    return times[len(times) // 2]
+
+
+def check_several_kills(ref: dict, flags: list[str], run_dir: str, logs_dir: str, kills: int, seed: int) -> list[str]:
+    """The reference run ``ref`` (a module fixture's: its metrics by step) against the same command (``flags``,
+    writing to ``run_dir``) SIGKILLed ``kills`` times at seeded random points, each followed by a resume, and finished
+    in this process: the same prompts in the same order and the same metrics (:func:`assert_repeats_the_run`).
+    Returns where the kills landed (in the failure message too)."""
+    flags = flags + ["--ckpt.resume", "auto"]
+    landed = run_with_kills(flags, run_dir, max(ref["metrics"]), kills, seed, median_step_seconds(ref["metrics"]),
+                            logs_dir)
+    out = run_in_process(flags)
+    print("\n".join(landed))
+    try:
+        assert_repeats_the_run(ref["metrics"], out["metrics"])
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nkills: {landed}") from None
+    return landed
+
+
+def test_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp_path, sync_ref, tied_model_dir,
+                                                                 parity_reward_file, ray_once):
+    """The synchronous reference's command (refills every few steps) SIGKILLed twice at seeded random points (in a
+    step, in a checkpoint, right after one), resumed each time, then finished: the prompts trained,
+    in order, and every step's metrics but the wall clock's equal the uninterrupted run's exactly."""
+    run_dir = str(tmp_path / "run")
+    check_several_kills(sync_ref, _sync_flags(tied_model_dir, parity_reward_file, run_dir), run_dir, str(tmp_path),
+                        kills=2, seed=4801)
+
+
+def test_several_kills_negative_control_without_the_data_position(tmp_path, sync_ref, tied_model_dir,
+                                                                  parity_reward_file, ray_once):
+    """The same check on a run whose checkpoints leave the data position out (tests/support/lossy_checkpoint.py: the
+    command's own code, with the data's start saved as the position), killed once after its step-1 checkpoint and
+    resumed: the check fails at step 2, naming the prompts (the resumed run draws from the data's start again)."""
+    ref, run_dir = sync_ref["metrics"], str(tmp_path / "run")
+    flags = _sync_flags(tied_model_dir, parity_reward_file, run_dir) + ["--ckpt.resume", "auto"]
+    run_with_kills(flags, run_dir, 3, 1, 0, 0.0, str(tmp_path), points=[("after_checkpoint", 1)],
+                   module="support.lossy_checkpoint")
+    got = run_in_process(flags)["metrics"]
+    with pytest.raises(AssertionError, match=r"step 2: trained prompts"):
+        assert_repeats_the_run(ref, got)
+    assert got[1]["data/trained_prompts"] == ref[1]["data/trained_prompts"]  # before the resume: the same run
 
 
 # ---------------------------------------------------------------------------------------------- refused resumes

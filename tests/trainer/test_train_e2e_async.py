@@ -22,8 +22,8 @@ import pytest
 
 from test_train_e2e import (ASYNC, COMPARED, DRIFT_FLOOR, FILTER, MAX_GAP, REFILL_KEYS,  # noqa: F401
                             _assert_engines_compute_trained_policy, _async_flags, _copy_run, _flags, _metrics,
-                            check_filled_steps, check_refused, cut_back_to_step_1, ray_once, run_in_process,
-                            tied_model_dir)
+                            check_filled_steps, check_refused, check_several_kills, cut_back_to_step_1, ray_once,
+                            run_in_process, tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
@@ -154,6 +154,27 @@ def test_staleness_2_adaptive_kl_resumed_after_a_kill_repeats_the_run(tmp_path, 
         for key in keys:
             assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
         assert resumed[step]["kl_coef"] == pytest.approx(ref[step]["kl_coef"], rel=1e-12), step
+
+
+def test_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp_path, async_ref, tied_model_dir,
+                                                                 parity_reward_file, ray_once):
+    """max_staleness 1: the asynchronous reference's command SIGKILLed twice at seeded random points (while the
+    engines make the next batch beside the update, in a checkpoint, right after one), resumed each
+    time with the batch in flight, then finished: the prompts trained, in order (refills made on the engines' side
+    included), and every step's metrics but the wall clock's equal the uninterrupted run's exactly
+    (test_train_e2e.py: check_several_kills)."""
+    run_dir = str(tmp_path / "run")
+    check_several_kills(async_ref, _async_flags(tied_model_dir, parity_reward_file, run_dir), run_dir, str(tmp_path),
+                        kills=2, seed=4802)
+
+
+def test_staleness_2_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp_path, s2_ref):
+    """max_staleness 2 (4 steps, two batches in flight, the adaptive KL, refills): SIGKILLed three times at seeded
+    random points, resumed each time, then finished: the same prompts in the same order and the same metrics, the
+    applied KL coefficients included."""
+    run_dir = str(tmp_path / "run")
+    flags = [run_dir if f == s2_ref["dir"] else f for f in s2_ref["flags"]]
+    check_several_kills(s2_ref, flags, run_dir, str(tmp_path), kills=3, seed=4803)
 
 
 @pytest.mark.parametrize("case", ["async_as_sync", "async_at_another_depth"])  # sync_as_async: test_train_e2e.py
