@@ -336,7 +336,8 @@ class EngineGroup:
                                   f"this run): raise it to let the run replace more engines", e, where) from cause
         if not self.weights_from_directory and self.restore_weights is None:
             raise EngineLostError(f"{what}; the engines hold synced weights and nothing can hand them to a "
-                                  "replacement (a sync to one engine is not wired for this group)", e, where) from cause
+                                  "replacement (the trainer streams them from the ranks under the synchronous schedule "
+                                  "only: the asynchronous schedules' ranks are ahead of the engines)", e, where) from cause
         t0 = time.monotonic()
         self.engines[e] = self._replacement(e, what, where, cause)
         now = time.monotonic()
