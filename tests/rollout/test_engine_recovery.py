@@ -3,7 +3,10 @@
 (``ray.kill``) while a seeded generate runs, or between the calls of a probe batch after new weights arrived, and the
 group returns what the uninterrupted call returns, the same tokens and potentials, because every request goes again
 to the replacement with its own seed. Past the budget, or with synced weights and no way to hand them over, the
-group stops with an error naming the engine, the phase, the step and the flag."""
+group stops with an error naming the engine, the phase, the step and the flag. In a run (synchronous schedule) the
+replacement gets the ranks' weights streamed to it alone and the next sync reaches it.
+
+The tests share one engine pair (module scope) and run in file order: the last one leaves an engine dead."""
 
 from __future__ import annotations
 
@@ -15,10 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from openrlhf_shape.cluster.lifecycle import Lifecycle
 from openrlhf_shape.platform import cpu_platform
 from openrlhf_shape.rollout import EngineConfig, EngineLostError, ProbeConfig, SamplingConfig, estimate_potentials
 from openrlhf_shape.rollout.group import start_engines
+from openrlhf_shape.weight_sync.driver import EngineWeightSync
 from support.engine_weights import load_into_engines
+from support.weight_holder import HolderRanks, TensorHolder
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -130,6 +136,39 @@ def test_after_new_weights_a_replacement_gets_them_and_probes_return_the_uninter
     assert restored == [0] and group.restarts == restarts + 1
     assert all(torch.equal(a, b) for a, b in zip(got.probe_scores, want.probe_scores))
     assert all(torch.equal(a, b) for a, b in zip(got.potentials, want.potentials))
+
+
+def test_in_a_run_the_replacement_gets_the_ranks_weights_and_the_next_sync_reaches_it(group, chat_ids, tiny_model_dir):
+    """The run's wiring (cluster/runtime.py, synchronous schedule): the ranks hold the engines' weights until the
+    update, so a replacement gets them streamed from the ranks to it alone (``Lifecycle.restore_engine`` over the real
+    collective transport, gloo; a tensor holder is the sending rank); the next full sync re-forms its group with the
+    replacement in it (``EngineWeightSync.reconnect``) and every engine then holds the new weights."""
+    holder = ray.remote(TensorHolder).options(num_cpus=0.25).remote(tiny_model_dir)
+    sync = EngineWeightSync(group.engines, engine_tp=1, transport="collective", backend="gloo", timeout_s=120.0)
+    prompts = [chat_ids(q + " Go.") for q in QUESTIONS]
+    seeded, greedy = SamplingConfig(n=2, max_tokens=24, logprobs=True, seed=11), SamplingConfig(max_tokens=16, temperature=0.0)
+    try:
+        sync.connect(holder)
+        life = Lifecycle(HolderRanks(holder), group, sync, bucket_bytes=1 << 20, colocate=False)
+        ray.get(holder.perturb.remote(1, 0.05))
+        life.sync_weights(step=1)
+        life.after_sync()
+        group.restore_weights, group.max_restarts = life.restore_engine, group.restarts + 1
+        want = _samples(group.generate(prompts, seeded))
+        ray.kill(group.engines[1])
+        with group.during("generate", step=2):
+            _assert_same(_samples(group.generate(prompts, seeded)), want)  # the replacement holds step 1's weights
+        assert "sync(engine 1 alone)" in life.events and "sync.reconnect" not in life.events
+        before = group.generate([prompts[0]], greedy)[0].token_ids
+        ray.get(holder.perturb.remote(2, 0.05))
+        life.sync_weights(step=2)
+        life.after_sync()
+        assert life.events.count("sync.reconnect") == 1
+        outs = ray.get([e.generate.remote([prompts[0]], greedy) for e in group.engines])
+        assert outs[0][0].token_ids == outs[1][0].token_ids != before  # both engines run step 2's weights
+    finally:
+        sync.close()
+        ray.kill(holder)
 
 
 def test_past_the_budget_or_without_the_weights_the_group_stops_naming_engine_phase_step_and_flag(
