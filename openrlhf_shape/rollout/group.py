@@ -174,6 +174,7 @@ class EngineGroup:
         self.restarts, self.seconds_lost = 0, 0.0
         self.start_timeout_s = 1800.0  # the longest a replacement may take to start (a GPU engine compiles)
         self._where = threading.local()  # (phase, step) of the calls this thread makes: :meth:`during`
+        self._recovering = threading.Lock()  # the asynchronous schedule calls from two threads
         try:
             from ray.actor import ActorHandle
 
@@ -310,22 +311,30 @@ class EngineGroup:
         import ray
 
         results: list = [None] * len(self.engines)
-        pending = {call(self.engines[e], idxs): (e, time.monotonic()) for e, idxs in enumerate(per_engine) if idxs}
+        sent = {e: (self.engines[e], time.monotonic()) for e, idxs in enumerate(per_engine) if idxs}
+        pending = {call(h, per_engine[e]): e for e, (h, _) in sent.items()}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
-            e, sent = pending.pop(done[0])
+            e = pending.pop(done[0])
             try:
                 results[e] = ray.get(done[0])
             except ray.exceptions.ActorDiedError as err:
-                self.recover(e, err, sent, len(per_engine[e]))
-                pending[call(self.engines[e], per_engine[e])] = (e, time.monotonic())
+                self.recover(e, sent[e][0], err, sent[e][1], len(per_engine[e]))
+                sent[e] = (self.engines[e], time.monotonic())
+                pending[call(self.engines[e], per_engine[e])] = e
         return results
 
-    def recover(self, e: int, cause: BaseException, sent: float, requests: int) -> None:
-        """Replace engine ``e``, whose actor died (``cause``) on a call sent at ``sent`` (monotonic seconds) with
-        ``requests`` prompts: a new actor on its bundle (``launcher``) given the weights the others hold
-        (``restore_weights`` after a sync). One console line; :class:`EngineLostError` past the budget or when the
-        replacement cannot start."""
+    def recover(self, e: int, dead: Any, cause: BaseException, sent: float, requests: int) -> None:
+        """Replace engine ``e``, whose actor ``dead`` died (``cause``) on a call sent at ``sent`` (monotonic seconds)
+        with ``requests`` prompts or sequences: a new actor on its bundle (``launcher``) given the weights the others
+        hold (``restore_weights`` after a sync). One console line; :class:`EngineLostError` past the budget or when
+        the replacement cannot start. Another thread's call that saw the same death finds it replaced already."""
+        with self._recovering:
+            if self.engines[e] is not dead:
+                return
+            self._recover(e, cause, sent, requests)
+
+    def _recover(self, e: int, cause: BaseException, sent: float, requests: int) -> None:
         where = self.where("a call")
         what = f"engine {e} died during {where} ({type(cause).__name__})"
         if self.launcher is None:
@@ -343,8 +352,9 @@ class EngineGroup:
         now = time.monotonic()
         self.restarts += 1
         self.seconds_lost += now - sent
-        log.warning("%s: replaced on its bundle in %.1f s, its %d prompts sent again (restart %d of %d, %s); "
-                    "%.1f s lost", what, now - t0, requests, self.restarts, self.max_restarts, RESTARTS_FLAG, now - sent)
+        log.warning("%s: replaced on its bundle in %.1f s, its share of the call (%d prompts or sequences) sent "
+                    "again (restart %d of %d, %s); %.1f s lost", what, now - t0, requests, self.restarts,
+                    self.max_restarts, RESTARTS_FLAG, now - sent)
 
     def _replacement(self, e: int, what: str, where: str, cause: BaseException):
         """A started actor for engine ``e`` holding the group's weights, the dead one killed (its bundle freed)."""
