@@ -61,7 +61,8 @@ class RolloutSection:
     weight_sync_timeout: float = 600.0
     # Engine actors the run may replace when one dies during generation or probes (rollout/group.py, EngineGroup.recover):
     # a new one on the same bundle, its share of the call sent again with the same request seeds. 0 (default): a dead
-    # engine stops the run, as before; a replacement after a weight sync is not wired yet (the run then stops too).
+    # engine stops the run, as before. After a weight sync the replacement gets the ranks' weights (synchronous schedule
+    # only: the asynchronous schedules' ranks are ahead of the engines, so there a death after the first sync stops).
     max_engine_restarts: int = 0
     num_gpus: int | None = None  # disaggregated engine pool; None: vllm.num_engines x vllm.tensor_parallel_size
     # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;
