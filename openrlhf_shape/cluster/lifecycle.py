@@ -116,7 +116,27 @@ class Lifecycle:
         if self.colocate:
             self._do("megatron.offload(grads,optimizer)", self.ranks.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
+        if self.sync.engines != self.engines.engines:  # an engine was replaced since the sync group formed
+            self._do("sync.reconnect", self.sync.reconnect, self.engines.engines)
         return self._do("sync", self.sync.sync, self.ranks, self.bucket_bytes, step)
+
+    def restore_engine(self, e: int, handle) -> None:
+        """Engine ``e``'s replacement (``EngineGroup.recover``, mid-rollout) gets the weights the other engines
+        hold, streamed from the ranks to it alone: under the synchronous schedule the ranks hold exactly those until
+        the step's update (the asynchronous schedules' ranks are ahead: not for them). Colocated, the ranks'
+        parameters come to the device for the stream, as for a forward."""
+        one = self.sync.for_engines([handle])
+        try:
+            self._do(f"sync.connect(engine {e} alone)", one.connect, self.sync.sender)
+            if self.colocate:
+                self._do("megatron.onload(params)", self.ranks.onload_states, ("params",))
+            try:
+                self._do(f"sync(engine {e} alone)", one.sync, self.ranks, self.bucket_bytes)
+            finally:
+                if self.colocate:
+                    self._do("megatron.offload(params)", self.ranks.offload_states, ("params",))
+        finally:
+            one.close()
 
     def after_sync(self) -> None:
         """Update -> rollout, the mirror of :meth:`before_update`: colocated ranks put their parameters

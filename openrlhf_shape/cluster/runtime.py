@@ -77,7 +77,8 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     refs = None
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
-        engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False)
+        engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False,
+                                max_restarts=r.max_engine_restarts)
         ranks = make_rank_group(cfg, placement, platform)  # --actor.backend's worker
         if plan.refs:  # --algo.kl.init_coef > 0: the reference model's ranks, a world of their own
             refs = make_rank_group(cfg, placement, platform, reference=True)
@@ -91,6 +92,8 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
         placement.remove()
         raise
     lifecycle = Lifecycle(ranks, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate, refs=refs)
+    if not cfg.train.async_enable:  # the ranks hold the engines' weights until the update: a replacement gets them
+        engines.restore_weights = lifecycle.restore_engine
     return ClusterRuntime(plan, placement, platform, ranks, engines, sync, lifecycle, refs)
 
 

@@ -59,6 +59,11 @@ class RolloutSection:
     # group's forming may take). Past it, or as soon as an engine dies mid-sync, the run stops naming who holds
     # the sync up, the bucket and the step (a hang otherwise). openrlhf_shape/weight_sync/README.md
     weight_sync_timeout: float = 600.0
+    # Engine actors the run may replace when one dies during generation or probes (rollout/group.py, EngineGroup.recover):
+    # a new one on the same bundle, its share of the call sent again with the same request seeds. 0 (default): a dead
+    # engine stops the run, as before. After a weight sync the replacement gets the ranks' weights (synchronous schedule
+    # only: the asynchronous schedules' ranks are ahead of the engines, so there a death after the first sync stops).
+    max_engine_restarts: int = 0
     num_gpus: int | None = None  # disaggregated engine pool; None: vllm.num_engines x vllm.tensor_parallel_size
     # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;
     # None: --train.max_tokens_per_gpu (OpenRLHF's rule). No gradients or optimizer in flight: it may be larger.

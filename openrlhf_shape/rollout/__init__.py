@@ -3,7 +3,7 @@ SHAPE potential probes and OpenRLHF agent files (``agents.py``, ``agent_batch.py
 vLLM itself is imported only when an engine starts."""
 
 from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
-from openrlhf_shape.rollout.group import EngineGroup, create_ray_engines, start_engines
+from openrlhf_shape.rollout.group import EngineGroup, EngineLostError, create_ray_engines, start_engines
 from openrlhf_shape.rollout.probes import (
     PotentialResult,
     ProbeConfig,
@@ -15,6 +15,7 @@ from openrlhf_shape.rollout.probes import (
 __all__ = [
     "EngineConfig",
     "EngineGroup",
+    "EngineLostError",
     "Generation",
     "PotentialResult",
     "ProbeConfig",

@@ -1,11 +1,17 @@
-"""The trainer's rollout engines as one group: the Ray actor factory (:func:`create_ray_engines`,
-:func:`start_engines`) and :class:`EngineGroup`, which dispatches prompts across engines (prefix
-affinity for probes) and fans out sleep/wake. One engine is :class:`~openrlhf_shape.rollout.engine.VLLMEngine`.
+"""The trainer's rollout engines as one group: the Ray actor factory (:class:`RayEngineLauncher`,
+:func:`create_ray_engines`, :func:`start_engines`) and :class:`EngineGroup`, which dispatches prompts across engines
+(prefix affinity for probes), fans out sleep/wake and replaces an engine actor that dies during a call
+(:meth:`EngineGroup.recover`, ``--rollout.max_engine_restarts``). One engine is
+:class:`~openrlhf_shape.rollout.engine.VLLMEngine`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -13,10 +19,64 @@ from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
 
+log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console and train.log)
+RESTARTS_FLAG = "--rollout.max_engine_restarts"
+
 
 # ---------------------------------------------------------------------------------------------------
 # Ray actors
 # ---------------------------------------------------------------------------------------------------
+
+
+class RayEngineLauncher:
+    """Starts engine ``i``'s Ray actor, the same way every time: its config (seed ``cfg.seed + i``), resources,
+    environment and, with a ``placement``, its planned bundle. The group keeps it to replace a dead engine where it
+    stood (:meth:`EngineGroup.recover`).
+
+    ``platform`` (the run's profile; a caller without a driver passes
+    :func:`~openrlhf_shape.platform.detect_platform` of this Ray cluster) is handed to every engine and decides the actors' resources and environment: on
+    CPU VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE (and one core per worker at
+    engine TP > 1), fractional ``num_cpus`` (else Ray cannot place a third actor on a small node:
+    looks like a hang); on GPU ``platform.gpus_per_engine`` (1 at TP 1; at TP > 1 vLLM places its own
+    workers through Ray). ``num_cpus_per_engine`` / ``num_gpus_per_engine`` override the profile.
+    ``placement`` (an ``openrlhf_shape.cluster.ray_placement.RayPlacement``) overrides the
+    scheduling: engine i on its planned bundles, vLLM's Ray executor told which (see that module).
+    """
+
+    def __init__(self, cfg: EngineConfig, num_cpus_per_engine: float | None = None,
+                 num_gpus_per_engine: float | None = None, extra_env: dict[str, str] | None = None,
+                 placement=None, *, platform: Platform):
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("create_ray_engines needs ray.init() first")
+        self.cfg, self.platform, self.placement = cfg, platform, placement
+        self.env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)}
+        self.env.update(extra_env or {})
+        self.num_cpus = platform.cpus_per_engine if num_cpus_per_engine is None else num_cpus_per_engine
+        self.num_gpus = platform.gpus_per_engine if num_gpus_per_engine is None else num_gpus_per_engine
+
+    def start(self, i: int):
+        """Engine ``i``'s actor handle (not awaited: ``handle.ready.remote()`` says when its vLLM is up)."""
+        import ray
+
+        opts: dict[str, Any] = dict(num_cpus=self.num_cpus, num_gpus=self.num_gpus, runtime_env={"env_vars": self.env})
+        if self.placement is not None:
+            planned = self.placement.engine_options(i, self.num_cpus)
+            opts.update(planned["options"])
+            opts["runtime_env"] = {"env_vars": {**self.env, **planned["env"]}}
+        engine_cfg = EngineConfig(**{**asdict(self.cfg), "seed": self.cfg.seed + i})  # distinct streams for unseeded calls
+        return ray.remote(VLLMEngine).options(**opts).remote(engine_cfg, self.platform.to_dict())
+
+    def start_all(self, num_engines: int, wait_ready: bool = True) -> list:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        handles = [self.start(i) for i in range(num_engines)]
+        if wait_ready:
+            import ray
+
+            ray.get([h.ready.remote() for h in handles])
+        return handles
 
 
 def create_ray_engines(
@@ -30,41 +90,10 @@ def create_ray_engines(
     *,
     platform: Platform,
 ) -> list:
-    """Start ``num_engines`` Ray actors each holding a :class:`VLLMEngine`; returns the handles.
-
-    ``platform`` (the run's profile; a caller without a driver passes
-    :func:`~openrlhf_shape.platform.detect_platform` of this Ray cluster) is handed to every engine and decides the actors' resources and environment: on
-    CPU VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE (and one core per worker at
-    engine TP > 1), fractional ``num_cpus`` (else Ray cannot place a third actor on a small node:
-    looks like a hang); on GPU ``platform.gpus_per_engine`` (1 at TP 1; at TP > 1 vLLM places its own
-    workers through Ray). ``num_cpus_per_engine`` / ``num_gpus_per_engine`` override the profile.
-    ``placement`` (an ``openrlhf_shape.cluster.ray_placement.RayPlacement``) overrides the
-    scheduling: engine i on its planned bundles, vLLM's Ray executor told which (see that module).
-    """
-    import ray
-
-    if num_engines < 1:
-        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-    if not ray.is_initialized():
-        raise RuntimeError("create_ray_engines needs ray.init() first")
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **platform.engine_env(cfg.kv_cache_gib, cfg.tensor_parallel_size)}
-    if extra_env:
-        env.update(extra_env)
-    num_cpus = platform.cpus_per_engine if num_cpus_per_engine is None else num_cpus_per_engine
-    num_gpus = platform.gpus_per_engine if num_gpus_per_engine is None else num_gpus_per_engine
-    actor_cls = ray.remote(VLLMEngine)
-    handles = []
-    for i in range(num_engines):
-        opts: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env})
-        if placement is not None:
-            planned = placement.engine_options(i, num_cpus)
-            opts.update(planned["options"])
-            opts["runtime_env"] = {"env_vars": {**env, **planned["env"]}}
-        engine_cfg = EngineConfig(**{**asdict(cfg), "seed": cfg.seed + i})  # distinct streams for unseeded calls
-        handles.append(actor_cls.options(**opts).remote(engine_cfg, platform.to_dict()))
-    if wait_ready:
-        ray.get([h.ready.remote() for h in handles])
-    return handles
+    """Start ``num_engines`` Ray actors each holding a :class:`VLLMEngine`; returns the handles (the options:
+    :class:`RayEngineLauncher`)."""
+    launcher = RayEngineLauncher(cfg, num_cpus_per_engine, num_gpus_per_engine, extra_env, placement, platform=platform)
+    return launcher.start_all(num_engines, wait_ready)
 
 
 def start_engines(
@@ -73,22 +102,38 @@ def start_engines(
     *,
     in_process: bool = False,
     platform: Platform,
+    max_restarts: int = 0,
     **ray_options: Any,
 ) -> "EngineGroup":
     """The one engine factory: ``num_engines`` engines behind an :class:`EngineGroup`, in this
-    process (``in_process=True``: one engine) or as Ray actors (:func:`create_ray_engines`, which
-    takes ``ray_options``: ``placement``, ``wait_ready``, resource overrides, ``extra_env``).
-    ``platform``: the run's profile (a caller without a driver passes ``detect_platform(...)``)."""
+    process (``in_process=True``: one engine) or as Ray actors (:class:`RayEngineLauncher`, which
+    takes ``ray_options``: ``placement``, resource overrides, ``extra_env``; ``wait_ready``: await their start).
+    ``platform``: the run's profile (a caller without a driver passes ``detect_platform(...)``).
+    ``max_restarts``: how many dead Ray engines the group may replace this run (``--rollout.max_engine_restarts``)."""
     if in_process:
-        if num_engines != 1 or ray_options:
-            raise ValueError("an in-process engine group holds exactly one engine and takes no Ray options")
+        if num_engines != 1 or ray_options or max_restarts:
+            raise ValueError("an in-process engine group holds exactly one engine and takes no Ray options "
+                             "(nor restarts: its engine dies with this process)")
         return EngineGroup([VLLMEngine(cfg, platform)])
-    return EngineGroup(create_ray_engines(num_engines, cfg, platform=platform, **ray_options))
+    wait_ready = ray_options.pop("wait_ready", True)
+    launcher = RayEngineLauncher(cfg, platform=platform, **ray_options)
+    return EngineGroup(launcher.start_all(num_engines, wait_ready), launcher=launcher, max_restarts=max_restarts)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Groups
 # ---------------------------------------------------------------------------------------------------
+
+
+class EngineLostError(RuntimeError):
+    """An engine actor died and the group could not replace it (budget spent, no launcher, no way to restore
+    the weights, or the replacement did not start): names the engine (``engine``) and the phase and step
+    (``where``). The run stops; re-running the command resumes from the newest complete checkpoint."""
+
+    def __init__(self, message: str, engine: int, where: str):
+        super().__init__(f"{message}. The run stops here; re-run the same command to resume from the newest "
+                         "complete checkpoint (--ckpt.output_dir).")
+        self.engine, self.where = engine, where
 
 
 def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None:
@@ -108,12 +153,28 @@ class EngineGroup:
     The group knows when it is working (``busy``: a ``generate`` or ``score`` in flight, from any thread)
     and for how long it has worked (``clock.seconds()``): the colocation lifecycle refuses a weight sync
     while the engines generate, and the trainer reports the engines' idle time per step.
+
+    Ray engines made with a ``launcher`` survive the death of an actor during ``generate`` or ``score``: the
+    group starts a new one on the same bundle, hands it the current weights and re-sends the dead engine's
+    share of the call, each request with its own seed, so a seeded call returns what it would have without the
+    failure (:meth:`recover`; at most ``max_restarts`` times a run, ``--rollout.max_engine_restarts``).
     """
 
-    def __init__(self, engines: Sequence):
+    def __init__(self, engines: Sequence, launcher: RayEngineLauncher | None = None, max_restarts: int = 0,
+                 restore_weights: Callable[[int, Any], None] | None = None):
         if len(engines) == 0:
             raise ValueError("EngineGroup needs at least one engine")
+        if max_restarts < 0:
+            raise ValueError(f"{RESTARTS_FLAG} must be >= 0, got {max_restarts}")
         self.engines = list(engines)
+        # Recovery of dead engine actors (:meth:`recover`): how to start one, the run's budget, how to hand a
+        # replacement the weights the others hold once a sync changed them, and what recoveries cost so far.
+        self.launcher, self.max_restarts, self.restore_weights = launcher, int(max_restarts), restore_weights
+        self.weights_from_directory = True  # False once new weights arrived (forget_affinity)
+        self.restarts, self.seconds_lost = 0, 0.0
+        self.start_timeout_s = 1800.0  # the longest a replacement may take to start (a GPU engine compiles)
+        self._where = threading.local()  # (phase, step) of the calls this thread makes: :meth:`during`
+        self._recovering = threading.Lock()  # the asynchronous schedule calls from two threads
         try:
             from ray.actor import ActorHandle
 
@@ -179,17 +240,11 @@ class EngineGroup:
         per_engine: list[list[int]] = [[] for _ in self.engines]
         for i, e in enumerate(assign):
             per_engine[e].append(i)
-        results: list[list[Generation] | None] = [None] * len(self.engines)
+        results: list = [None] * len(self.engines)
         if all(self.remote) and len(self.engines) > 0:
-            import ray
-
-            refs = {}
-            for e, idxs in enumerate(per_engine):
-                if idxs:
-                    refs[e] = self.engines[e].generate.remote([list(prompt_token_ids[i]) for i in idxs], sampling, idxs,
-                                                              _caps(max_tokens, idxs), _caps(request_seeds, idxs))
-            for e, out in zip(refs.keys(), ray.get(list(refs.values()))):
-                results[e] = out
+            results = self._call_shares(per_engine, lambda h, idxs: h.generate.remote(
+                [list(prompt_token_ids[i]) for i in idxs], sampling, idxs, _caps(max_tokens, idxs),
+                _caps(request_seeds, idxs)))
         else:
             for e, idxs in enumerate(per_engine):
                 if idxs:
@@ -210,10 +265,8 @@ class EngineGroup:
         per_engine = [list(range(e, len(token_ids), len(self.engines))) for e in range(len(self.engines))]
         with self.clock.working():
             if all(self.remote):
-                import ray
-
-                outs = ray.get([self.engines[e].score.remote([token_ids[i] for i in idxs])
-                                for e, idxs in enumerate(per_engine) if idxs])
+                done = self._call_shares(per_engine, lambda h, idxs: h.score.remote([token_ids[i] for i in idxs]))
+                outs = [done[e] for e, idxs in enumerate(per_engine) if idxs]
             else:
                 outs = [self.engines[e].score([token_ids[i] for i in idxs]) for e, idxs in enumerate(per_engine) if idxs]
         result: list[list[float]] = [[] for _ in token_ids]
@@ -225,8 +278,101 @@ class EngineGroup:
     # ---- weights ----------------------------------------------------------------------------------
     def forget_affinity(self) -> None:
         """New weights: which engine caches which prompt prefix no longer matters (each engine reset
-        its prefix cache when it loaded them)."""
+        its prefix cache when it loaded them), and an engine started from the model directory would not hold
+        them (a replacement needs ``restore_weights``: :meth:`recover`)."""
         self._affinity.clear()
+        self.weights_from_directory = False
+
+    # ---- recovery ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def during(self, phase: str | None = None, step: int | None = None) -> Iterator[None]:
+        """Name the calls this thread makes inside the block (``phase``, ``step``; an outer block's when None) in
+        the console line of a recovery and in :class:`EngineLostError`."""
+        outer = getattr(self._where, "value", (None, None))
+        self._where.value = (phase or outer[0], outer[1] if step is None else step)
+        try:
+            yield
+        finally:
+            self._where.value = outer
+
+    def where(self, call: str) -> str:
+        """``probes at step 3``: the phase and step of this thread's calls (:meth:`during`), else the call."""
+        phase, step = getattr(self._where, "value", (None, None))
+        return f"{phase or call}" + (f" at step {step}" if step is not None else "")
+
+    def fault_metrics(self) -> dict[str, float]:
+        """The run's recoveries so far: ``fault/engine_restarts`` (engines replaced) and ``fault/seconds_lost``
+        (seconds from sending each dead engine its share to sending it again to the replacement)."""
+        return {"fault/engine_restarts": float(self.restarts), "fault/seconds_lost": self.seconds_lost}
+
+    def _call_shares(self, per_engine: list[list[int]], call: Callable[[Any, list[int]], Any]) -> list:
+        """``call(handle, idxs)`` (a Ray ref) for every engine's non-empty share, awaited; a share whose engine
+        actor died goes again to its replacement (:meth:`recover`). Each engine's result (None: no share)."""
+        import ray
+
+        results: list = [None] * len(self.engines)
+        sent = {e: (self.engines[e], time.monotonic()) for e, idxs in enumerate(per_engine) if idxs}
+        pending = {call(h, per_engine[e]): e for e, (h, _) in sent.items()}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            e = pending.pop(done[0])
+            try:
+                results[e] = ray.get(done[0])
+            except ray.exceptions.ActorDiedError as err:
+                self.recover(e, sent[e][0], err, sent[e][1], len(per_engine[e]))
+                sent[e] = (self.engines[e], time.monotonic())
+                pending[call(self.engines[e], per_engine[e])] = e
+        return results
+
+    def recover(self, e: int, dead: Any, cause: BaseException, sent: float, requests: int) -> None:
+        """Replace engine ``e``, whose actor ``dead`` died (``cause``) on a call sent at ``sent`` (monotonic seconds)
+        with ``requests`` prompts or sequences: a new actor on its bundle (``launcher``) given the weights the others
+        hold (``restore_weights`` after a sync). One console line; :class:`EngineLostError` past the budget or when
+        the replacement cannot start. Another thread's call that saw the same death finds it replaced already."""
+        with self._recovering:
+            if self.engines[e] is not dead:
+                return
+            self._recover(e, cause, sent, requests)
+
+    def _recover(self, e: int, cause: BaseException, sent: float, requests: int) -> None:
+        where = self.where("a call")
+        what = f"engine {e} died during {where} ({type(cause).__name__})"
+        if self.launcher is None:
+            raise EngineLostError(f"{what}; this engine group was made from actor handles, without a launcher to "
+                                  "start a replacement (start_engines makes one)", e, where) from cause
+        if self.restarts >= self.max_restarts:
+            raise EngineLostError(f"{what}; {RESTARTS_FLAG} {self.max_restarts} spent ({self.restarts} replaced "
+                                  f"this run): raise it to let the run replace more engines", e, where) from cause
+        if not self.weights_from_directory and self.restore_weights is None:
+            raise EngineLostError(f"{what}; the engines hold synced weights and nothing can hand them to a "
+                                  "replacement (the trainer streams them from the ranks under the synchronous schedule "
+                                  "only: the asynchronous schedules' ranks are ahead of the engines)", e, where) from cause
+        t0 = time.monotonic()
+        self.engines[e] = self._replacement(e, what, where, cause)
+        now = time.monotonic()
+        self.restarts += 1
+        self.seconds_lost += now - sent
+        log.warning("%s: replaced on its bundle in %.1f s, its share of the call (%d prompts or sequences) sent "
+                    "again (restart %d of %d, %s); %.1f s lost", what, now - t0, requests, self.restarts,
+                    self.max_restarts, RESTARTS_FLAG, now - sent)
+
+    def _replacement(self, e: int, what: str, where: str, cause: BaseException):
+        """A started actor for engine ``e`` holding the group's weights, the dead one killed (its bundle freed)."""
+        import ray
+
+        ray.kill(self.engines[e], no_restart=True)
+        new = None
+        try:
+            new = self.launcher.start(e)
+            ray.get(new.ready.remote(), timeout=self.start_timeout_s)
+            if not self.weights_from_directory:
+                self.restore_weights(e, new)
+        except Exception as err:
+            if new is not None:
+                ray.kill(new, no_restart=True)  # its bundle share back
+            raise EngineLostError(f"{what}; its replacement could not start ({type(err).__name__}: {err}); "
+                                  f"{RESTARTS_FLAG} cannot help here", e, where) from cause
+        return new
 
     # ---- fan-out helpers ----------------------------------------------------------------------------
     def _call_all(self, method: str, *args) -> list:

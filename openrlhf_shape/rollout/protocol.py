@@ -11,6 +11,7 @@ signature: :class:`~openrlhf_shape.rollout.group.EngineGroup` is :class:`Engines
 from __future__ import annotations
 
 from collections.abc import Hashable, MutableMapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,7 +34,8 @@ class Tokenizer(Protocol):
 
 class Engines(Protocol):
     """The rollout engines as one group: ``len`` engines behind one ``generate`` (rollouts, probes, agents'
-    turns, partial rounds) and one ``score`` (what the engines compute for given sequences: the fidelity check)."""
+    turns, partial rounds) and one ``score`` (what the engines compute for given sequences: the fidelity check);
+    ``during`` and ``fault_metrics``: where a dead engine was replaced, and what recoveries cost."""
 
     def __len__(self) -> int: ...
 
@@ -44,6 +46,14 @@ class Engines(Protocol):
     def score(self, token_ids: list[list[int]]) -> list[list[float]]: ...
 
     def get_tokenizer(self) -> Tokenizer: ...
+
+    def during(self, phase: str | None = None, step: int | None = None) -> AbstractContextManager[None]:
+        """Name the calls made inside the block (phase, step) where a dead engine is reported."""
+        ...
+
+    def fault_metrics(self) -> dict[str, float]:
+        """The run's engine recoveries so far (``fault/engine_restarts``, ``fault/seconds_lost``)."""
+        ...
 
 
 class Rewards(Protocol):

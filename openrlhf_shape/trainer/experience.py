@@ -198,7 +198,9 @@ class ShapeExperienceMaker:
         exp = log.phase("generate", self.generate, items, seed)
         exp = log.phase("rewards", self.rewards, exp)
         refill = None if more_prompts is None else functools.partial(self.refill_round, more_prompts, seed)
-        return self.fill(exp, len(items), log, refill)
+        exp = self.fill(exp, len(items), log, refill)
+        log.metrics.update(self.engines.fault_metrics())  # engines replaced this run so far, seconds it cost
+        return exp
 
     def refill_round(self, more_prompts: Callable[[int], Sequence], seed: int | None, r: int, missing: int,
                      log: StepLog) -> ExperienceBatch:
@@ -255,7 +257,9 @@ class ShapeExperienceMaker:
         batch's :meth:`rollout` had)."""
         boundaries = log.phase("segment", self.segment, exp)
         potentials = log.phase("probes", self.probes, exp, boundaries, seed)
-        return log.phase("advantages", self.advantages, exp, boundaries, potentials)
+        exp = log.phase("advantages", self.advantages, exp, boundaries, potentials)
+        log.metrics.update(self.engines.fault_metrics())
+        return exp
 
     # ------------------------------------------------------------------ phases
     def generate(self, items: Sequence, seed: int | None = None, refill_round: int = 0) -> PhaseOutput:
@@ -270,12 +274,13 @@ class ShapeExperienceMaker:
         if seed is not None:
             sampling = dataclasses.replace(sampling, seed=derive_seed(seed, ROLLOUT, REFILL, refill_round) if refill_round
                                            else derive_seed(seed, ROLLOUT))
-        if self.agent is not None:
-            return self._generate_episodes(items, sampling)
-        n = self.sampling.n
-        t0 = time.perf_counter()
-        gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
-        seconds = time.perf_counter() - t0
+        with self.engines.during("generate"):  # named if an engine dies (EngineGroup.recover)
+            if self.agent is not None:
+                return self._generate_episodes(items, sampling)
+            n = self.sampling.n
+            t0 = time.perf_counter()
+            gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
+            seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
         out = generated_batch([items[g.prompt_index] for g in gens], gens, seconds, sampling.logprobs)
@@ -425,15 +430,16 @@ class ShapeExperienceMaker:
             return PhaseOutput(None, {})
         policy = exp.loss_mask()
         scorer = self.reward.score if self.probe_cfg.scorer == "math_verify" else self.reward
-        pot = estimate_potentials(
-            self.engines, [s[:p] for s, p in zip(exp.sequences, exp.prompt_lens)], exp.responses,
-            boundaries_as_lists(exp.action_columns().to_response(boundaries)), [it.label for it in exp.items],
-            [float(x) for x in exp.rewards], scorer, self.probe_cfg, suffixes=self.suffixes,
-            policy_tokens=None if exp.action_mask is None else [row[:len(r)].tolist() for row, r in
-                                                                zip(policy, exp.responses)],
-            seed=None if seed is None else derive_seed(seed, PROBES),
-            prompts=[it.prompt for it in exp.items], tokenizer=self.tokenizer,
-        )
+        with self.engines.during("probes"):  # named if an engine dies (EngineGroup.recover)
+            pot = estimate_potentials(
+                self.engines, [s[:p] for s, p in zip(exp.sequences, exp.prompt_lens)], exp.responses,
+                boundaries_as_lists(exp.action_columns().to_response(boundaries)), [it.label for it in exp.items],
+                [float(x) for x in exp.rewards], scorer, self.probe_cfg, suffixes=self.suffixes,
+                policy_tokens=None if exp.action_mask is None else [row[:len(r)].tolist() for row, r in
+                                                                    zip(policy, exp.responses)],
+                seed=None if seed is None else derive_seed(seed, PROBES),
+                prompts=[it.prompt for it in exp.items], tokenizer=self.tokenizer,
+            )
         metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
         metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]
                                                        / max(float(exp.response_mask.sum()), 1.0))

@@ -115,8 +115,9 @@ class SyncSchedule:
         items = self.batcher.next_batch()
         # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
         # generate, rewards (dynamic filtering: refills from the batcher), logprobs, segment, probes, advantages
-        return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step), more_prompts=self.batcher.next_batch,
-                                          kl_coef=kl_coef)
+        with self.maker.engines.during(step=step):  # a dead engine is named with the step (EngineGroup.recover)
+            return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step),
+                                              more_prompts=self.batcher.next_batch, kl_coef=kl_coef)
 
     def settle(self, rec: StepLog, updated: bool) -> None:
         """Nothing runs beside the update."""
@@ -233,19 +234,21 @@ class OneStepOffSchedule(SyncSchedule):
     def _generate(self, step: int) -> ExperienceBatch:
         """Engines: generate and score the batch that trains at ``step``, with the weights they hold now."""
         t0, log = time.perf_counter(), StepLog()
-        if self.partial is not None:  # the first groups the responses in flight finish, tokens of several versions
-            exp = log.phase("generate", self.partial.generate, step, self.updates)
-            exp = log.phase("rewards", self.maker.rewards, exp)
+        with self.engines.during("generate", step):  # a dead engine is named with the step (EngineGroup.recover)
+            if self.partial is not None:  # the first groups the responses in flight finish, tokens of several versions
+                exp = log.phase("generate", self.partial.generate, step, self.updates)
+                exp = log.phase("rewards", self.maker.rewards, exp)
 
-            def refill(r: int, missing: int, sub: StepLog) -> ExperienceBatch:  # further finished groups of the pool
-                return sub.phase("rewards", self.maker.rewards,
-                                 sub.phase("generate", self.partial.generate, step, self.updates, missing))
+                def refill(r: int, missing: int, sub: StepLog) -> ExperienceBatch:  # further finished groups of the pool
+                    return sub.phase("rewards", self.maker.rewards,
+                                     sub.phase("generate", self.partial.generate, step, self.updates, missing))
 
-            exp = self.maker.fill(exp, self.batcher.batch_size, log, refill)  # dynamic filtering's refills
-        else:  # dynamic filtering refills from the batcher here, on the engines' side
-            exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step),
-                                     more_prompts=self.batcher.next_batch)
-            exp.policy_version = self.updates
+                exp = self.maker.fill(exp, self.batcher.batch_size, log, refill)  # dynamic filtering's refills
+                log.metrics.update(self.engines.fault_metrics())
+            else:  # dynamic filtering refills from the batcher here, on the engines' side
+                exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step),
+                                         more_prompts=self.batcher.next_batch)
+                exp.policy_version = self.updates
         exp.metrics = log.metrics
         self.events.append(("generate", step, t0, time.perf_counter()))
         return exp
@@ -270,7 +273,8 @@ class OneStepOffSchedule(SyncSchedule):
             return exp
         t0 = time.perf_counter()
         exp.probe_version = self.updates  # the engines' weights now: the probes' (the response is complete)
-        exp = self.maker.credit(exp, _log_into(exp.metrics), seed=step_seed(self.seed, step))
+        with self.engines.during(step=step):
+            exp = self.maker.credit(exp, _log_into(exp.metrics), seed=step_seed(self.seed, step))
         self.events.append(("credit", step, t0, time.perf_counter()))
         return exp
 

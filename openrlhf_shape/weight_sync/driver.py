@@ -189,15 +189,36 @@ class EngineWeightSync:
                  timeout_s: float = DEFAULT_TIMEOUT_S, pin_memory: bool = False):
         if transport not in TRANSPORTS:
             raise ValueError(f"--rollout.weight_sync {transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        self.transport, self.timeout_s, self.engine_tp = transport, timeout_s, int(engine_tp)
+        self.backend, self.pin_memory = backend, pin_memory
+        self.sender = None  # what connect() was handed: a reconnect forms the sync again with it
+        self._over(engines)
+
+    def _over(self, engines: list) -> None:
+        """This sync over ``engines``, not connected: a fresh transport instance and sync id."""
         self.engines = list(engines)
-        self.transport = transport
-        self.timeout_s = timeout_s
-        self._impl = TRANSPORTS[transport](engines, engine_tp, backend, side_wait_s(timeout_s), pin_memory)
+        self._impl = TRANSPORTS[self.transport](self.engines, self.engine_tp, self.backend, side_wait_s(self.timeout_s),
+                                                self.pin_memory)
         self.members = [SENDER] + [worker_member(f"engine {i}", r) for i in range(len(self.engines))
-                                   for r in range(int(engine_tp))]
-        self.sync_id = f"{transport}-{uuid.uuid4().hex[:8]}"  # the sender and workers keep their part under it
+                                   for r in range(self.engine_tp)]
+        self.sync_id = f"{self.transport}-{uuid.uuid4().hex[:8]}"  # the sender and workers keep their part under it
         self.connected = False
         self.board: ProgressBoard | None = None
+
+    def for_engines(self, engines: list) -> "EngineWeightSync":
+        """A sync of the same transport and settings over ``engines`` only (not connected): a replacement engine's
+        own sync (``cluster/lifecycle.py:Lifecycle.restore_engine``)."""
+        return EngineWeightSync(engines, self.engine_tp, self.transport, self.backend, self.timeout_s, self.pin_memory)
+
+    def reconnect(self, engines: list) -> None:
+        """Form the sync again over ``engines`` with the sender :meth:`connect` was handed: an engine of the old
+        group died and was replaced (``rollout/group.py:EngineGroup.recover``); the old group is left as it is (a
+        member is gone, so nothing is torn down through it)."""
+        if self.sender is None:
+            raise RuntimeError("EngineWeightSync.reconnect before connect()")
+        self.close()
+        self._over(engines)
+        self.connect(self.sender)
 
     def connect(self, sender) -> None:
         """Hand the sender (``init_weight_sender``) and every engine (``init_weight_receiver``) their part of
@@ -205,6 +226,7 @@ class EngineWeightSync:
         every member joined)."""
         import ray
 
+        self.sender = sender
         self.board = ProgressBoard(ray.util.get_node_ip_address(), self.members)
         refs = self._impl.connect(sender, self.sync_id, self.board.address())
         get_all_fail_fast(refs, self.timeout_s, ["the sender (rank 0)"] + [f"engine {i}" for i in range(len(refs) - 1)])

@@ -227,3 +227,10 @@ def test_the_reward_shaping_flags_reach_the_maker_as_one_value() -> None:
 def test_bad_kl_flags_name_the_flag(flags, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, flags)
+
+
+def test_max_engine_restarts_defaults_to_zero_and_refuses_a_negative_budget():
+    assert load_config(None, []).rollout.max_engine_restarts == 0  # a dead engine stops the run, as before
+    assert load_config(None, ["--rollout.max_engine_restarts", "3"]).rollout.max_engine_restarts == 3
+    with pytest.raises(ValueError, match=r"--rollout\.max_engine_restarts: -1: use 0"):
+        load_config(None, ["--rollout.max_engine_restarts", "-1"])

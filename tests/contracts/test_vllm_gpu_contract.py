@@ -215,7 +215,7 @@ def test_engine_actors_run_the_engine_core_in_process():
     """The other half of the contract above, on our side: every engine actor's environment."""
     from openrlhf_shape.rollout import group
 
-    assert '{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"' in _src(group.create_ray_engines)
+    assert '{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"' in _src(group.RayEngineLauncher.__init__)
 
 
 def test_level2_sleep_keeps_buffers_and_wake_weights_restores_them():
