@@ -104,10 +104,11 @@ def check_resumable(extra: dict, async_enable: bool, staleness: int, partial_chu
 
 
 class SyncSchedule:
-    """The six experience phases of the step's own batch, with the weights of the previous update."""
+    """The six experience phases of the step's own batch, with the weights of the previous update, on the maker's
+    ``engines`` (handed, as the maker's users read nothing of it: they name the step of a dead engine)."""
 
-    def __init__(self, maker: ShapeExperienceMaker, batcher: PromptBatcher, seed: int):
-        self.maker, self.batcher, self.seed = maker, batcher, seed
+    def __init__(self, maker: ShapeExperienceMaker, batcher: PromptBatcher, seed: int, engines: Engines):
+        self.maker, self.batcher, self.seed, self.engines = maker, batcher, seed, engines
 
     def experience(self, step: int, rec: StepLog, kl_coef: float | None = None) -> ExperienceBatch:
         """The batch that trains at ``step``, complete. ``kl_coef``: the trainer's KL coefficient now (with a
@@ -115,7 +116,7 @@ class SyncSchedule:
         items = self.batcher.next_batch()
         # Sampling depends only on (seed, step, weights, prompts): a resumed run redoes a step exactly.
         # generate, rewards (dynamic filtering: refills from the batcher), logprobs, segment, probes, advantages
-        with self.maker.engines.during(step=step):  # a dead engine is named with the step (EngineGroup.recover)
+        with self.engines.during(step=step):  # a dead engine is named with the step (EngineGroup.recover)
             return self.maker.make_experience(items, rec, seed=step_seed(self.seed, step),
                                               more_prompts=self.batcher.next_batch, kl_coef=kl_coef)
 
@@ -141,11 +142,11 @@ class OneStepOffSchedule(SyncSchedule):
     def __init__(self, maker: ShapeExperienceMaker, batcher: PromptBatcher, seed: int, staleness: int, num_steps: int,
                  engines: Engines, sampling: SamplingConfig, tokenizer: Tokenizer, logprobs_fn: LogProbFn,
                  partial_chunk: int = 0):
-        super().__init__(maker, batcher, seed)
+        super().__init__(maker, batcher, seed, engines)
         if staleness not in (1, 2):
             raise ValueError(f"--train.max_staleness {staleness}: 1 or 2")
         self.staleness, self.num_steps = staleness, num_steps
-        self.engines, self.temperature, self.logprobs_fn = engines, sampling.temperature, logprobs_fn
+        self.temperature, self.logprobs_fn = sampling.temperature, logprobs_fn
         # --train.partial_rollout_enable: the responses in flight across syncs (trainer/partial.py); None: off
         self.partial = (PartialRollouts(engines, sampling, tokenizer, batcher, partial_chunk, seed, num_steps)
                         if partial_chunk else None)
@@ -343,4 +344,4 @@ def make_schedule(cfg: TrainConfig, maker: ShapeExperienceMaker, batcher: Prompt
     if t.async_enable:
         return OneStepOffSchedule(maker, batcher, t.seed, t.max_staleness, t.num_steps, engines, sampling, tokenizer,
                                   logprobs_fn, partial_chunk=cfg.partial_chunk_in_effect())
-    return SyncSchedule(maker, batcher, t.seed)
+    return SyncSchedule(maker, batcher, t.seed, engines)
