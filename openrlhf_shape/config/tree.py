@@ -64,6 +64,13 @@ class RolloutSection:
     # engine stops the run, as before. After a weight sync the replacement gets the ranks' weights (synchronous schedule
     # only: the asynchronous schedules' ranks are ahead of the engines, so there a death after the first sync stops).
     max_engine_restarts: int = 0
+    # Seconds an engine may go without one step of its engine loop during a call (generation, probes, eval, the
+    # fidelity scores) before it counts as dead: killed and, within --rollout.max_engine_restarts, replaced with its
+    # share sent again (rollout/watch.py); 0: not watched (a hung engine hangs the run). 300: a step is one forward
+    # of the running batch, milliseconds to seconds (a whole long prefill on CPU, tens of seconds), so five minutes
+    # without one is a hang (a stopped process, a collective or driver fault), not slowness. Engine start (a GPU
+    # engine compiles for minutes) is not a call and is not bounded by this.
+    engine_stall_timeout: float = 300.0
     num_gpus: int | None = None  # disaggregated engine pool; None: vllm.num_engines x vllm.tensor_parallel_size
     # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;
     # None: --train.max_tokens_per_gpu (OpenRLHF's rule). No gradients or optimizer in flight: it may be larger.

