@@ -127,7 +127,8 @@ class Lifecycle:
                 try:
                     if self.sync.engines != self.engines.engines:  # an engine was replaced since the group formed
                         self._do("sync.reconnect", self.sync.reconnect, self.engines.engines)
-                    return self._do("sync", self.sync.sync, self.ranks, self.bucket_bytes, step)
+                    metrics = self._do("sync", self.sync.sync, self.ranks, self.bucket_bytes, step)
+                    return {**metrics, **self.engines.fault_metrics()}  # the step's line counts a loss in its sync
                 except WeightSyncError as err:
                     self._replace_lost(err, t0)
 

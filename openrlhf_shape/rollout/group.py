@@ -141,16 +141,16 @@ class EngineLostError(RuntimeError):
         self.engine, self.where = engine, where
 
 
-def _loss(cause: BaseException) -> str:
-    """How an engine was lost, for the console and :class:`EngineLostError`: ``died (ActorDiedError)``, ``stopped
-    making progress (no engine step for 30 s (--rollout.engine_stall_timeout 30 s))``, or for a weight sync the
-    sync's own verdict (``died`` / ``held the sync up at bucket 3``)."""
+def _loss(cause: BaseException) -> tuple[str, str]:
+    """How an engine was lost and the detail, for the console and :class:`EngineLostError`: ``("died",
+    "ActorDiedError")``, ``("stopped making progress", "no engine step for 30 s (--rollout.engine_stall_timeout
+    30 s)")``, or from a weight sync's error its own verdict (died, or stalled at a bucket)."""
     if isinstance(cause, EngineStalled):
-        return f"stopped making progress ({cause})"
+        return "stopped making progress", str(cause)
     if getattr(cause, "bucket", None) is not None:  # a weight sync's stall verdict (weight_sync/driver.py)
-        return f"held the weight sync up at bucket {cause.bucket} (--rollout.weight_sync_timeout)"
+        return "stalled", f"held the sync up at bucket {cause.bucket} past --rollout.weight_sync_timeout"
     inner = cause.__cause__ if cause.__cause__ is not None else cause
-    return f"died ({type(inner).__name__})"
+    return "died", type(inner).__name__
 
 
 def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None:
@@ -410,7 +410,8 @@ class EngineGroup:
 
     def _recover(self, e: int, cause: BaseException, sent: float, requests: int, weights_follow: bool) -> None:
         where = self.where("a call")
-        what = f"engine {e} {_loss(cause)} during {where}"
+        verb, detail = _loss(cause)
+        what = f"engine {e} {verb} during {where} ({detail})"
         if self.launcher is None:
             raise EngineLostError(f"{what}; this engine group was made from actor handles, without a launcher to "
                                   "start a replacement (start_engines makes one)", e, where) from cause

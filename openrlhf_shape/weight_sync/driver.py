@@ -262,7 +262,9 @@ class EngineWeightSync:
         self.sender = sender
         self.board = ProgressBoard(ray.util.get_node_ip_address(), self.members)
         refs = self._impl.connect(sender, self.sync_id, self.board.address())
+        self._inflight = refs  # a member lost while the group forms: abort() waits for the others to give up
         get_all_fail_fast(refs, self.timeout_s, ["the sender (rank 0)"] + self.labels)
+        self._inflight = []
         self.connected = True
 
     def close(self) -> None:
