@@ -69,18 +69,25 @@ class WeightSyncExtension:
             self._shape_expected = checkpoint_tensor_names(self.model_runner.model_config.model)
         tied, expected = self._shape_tied, self._shape_expected
 
+        broken: list[BaseException] = []
+
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in tensors:
-                stats["bytes"] += t.numel() * t.element_size()
-                stats["tensors"] += 1
-                names.add(name)
-                yield name, t
+            try:
+                for name, t in tensors:
+                    stats["bytes"] += t.numel() * t.element_size()
+                    stats["tensors"] += 1
+                    names.add(name)
+                    yield name, t
+            except Exception as err:  # the transport broke (a member lost): end the stream, raise after the reload
+                broken.append(err)
 
         stream = counted() if tied is None else stream_with_tied_head(counted(), *tied)
         if not hasattr(self, "_shape_moe_repacked"):
             self._shape_moe_repacked = repack_moe_experts_on_reload(self._shape_model())
         t0 = time.perf_counter()
         self.reload_weights(weights_iterator=stream)
+        if broken:  # vLLM's reload interrupted by an exception leaves its layers unprocessed, and every later reload
+            raise broken[0]  # fails ("no attribute weight_loader"); ended, it processes them and the next sync works
         missing = missing_tensors(expected, names, tied)
         if missing:
             raise RuntimeError(

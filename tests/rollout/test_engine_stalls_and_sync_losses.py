@@ -37,7 +37,9 @@ from support.weight_holder import HolderRanks, TensorHolder
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-STALL_S = 8.0  # --rollout.engine_stall_timeout here: a tiny model's engine step takes milliseconds
+# --rollout.engine_stall_timeout here: a tiny model's engine step takes milliseconds, but an engine's first forward
+# (its kernels' set-up) took 8 s on this 2-core machine under a load of 7; the fixture runs that first call
+STALL_S = 20.0
 SYNC_BOUND_S = 10.0  # --rollout.weight_sync_timeout here
 QUESTIONS = [f"Compute {a} plus {a + 5}, then explain every step in words; box it." for a in range(4)]
 LONG = SamplingConfig(n=2, max_tokens=512, temperature=1.0, logprobs=True, seed=4242)  # minutes of work: a loss 1 s in finds it unfinished
@@ -50,6 +52,7 @@ def group(ray_local, tiny_model_dir):
     cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32")
     g = start_engines(cfg, 2, platform=cpu_platform(threads_per_engine=1), num_cpus_per_engine=0.5, max_restarts=10,
                       stall_timeout_s=STALL_S)
+    g.generate([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], SamplingConfig(max_tokens=4, seed=0))  # each engine: its first forward
     yield g
     g.shutdown()
 
