@@ -33,6 +33,11 @@ whatever transport brought the tensors:
   the new weights, 0.7 to 1.0 vs the old, on a tiny Qwen3-MoE). :func:`repack_moe_experts_on_reload`
   makes every such layer's reload run the experts' packing step again, as its first load did
   (:meth:`WeightSyncExtension._shape_load` installs it before the first reload).
+* **A broken stream still ends the reload.** When the transport fails mid-sync (a member of the group died or was
+  killed for stalling), the stream ends where it broke, the reload completes with what arrived, and the error is
+  raised after it: vLLM's layer-wise reload interrupted by an exception leaves its layers unprocessed, and every
+  later reload of that engine fails ("'Parameter' object has no attribute 'weight_loader'", measured), so the sync
+  done again after a replacement (``cluster/lifecycle.py:Lifecycle.sync_weights``) could not reach the survivors.
 * **The stream covers the model.** After the reload, every tensor of the engine's checkpoint must
   have arrived (a layer that received nothing keeps its old tensors with only a warning, and after
   sleep level 2 those are garbage): otherwise the load raises, naming what is missing.
