@@ -30,7 +30,10 @@ and the sync; not colocated it stays on its own GPUs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from openrlhf_shape.weight_sync.driver import WeightSyncError, lost_engine
 
 ALL_STATES = ("params", "grads", "optimizer")
 SLEEP_LEVEL = 2
@@ -109,23 +112,43 @@ class Lifecycle:
     def sync_weights(self, step: int | None = None) -> dict[str, float]:
         """After the update of ``step`` (named if the sync fails): new weights into every engine. Refused while
         the engines work on a request batch (asynchronous training overlaps generation with the update):
-        weights stream in between batches, never under a running request."""
+        weights stream in between batches, never under a running request. An engine that dies or holds the sync
+        up past ``--rollout.weight_sync_timeout`` is replaced (``EngineGroup.recover``, within
+        ``--rollout.max_engine_restarts``), the group re-formed with it and the sync done again from its start."""
         if self.engines.busy:
             raise RuntimeError(f"weight sync after step {step} requested while the engines are generating; the "
                                "asynchronous schedule must wait for the engines' side of the step first")
         if self.colocate:
             self._do("megatron.offload(grads,optimizer)", self.ranks.offload_states, ("grads", "optimizer"))
             self._do("engines.wake(weights)", self.engines.wake_up, ["weights"])
-        if self.sync.engines != self.engines.engines:  # an engine was replaced since the sync group formed
-            self._do("sync.reconnect", self.sync.reconnect, self.engines.engines)
-        return self._do("sync", self.sync.sync, self.ranks, self.bucket_bytes, step)
+        with self.engines.during("weight sync", step):
+            while True:
+                t0 = time.monotonic()
+                try:
+                    if self.sync.engines != self.engines.engines:  # an engine was replaced since the group formed
+                        self._do("sync.reconnect", self.sync.reconnect, self.engines.engines)
+                    metrics = self._do("sync", self.sync.sync, self.ranks, self.bucket_bytes, step)
+                    return {**metrics, **self.engines.fault_metrics()}  # the step's line counts a loss in its sync
+                except WeightSyncError as err:
+                    self._replace_lost(err, t0)
+
+    def _replace_lost(self, err: WeightSyncError, t0: float) -> None:
+        """The engine a failed sync (``err``, started at monotonic ``t0``) lost is killed, the sync's other calls
+        awaited (``EngineWeightSync.abort``) and the engine replaced (its weights come with the sync that follows);
+        ``err`` itself when the failure lies elsewhere (the sender, the transport, an engine's own error)."""
+        e = lost_engine(err)
+        if e is None or getattr(self.engines, "launcher", None) is None:
+            raise err
+        dead = self.sync.engines[e]
+        self._do(f"sync.abort(engine {e})", self.sync.abort, e)
+        self._do(f"engines.recover({e})", self.engines.recover, e, dead, err, t0, 0, True)
 
     def restore_engine(self, e: int, handle) -> None:
         """Engine ``e``'s replacement (``EngineGroup.recover``, mid-rollout) gets the weights the other engines
         hold, streamed from the ranks to it alone: under the synchronous schedule the ranks hold exactly those until
         the step's update (the asynchronous schedules' ranks are ahead: not for them). Colocated, the ranks'
         parameters come to the device for the stream, as for a forward."""
-        one = self.sync.for_engines([handle])
+        one = self.sync.for_engines([handle], [e])
         try:
             self._do(f"sync.connect(engine {e} alone)", one.connect, self.sync.sender)
             if self.colocate:

@@ -59,11 +59,20 @@ class RolloutSection:
     # group's forming may take). Past it, or as soon as an engine dies mid-sync, the run stops naming who holds
     # the sync up, the bucket and the step (a hang otherwise). openrlhf_shape/weight_sync/README.md
     weight_sync_timeout: float = 600.0
-    # Engine actors the run may replace when one dies during generation or probes (rollout/group.py, EngineGroup.recover):
-    # a new one on the same bundle, its share of the call sent again with the same request seeds. 0 (default): a dead
-    # engine stops the run, as before. After a weight sync the replacement gets the ranks' weights (synchronous schedule
-    # only: the asynchronous schedules' ranks are ahead of the engines, so there a death after the first sync stops).
+    # Engine actors the run may replace when one dies or stalls (--rollout.engine_stall_timeout) during generation,
+    # probes, eval or a weight sync (rollout/group.py, EngineGroup.recover): a new one on the same bundle, its share of
+    # the call sent again with the same request seeds (a sync: the group re-formed and the sync done again). 0
+    # (default): a lost engine stops the run, as before. After a sync the replacement gets the ranks' weights
+    # (synchronous schedule); the asynchronous schedules' ranks are ahead, so there the other engines take its share
+    # and it joins at the next sync (with a single engine the run stops).
     max_engine_restarts: int = 0
+    # Seconds an engine may go without one step of its engine loop during a call (generation, probes, eval, the
+    # fidelity scores) before it counts as dead: killed and, within --rollout.max_engine_restarts, replaced with its
+    # share sent again (rollout/watch.py); 0: not watched (a hung engine hangs the run). 300: a step is one forward
+    # of the running batch, milliseconds to seconds (a whole long prefill on CPU, tens of seconds), so five minutes
+    # without one is a hang (a stopped process, a collective or driver fault), not slowness. Engine start (a GPU
+    # engine compiles for minutes) is not a call and is not bounded by this.
+    engine_stall_timeout: float = 300.0
     num_gpus: int | None = None  # disaggregated engine pool; None: vllm.num_engines x vllm.tensor_parallel_size
     # prompt + response tokens of one forward-only micro-batch (old log-probs, entropy) on one data-parallel rank;
     # None: --train.max_tokens_per_gpu (OpenRLHF's rule). No gradients or optimizer in flight: it may be larger.

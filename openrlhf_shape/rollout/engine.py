@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -288,6 +289,9 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
             self.start_time_s = time.perf_counter() - t0
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        self.engine_steps = 0  # steps of vLLM's engine loop so far: the progress a stall watch reads
+        self._count_engine_steps()
+        self._reporting: threading.Event | None = None
         self._asleep = False  # weights asleep (sleep level 1: on host, level 2: discarded)
         self._kv_asleep = False
 
@@ -401,6 +405,10 @@ class VLLMEngine:
         self.reset_prefix_cache()
         return list(stats)
 
+    def drop_weight_receiver(self, sync_id: str) -> None:
+        """Every worker forgets its part of sync ``sync_id`` (re-formed after an engine was replaced, or closed)."""
+        self.llm.collective_rpc("shape_drop_receiver", args=(sync_id,))
+
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Run a worker-extension method (``rollout/worker_ext.py``) on every worker of this engine; each
         worker's result. What tools and tests reach the workers by (``tests/support/engine_weights.py``)."""
@@ -457,6 +465,49 @@ class VLLMEngine:
 
     def get_block_size(self) -> int:
         return self.block_size
+
+    # ---- progress (the group's stall watch: rollout/watch.py) -------------------------------------------
+    def _count_engine_steps(self) -> None:
+        """Count every step of vLLM's engine loop: ``LLM.generate`` runs ``llm_engine.step()`` until no request is
+        left (``vllm/entrypoints/common/offline.py:_run_engine``), one scheduler step (a forward of the running
+        batch, or with the engine core in another process one batch of its outputs) each. A hung engine stops
+        counting, a busy one counts every few milliseconds to seconds."""
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def counted(*args: Any, **kwargs: Any):
+            out = step(*args, **kwargs)
+            self.engine_steps += 1
+            return out
+
+        engine.step = counted
+
+    def report_progress(self, address: dict[str, Any], key: str, every_s: float) -> bool:
+        """Write :attr:`engine_steps` to the driver's store (``address``: host, port) under ``key`` every
+        ``every_s`` seconds, from a thread of this process, until the process ends or the store is gone. A thread
+        and not a method the driver calls: a Ray actor runs one call at a time, and ``generate`` is the one running.
+        A stopped process (SIGSTOP), one hung holding the interpreter, or an engine loop hung inside a step all
+        leave the count where it was."""
+        if self._reporting is not None:
+            self._reporting.set()  # a second call (a new store): the old thread stops
+        stop = self._reporting = threading.Event()
+
+        def beat() -> None:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            try:
+                store = dist.TCPStore(address["host"], int(address["port"]), None, False,
+                                      timeout=timedelta(seconds=60))
+                while not stop.is_set():
+                    store.set(key, str(self.engine_steps))
+                    stop.wait(every_s)
+            except Exception:  # the driver's store is gone: nobody watches
+                return
+
+        threading.Thread(target=beat, name=f"progress {key}", daemon=True).start()
+        return True
 
     def ready(self) -> float:
         """Seconds the engine took to start (also a Ray readiness probe)."""

@@ -18,6 +18,7 @@ from typing import Any
 from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
+from openrlhf_shape.rollout.watch import EngineStalled, StallWatch
 
 log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console and train.log)
 RESTARTS_FLAG = "--rollout.max_engine_restarts"
@@ -103,21 +104,25 @@ def start_engines(
     in_process: bool = False,
     platform: Platform,
     max_restarts: int = 0,
+    stall_timeout_s: float = 0.0,
     **ray_options: Any,
 ) -> "EngineGroup":
     """The one engine factory: ``num_engines`` engines behind an :class:`EngineGroup`, in this
     process (``in_process=True``: one engine) or as Ray actors (:class:`RayEngineLauncher`, which
     takes ``ray_options``: ``placement``, resource overrides, ``extra_env``; ``wait_ready``: await their start).
     ``platform``: the run's profile (a caller without a driver passes ``detect_platform(...)``).
-    ``max_restarts``: how many dead Ray engines the group may replace this run (``--rollout.max_engine_restarts``)."""
+    ``max_restarts``: how many dead Ray engines the group may replace this run (``--rollout.max_engine_restarts``);
+    ``stall_timeout_s``: seconds a Ray engine may go without an engine step during a call before it counts as dead
+    (``--rollout.engine_stall_timeout``; 0: not watched)."""
     if in_process:
-        if num_engines != 1 or ray_options or max_restarts:
+        if num_engines != 1 or ray_options or max_restarts or stall_timeout_s:
             raise ValueError("an in-process engine group holds exactly one engine and takes no Ray options "
                              "(nor restarts: its engine dies with this process)")
         return EngineGroup([VLLMEngine(cfg, platform)])
     wait_ready = ray_options.pop("wait_ready", True)
     launcher = RayEngineLauncher(cfg, platform=platform, **ray_options)
-    return EngineGroup(launcher.start_all(num_engines, wait_ready), launcher=launcher, max_restarts=max_restarts)
+    return EngineGroup(launcher.start_all(num_engines, wait_ready), launcher=launcher, max_restarts=max_restarts,
+                       stall_timeout_s=stall_timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -126,14 +131,26 @@ def start_engines(
 
 
 class EngineLostError(RuntimeError):
-    """An engine actor died and the group could not replace it (budget spent, no launcher, no way to restore
-    the weights, or the replacement did not start): names the engine (``engine``) and the phase and step
-    (``where``). The run stops; re-running the command resumes from the newest complete checkpoint."""
+    """An engine actor died or stalled and the group could not replace it (budget spent, no launcher, no way to
+    restore the weights nor another engine holding them, or the replacement did not start): names the engine
+    (``engine``) and the phase and step (``where``). The run stops; re-running the command resumes from the newest complete checkpoint."""
 
     def __init__(self, message: str, engine: int, where: str):
         super().__init__(f"{message}. The run stops here; re-run the same command to resume from the newest "
                          "complete checkpoint (--ckpt.output_dir).")
         self.engine, self.where = engine, where
+
+
+def _loss(cause: BaseException) -> tuple[str, str]:
+    """How an engine was lost and the detail, for the console and :class:`EngineLostError`: ``("died",
+    "ActorDiedError")``, ``("stopped making progress", "no engine step for 30 s (--rollout.engine_stall_timeout
+    30 s)")``, or from a weight sync's error its own verdict (died, or stalled at a bucket)."""
+    if isinstance(cause, EngineStalled):
+        return "stopped making progress", str(cause)
+    if getattr(cause, "bucket", None) is not None:  # a weight sync's stall verdict (weight_sync/driver.py)
+        return "stalled", f"held the sync up at bucket {cause.bucket} past --rollout.weight_sync_timeout"
+    inner = cause.__cause__ if cause.__cause__ is not None else cause
+    return "died", type(inner).__name__
 
 
 def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None:
@@ -154,14 +171,17 @@ class EngineGroup:
     and for how long it has worked (``clock.seconds()``): the colocation lifecycle refuses a weight sync
     while the engines generate, and the trainer reports the engines' idle time per step.
 
-    Ray engines made with a ``launcher`` survive the death of an actor during ``generate`` or ``score``: the
-    group starts a new one on the same bundle, hands it the current weights and re-sends the dead engine's
-    share of the call, each request with its own seed, so a seeded call returns what it would have without the
-    failure (:meth:`recover`; at most ``max_restarts`` times a run, ``--rollout.max_engine_restarts``).
+    Ray engines made with a ``launcher`` survive the death of an actor during ``generate`` or ``score``, and with
+    ``stall_timeout_s`` > 0 an actor that makes no engine step for that long during one (``rollout/watch.py``): the
+    group kills it, starts a new one on the same bundle and re-sends the lost share of the call, each request with
+    its own seed, so a seeded call returns what it would have without the failure (:meth:`recover`; at most
+    ``max_restarts`` times a run, ``--rollout.max_engine_restarts``). The replacement gets the current weights
+    (``restore_weights``) or, where nothing can hand them over (the asynchronous schedules after a sync), stays out
+    of service (``serving``) until the next weight sync reaches it, and the share goes to an engine that holds them.
     """
 
     def __init__(self, engines: Sequence, launcher: RayEngineLauncher | None = None, max_restarts: int = 0,
-                 restore_weights: Callable[[int, Any], None] | None = None):
+                 restore_weights: Callable[[int, Any], None] | None = None, stall_timeout_s: float = 0.0):
         if len(engines) == 0:
             raise ValueError("EngineGroup needs at least one engine")
         if max_restarts < 0:
@@ -175,6 +195,7 @@ class EngineGroup:
         self.start_timeout_s = 1800.0  # the longest a replacement may take to start (a GPU engine compiles)
         self._where = threading.local()  # (phase, step) of the calls this thread makes: :meth:`during`
         self._recovering = threading.Lock()  # the asynchronous schedule calls from two threads
+        self.serving = [True] * len(self.engines)  # False: a replacement waiting for the next sync's weights
         try:
             from ray.actor import ActorHandle
 
@@ -183,6 +204,13 @@ class EngineGroup:
             self.remote = [False] * len(self.engines)
         if any(self.remote) and not all(self.remote):
             raise ValueError("EngineGroup engines must be all in-process or all Ray actors, not mixed")
+        self.watch: StallWatch | None = None  # engines' progress during calls (--rollout.engine_stall_timeout)
+        if stall_timeout_s and all(self.remote):
+            import ray
+
+            self.watch = StallWatch(ray.util.get_node_ip_address(), stall_timeout_s)
+            for e, handle in enumerate(self.engines):
+                self.watch.watch(e, handle)
         self._affinity: dict[Hashable, int] = {}
         self._tokenizer = None
         self.clock = BusyClock()  # engines at work: a generate or score in flight
@@ -200,7 +228,7 @@ class EngineGroup:
         self, prompt_token_ids: Sequence[Sequence[int]], n: int, affinity_keys: Sequence[Hashable] | None = None
     ) -> list[int]:
         """Engine index per prompt: known keys keep their engine; new keys (largest first) go to the
-        least loaded engine by tokens x n."""
+        least loaded engine by tokens x n. Only engines in service (:attr:`serving`) get prompts."""
         if affinity_keys is None:
             affinity_keys = [tuple(ids) for ids in prompt_token_ids]
         if len(affinity_keys) != len(prompt_token_ids):
@@ -209,11 +237,14 @@ class EngineGroup:
         key_cost: dict[Hashable, float] = {}
         for key, ids in zip(affinity_keys, prompt_token_ids):
             key_cost[key] = key_cost.get(key, 0.0) + (len(ids) + 1) * n
+        live = [e for e in range(len(self.engines)) if self.serving[e]]
+        for key in [k for k in key_cost if k in self._affinity and not self.serving[self._affinity[k]]]:
+            del self._affinity[key]  # its engine is out of service until the next sync
         for key, cost in key_cost.items():
             if key in self._affinity:
                 load[self._affinity[key]] += cost
         for key in sorted((k for k in key_cost if k not in self._affinity), key=lambda k: -key_cost[k]):
-            e = min(range(len(load)), key=lambda j: load[j])
+            e = min(live, key=lambda j: load[j])
             self._affinity[key] = e
             load[e] += key_cost[key]
         return [self._affinity[k] for k in affinity_keys]
@@ -260,9 +291,12 @@ class EngineGroup:
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         """What the engines COMPUTE for given sequences: for each, the log-prob (temperature 1) of every token
-        after its prefix (``L - 1`` values for ``L`` tokens; :meth:`VLLMEngine.score`). Sequence i goes to engine
-        ``i % len(self)``, so a check covers every engine when it sends at least that many sequences."""
-        per_engine = [list(range(e, len(token_ids), len(self.engines))) for e in range(len(self.engines))]
+        after its prefix (``L - 1`` values for ``L`` tokens; :meth:`VLLMEngine.score`). Sequence i goes to the
+        ``i % n``-th of the ``n`` engines in service, so a check covers every one when it sends at least n sequences."""
+        live = [e for e in range(len(self.engines)) if self.serving[e]]
+        per_engine: list[list[int]] = [[] for _ in self.engines]
+        for i in range(len(token_ids)):
+            per_engine[live[i % len(live)]].append(i)
         with self.clock.working():
             if all(self.remote):
                 done = self._call_shares(per_engine, lambda h, idxs: h.score.remote([token_ids[i] for i in idxs]))
@@ -279,9 +313,11 @@ class EngineGroup:
     def forget_affinity(self) -> None:
         """New weights: which engine caches which prompt prefix no longer matters (each engine reset
         its prefix cache when it loaded them), and an engine started from the model directory would not hold
-        them (a replacement needs ``restore_weights``: :meth:`recover`)."""
+        them (a replacement needs ``restore_weights``: :meth:`recover`). Every engine holds them now: a replacement
+        that waited out of service for them (:attr:`serving`) is back in."""
         self._affinity.clear()
         self.weights_from_directory = False
+        self.serving = [True] * len(self.engines)
 
     # ---- recovery ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -307,57 +343,118 @@ class EngineGroup:
 
     def _call_shares(self, per_engine: list[list[int]], call: Callable[[Any, list[int]], Any]) -> list:
         """``call(handle, idxs)`` (a Ray ref) for every engine's non-empty share, awaited; a share whose engine
-        actor died goes again to its replacement (:meth:`recover`). Each engine's result (None: no share)."""
+        actor died, or stalled (:attr:`watch`), goes again to its replacement or, when that waits for the next
+        sync's weights, to an engine in service (:meth:`recover`). Each share's result by its engine (None: none)."""
         import ray
 
         results: list = [None] * len(self.engines)
-        sent = {e: (self.engines[e], time.monotonic()) for e, idxs in enumerate(per_engine) if idxs}
-        pending = {call(h, per_engine[e]): e for e, (h, _) in sent.items()}
+        pending: dict = {}  # ref -> (share, engine running it, its handle, monotonic seconds sent)
+
+        def send(share: int, k: int) -> None:
+            pending[call(self.engines[k], per_engine[share])] = (share, k, self.engines[k], time.monotonic())
+            if self.watch is not None:
+                self.watch.sent(k)
+
+        for e, idxs in enumerate(per_engine):
+            if idxs:
+                send(e, e)
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            e = pending.pop(done[0])
-            try:
-                results[e] = ray.get(done[0])
-            except ray.exceptions.ActorDiedError as err:
-                self.recover(e, sent[e][0], err, sent[e][1], len(per_engine[e]))
-                sent[e] = (self.engines[e], time.monotonic())
-                pending[call(self.engines[e], per_engine[e])] = e
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=None if self.watch is None else self.watch.poll_s())
+            for ref, cause in self._lost(done, pending, results):
+                share, k, handle, sent = pending.pop(ref)
+                self.recover(k, handle, cause, sent, len(per_engine[share]))
+                send(share, self._target(share, pending, per_engine))
         return results
 
-    def recover(self, e: int, dead: Any, cause: BaseException, sent: float, requests: int) -> None:
-        """Replace engine ``e``, whose actor ``dead`` died (``cause``) on a call sent at ``sent`` (monotonic seconds)
-        with ``requests`` prompts or sequences: a new actor on its bundle (``launcher``) given the weights the others
-        hold (``restore_weights`` after a sync). One console line; :class:`EngineLostError` past the budget or when
-        the replacement cannot start. Another thread's call that saw the same death finds it replaced already."""
+    def _lost(self, done: list, pending: dict, results: list) -> list:
+        """The calls lost with their engine: ``(ref, cause)`` for a finished ref whose actor died (the others' results
+        go into ``results`` by share) or, when none finished, for every call of an engine the watch finds stalled."""
+        import ray
+
+        lost = []
+        for ref in done:
+            try:
+                results[pending[ref][0]] = ray.get(ref)
+                pending.pop(ref)
+            except ray.exceptions.ActorDiedError as err:
+                lost.append((ref, err))
+        if not done and self.watch is not None:
+            stalled = self.watch.stalled({k for _, k, _, _ in pending.values()})
+            lost += [(ref, EngineStalled(k, stalled[k], self.watch.timeout_s))
+                     for ref, (_, k, _, _) in pending.items() if k in stalled]
+        return lost
+
+    def _target(self, share: int, pending: dict, per_engine: list[list[int]]) -> int:
+        """Where a lost share goes again: its engine's replacement, or (out of service until the next sync) the engine
+        in service with the fewest prompts in flight; the same request seeds give the same tokens on any engine."""
+        if self.serving[share]:
+            return share
+        load = {k: 0 for k in range(len(self.engines)) if self.serving[k]}
+        for s, k, _, _ in pending.values():
+            load[k] = load.get(k, 0) + len(per_engine[s])
+        return min(load, key=lambda k: load[k])
+
+    def recover(self, e: int, dead: Any, cause: BaseException, sent: float, requests: int,
+                weights_follow: bool = False) -> None:
+        """Replace engine ``e``, whose actor ``dead`` died or stalled (``cause``) on a call sent at ``sent`` (monotonic
+        seconds) with ``requests`` prompts or sequences: a new actor on its bundle (``launcher``) holding the weights
+        the others hold (from the model directory; ``restore_weights`` after a sync; else out of service until the
+        next sync, :attr:`serving`). ``weights_follow``: a weight sync lost it and brings them (``Lifecycle``). One
+        console line; :class:`EngineLostError` past the budget, when nothing can give the replacement the weights
+        nor take its share, or when it cannot start. Another thread's call that saw the same loss finds it
+        replaced already."""
         with self._recovering:
             if self.engines[e] is not dead:
                 return
-            self._recover(e, cause, sent, requests)
+            self._recover(e, cause, sent, requests, weights_follow)
 
-    def _recover(self, e: int, cause: BaseException, sent: float, requests: int) -> None:
+    def _recover(self, e: int, cause: BaseException, sent: float, requests: int, weights_follow: bool) -> None:
         where = self.where("a call")
-        what = f"engine {e} died during {where} ({type(cause).__name__})"
+        verb, detail = _loss(cause)
+        what = f"engine {e} {verb} during {where} ({detail})"
         if self.launcher is None:
             raise EngineLostError(f"{what}; this engine group was made from actor handles, without a launcher to "
                                   "start a replacement (start_engines makes one)", e, where) from cause
         if self.restarts >= self.max_restarts:
             raise EngineLostError(f"{what}; {RESTARTS_FLAG} {self.max_restarts} spent ({self.restarts} replaced "
                                   f"this run): raise it to let the run replace more engines", e, where) from cause
-        if not self.weights_from_directory and self.restore_weights is None:
-            raise EngineLostError(f"{what}; the engines hold synced weights and nothing can hand them to a "
-                                  "replacement (the trainer streams them from the ranks under the synchronous schedule "
-                                  "only: the asynchronous schedules' ranks are ahead of the engines)", e, where) from cause
+        how = self._weights_for(e, what, where, cause, weights_follow)
         t0 = time.monotonic()
-        self.engines[e] = self._replacement(e, what, where, cause)
+        self.engines[e] = self._replacement(e, what, where, cause, restore=how == "ranks")
+        self.serving[e] = how != "survivors"
         now = time.monotonic()
         self.restarts += 1
         self.seconds_lost += now - sent
-        log.warning("%s: replaced on its bundle in %.1f s, its share of the call (%d prompts or sequences) sent "
-                    "again (restart %d of %d, %s); %.1f s lost", what, now - t0, requests, self.restarts,
-                    self.max_restarts, RESTARTS_FLAG, now - sent)
+        then = {"sync": "the weight sync starts again with it in its group",
+                "survivors": f"its share of the call ({requests} prompts or sequences) sent to the engines that hold "
+                             "the current weights (same request seeds), the replacement joins at the next weight sync"
+                }.get(how, f"its share of the call ({requests} prompts or sequences) sent again")
+        log.warning("%s: replaced on its bundle in %.1f s, %s (restart %d of %d, %s); %.1f s lost", what, now - t0,
+                    then, self.restarts, self.max_restarts, RESTARTS_FLAG, now - sent)
 
-    def _replacement(self, e: int, what: str, where: str, cause: BaseException):
-        """A started actor for engine ``e`` holding the group's weights, the dead one killed (its bundle freed)."""
+    def _weights_for(self, e: int, what: str, where: str, cause: BaseException, weights_follow: bool) -> str:
+        """How engine ``e``'s replacement comes to hold the weights the others hold: ``directory`` (no sync yet),
+        ``sync`` (the sync that lost it brings them), ``ranks`` (``restore_weights``: the synchronous schedule's ranks
+        stream them) or ``survivors`` (nothing can: it waits for the next sync while the engines in service take its
+        share). :class:`EngineLostError` when none applies."""
+        if weights_follow:
+            return "sync"
+        if self.weights_from_directory:
+            return "directory"
+        if self.restore_weights is not None:
+            return "ranks"
+        if any(self.serving[k] for k in range(len(self.engines)) if k != e):
+            return "survivors"
+        raise EngineLostError(
+            f"{what}; no other engine holds the synced weights to take its share, and nothing can hand them to a "
+            "replacement (the asynchronous schedule's ranks are ahead of the engines): run more engines "
+            "(--vllm.num_engines > 1, so that the others take a dead engine's share until the next sync) or the "
+            "synchronous schedule (without --train.async_enable, whose ranks stream the weights to a replacement)",
+            e, where) from cause
+
+    def _replacement(self, e: int, what: str, where: str, cause: BaseException, restore: bool):
+        """A started actor for engine ``e`` (given the group's weights with ``restore``), the lost one killed (its
+        bundle freed; a stalled one stops holding it), reporting its progress to :attr:`watch`."""
         import ray
 
         ray.kill(self.engines[e], no_restart=True)
@@ -365,13 +462,15 @@ class EngineGroup:
         try:
             new = self.launcher.start(e)
             ray.get(new.ready.remote(), timeout=self.start_timeout_s)
-            if not self.weights_from_directory:
+            if restore:
                 self.restore_weights(e, new)
         except Exception as err:
             if new is not None:
                 ray.kill(new, no_restart=True)  # its bundle share back
             raise EngineLostError(f"{what}; its replacement could not start ({type(err).__name__}: {err}); "
                                   f"{RESTARTS_FLAG} cannot help here", e, where) from cause
+        if self.watch is not None:
+            self.watch.watch(e, new)
         return new
 
     # ---- fan-out helpers ----------------------------------------------------------------------------

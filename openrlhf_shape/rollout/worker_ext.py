@@ -33,6 +33,11 @@ whatever transport brought the tensors:
   the new weights, 0.7 to 1.0 vs the old, on a tiny Qwen3-MoE). :func:`repack_moe_experts_on_reload`
   makes every such layer's reload run the experts' packing step again, as its first load did
   (:meth:`WeightSyncExtension._shape_load` installs it before the first reload).
+* **A broken stream still ends the reload.** When the transport fails mid-sync (a member of the group died or was
+  killed for stalling), the stream ends where it broke, the reload completes with what arrived, and the error is
+  raised after it: vLLM's layer-wise reload interrupted by an exception leaves its layers unprocessed, and every
+  later reload of that engine fails ("'Parameter' object has no attribute 'weight_loader'", measured), so the sync
+  done again after a replacement (``cluster/lifecycle.py:Lifecycle.sync_weights``) could not reach the survivors.
 * **The stream covers the model.** After the reload, every tensor of the engine's checkpoint must
   have arrived (a layer that received nothing keeps its old tensors with only a warning, and after
   sleep level 2 those are garbage): otherwise the load raises, naming what is missing.
@@ -69,18 +74,25 @@ class WeightSyncExtension:
             self._shape_expected = checkpoint_tensor_names(self.model_runner.model_config.model)
         tied, expected = self._shape_tied, self._shape_expected
 
+        broken: list[BaseException] = []
+
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in tensors:
-                stats["bytes"] += t.numel() * t.element_size()
-                stats["tensors"] += 1
-                names.add(name)
-                yield name, t
+            try:
+                for name, t in tensors:
+                    stats["bytes"] += t.numel() * t.element_size()
+                    stats["tensors"] += 1
+                    names.add(name)
+                    yield name, t
+            except Exception as err:  # the transport broke (a member lost): end the stream, raise after the reload
+                broken.append(err)
 
         stream = counted() if tied is None else stream_with_tied_head(counted(), *tied)
         if not hasattr(self, "_shape_moe_repacked"):
             self._shape_moe_repacked = repack_moe_experts_on_reload(self._shape_model())
         t0 = time.perf_counter()
         self.reload_weights(weights_iterator=stream)
+        if broken:  # vLLM's reload interrupted by an exception leaves its layers unprocessed, and every later reload
+            raise broken[0]  # fails ("no attribute weight_loader"); ended, it processes them and the next sync works
         missing = missing_tensors(expected, names, tied)
         if missing:
             raise RuntimeError(
@@ -112,6 +124,11 @@ class WeightSyncExtension:
             raise RuntimeError(f"weight sync {sync_id!r} received before shape_init_receiver (connect the sync first)")
         cls, state, timeout_s = entry
         return self._shape_load(cls.stream(self, state, timeout_s))
+
+    def shape_drop_receiver(self, sync_id: str) -> bool:
+        """Forget this worker's part of sync ``sync_id`` (its group re-formed or closed): a collective's sockets
+        close with it."""
+        return self.__dict__.get("_shape_receivers", {}).pop(sync_id, None) is not None
 
     # ---- inspection (tests) -------------------------------------------------------------------------
     def shape_capture_loaded_weights(self, enable: bool = True) -> bool:

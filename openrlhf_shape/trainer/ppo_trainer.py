@@ -188,7 +188,8 @@ class ShapeTrainer:
                                   max_tokens=self.cfg.rollout.max_new_tokens, seed=derive_seed(seed, EVAL))
         log.info("held-out eval: %d problems x %d samples at T %.2f (up to %d tokens each)", len(items), n,
                  e.temperature, sampling.max_tokens)
-        gens = self.run.cluster.engines.generate([list(it.prompt_ids) for it in items], sampling)
+        with self.run.cluster.engines.during("eval", step):  # a dead or stalled engine is replaced, named so
+            gens = self.run.cluster.engines.generate([list(it.prompt_ids) for it in items], sampling)
         tok = self.run.tokenizer
         judged = self.run.reward.compute(
             queries=[tok.decode(list(items[g.prompt_index].prompt_ids) + list(g.token_ids), skip_special_tokens=False)

@@ -310,6 +310,7 @@ class Transport:
     def __init__(self, engines: list, engine_tp: int, backend: str, timeout_s: float, pin_memory: bool = False):
         self.engines, self.engine_tp, self.backend, self.timeout_s = list(engines), int(engine_tp), backend, timeout_s
         self.pin_memory = bool(pin_memory)
+        self.labels = [f"engine {i}" for i in range(len(self.engines))]  # the driver names them (their group index)
 
     @classmethod
     def refusal(cls, layout: SyncLayout) -> str | None:
@@ -344,7 +345,7 @@ class Transport:
         sender_part, engine_parts = self.parts(sender)
         common = {"progress": progress, "module": type(self).__module__}
         sender_part = {**sender_part, **common, "member": SENDER}
-        engine_parts = [{**part, **common, "member": f"engine {i}"} for i, part in enumerate(engine_parts)]
+        engine_parts = [{**part, **common, "member": label} for label, part in zip(self.labels, engine_parts)]
         return ([sender.init_weight_sender.remote(self.name, sync_id, sender_part, self.timeout_s)]
                 + [e.init_weight_receiver.remote(self.name, sync_id, part, self.timeout_s)
                    for e, part in zip(self.engines, engine_parts)])

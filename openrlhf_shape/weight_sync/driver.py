@@ -15,6 +15,7 @@ group forget its prefix affinity.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Protocol
@@ -157,6 +158,17 @@ def _failure(where: str, first: tuple[str, BaseException], pending: list, label_
     return err
 
 
+def lost_engine(err: WeightSyncError) -> int | None:
+    """The engine (its index in the group) a failed sync lost: one engine whose actor died or that held the sync up
+    past the bound (a stall verdict); None when the failure lies elsewhere (the sender, the transport, an engine's
+    own error, which a replacement would repeat)."""
+    import ray
+
+    m = re.fullmatch(r"engine (\d+)", err.who or "")
+    died = isinstance(err.__cause__, ray.exceptions.ActorDiedError)
+    return int(m.group(1)) if m is not None and (died or err.bucket is not None) else None
+
+
 def _error_of(ref) -> BaseException | None:
     """The exception a finished ref raises, or None."""
     import ray
@@ -183,15 +195,19 @@ class EngineWeightSync:
             keeps completing buckets never times out. The sides' own waits: :func:`side_wait_s`.
         pin_memory: the platform's ``Platform.pin_memory`` (GPU): the object-store sender stages each bucket
             through one reusable pinned host buffer (``staging.py``).
+        indices: the engines' indices in the trainer's group, which errors and the progress board name them by
+            (default ``0..len(engines) - 1``; a replacement's own sync: ``[e]``).
     """
 
     def __init__(self, engines: list, engine_tp: int, transport: str = "collective", backend: str = "gloo",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, pin_memory: bool = False):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, pin_memory: bool = False, indices: list[int] | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"--rollout.weight_sync {transport!r}: choose one of {', '.join(TRANSPORTS)}")
         self.transport, self.timeout_s, self.engine_tp = transport, timeout_s, int(engine_tp)
         self.backend, self.pin_memory = backend, pin_memory
         self.sender = None  # what connect() was handed: a reconnect forms the sync again with it
+        self.labels = [f"engine {i}" for i in (range(len(engines)) if indices is None else indices)]
+        self._inflight: list = []  # the last sync's calls (a failed one's are awaited by abort())
         self._over(engines)
 
     def _over(self, engines: list) -> None:
@@ -199,26 +215,43 @@ class EngineWeightSync:
         self.engines = list(engines)
         self._impl = TRANSPORTS[self.transport](self.engines, self.engine_tp, self.backend, side_wait_s(self.timeout_s),
                                                 self.pin_memory)
-        self.members = [SENDER] + [worker_member(f"engine {i}", r) for i in range(len(self.engines))
-                                   for r in range(self.engine_tp)]
+        self._impl.labels = self.labels
+        self.members = [SENDER] + [worker_member(label, r) for label in self.labels for r in range(self.engine_tp)]
         self.sync_id = f"{self.transport}-{uuid.uuid4().hex[:8]}"  # the sender and workers keep their part under it
         self.connected = False
         self.board: ProgressBoard | None = None
 
-    def for_engines(self, engines: list) -> "EngineWeightSync":
-        """A sync of the same transport and settings over ``engines`` only (not connected): a replacement engine's
-        own sync (``cluster/lifecycle.py:Lifecycle.restore_engine``)."""
-        return EngineWeightSync(engines, self.engine_tp, self.transport, self.backend, self.timeout_s, self.pin_memory)
+    def for_engines(self, engines: list, indices: list[int]) -> "EngineWeightSync":
+        """A sync of the same transport and settings over ``engines`` only, named by their ``indices`` in the group
+        (not connected): a replacement engine's own sync (``cluster/lifecycle.py:Lifecycle.restore_engine``)."""
+        return EngineWeightSync(engines, self.engine_tp, self.transport, self.backend, self.timeout_s, self.pin_memory,
+                                indices)
 
     def reconnect(self, engines: list) -> None:
         """Form the sync again over ``engines`` with the sender :meth:`connect` was handed: an engine of the old
-        group died and was replaced (``rollout/group.py:EngineGroup.recover``); the old group is left as it is (a
-        member is gone, so nothing is torn down through it)."""
+        group died and was replaced (``rollout/group.py:EngineGroup.recover``). The old group's parts are freed on
+        the sender and the engines still alive (:meth:`close`)."""
         if self.sender is None:
             raise RuntimeError("EngineWeightSync.reconnect before connect()")
         self.close()
         self._over(engines)
         self.connect(self.sender)
+
+    def abort(self, e: int) -> None:
+        """After a sync that lost engine ``e`` (:func:`lost_engine`): kill its actor, free the group (the sides still
+        waiting in it then fail at once) and wait, at most :func:`side_wait_s`, for the sync's other calls to end, so
+        that a sync over a re-formed group finds the sender and the engines idle. :class:`WeightSyncError` if one
+        still runs then."""
+        import ray
+
+        ray.kill(self.engines[e], no_restart=True)
+        self.close()
+        refs, self._inflight = self._inflight, []
+        _, left = ray.wait(refs, num_returns=len(refs), timeout=side_wait_s(self.timeout_s)) if refs else ([], [])
+        if left:
+            raise WeightSyncError(f"weight sync: {len(left)} call(s) of the sync that lost engine {e} still run "
+                                  f"{side_wait_s(self.timeout_s):.0f} s after it was killed; the sync cannot start "
+                                  f"again under them. {RESUME}", self.labels[e], None)
 
     def connect(self, sender) -> None:
         """Hand the sender (``init_weight_sender``) and every engine (``init_weight_receiver``) their part of
@@ -229,13 +262,23 @@ class EngineWeightSync:
         self.sender = sender
         self.board = ProgressBoard(ray.util.get_node_ip_address(), self.members)
         refs = self._impl.connect(sender, self.sync_id, self.board.address())
-        get_all_fail_fast(refs, self.timeout_s, ["the sender (rank 0)"] + [f"engine {i}" for i in range(len(refs) - 1)])
+        self._inflight = refs  # a member lost while the group forms: abort() waits for the others to give up
+        get_all_fail_fast(refs, self.timeout_s, ["the sender (rank 0)"] + self.labels)
+        self._inflight = []
         self.connected = True
 
     def close(self) -> None:
+        """Free this sync: the transport's driver side, the board, and (not awaited) the sender's and every engine
+        worker's part, so a group re-formed after a replacement leaves no sockets, buffers or threads behind."""
         self._impl.close()
         if self.board is not None:
             self.board.close()
+            self.board = None
+        if self.connected:
+            self.connected = False
+            self.sender.drop_weight_sender.remote(self.sync_id)
+            for engine in self.engines:
+                engine.drop_weight_receiver.remote(self.sync_id)  # a dead one's call fails, unread
 
     def sync(self, ranks: SendingRanks, bucket_bytes: int, step: int | None = None) -> dict[str, float]:
         """One sync (after training step ``step``, named in errors): receivers started on every engine, then
@@ -244,8 +287,7 @@ class EngineWeightSync:
         the sync up when no bucket completed for ``timeout_s``."""
         if not self.connected:
             raise RuntimeError("EngineWeightSync.sync before connect()")
-        states = get_all_fail_fast([e.state.remote() for e in self.engines], self.timeout_s,
-                                   [f"engine {i}" for i in range(len(self.engines))], step)
+        states = get_all_fail_fast([e.state.remote() for e in self.engines], self.timeout_s, self.labels, step)
         asleep = [i for i, st in enumerate(states) if not st["weights_awake"]]
         if asleep:  # refuse before any sender starts (it would otherwise wait for the group timeout)
             raise RuntimeError(f"weight sync targets engines {asleep} whose weights are asleep; the colocation "
@@ -254,8 +296,10 @@ class EngineWeightSync:
         recv = [e.receive_weights.remote(self.sync_id) for e in self.engines]
         send = list(ranks.start_weight_stream(self.sync_id, bucket_bytes))
         labels = [f"actor rank {i}" + (" (the sender)" if i == 0 else "") for i in range(len(send))]
-        labels += [f"engine {i}" for i in range(len(recv))]
+        labels += self.labels
+        self._inflight = send + recv
         out = get_all_fail_fast(send + recv, self.timeout_s, labels, step, progress=self.board)
+        self._inflight = []
         metrics = dict(out[0] or {})
         per_worker = [w for r in out[len(send):] for w in r]
         metrics["sync/receivers"] = float(len(per_worker))

@@ -25,6 +25,14 @@ class WeightSenderMixin:
         senders[sync_id] = transport_class(transport, part).make_sender(part, timeout_s)
         return True
 
+    def drop_weight_sender(self, sync_id: str) -> bool:
+        """Forget the sender of sync ``sync_id`` (its group re-formed or closed; ``driver.EngineWeightSync.close``):
+        what it holds goes (a collective's sockets close, so members still waiting in it fail at once)."""
+        sender = self.__dict__.get("_weight_senders", {}).pop(sync_id, None)
+        if sender is not None:
+            sender.close()
+        return sender is not None
+
     def stream_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], sync_id: str,
                        model_bytes: int | None = None, bucket_bytes: int | None = None) -> dict[str, float]:
         """Send every bucket as it comes out of ``buckets`` (``bucket_bytes``: their limit, which sizes a host

@@ -234,3 +234,10 @@ def test_max_engine_restarts_defaults_to_zero_and_refuses_a_negative_budget():
     assert load_config(None, ["--rollout.max_engine_restarts", "3"]).rollout.max_engine_restarts == 3
     with pytest.raises(ValueError, match=r"--rollout\.max_engine_restarts: -1: use 0"):
         load_config(None, ["--rollout.max_engine_restarts", "-1"])
+
+
+def test_engine_stall_timeout_defaults_to_five_minutes_and_refuses_a_negative_bound():
+    assert load_config(None, []).rollout.engine_stall_timeout == 300.0
+    assert load_config(None, ["--rollout.engine_stall_timeout", "0"]).rollout.engine_stall_timeout == 0.0  # off
+    with pytest.raises(ValueError, match=r"--rollout\.engine_stall_timeout: -1(\.0)?: use 0"):
+        load_config(None, ["--rollout.engine_stall_timeout", "-1"])
