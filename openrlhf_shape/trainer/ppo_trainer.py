@@ -76,6 +76,7 @@ class ShapeTrainer:
         # complete checkpoint this run wrote or resumed (and its step)
         self._step, self._done, self._mid_update, self._done_batcher = 0, 0, False, {}
         self._own_ckpt: str | None = None
+        self._t_start = time.time()
         self._saved_step = -1
         # --train.max_restarts: rank-group restarts so far, the seconds they cost, the last death's time (monotonic)
         self.rank_restarts, self.rank_seconds_lost, self._lost_since = 0, 0.0, None
@@ -189,7 +190,7 @@ class ShapeTrainer:
                 "run): raise it to let the run restart its ranks, or re-run the same command to resume from the "
                 "newest complete checkpoint (--ckpt.output_dir)")
         self.rank_restarts += 1
-        path = self._own_ckpt
+        path = self._newest_own_checkpoint()
         log.warning("%s at step %d: restarting the rank groups on their bundles and resuming from %s (restart %d of "
                     "%d, --train.max_restarts); the engines are kept and re-synced", death, step,
                     path or "step 0 (no complete checkpoint yet)", self.rank_restarts, budget)
@@ -199,6 +200,16 @@ class ShapeTrainer:
         self.length_alarm = LengthCollapseAlarm(self.cfg.shape.length_alarm_fraction, self.cfg.shape.length_alarm_window)
         self._lost_since = self._lost_since if self._lost_since is not None else t_death
         return path
+
+    def _newest_own_checkpoint(self) -> str | None:
+        """The newest complete checkpoint this invocation wrote (one completed as its rank died counts) or resumed;
+        never another run's left in the folder (``--ckpt.resume none``)."""
+        from openrlhf_shape.checkpoint_dir import latest_checkpoint
+
+        newest = latest_checkpoint(self.ckpt_root)
+        if newest is not None and (newest == self._own_ckpt or os.path.getmtime(newest) >= self._t_start):
+            return newest
+        return self._own_ckpt
 
     def _checkpoint_before_stop(self) -> None:
         """An engine is lost for good (``EngineLostError``): the ranks are alive, so the last completed step gets a
