@@ -234,3 +234,10 @@ def test_max_engine_restarts_defaults_to_zero_and_refuses_a_negative_budget():
     assert load_config(None, ["--rollout.max_engine_restarts", "3"]).rollout.max_engine_restarts == 3
     with pytest.raises(ValueError, match=r"--rollout\.max_engine_restarts: -1: use 0"):
         load_config(None, ["--rollout.max_engine_restarts", "-1"])
+
+
+def test_max_restarts_defaults_to_zero_and_refuses_a_negative_budget():
+    assert load_config(None, []).train.max_restarts == 0  # a dead rank stops the run, as before
+    assert load_config(None, ["--train.max_restarts", "2"]).train.max_restarts == 2
+    with pytest.raises(ValueError, match=r"--train\.max_restarts: -1: use 0"):
+        load_config(None, ["--train.max_restarts", "-1"])
