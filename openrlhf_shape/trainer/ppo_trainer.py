@@ -118,7 +118,7 @@ class ShapeTrainer:
 
     def _fit_from(self, path: str | None, restarted: bool = False) -> None:
         """The steps after checkpoint ``path`` (None: from step 0); each step's metrics go to ``self.history``."""
-        cfg, run = self.cfg, self.run
+        cfg, run, schedule = self.cfg, self.run, self.run.schedule  # a restart makes a new schedule and comes back here
         start = self._resume(path, restarted)
         self.history = [h for h in self.history if h["step"] <= start]  # a restart redoes the steps after ``start``
         self._done, self._mid_update = start, False
@@ -132,7 +132,7 @@ class ShapeTrainer:
                 self._count_seconds_lost()
                 # generate, rewards, logprobs, segment, probes, advantages; async: made ahead, engines start the next
                 kl_coef = None if self.kl_controller is None else float(self.kl_controller.value)
-                exp = run.schedule.experience(step, rec, kl_coef)
+                exp = schedule.experience(step, rec, kl_coef)
                 self._update(step, exp, rec)
                 if _due(step, cfg.eval.steps):
                     rec.phase("eval", self.evaluate, step)
@@ -150,13 +150,13 @@ class ShapeTrainer:
 
     def _update(self, step: int, exp, rec: StepLog) -> None:
         """The step's update and weight sync (none when every group was filtered)."""
-        run, cluster = self.run, self.run.cluster
+        run, cluster, schedule = self.run, self.run.cluster, self.run.schedule
         if len(exp):
             run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
             self._mid_update = True  # the ranks' weights are past the last completed step until the step ends
             rec.phase("to_update", cluster.lifecycle.before_update)  # colocated: engines sleep, ranks onload
             rec.phase("train", self.train, exp, step)
-        run.schedule.settle(rec, updated=bool(len(exp)))  # async: wait for the engines' side of the step
+        schedule.settle(rec, updated=bool(len(exp)))  # async: wait for the engines' side of the step
         if len(exp):
             rec.phase("sync", self.sync, step)
             rec.phase("to_rollout", cluster.lifecycle.after_sync)  # colocated: ranks offload, engines wake
