@@ -75,6 +75,7 @@ class ShapeTrainer:
         # weights are past it (between its update and its end), the data position it ended at, and the newest
         # complete checkpoint this run wrote or resumed (and its step)
         self._step, self._done, self._mid_update, self._done_batcher = 0, 0, False, {}
+        self._batcher_start: dict = {}  # the data position at step 0 (a restart with no checkpoint starts over there)
         self._own_ckpt: str | None = None
         self._t_start = time.time()
         self._saved_step = -1
@@ -366,9 +367,9 @@ class ShapeTrainer:
                 log.info("no complete checkpoint under %s: starting from step 0", self.ckpt_root)
             if not restarted:
                 lifecycle.start()
-                self._done_batcher = dict(self.run.batcher.state_dict())
+                self._done_batcher = self._batcher_start = dict(self.run.batcher.state_dict())
                 return 0
-            self.run.batcher.load_state_dict(self._done_batcher)  # still the start's: no step completed since
+            self.run.batcher.load_state_dict(self._batcher_start)  # the data's start (steps may have completed since)
             self.kl_controller = self.cfg.kl_controller() if self.run.kl is not None else None
             step = 0
         else:

@@ -7,6 +7,9 @@ checkpointed by schedule).
   own, as a user runs it) stops with the error's message and no traceback, exit code non-zero, and leaves a checkpoint
   of step 1 although the schedule would not have written one (trainer/ppo_trainer.py ``_checkpoint_before_stop``);
   the same command with ``--ckpt.resume auto`` resumes from it and finishes with the uninterrupted run's metrics.
+* A rank killed before the run's first checkpoint (``--train.max_restarts 1``): the restart starts over from step 0
+  (its console line says so), the engines kept and given the fresh ranks' initial weights, and the run equals the
+  uninterrupted one (the rank-restart module, test_rank_restart_e2e.py, resumes from a checkpoint).
 * A run stopped during its final HF export (the last step checkpointed, no ``hf/``, a half-written ``hf.tmp`` beside
   it): the rerun resumes at the last step, trains nothing, and writes ``hf/``: the uninterrupted run's export.
 """
@@ -118,3 +121,21 @@ def test_a_rerun_after_a_kill_during_the_hf_export_writes_it(tmp_path, uninterru
     a, b = _weights(os.path.join(uninterrupted["dir"], "hf")), _weights(os.path.join(run_dir, "hf"))
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert os.path.isfile(os.path.join(run_dir, "hf", "config.json"))
+
+
+def test_a_rank_killed_before_any_checkpoint_restarts_from_step_0(tmp_path, uninterrupted, tied_model_dir,
+                                                                   parity_reward_file, ray_once):
+    from test_rank_restart_e2e import _kill_rank_after_step_1
+
+    run_dir = str(tmp_path / "run")
+    flags = _stop_flags(tied_model_dir, parity_reward_file, run_dir) + ["--train.max_restarts", "1"]
+    trainer, lines, seen = _kill_rank_after_step_1(flags)
+    assert "error" not in seen, f"{seen.get('error')!r}\n" + "\n".join(lines[-30:])
+    said = [ln for ln in lines if "restarting the rank groups" in ln]
+    assert len(said) == 1 and "resuming from step 0 (no complete checkpoint yet) (restart 1 of 1" in said[0], said
+    assert seen["engines_after"] == seen["engines"]
+    got = _metrics(run_dir)
+    assert_engine_ran_trained_policy(got)  # the engines were handed the fresh ranks' initial weights for step 1
+    assert [got[s]["fault/rank_restarts"] for s in (1, 2)] == [1.0, 1.0]  # both steps ran after the restart
+    drop = lambda m: {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in m.items()}  # noqa: E731
+    assert_repeats_the_run(drop(uninterrupted["metrics"]), drop(got))
