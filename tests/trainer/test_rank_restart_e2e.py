@@ -55,10 +55,11 @@ def _has_step_1(metrics_path: str) -> bool:
         return False
 
 
-def _kill_rank_after_step_1(flags: list[str]) -> tuple[object, list[str], dict]:
+def _kill_rank_after_step_1(flags: list[str], in_sync_of: int | None = None) -> tuple[object, list[str], dict]:
     """The command's run in this process (``ShapeTrainer`` set up, ``fit``, shut down) with actor rank 0's process
-    SIGKILLed once step 1's line is in ``metrics.jsonl``. Returns the trainer (after ``fit`` or its error: the error
-    re-raised after shut-down), its log lines and what the test saw (pids, engine handles)."""
+    SIGKILLed once step 1's line is in ``metrics.jsonl`` or, with ``in_sync_of``, as the weight sync after that step
+    starts (the sender dead when the engines wait for its first bucket). Returns the trainer, its log lines and what
+    the test saw (pids, engine handles, the error ``fit`` raised)."""
     from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
 
@@ -81,7 +82,18 @@ def _kill_rank_after_step_1(flags: list[str]) -> tuple[object, list[str], dict]:
             os.kill(seen["pid"], signal.SIGKILL)
             seen["killed_at"] = time.time()
 
-        killer = threading.Thread(target=kill, daemon=True)
+        if in_sync_of is None:
+            killer = threading.Thread(target=kill, daemon=True)
+        else:  # the trainer's sync phase, which streams the weights from rank 0, entered with rank 0 killed
+            real_sync, killer = trainer.sync, threading.Thread(target=lambda: None)
+
+            def sync_after_a_kill(step: int):
+                if step == in_sync_of and "killed_at" not in seen:
+                    os.kill(seen["pid"], signal.SIGKILL)
+                    seen["killed_at"] = time.time()
+                return real_sync(step)
+
+            trainer.sync = sync_after_a_kill
         killer.start()
         try:
             trainer.fit()
@@ -120,6 +132,23 @@ def test_a_killed_rank_restarts_and_the_run_repeats_the_uninterrupted_one(tmp_pa
     # the prompts trained, in order, and every step's metrics but the wall clock's and the restart count: as uninterrupted
     ref = {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in uninterrupted["metrics"].items()}
     assert_repeats_the_run(ref, {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in got.items()})
+
+
+def test_a_rank_killed_as_the_weight_sync_starts_restarts_and_the_run_repeats(tmp_path, uninterrupted, tied_model_dir,
+                                                                              parity_reward_file, ray_once):
+    """The sender (rank 0) dead when step 2's sync starts: the sync fails naming it (``WeightSyncError``), the engines'
+    receivers give up on the dead sender, and the restart forms the sync again with the new rank 0."""
+    run_dir = str(tmp_path / "run")
+    flags = _restart_flags(tied_model_dir, parity_reward_file, run_dir) + ["--train.max_restarts", "1"]
+    _, lines, seen = _kill_rank_after_step_1(flags, in_sync_of=2)
+    assert "error" not in seen, f"{seen.get('error')!r}\n" + "\n".join(lines[-30:])
+    said = [ln for ln in lines if "restarting the rank groups" in ln]
+    assert len(said) == 1 and said[0].startswith("actor rank 0 died during the weight sync") and "step_000001" in said[0], said
+    assert seen["engines_after"] == seen["engines"]
+    got = _metrics(run_dir)
+    assert_engine_ran_trained_policy(got)
+    drop = lambda m: {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in m.items()}  # noqa: E731
+    assert_repeats_the_run(drop(uninterrupted["metrics"]), drop(got))
 
 
 def test_past_max_restarts_a_dead_rank_stops_the_run_naming_it(tmp_path, tied_model_dir, parity_reward_file, ray_once):
