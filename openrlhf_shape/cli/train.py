@@ -63,11 +63,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape train: error: {exc}")
 
+    from openrlhf_shape.rollout import EngineLostError
     from openrlhf_shape.trainer.experience import FilteringExhausted
+    from openrlhf_shape.trainer.ppo_trainer import RankLostError
 
     try:
         summary = run_training(cfg)
-    except FilteringExhausted as exc:  # the data could not fill a batch: the message names the flags, no traceback
+    except (FilteringExhausted, EngineLostError, RankLostError) as exc:
+        # the data could not fill a batch, an engine or a rank is lost past its budget: the message names the
+        # flags (and the engine or rank, the step), no traceback; the run checkpointed what it could
         raise SystemExit(f"openrlhf-shape train: stopped: {exc}") from None
     except (ValueError, KeyError, FileNotFoundError) as exc:
         if not _names_a_flag(exc):

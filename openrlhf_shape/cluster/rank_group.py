@@ -10,6 +10,7 @@ torch.distributed rendezvous. Nothing here knows which backend runs.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import ray
@@ -61,6 +62,10 @@ class RankActor(WeightSenderMixin):
                                           master_addr=master_addr, master_port=master_port, platform=self.platform)
         return True
 
+    def pid(self) -> int:
+        """This rank's process id (a test SIGKILLs it to show the trainer's recovery, ``--train.max_restarts``)."""
+        return os.getpid()
+
     def platform_profile(self) -> dict:
         """The profile this rank runs under (as handed), and the torch threads it set."""
         return {**self.platform.to_dict(), "torch_threads": torch.get_num_threads()}
@@ -81,6 +86,19 @@ class RankActor(WeightSenderMixin):
         return self.stream_weights(buckets, sync_id, bucket_bytes=bucket_bytes)
 
 
+GRACE_S = 5.0  # after a rank's call failed: how long the others may take to show that a rank died (the cause)
+
+
+class RankDiedError(RuntimeError):
+    """A rank's actor died (a Ray ``RayActorError``: its process was killed, OOM, its node lost) during a call into
+    the group: names the rank (``who``, e.g. ``actor rank 1``) and the call. The trainer restarts the rank groups and
+    resumes from the newest complete checkpoint (``--train.max_restarts``), or stops naming it."""
+
+    def __init__(self, who: str, method: str, cause: BaseException):
+        super().__init__(f"{who} died during {method} ({type(cause).__name__})")
+        self.who, self.method = who, method
+
+
 class RankGroup:
     """All ranks of the actor model (or of the reference model), each a :class:`RankActor` hosting a ``worker``.
 
@@ -97,24 +115,64 @@ class RankGroup:
 
     def __init__(self, worker: str, cfg: Any, world_size: int, placement, platform: Platform,
                  reference: bool = False):
-        from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
-
         planned = len(placement.plan.refs if reference else placement.plan.ranks)
         if planned != world_size:
             flag = "--ref.num_nodes x --ref.num_gpus_per_node" if reference else "--actor.num_nodes x --actor.num_gpus_per_node"
             raise ValueError(f"placement plan has {planned} ranks, {flag} = {world_size}")
         self.worker, self.cfg, self.world_size, self.platform = worker, cfg, world_size, platform
-        self.reference = reference
-        handed = platform.to_dict()
-        self.actors, self.rendezvous = spawn_rank_actors(
-            placement, ray.remote(RankActor), num_cpus=platform.cpus_per_rank, reference=reference,
-            args_for_rank=lambda r: (worker, cfg, r, world_size, handed))
-        ray.get([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors])
+        self.reference, self.placement = reference, placement
+        self.actors: list = []
+        self._spawn()
         self.clock = BusyClock()  # ranks at work (a call in flight); the weight stream is timed by the sync
+
+    @property
+    def name(self) -> str:
+        return "reference" if self.reference else "actor"
+
+    def _spawn(self) -> None:
+        """One fresh actor per rank on its bundle, connected (rank 0's node serves the rendezvous)."""
+        from openrlhf_shape.cluster.ray_placement import spawn_rank_actors
+
+        handed = self.platform.to_dict()
+        self.actors, self.rendezvous = spawn_rank_actors(
+            self.placement, ray.remote(RankActor), num_cpus=self.platform.cpus_per_rank, reference=self.reference,
+            args_for_rank=lambda r: (self.worker, self.cfg, r, self.world_size, handed))
+        self._gather([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors], "connect")
+
+    def restart(self) -> None:
+        """Kill every rank's actor (a dead one's peers may hang in a collective) and start new ones on the same
+        bundles, connected but without a model: the caller builds it again (``init_model`` / ``init_reference``)."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self._spawn()
 
     def _all(self, method: str, *args) -> list:
         with self.clock.working():
-            return ray.get([a.call.remote(method, *args) for a in self.actors])
+            return self._gather([a.call.remote(method, *args) for a in self.actors], method)
+
+    def _gather(self, refs: list, method: str) -> list:
+        """``ray.get`` of one call's refs (rank order), failing as soon as one fails: a rank whose actor died raises
+        :class:`RankDiedError` (preferred for :data:`GRACE_S` after another rank's failure, which a peer's death
+        causes: its collective breaks), so the trainer sees the death instead of waiting on the survivors."""
+        rank_of = {r.hex(): i for i, r in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as err:
+                raise RankDiedError(f"{self.name} rank {rank_of[done[0].hex()]}", method, err) from err
+            except Exception:
+                more, _ = ray.wait(pending, num_returns=len(pending), timeout=GRACE_S) if pending else ([], [])
+                for r in more:
+                    try:
+                        ray.get(r)
+                    except ray.exceptions.RayActorError as err:
+                        raise RankDiedError(f"{self.name} rank {rank_of[r.hex()]}", method, err) from err
+                    except Exception:
+                        pass
+                raise
+        return ray.get(refs)
 
     def init_model(self, hf_dir: str) -> dict:
         return self._all("init_model", hf_dir)[0]

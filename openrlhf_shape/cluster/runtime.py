@@ -100,3 +100,20 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
 def connect_sync(rt: ClusterRuntime) -> None:
     """After the actor's model exists: form the sync group (rank 0 sends)."""
     rt.sync.connect(rt.ranks.actors[0])
+
+
+def restart_ranks(rt: ClusterRuntime, model_dir: str) -> None:
+    """A rank died (``--train.max_restarts``): every rank group torn down and started again on its bundles, the models
+    built from ``model_dir`` (the caller then loads the newest complete checkpoint), and the weight sync formed again
+    over the same engines (kept: not restarted) with the new rank 0 as its sender. The lifecycle keeps its phase."""
+    rt.ranks.restart()
+    log.info("actor: %s", rt.ranks.init_model(model_dir))
+    if rt.refs is not None:
+        rt.refs.restart()
+        log.info("reference model (%d ranks): %s", rt.refs.world_size, rt.refs.init_reference(model_dir))
+    try:
+        rt.sync.close()  # its sender is gone: what closes here is this process's side (and the progress board)
+    except Exception as exc:  # noqa: BLE001 - a half-dead group must not stop the recovery
+        log.debug("closing the old weight sync: %s", exc)
+    rt.sync = rt.lifecycle.sync = rt.sync.for_engines(rt.engines.engines)
+    connect_sync(rt)

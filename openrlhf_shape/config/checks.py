@@ -73,6 +73,8 @@ def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
           f"{r.max_engine_restarts}: use 0 (a dead engine stops the run) or how many dead engines the run may replace")
     _need(r.engine_stall_timeout >= 0, "rollout.engine_stall_timeout",
           f"{r.engine_stall_timeout}: use 0 (engines not watched) or the seconds an engine may go without a step in a call")
+    _need(cfg.train.max_restarts >= 0, "train.max_restarts",
+          f"{cfg.train.max_restarts}: use 0 (a dead rank stops the run) or how many times the run may restart its ranks")
     _need(r.max_logprob_gap >= 0, "rollout.max_logprob_gap",
           f"{r.max_logprob_gap}: use 0 (warn past the dtype's expected gap) or a gap in nats past which the run stops")
     transport = TRANSPORTS.get(r.weight_sync)  # what each needs of the layout: weight_sync.choose_transport

@@ -131,6 +131,9 @@ class TrainSection:
     num_episodes: int | None = None  # passes over the prompt set; when set, num_steps = episodes x prompts // batch
     num_steps: int = 360
     stop_after_steps: int | None = None  # run at most this many steps in this invocation (tests, time limits)
+    # Times the run may restart its rank groups when an actor or reference rank dies (trainer/ppo_trainer.py): same
+    # bundles, resumed from the newest complete checkpoint, the engines kept and re-synced. 0: a dead rank stops the run.
+    max_restarts: int = 0
     ray_address: str | None = None  # None: start a local Ray; "auto": join `ray start --head`
     gpus_per_node: int = 8  # GPUs per cluster node (placement keeps TP groups and engines inside one)
     num_nodes: int | None = None  # cluster nodes; None: as many as the layout needs (checked against Ray)

@@ -29,7 +29,7 @@ from openrlhf_shape.trainer.phases import PHASES, PhaseOutput, StepLog
 from openrlhf_shape.trainer.report import write_report
 from openrlhf_shape.trainer.setup import Run, build_run, resolve_model_dir
 
-__all__ = ["PHASES", "ShapeTrainer", "resolve_model_dir", "run_training", "step_line", "write_report"]
+__all__ = ["PHASES", "RankLostError", "ShapeTrainer", "resolve_model_dir", "run_training", "step_line", "write_report"]
 
 
 # An update's per-token means (actor/micro_batch_loss.py step_metrics): over the step they are weighted by each
@@ -70,6 +70,17 @@ class ShapeTrainer:
         # handed to the schedule for the batches it makes (trainer/schedule.py)
         self.kl_controller: KLController | None = None
         self.length_alarm = LengthCollapseAlarm(cfg.shape.length_alarm_fraction, cfg.shape.length_alarm_window)
+        self.history: list[dict] = []  # this invocation's steps (the report's)
+        # What a stop or a restart needs to know: the step in progress and the last completed one, whether the ranks'
+        # weights are past it (between its update and its end), the data position it ended at, and the newest
+        # complete checkpoint this run wrote or resumed (and its step)
+        self._step, self._done, self._mid_update, self._done_batcher = 0, 0, False, {}
+        self._batcher_start: dict = {}  # the data position at step 0 (a restart with no checkpoint starts over there)
+        self._own_ckpt: str | None = None
+        self._t_start = time.time()
+        self._saved_step = -1
+        # --train.max_restarts: rank-group restarts so far, the seconds they cost, the last death's time (monotonic)
+        self.rank_restarts, self.rank_seconds_lost, self._lost_since = 0, 0.0, None
 
     def setup(self) -> None:
         check_resume(self.cfg)  # a checkpoint this run cannot continue is refused before Ray and the engines start
@@ -81,45 +92,156 @@ class ShapeTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
-        cfg, run, schedule, cluster = self.cfg, self.run, self.run.schedule, self.run.cluster
-        start = self._resume()
+        """Train from the checkpoint ``--ckpt.resume`` names to ``--train.num_steps``, then the HF export and the report.
+
+        A rank that dies (an actor or reference rank's Ray actor: :func:`rank_death`) ends the step; up to
+        ``--train.max_restarts`` times a run the rank groups start again on their bundles and the loop goes on from the
+        newest complete checkpoint this run wrote or resumed (step 0 without one), the engines kept and re-synced
+        (:meth:`_restart_ranks`); past the budget :class:`RankLostError`. An engine the rollout cannot replace
+        (``EngineLostError``) stops the run after a checkpoint of the last completed step (:meth:`_checkpoint_before_stop`)."""
+        from openrlhf_shape.rollout import EngineLostError
+
+        path = resume_checkpoint(self.cfg)
+        while True:
+            try:
+                self._fit_from(path, restarted=self.rank_restarts > 0)
+                break
+            except Exception as exc:
+                if _in_chain(exc, EngineLostError) is not None:
+                    self._checkpoint_before_stop()
+                    raise
+                death = rank_death(exc)
+                if death is None:
+                    raise
+                path = self._restart_ranks(death)
+        self._export_hf()
+        return write_report(self.run_dir, self.history, self.run.setup_seconds)
+
+    def _fit_from(self, path: str | None, restarted: bool = False) -> None:
+        """The steps after checkpoint ``path`` (None: from step 0); each step's metrics go to ``self.history``."""
+        cfg, run, schedule = self.cfg, self.run, self.run.schedule  # a restart makes a new schedule and comes back here
+        start = self._resume(path, restarted)
+        self.history = [h for h in self.history if h["step"] <= start]  # a restart redoes the steps after ``start``
+        self._done, self._mid_update = start, False
         logger, steps = self._open_log(start), self._steps(start)
         if start == 0:
             self._val_before_train(logger)
-        history: list[dict] = []
         t_loop, self._busy = time.perf_counter(), self._busy_seconds()
         try:
             for step in steps:
-                rec = StepLog()
+                self._step, rec = step, StepLog()
+                self._count_seconds_lost()
                 # generate, rewards, logprobs, segment, probes, advantages; async: made ahead, engines start the next
                 kl_coef = None if self.kl_controller is None else float(self.kl_controller.value)
                 exp = schedule.experience(step, rec, kl_coef)
-                if len(exp):
-                    run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
-                    rec.phase("to_update", cluster.lifecycle.before_update)  # colocated: engines sleep, ranks onload
-                    rec.phase("train", self.train, exp, step)
-                schedule.settle(rec, updated=bool(len(exp)))  # async: wait for the engines' side of the step
-                if len(exp):
-                    rec.phase("sync", self.sync, step)
-                    rec.phase("to_rollout", cluster.lifecycle.after_sync)  # colocated: ranks offload, engines wake
-                else:
-                    log.warning("step %d: every group was filtered (no reward variance); no update", step)
-                    rec.metrics["actor/updates"] = 0.0
+                self._update(step, exp, rec)
                 if _due(step, cfg.eval.steps):
                     rec.phase("eval", self.evaluate, step)
                 self.length_alarm.update(step, rec.metrics)  # before the checkpoint, which keeps the line so far
+                rec.metrics.update(self.fault_metrics())
                 if _due(step, cfg.ckpt.save_steps) or step == cfg.train.num_steps:
                     rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step, rec.metrics)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
                 eta = (time.perf_counter() - t_loop) / (step - start) * (steps[-1] - step)
                 self._report_step(step, metrics, exp.samples, logger, eta)  # adds the idle shares
-                history.append({"step": step, **metrics})  # after: the report shows what metrics.jsonl holds
+                self.history.append({"step": step, **metrics})  # after: the report shows what metrics.jsonl holds
+                self._done, self._mid_update, self._done_batcher = step, False, dict(run.batcher.state_dict())
         finally:
             logger.close()
-        if cfg.ckpt.save_hf and history and history[-1]["step"] == cfg.train.num_steps:
-            cluster.lifecycle.around_checkpoint(cluster.ranks.export_hf, os.path.join(self.run_dir, "hf"))
-            log.info("exported the trained policy to %s", os.path.join(self.run_dir, "hf"))
-        return write_report(self.run_dir, history, run.setup_seconds)
+
+    def _update(self, step: int, exp, rec: StepLog) -> None:
+        """The step's update and weight sync (none when every group was filtered)."""
+        run, cluster, schedule = self.run, self.run.cluster, self.run.schedule
+        if len(exp):
+            run.gap_guard.check(step, rec.metrics)  # the engines ran the trained policy? (warn or stop)
+            self._mid_update = True  # the ranks' weights are past the last completed step until the step ends
+            rec.phase("to_update", cluster.lifecycle.before_update)  # colocated: engines sleep, ranks onload
+            rec.phase("train", self.train, exp, step)
+        schedule.settle(rec, updated=bool(len(exp)))  # async: wait for the engines' side of the step
+        if len(exp):
+            rec.phase("sync", self.sync, step)
+            rec.phase("to_rollout", cluster.lifecycle.after_sync)  # colocated: ranks offload, engines wake
+        else:
+            log.warning("step %d: every group was filtered (no reward variance); no update", step)
+            rec.metrics["actor/updates"] = 0.0
+
+    def fault_metrics(self) -> dict[str, float]:
+        """The run's rank-group restarts so far (``fault/rank_restarts``) and the seconds they cost
+        (``fault/rank_seconds_lost``: from each death to the start of the first step after the resume), run totals
+        of this invocation as the engines' ``fault/engine_restarts``."""
+        return {"fault/rank_restarts": float(self.rank_restarts), "fault/rank_seconds_lost": self.rank_seconds_lost}
+
+    def _count_seconds_lost(self) -> None:
+        if self._lost_since is not None:  # the first step after a restart starts: the death's cost ends here
+            self.rank_seconds_lost += time.monotonic() - self._lost_since
+            self._lost_since = None
+
+    def _restart_ranks(self, death: str) -> str | None:
+        """After ``death`` (what died, :func:`rank_death`): refuse past ``--train.max_restarts``
+        (:class:`RankLostError`), else start the rank groups again (``cluster/runtime.py:restart_ranks``: same bundles,
+        the engines kept, the sync formed again with the new rank 0) with a fresh schedule. Returns the checkpoint
+        to resume from: the newest this run wrote or resumed (None: step 0)."""
+        from openrlhf_shape.cluster.runtime import restart_ranks
+        from openrlhf_shape.trainer.setup import build_schedule
+
+        t_death, budget, step, run = time.monotonic(), self.cfg.train.max_restarts, self._step, self.run
+        if self.rank_restarts >= budget:
+            raise RankLostError(
+                f"{death} at step {step}; --train.max_restarts {budget} spent ({self.rank_restarts} restart(s) this "
+                "run): raise it to let the run restart its ranks, or re-run the same command to resume from the "
+                "newest complete checkpoint (--ckpt.output_dir)")
+        self.rank_restarts += 1
+        path = self._newest_own_checkpoint()
+        log.warning("%s at step %d: restarting the rank groups on their bundles and resuming from %s (restart %d of "
+                    "%d, --train.max_restarts); the engines are kept and re-synced", death, step,
+                    path or "step 0 (no complete checkpoint yet)", self.rank_restarts, budget)
+        run.schedule.close()  # async: the engines' side of the step ends before the new schedule takes them
+        restart_ranks(run.cluster, run.model_dir)
+        run.schedule = build_schedule(self.cfg, run.cluster, run.batcher, run.tokenizer, run.reward, run.kl)
+        self.length_alarm = LengthCollapseAlarm(self.cfg.shape.length_alarm_fraction, self.cfg.shape.length_alarm_window)
+        self._lost_since = self._lost_since if self._lost_since is not None else t_death
+        return path
+
+    def _newest_own_checkpoint(self) -> str | None:
+        """The newest complete checkpoint this invocation wrote (one completed as its rank died counts) or resumed;
+        never another run's left in the folder (``--ckpt.resume none``)."""
+        from openrlhf_shape.checkpoint_dir import latest_checkpoint
+
+        newest = latest_checkpoint(self.ckpt_root)
+        if newest is not None and (newest == self._own_ckpt or os.path.getmtime(newest) >= self._t_start):
+            return newest
+        return self._own_ckpt
+
+    def _checkpoint_before_stop(self) -> None:
+        """An engine is lost for good (``EngineLostError``): the ranks are alive, so the last completed step gets a
+        checkpoint if it has none yet (what was in flight for the step after it is dropped: a resume redoes it, from
+        the data position that step ended at). Not when the ranks are past that step (the engine died after their
+        update: eval) or under the asynchronous schedule (its batches in flight went with the engine)."""
+        step = self._done
+        if step == 0 or step == self._saved_step:
+            return
+        if self._mid_update or self.cfg.train.async_enable:
+            log.warning("an engine is lost: step %d is not checkpointed (%s); the run resumes from %s", step,
+                        "the ranks were past it" if self._mid_update else "the asynchronous schedule's batches in "
+                        "flight went with the engine", self._own_ckpt or "step 0")
+            return
+        self.run.batcher.load_state_dict(self._done_batcher)  # the position step ``step`` ended at
+        path = self.save(step, self.history[-1] if self.history else None).value
+        log.warning("an engine is lost: checkpointed step %d before stopping (%s)", step, path)
+
+    def _export_hf(self) -> None:
+        """``--ckpt.save_hf``: the trained policy to ``<run_dir>/hf`` once the run reached ``--train.num_steps``, also
+        by a rerun that resumed at the last step and trained nothing when no export is there (a kill during the
+        export). The rank workers write it atomically (``actor/hf_dir.py``: a ``.tmp`` directory renamed), so an
+        ``hf/`` that exists is whole."""
+        out = os.path.join(self.run_dir, "hf")
+        if not self.cfg.ckpt.save_hf or self._done != self.cfg.train.num_steps:
+            return
+        if os.path.isdir(out) and not any(h["step"] == self._done for h in self.history):
+            return  # this invocation did not train the last step, and its export is whole
+        cluster = self.run.cluster
+        cluster.lifecycle.around_checkpoint(cluster.ranks.export_hf, out)
+        log.info("exported the trained policy to %s", out)
 
     # ------------------------------------------------------------------ phases of the loop
     def train(self, exp, step: int) -> PhaseOutput:
@@ -230,17 +352,35 @@ class ShapeTrainer:
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.ckpt.max_num]:
             shutil.rmtree(os.path.join(self.ckpt_root, old), ignore_errors=True)
+        self._own_ckpt, self._saved_step = path, step  # what a rank-group restart resumes from
         return PhaseOutput(path, {})
 
     # ------------------------------------------------------------------ around the loop
-    def _resume(self) -> int:
-        mode = self.cfg.ckpt.resume
-        path = resume_checkpoint(self.cfg)
+    def _resume(self, path: str | None, restarted: bool = False) -> int:
+        """Load checkpoint ``path`` (None: start at step 0) into the ranks, the data position, the schedule's batches
+        in flight and the KL coefficient, and hand the engines its weights. ``restarted``: after a rank-group restart
+        (``--train.max_restarts``): from step 0 the data and the KL coefficient start over and the engines, which
+        hold a later step's weights, get the fresh ranks' initial ones."""
+        lifecycle = self.run.cluster.lifecycle
+        self._resume_row = None
         if not path:
-            if mode == "auto":
+            if self.cfg.ckpt.resume == "auto" and not restarted:
                 log.info("no complete checkpoint under %s: starting from step 0", self.ckpt_root)
-            self.run.cluster.lifecycle.start()
-            return 0
+            if not restarted:
+                lifecycle.start()
+                self._done_batcher = self._batcher_start = dict(self.run.batcher.state_dict())
+                return 0
+            self.run.batcher.load_state_dict(self._batcher_start)  # the data's start (steps may have completed since)
+            self.kl_controller = self.cfg.kl_controller() if self.run.kl is not None else None
+            step = 0
+        else:
+            step = self._load(path)
+        lifecycle.sync_weights(step)  # engines get the resumed weights
+        lifecycle.after_sync()  # and the run is in the rollout phase
+        return step
+
+    def _load(self, path: str) -> int:
+        """Checkpoint ``path`` into the ranks and the driver's state; returns its step."""
         extra = self.run.cluster.ranks.load_checkpoint(path)
         self.run.batcher.load_state_dict(extra["batcher"])
         self.run.schedule.load_pending(extra, self.ckpt_root)
@@ -248,10 +388,9 @@ class ShapeTrainer:
             self.kl_controller.load_state_dict(extra["kl_controller"])
         step = int(extra["step"])
         self._resume_row = extra.get("metrics_row")  # the step's line, if the run stopped before writing it
+        self._own_ckpt, self._saved_step, self._done_batcher = path, step, dict(self.run.batcher.state_dict())
         log.info("resumed from %s at step %d (data epoch %d, position %d)", path, step,
                  self.run.batcher.epoch, self.run.batcher.position)
-        self.run.cluster.lifecycle.sync_weights(step)  # engines get the resumed weights
-        self.run.cluster.lifecycle.after_sync()  # and the run is in the rollout phase
         return step
 
     def _open_log(self, start_step: int) -> MetricsLogger:
@@ -310,6 +449,39 @@ class ShapeTrainer:
 
             if ray.is_initialized():
                 ray.shutdown()
+
+
+class RankLostError(RuntimeError):
+    """A rank died and ``--train.max_restarts`` is spent: names the rank, the step and the flag (``cli/train.py``
+    ends the command with the message alone)."""
+
+
+def _in_chain(exc: BaseException | None, kind: type) -> BaseException | None:
+    """``exc`` or the exception it came from (``__cause__`` / ``__context__``, transitively) that is a ``kind``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def rank_death(exc: BaseException) -> str | None:
+    """What died when ``exc`` comes from a rank's death, e.g. ``actor rank 0 died during train_step
+    (ActorDiedError)``: a call into a rank group (``cluster/rank_group.py:RankDiedError``) or a weight sync whose
+    sender rank's actor died (``WeightSyncError``); None for anything else."""
+    import ray
+
+    from openrlhf_shape.cluster.rank_group import RankDiedError
+    from openrlhf_shape.weight_sync.driver import WeightSyncError
+
+    if (died := _in_chain(exc, RankDiedError)) is not None:
+        return str(died)
+    sync = _in_chain(exc, WeightSyncError)
+    if sync is not None and sync.who.startswith("actor rank") and isinstance(sync.__cause__, ray.exceptions.RayActorError):
+        return f"{sync.who.split(' (')[0]} died during the weight sync ({type(sync.__cause__).__name__})"
+    return None
 
 
 def checkpoint_root(cfg: TrainConfig) -> str:

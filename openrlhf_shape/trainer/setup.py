@@ -128,9 +128,7 @@ def build_run(cfg: TrainConfig) -> Run:
 
     from openrlhf_shape.rewards.computer import RewardComputer
     from openrlhf_shape.cluster.runtime import connect_sync, start_cluster
-    from openrlhf_shape.trainer.experience import ShapeExperienceMaker
     from openrlhf_shape.trainer.logprob_guard import guard_for_run
-    from openrlhf_shape.trainer.schedule import make_schedule
 
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(cfg.actor.model_name_or_path)
@@ -158,22 +156,33 @@ def build_run(cfg: TrainConfig) -> Run:
              f" and {cfg.ref.world_size(cfg.actor.world_size)} reference rank(s)" if cfg.algo.kl.enabled else "")
     # Placement plan -> placement groups -> ranks and engines on their bundles (openrlhf_shape/cluster).
     cluster = start_cluster(cfg, engine_cfg, platform)
-    engines, lifecycle = cluster.engines, cluster.lifecycle
     log.info("actor: %s", cluster.ranks.init_model(model_dir))
     if cluster.refs is not None:  # --algo.kl.init_coef > 0: the initial weights, forward only
         log.info("reference model (%d ranks): %s", cluster.refs.world_size, cluster.refs.init_reference(model_dir))
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
-    reward, sampling = RewardComputer(cfg.reward), cfg.rollout.sampling_config()
+    reward = RewardComputer(cfg.reward)
     kl = cfg.kl_penalty() if cluster.refs is not None else None
-    # The maker's forwards (old and reference log-probs) run inside the colocation lifecycle.
-    maker = ShapeExperienceMaker(cfg.advantage_estimator(), sampling, cfg.probe, engines, lifecycle.logprobs, reward,
-                                 tokenizer, shaping=cfg.reward_shaping(), rollout_correction=cfg.rollout_correction(),
-                                 agent=build_agent(cfg, tokenizer), kl=kl,
-                                 ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None)
-    schedule = make_schedule(cfg, maker, batcher, engines, sampling, tokenizer, lifecycle.logprobs)
+    schedule = build_schedule(cfg, cluster, batcher, tokenizer, reward, kl)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype)
     seconds = time.perf_counter() - t0
     log.info("set-up done in %.1f s", seconds)
     return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items,
                cluster=cluster, reward=reward, kl=kl, schedule=schedule, gap_guard=gap_guard,
                own_ray=own_ray, setup_seconds=seconds)
+
+
+def build_schedule(cfg: TrainConfig, cluster: ClusterRuntime, batcher: PromptBatcher, tokenizer, reward: RewardComputer,
+                   kl: KLPenalty | None) -> SyncSchedule:
+    """The experience maker over ``cluster``'s engines and the schedule that drives it (``--train.async_enable``):
+    at set-up, and again after the rank groups restarted (``--train.max_restarts``: nothing of the old schedule's
+    batches in flight survives; the resumed checkpoint brings them back)."""
+    from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+    from openrlhf_shape.trainer.schedule import make_schedule
+
+    engines, lifecycle, sampling = cluster.engines, cluster.lifecycle, cfg.rollout.sampling_config()
+    # The maker's forwards (old and reference log-probs) run inside the colocation lifecycle.
+    maker = ShapeExperienceMaker(cfg.advantage_estimator(), sampling, cfg.probe, engines, lifecycle.logprobs, reward,
+                                 tokenizer, shaping=cfg.reward_shaping(), rollout_correction=cfg.rollout_correction(),
+                                 agent=build_agent(cfg, tokenizer), kl=kl,
+                                 ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None)
+    return make_schedule(cfg, maker, batcher, engines, sampling, tokenizer, lifecycle.logprobs)

@@ -241,3 +241,10 @@ def test_engine_stall_timeout_defaults_to_five_minutes_and_refuses_a_negative_bo
     assert load_config(None, ["--rollout.engine_stall_timeout", "0"]).rollout.engine_stall_timeout == 0.0  # off
     with pytest.raises(ValueError, match=r"--rollout\.engine_stall_timeout: -1(\.0)?: use 0"):
         load_config(None, ["--rollout.engine_stall_timeout", "-1"])
+
+
+def test_max_restarts_defaults_to_zero_and_refuses_a_negative_budget():
+    assert load_config(None, []).train.max_restarts == 0  # a dead rank stops the run, as before
+    assert load_config(None, ["--train.max_restarts", "2"]).train.max_restarts == 2
+    with pytest.raises(ValueError, match=r"--train\.max_restarts: -1: use 0"):
+        load_config(None, ["--train.max_restarts", "-1"])

@@ -46,7 +46,12 @@ def test_the_loop_runs_the_experience_phases_through_make_experience() -> None:
     from openrlhf_shape.trainer import schedule
     from openrlhf_shape.trainer.experience import ShapeExperienceMaker
 
-    phases, calls = _calls(ppo_trainer.ShapeTrainer.fit)
+    # the loop: fit's steps (_fit_from, re-entered after a rank-group restart) with each step's update (_update)
+    (update_phases, update_calls), (loop_phases, calls) = (_calls(ppo_trainer.ShapeTrainer._update),
+                                                           _calls(ppo_trainer.ShapeTrainer._fit_from))
+    phases = update_phases + loop_phases
+    for owner, names in update_calls.items():
+        calls.setdefault(owner, []).extend(names)
     assert "maker" not in calls  # the loop asks the schedule for the step's batch
     assert calls["schedule"] == ["experience", "settle"]
     assert phases == ["to_update", "train", "sync", "to_rollout", "eval", "checkpoint"]
