@@ -111,9 +111,4 @@ def restart_ranks(rt: ClusterRuntime, model_dir: str) -> None:
     if rt.refs is not None:
         rt.refs.restart()
         log.info("reference model (%d ranks): %s", rt.refs.world_size, rt.refs.init_reference(model_dir))
-    try:
-        rt.sync.close()  # its sender is gone: what closes here is this process's side (and the progress board)
-    except Exception as exc:  # noqa: BLE001 - a half-dead group must not stop the recovery
-        log.debug("closing the old weight sync: %s", exc)
-    rt.sync = rt.lifecycle.sync = rt.sync.for_engines(rt.engines.engines)
-    connect_sync(rt)
+    rt.sync.reconnect(rt.engines.engines, sender=rt.ranks.actors[0])  # the lifecycle holds this same sync

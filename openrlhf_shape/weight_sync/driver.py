@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 from openrlhf_shape.weight_sync import DEFAULT_TIMEOUT_S, TRANSPORTS
 from openrlhf_shape.weight_sync.progress import (
@@ -227,15 +227,16 @@ class EngineWeightSync:
         return EngineWeightSync(engines, self.engine_tp, self.transport, self.backend, self.timeout_s, self.pin_memory,
                                 indices)
 
-    def reconnect(self, engines: list) -> None:
-        """Form the sync again over ``engines`` with the sender :meth:`connect` was handed: an engine of the old
-        group died and was replaced (``rollout/group.py:EngineGroup.recover``). The old group's parts are freed on
-        the sender and the engines still alive (:meth:`close`)."""
+    def reconnect(self, engines: list, sender: Any = None) -> None:
+        """Form the sync again over ``engines`` with ``sender`` (default: the one :meth:`connect` was handed): an
+        engine of the old group died and was replaced (``rollout/group.py:EngineGroup.recover``), or the ranks were
+        restarted (``cluster/runtime.py:restart_ranks``: the new rank 0). The old group's parts are freed on the old
+        sender and the engines still alive (:meth:`close`; a dead side's call fails unread)."""
         if self.sender is None:
             raise RuntimeError("EngineWeightSync.reconnect before connect()")
         self.close()
         self._over(engines)
-        self.connect(self.sender)
+        self.connect(self.sender if sender is None else sender)
 
     def abort(self, e: int) -> None:
         """After a sync that lost engine ``e`` (:func:`lost_engine`): kill its actor, free the group (the sides still
