@@ -83,16 +83,21 @@ def kill_plan(seed: int, steps: int, phases: Sequence[str], kill_rank: bool) -> 
 
 def engine_phase(title: str, state: dict[str, Any]) -> str | None:
     """The phase of the step an engine's process title (``ray::VLLMEngine.<method>``) shows, given the step's
-    ``state`` so far (updated here: ``calls`` generate calls seen, ``synced``, ``last`` title): the first generate
-    call is the rollout, later ones the probes, a weight receive the sync, a generate after it the eval."""
+    ``state`` so far (updated here: ``calls`` generate calls seen, ``synced``, ``last`` title; ``restore``: set by
+    the caller when a replacement engine appeared, until its first generate): the first generate
+    call is the rollout, later ones the probes, a weight receive after them the sync (one before them is the set-up's
+    connect or a resume's sync), a generate after it the eval."""
     method = title.split(".", 1)[1] if "." in title else ""
     new_call = title != state.get("last")
     state["last"] = title
     if method in ("receive_weights", "init_weight_receiver", "collective_rpc", "load_weights"):
+        if not state.get("calls") or state.get("restore"):  # a replacement getting its weights is no sync
+            return None
         state["synced"] = True
         return "sync"
     if method != "generate":
         return None
+    state.pop("restore", None)
     if new_call:
         state["calls"] = state.get("calls", 0) + 1
     if state.get("synced"):
@@ -121,6 +126,8 @@ IGNORED = (("time", "the wall clock"), ("time/", "the wall clock"), ("fault/", "
 REASONS = (("seconds", "a duration"), ("per_s", "a rate"), ("MBps", "a rate"), ("rss", "the sender process's memory"),
            ("idle", "a share of the wall clock"), ("prefix", "a replacement starts with an empty prefix cache"),
            ("cached", "a replacement starts with an empty prefix cache"),
+           ("computed_prompt", "a replacement starts with an empty prefix cache"),
+           ("prefill", "a replacement starts with an empty prefix cache"),
            ("sync/", "the weight sync of a step whose engine was replaced (reconnect, the lone restore)"))
 
 
@@ -210,6 +217,7 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.proc, self.out_dir, self.plan, self.max_delay = proc, out_dir, plan, max_delay
         self.events: list[dict] = []
+        self.trace: list[str] = []  # "step s: phase" at each change of the phase seen (why a kill was missed)
         self.tree: dict[int, Any] = {}
         self.stop = threading.Event()
 
@@ -232,9 +240,15 @@ class Killer(threading.Thread):
                 now = max(logged_steps(self.out_dir), default=0) + 1
                 if now != step:
                     step, state = now, {}
+                before = engines[:1]
                 engines, ranks = self._actors()
+                if before and engines[:1] and engines[:1] != before:
+                    state["restore"] = True
             titles = {pid: _title(pid) for pid in engines + ranks}
             phase = next((engine_phase(titles[p], state) for p in engines if titles.get(p)), None)
+            seen = f"step {step}: {phase}" + (" + rank" if ranks and self._in_update(titles[ranks[0]], state) else "")
+            if not self.trace or self.trace[-1] != seen:
+                self.trace.append(seen)
             for item in (i for i in self.plan if i["step"] == step and not i.get("done")):
                 if item["target"] == "engine" and phase == item["phase"] and engines:
                     self._kill(item, engines[0], titles[engines[0]])
@@ -345,7 +359,8 @@ def run_until_done(flags: list[str], out_dir: str, plan: list[dict], max_delay: 
         killer.stop.set()
         killer.join()
         killer.clean_up()
-        attempt = {"rc": rc, "kills": killer.events, "wall_s": time.time() - t0, "console": console}
+        attempt = {"rc": rc, "kills": killer.events, "wall_s": time.time() - t0, "console": console,
+                   "phases_seen": killer.trace}
         attempts.append(attempt)
         if rc == 0:
             break
@@ -437,6 +452,8 @@ def summarize(ref: dict[int, dict], chaos_rows: dict[int, dict], chaos: dict[str
         "within_bound": [x <= bound for x in per_failure],
         "replacement_start_s": [ln["replaced_s"] for ln in lines],
         "chaos_wall_s": sum(a["wall_s"] for a in chaos["attempts"]), "uninterrupted_wall_s": ref_wall_s,
+        "step_seconds": {"chaos": sum(r.get("time/step", 0.0) for r in chaos_rows.values()),
+                         "uninterrupted": sum(r.get("time/step", 0.0) for r in ref.values())},
         "kills": kill_outcomes(chaos), "fatal": chaos["fatal"],
         "missed": [{k: i[k] for k in ("step", "target", "phase")} for i in plan if not i.get("done")],
         "skipped": [{k: i[k] for k in ("step", "target", "phase")} for i in plan if i.get("done") == "skipped"],
@@ -454,8 +471,9 @@ def markdown(result: dict[str, Any]) -> str:
            f"time/sync, uninterrupted) = bound {s['bound_s']:.1f} s; replacements started in "
            f"{s['replacement_start_s']} s",
            f"restarts {s['restarts']:g}; seconds lost per failure {[round(x, 1) for x in s['seconds_lost_per_failure']]}"
-           f" (within the bound: {s['within_bound']}); wall {s['chaos_wall_s']:.0f} s chaos vs "
-           f"{s['uninterrupted_wall_s']:.0f} s uninterrupted", "",
+           f" (within the bound: {s['within_bound']}); steps {s['step_seconds']['chaos']:.1f} s chaos vs "
+           f"{s['step_seconds']['uninterrupted']:.1f} s uninterrupted (time/step summed; wall with set-ups and reruns "
+           f"{s['chaos_wall_s']:.0f} vs {s['uninterrupted_wall_s']:.0f} s)", "",
            "| step | killed | aimed at | title at the kill | outcome |", "| ---: | --- | --- | --- | --- |"]
     out += [f"| {k['step']} | {k['target']} | {k['phase']} | {k['at_kill'] or 'gone'} | {k['outcome']} |"
             for k in s["kills"]]
@@ -489,7 +507,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=6, help="draws each step's kill phase and delay (6: every phase once in 4 steps)")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"engine kill phases to draw from ({','.join(PHASES)})")
     ap.add_argument("--kill-rank", action="store_true", help="also SIGKILL the Megatron rank once, in an update")
-    ap.add_argument("--kill-delay", type=float, default=0.1,
+    ap.add_argument("--kill-delay", type=float, default=0.05,
                     help="at most this many seconds into the phase's call (a call that ends first is not killed)")
     ap.add_argument("--rtol", type=float, default=1e-6, help="tolerance of the metrics other than trained prompts")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one process of a run may take")
