@@ -97,7 +97,8 @@ def engine_phase(title: str, state: dict[str, Any]) -> str | None:
         return "sync"
     if method != "generate":
         return None
-    state.pop("restore", None)
+    if state.pop("restore", None):  # the dead engine's share sent again: the same call, not a new one
+        new_call = False
     if new_call:
         state["calls"] = state.get("calls", 0) + 1
     if state.get("synced"):
@@ -217,7 +218,8 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.proc, self.out_dir, self.plan, self.max_delay = proc, out_dir, plan, max_delay
         self.events: list[dict] = []
-        self.trace: list[str] = []  # "step s: phase" at each change of the phase seen (why a kill was missed)
+        self.trace: list[str] = []
+        self.engine_pid: int | None = None  # the engine's process last seen (a new one is a replacement)  # "step s: phase" at each change of the phase seen (why a kill was missed)
         self.tree: dict[int, Any] = {}
         self.stop = threading.Event()
 
@@ -240,10 +242,10 @@ class Killer(threading.Thread):
                 now = max(logged_steps(self.out_dir), default=0) + 1
                 if now != step:
                     step, state = now, {}
-                before = engines[:1]
                 engines, ranks = self._actors()
-                if before and engines[:1] and engines[:1] != before:
-                    state["restore"] = True
+                if engines and self.engine_pid not in (None, engines[0]):
+                    state["restore"] = True  # a replacement (until its first generate: engine_phase)
+                self.engine_pid = engines[0] if engines else self.engine_pid
             titles = {pid: _title(pid) for pid in engines + ranks}
             phase = next((engine_phase(titles[p], state) for p in engines if titles.get(p)), None)
             seen = f"step {step}: {phase}" + (" + rank" if ranks and self._in_update(titles[ranks[0]], state) else "")
