@@ -235,13 +235,16 @@ class Killer(threading.Thread):
                 [p.pid for p, _ in actor_processes(self.proc.pid, "RankActor")])
 
     def run(self) -> None:
-        step, state, engines, ranks, looked = 0, {}, [], [], 0.0
+        step, state, engines, ranks, looked, size = 0, {}, [], [], 0.0, -1
+        metrics = os.path.join(self.out_dir, "metrics.jsonl")
         while not self.stop.is_set() and self.proc.poll() is None:
-            if time.monotonic() - looked > 0.5:  # the step, and the actors' processes (a replacement is new)
-                looked = time.monotonic()
-                now = max(logged_steps(self.out_dir), default=0) + 1
+            grown = os.path.getsize(metrics) if os.path.exists(metrics) else 0
+            if grown != size:  # a step's line: the next step begins now (its first call follows within ms)
+                size, now = grown, max(logged_steps(self.out_dir), default=0) + 1
                 if now != step:
                     step, state = now, {}
+            if time.monotonic() - looked > 0.5:  # the actors' processes (a replacement is new)
+                looked = time.monotonic()
                 engines, ranks = self._actors()
                 if engines and self.engine_pid not in (None, engines[0]):
                     state["restore"] = True  # a replacement (until its first generate: engine_phase)
