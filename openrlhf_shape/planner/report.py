@@ -109,6 +109,7 @@ def format_plan(plan: Plan) -> str:
     lines += async_lines(plan)
     lines += split_lines(plan)
     lines += weight_sync_lines(plan)
+    lines += recovery_report(plan)
     lines.append("")
     lines.append("assumptions (override with --plan.<name> VALUE): " + ", ".join(
         f"{f.name}={getattr(plan.options, f.name)}" for f in dataclasses.fields(plan.options)))
@@ -195,6 +196,13 @@ def weight_sync_lines(plan: Plan) -> list[str]:
     if plan.on_gpu and plan.sync is None:
         return ["weight sync estimate: n/a (no placement)"]
     return sync_lines(plan.sync, plan.sync_timeout_s) + [f"warning: {w}" for w in plan.sync_warnings]
+
+
+def recovery_report(plan: Plan) -> list[str]:
+    """What one engine or rank failure costs on this layout (``planner/recovery.py``)."""
+    from openrlhf_shape.planner.recovery import recovery_lines
+
+    return recovery_lines(plan.recovery) if plan.recovery is not None else []
 
 
 def verdict_lines(plan: Plan) -> list[str]:

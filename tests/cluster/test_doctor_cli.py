@@ -23,7 +23,9 @@ def test_doctor_cli(tmp_path) -> None:
     ok = _doctor(str(tmp_path / "out"))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     for line in ("[ok] nodes:", "[ok] placement:", "[ok] rendezvous:", "[ok] shared path --ckpt.output_dir:",
-                 "[ok] placement released:", "doctor: 6 ok, 0 failed"):
+                 "[ok] placement released:", "doctor: 6 ok, 0 failed",
+                 "doctor: recovery per engine failure (--rollout.max_engine_restarts): ~",
+                 "doctor: recovery per rank failure (--train.max_restarts): ~"):
         assert line in ok.stdout, ok.stdout
 
     (tmp_path / "file").write_text("x")
