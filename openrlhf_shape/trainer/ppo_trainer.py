@@ -285,8 +285,9 @@ class ShapeTrainer:
 
     def sync(self, step: int) -> PhaseOutput:
         """Stream the new weights of ``step`` to the engines; the lifecycle (openrlhf_shape/cluster/lifecycle.py)
-        wakes colocated engines' weights first. A receiver that dies or hangs stops the run within
-        ``--rollout.weight_sync_timeout`` with an error naming it."""
+        wakes colocated engines' weights first. A receiver that dies, or holds the sync up past
+        ``--rollout.weight_sync_timeout``, is replaced and the sync done again (``--rollout.max_engine_restarts``), else
+        the run stops naming it."""
         return PhaseOutput(None, self.run.cluster.lifecycle.sync_weights(step))
 
     def evaluate(self, step: int) -> PhaseOutput:
