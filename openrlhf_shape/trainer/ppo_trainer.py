@@ -138,7 +138,7 @@ class ShapeTrainer:
                 if _due(step, cfg.eval.steps):
                     rec.phase("eval", self.evaluate, step)
                 self.length_alarm.update(step, rec.metrics)  # before the checkpoint, which keeps the line so far
-                rec.metrics.update(self.fault_metrics())
+                rec.metrics.update(self.fault_metrics())  # after the eval: a recovery in it counts in this line
                 if _due(step, cfg.ckpt.save_steps) or step == cfg.train.num_steps:
                     rec.metrics["checkpoint"] = rec.phase("checkpoint", self.save, step, rec.metrics)
                 metrics = rec.finish(**{"data/epoch": float(run.batcher.epoch)})
@@ -166,10 +166,12 @@ class ShapeTrainer:
             rec.metrics["actor/updates"] = 0.0
 
     def fault_metrics(self) -> dict[str, float]:
-        """The run's rank-group restarts so far (``fault/rank_restarts``) and the seconds they cost
-        (``fault/rank_seconds_lost``: from each death to the start of the first step after the resume), run totals
-        of this invocation as the engines' ``fault/engine_restarts``."""
-        return {"fault/rank_restarts": float(self.rank_restarts), "fault/rank_seconds_lost": self.rank_seconds_lost}
+        """What failures cost this invocation so far, running totals: the engines replaced and the seconds they cost
+        (``fault/engine_restarts``, ``fault/seconds_lost``: ``EngineGroup.fault_metrics``), the rank-group restarts
+        (``fault/rank_restarts``) and their seconds (``fault/rank_seconds_lost``: from each death to the start of the
+        first step after the resume). Read after the step's eval, so that a recovery in any phase is in its line."""
+        return {**self.run.cluster.engines.fault_metrics(), "fault/rank_restarts": float(self.rank_restarts),
+                "fault/rank_seconds_lost": self.rank_seconds_lost}
 
     def _count_seconds_lost(self) -> None:
         if self._lost_since is not None:  # the first step after a restart starts: the death's cost ends here
@@ -283,8 +285,9 @@ class ShapeTrainer:
 
     def sync(self, step: int) -> PhaseOutput:
         """Stream the new weights of ``step`` to the engines; the lifecycle (openrlhf_shape/cluster/lifecycle.py)
-        wakes colocated engines' weights first. A receiver that dies or hangs stops the run within
-        ``--rollout.weight_sync_timeout`` with an error naming it."""
+        wakes colocated engines' weights first. A receiver that dies, or holds the sync up past
+        ``--rollout.weight_sync_timeout``, is replaced and the sync done again (``--rollout.max_engine_restarts``), else
+        the run stops naming it."""
         return PhaseOutput(None, self.run.cluster.lifecycle.sync_weights(step))
 
     def evaluate(self, step: int) -> PhaseOutput:

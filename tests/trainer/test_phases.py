@@ -91,3 +91,32 @@ def test_the_makers_users_call_its_stages_and_read_nothing_of_it() -> None:
                         isinstance(owner, ast.Attribute) and owner.attr == "maker"):
                     used.setdefault(node.attr, []).append(name)
     assert set(used) <= stages, {k: v for k, v in used.items() if k not in stages}
+
+
+def test_a_steps_line_counts_the_engines_replaced_in_its_eval(tmp_path) -> None:
+    """An engine replaced during the held-out eval (after the sync, the last phase that read the group's totals)
+    counts in that step's line, also the last step's: the loop reads every failure total, the engine group's
+    included, after the eval and before the checkpoint keeps the line."""
+    from types import SimpleNamespace
+
+    from openrlhf_shape.config import load_config
+    from openrlhf_shape.rollout.group import EngineGroup
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ppo_trainer.ShapeTrainer._fit_from)))
+    lines: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "phase" and node.args and isinstance(node.args[0], ast.Constant):
+                lines[node.args[0].value] = node.lineno
+            elif node.func.attr == "fault_metrics":
+                lines["fault_metrics"] = node.lineno
+    assert lines["eval"] < lines["fault_metrics"] < lines["checkpoint"], lines
+
+    trainer = ppo_trainer.ShapeTrainer(load_config(None, ["--ckpt.output_dir", str(tmp_path)], check_paths=False))
+    # the group's own totals as a recovery leaves them (EngineGroup._recover; a real one needs Ray and an engine)
+    engines = EngineGroup(["engine 0, never called here"])
+    engines.restarts, engines.seconds_lost = 1, 21.5
+    trainer.run = SimpleNamespace(cluster=SimpleNamespace(engines=engines))
+    trainer.rank_restarts, trainer.rank_seconds_lost = 1, 40.0
+    assert trainer.fault_metrics() == {"fault/engine_restarts": 1.0, "fault/seconds_lost": 21.5,
+                                       "fault/rank_restarts": 1.0, "fault/rank_seconds_lost": 40.0}
