@@ -347,21 +347,16 @@ class VLLMEngine:
                       for p in range(len(prompts)) for j in range(sampling.n)]
             for k, req in enumerate(params):
                 req.max_tokens = int(max_tokens[k // sampling.n])
-        keys = None
-        if sampling.entropies:
-            params, keys = self._entropy_params(params, len(requests))
+        params, keys = self._entropy_params(params, len(requests), sampling.entropies)
         outs = self.llm.generate(requests, params, use_tqdm=False)
-        ents = None if keys is None else self._collect_entropies(keys, [len(o.outputs[0].token_ids) for o in outs])
+        ents = self._collect_entropies(keys, outs)
         result: list[Generation] = []
         for r_idx, out in enumerate(outs):
             c = out.outputs[0]
-            lps = None
-            if sampling.logprobs:
-                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
+            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)] if sampling.logprobs else None
             result.append(
                 Generation(
-                    prompt_index=r_idx // sampling.n,
-                    sample_index=r_idx % sampling.n,
+                    prompt_index=r_idx // sampling.n, sample_index=r_idx % sampling.n,
                     token_ids=list(c.token_ids),
                     text=c.text,
                     finish_reason=str(c.finish_reason),
@@ -369,15 +364,18 @@ class VLLMEngine:
                     num_prompt_tokens=len(out.prompt_token_ids),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
                     routed_experts=None if c.routed_experts is None else torch.from_numpy(c.routed_experts.copy()),
-                    entropies=None if ents is None else ents[r_idx],
+                    entropies=ents[r_idx],
                 )
             )
         return result
 
-    def _entropy_params(self, params: Any, num_requests: int) -> tuple[list, list[str]]:
-        """One SamplingParams per request, each tagged with its own key for the entropy processor."""
+    def _entropy_params(self, params: Any, num_requests: int, wanted: bool) -> tuple[Any, list[str] | None]:
+        """``wanted`` (SamplingConfig.entropies): one SamplingParams per request, each tagged with its own key for
+        the entropy processor (rollout/sampled_entropy.py), and the keys; else ``(params, None)`` as they were."""
         import uuid
 
+        if not wanted:
+            return params, None
         from openrlhf_shape.rollout.sampled_entropy import ENTROPY_ARG
 
         if not self.cfg.sampled_entropy:
@@ -392,9 +390,12 @@ class VLLMEngine:
             tagged.append(one)
         return tagged, keys
 
-    def _collect_entropies(self, keys: list[str], lengths: list[int]) -> list[list[float]]:
-        """Per request, the entropies of its ``lengths[k]`` sampled tokens, from the workers' records (the first
-        rank that holds a key: at TP > 1 every rank computed the same rows)."""
+    def _collect_entropies(self, keys: list[str] | None, outs: list) -> list[list[float] | None]:
+        """Per request of ``outs`` (vLLM's RequestOutputs), the entropies of its sampled tokens from the workers'
+        records (the first rank that holds a key: at TP > 1 every rank computed the same rows); Nones without keys."""
+        if keys is None:
+            return [None] * len(outs)
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
         merged: dict[str, list[float]] = {}
         for part in self.llm.collective_rpc("shape_pop_entropies", args=(keys,)):
             for key, values in part.items():

@@ -104,7 +104,7 @@ def test_engine_refuses_entropies_it_cannot_record(tiny_model_dir, engine, promp
     plain = VLLMEngine.__new__(VLLMEngine)  # an engine object built without the processor (no second engine start)
     plain.cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024)
     with pytest.raises(ValueError, match="sampled_entropy"):
-        plain._entropy_params(None, 1)
+        plain._entropy_params(None, 1, True)
 
 
 def test_v2_runner_rows_map_to_response_positions():
@@ -135,3 +135,53 @@ def test_v2_runner_rows_map_to_response_positions():
     assert len(got["a"]) == 3 and len(got["b"]) == 2
     torch.testing.assert_close(torch.tensor(got["a"]), token_entropy(logits[1], 0.7).repeat(3))
     torch.testing.assert_close(torch.tensor(got["b"]), token_entropy(logits[0], 1.0).repeat(2))
+
+
+def test_maker_segments_with_the_engines_entropies(engine, tiny_model_dir, tiny_tokenizer, parity_reward_file, hf):
+    """``--shape.entropy_source engine``: the batch's entropies are the engines' (what the segment phase and TCR
+    read), the trainer's forward still gives the old log-probs, and the cut points equal the trainer-source ones
+    for the same seeded samples; the trainer/engine gap is logged."""
+    from openrlhf_shape.algorithms import get_estimator
+    from openrlhf_shape.data.prompts import PromptDataConfig, bundled_math_path, build_prompt_dataset
+    from openrlhf_shape.rewards.computer import RewardComputer, RewardConfig
+    from openrlhf_shape.rollout import EngineGroup, ProbeConfig
+    from openrlhf_shape.trainer.experience import ShapeExperienceMaker
+    from openrlhf_shape.trainer.phases import StepLog
+
+    ds = build_prompt_dataset(PromptDataConfig(prompt_dataset=bundled_math_path("train"), input_key="question",
+                                               label_key="answer", apply_chat_template=True, max_samples=4),
+                              tiny_tokenizer)
+    items = [ds[i] for i in range(3)]
+    reward = RewardComputer(RewardConfig(remote_url=parity_reward_file, num_workers=1))
+    group = EngineGroup([engine])
+    out = {}
+    try:
+        for source in ("engine", "trainer"):
+            est = get_estimator("shape", ShapeConfig(num_segments=4, min_segment_len=4, entropy_source=source))
+            sampling = SamplingConfig(n=2, max_tokens=64, temperature=0.9, entropies=source == "engine")
+            maker = ShapeExperienceMaker(est, sampling, ProbeConfig(num_probes=2, max_tokens=8), group,
+                                         hf.compute_logprobs_and_entropy, reward, tiny_tokenizer)
+            log = StepLog()
+            exp = maker.old_policy(maker.rollout(items, log, seed=9), log)
+            out[source] = (exp, maker.segment(exp).value, log.metrics)
+    finally:
+        reward.close()
+    (e_exp, e_cut, e_m), (t_exp, t_cut, t_m) = out["engine"], out["trainer"]
+    assert e_exp.sequences == t_exp.sequences  # same seeded samples
+    torch.testing.assert_close(e_exp.old_log_probs, t_exp.old_log_probs)  # the trainer's forward, either way
+    assert not torch.equal(e_exp.entropy, t_exp.entropy)  # the engine's values, not the trainer's copied over
+    torch.testing.assert_close(e_exp.entropy, t_exp.entropy, atol=ATOL, rtol=0)
+    assert torch.equal(e_cut, t_cut) and int((t_cut >= 0).sum()) > 0
+    assert 0 < e_m["rollout/mismatch/entropy_abs_diff"] < ATOL and "rollout/mismatch/entropy_abs_diff" not in t_m
+
+
+def test_entropy_source_flag_is_validated():
+    from openrlhf_shape.config import load_config
+
+    assert load_config(None, []).shape.entropy_source == "trainer"
+    assert load_config(None, ["--shape.entropy_source", "engine"]).shape.entropy_source == "engine"
+    with pytest.raises(ValueError, match="--shape.entropy_source"):
+        load_config(None, ["--shape.entropy_source", "vllm"])
+    with pytest.raises(ValueError, match="--shape.entropy_source: engine: a partial rollout"):
+        load_config(None, ["--shape.entropy_source", "engine", "--train.async_enable",
+                           "--train.partial_rollout_enable"])
