@@ -91,9 +91,10 @@ def main() -> None:
                                      block_size=32, dtype="float32", sampled_entropy=True), platform=detect_platform())
     sampling = dataclasses.replace(cfg.rollout.sampling_config(), logprobs=False, seed=cfg.train.seed)
     prompts = demo_prompts(tok, cfg, cfg.rollout.batch_size, 0)
-    c = cost(engine, prompts, sampling, args.repeats)
-    print(f"generate {len(prompts)}x{sampling.n}x{sampling.max_tokens}: median {c['without']:.2f} s without, "
-          f"{c['with']:.2f} s with entropies ({c['with'] / c['without']:.3f}x); runs {c['runs']}")
+    if args.repeats > 0:  # --repeats 0: the cut points only (a busy machine: its timings would mean little)
+        c = cost(engine, prompts, sampling, args.repeats)
+        print(f"generate {len(prompts)}x{sampling.n}x{sampling.max_tokens}: median {c['without']:.2f} s without, "
+              f"{c['with']:.2f} s with entropies ({c['with'] / c['without']:.3f}x); runs {c['runs']}")
     hf, total, differ, gap = HFActor(model), 0, 0, 0.0
     for k in range(args.batches):
         n, d, g = cut_points(engine, hf, demo_prompts(tok, cfg, cfg.rollout.batch_size, k * cfg.rollout.batch_size),

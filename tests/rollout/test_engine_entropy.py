@@ -228,3 +228,11 @@ def test_entropies_cross_the_engine_core_process_boundary(engine, prompts, tiny_
     for (ids, ents), g in zip(got["gens"], here):
         assert ids == g.token_ids
         torch.testing.assert_close(torch.tensor(ents), torch.tensor(g.entropies), atol=1e-6, rtol=0)
+
+
+def test_engine_side_switch_is_decided_by_the_shape_flag():
+    """``--vllm.sampled_entropy`` is not a flag: set-up decides it from ``--shape.entropy_source`` (config/load.py)."""
+    from openrlhf_shape.config import load_config
+
+    with pytest.raises(ValueError, match="--shape.entropy_source engine"):
+        load_config(None, ["--vllm.sampled_entropy", "true"])
