@@ -21,9 +21,13 @@ import time
 
 
 def demo_prompts(tokenizer, cfg, count: int, start: int) -> list[list[int]]:
-    from openrlhf_shape.data.prompts import build_prompt_dataset
+    import dataclasses
 
-    ds = build_prompt_dataset(cfg.data, tokenizer)
+    from openrlhf_shape.data.prompts import build_prompt_dataset, bundled_math_path
+
+    source = cfg.data.prompt_dataset  # the demo's "bundled:train"
+    path = bundled_math_path(source.split(":", 1)[1]) if source.startswith("bundled:") else source
+    ds = build_prompt_dataset(dataclasses.replace(cfg.data, prompt_dataset=path), tokenizer)
     return [list(ds[(start + i) % len(ds)].prompt_ids) for i in range(count)]
 
 
