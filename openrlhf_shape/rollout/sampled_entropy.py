@@ -97,6 +97,8 @@ STORE = EntropyStore()
 def tempered_entropy(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
     """Entropy (nats) of softmax(logits[r] / temperatures[r]) per row: ``logits [R, V]`` -> ``[R]`` float32, by the
     trainer's own function (``algorithms.entropy.token_entropy``), one call per distinct temperature."""
+    if len(set(temperatures)) == 1:  # a rollout's rows share one temperature: no per-group gathers
+        return token_entropy(logits, temperature=temperatures[0])
     out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     for t in sorted(set(temperatures)):
         rows = [r for r, tr in enumerate(temperatures) if tr == t]
@@ -149,8 +151,9 @@ class SampledEntropy(V1LogitsProcessor, V2LogitsProcessor):
         """``logits [rows, V]`` float32 before temperature; returned unchanged."""
         rows, keys, positions, temps = self._v1_rows() if ctx is None else self._v2_rows(logits, ctx)
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            STORE.record(keys, positions, tempered_entropy(logits.index_select(0, idx), temps))
+            every = len(rows) == logits.shape[0]  # rows are sorted and distinct: then all of them, in order
+            picked = logits if every else logits.index_select(0, torch.tensor(rows, device=logits.device))
+            STORE.record(keys, positions, tempered_entropy(picked, temps))
         return logits
 
     def _v1_rows(self) -> tuple[list[int], list[str], list[int], list[float]]:
