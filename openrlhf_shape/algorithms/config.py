@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from openrlhf_shape.algorithms.segmentation import SEGMENTATIONS
 
 OUTCOME_BASELINES = ("none", "group_mean", "group_norm", "group_norm_scaled")
+ENTROPY_SOURCES = ("trainer", "engine")
 
 # Appendix A.1 (task consistency) needs alpha < 0.5. Appendix A.2 (reward-sign consistency): with m
 # probes the potentials lie on the grid {0, 1/m, ..., 1}; the worst improving step is Phi (m-1)/m -> 1,
@@ -39,6 +40,9 @@ class ShapeConfig:
     segmentation: str = "entropy"  # a registered mode (algorithms/segmentation.py:SEGMENTATIONS)
     entropy_threshold: float | None = None  # absolute tau; None = per-response quantile
     entropy_quantile: float = 0.8
+    # where the token entropies SHAPE reads (segmentation, TCR) come from: "trainer" (the old-log-prob forward) or
+    # "engine" (vLLM's sampler, from the logits each token was drawn from: rollout/sampled_entropy.py)
+    entropy_source: str = "trainer"
     min_segment_len: int = 8
     delimiter: str = "\n\n"
     tcr: bool | None = None  # None: on for shape, off for mrt (the paper); true/false forces it for either
@@ -62,6 +66,8 @@ class ShapeConfig:
 
         if self.segmentation not in SEGMENTATIONS:
             raise bad("segmentation", f"unknown segmentation {self.segmentation!r}; choose one of {tuple(SEGMENTATIONS)}")
+        if self.entropy_source not in ENTROPY_SOURCES:
+            raise bad("entropy_source", f"unknown source {self.entropy_source!r}; choose one of {ENTROPY_SOURCES}")
         if self.outcome_baseline not in OUTCOME_BASELINES:
             raise bad("outcome_baseline", f"unknown baseline {self.outcome_baseline!r}; choose one of {OUTCOME_BASELINES}")
         if not 0.0 <= self.alpha:

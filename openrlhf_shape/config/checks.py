@@ -168,6 +168,9 @@ def _check_partial(cfg: "TrainConfig") -> None:
     _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
           "r3 replays the engines' routing of one generate call per sample; a partial rollout spans several rounds "
           "and weight versions: use r2 with --train.partial_rollout_enable")
+    _need(cfg.shape.entropy_source != "engine", "shape.entropy_source",
+          "engine: a partial rollout's response is drawn over several rounds whose entropies are not joined yet "
+          "(rollout/partial.py); use --shape.entropy_source trainer with --train.partial_rollout_enable")
 
 
 def _check_kl(cfg: "TrainConfig", mp: int) -> None:
@@ -237,6 +240,9 @@ def _check_agent(cfg: "TrainConfig", check_paths: bool) -> None:
     _need(cfg.megatron.routing_replay != "r3", "megatron.routing_replay",
           "r3 replays the engines' routing of one generate call per sample; an agent's episode spans several "
           "calls and the environment's replies: use r2 with --train.agent_func_path")
+    _need(cfg.shape.entropy_source != "engine", "shape.entropy_source",
+          "engine: an agent's turns are sampled with the agent's own sampling params, which ask for no entropies; "
+          "use --shape.entropy_source trainer with --train.agent_func_path")
 
 
 def check_dtypes(cfg: "TrainConfig", platform: "Platform") -> str | None:

@@ -20,6 +20,7 @@ DERIVED: dict[str, str] = {
     "vllm.seed": "--train.seed",
     "vllm.enable_sleep_mode": "--train.colocate_all",
     "vllm.return_routed_experts": "--megatron.routing_replay r3",
+    "vllm.sampled_entropy": "--shape.entropy_source engine",
 }
 FLAGS = FlagSpace(TrainConfig, derived=DERIVED)
 log = logging.getLogger(__name__)

