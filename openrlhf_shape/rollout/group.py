@@ -420,7 +420,7 @@ class EngineGroup:
                                   f"this run): raise it to let the run replace more engines", e, where) from cause
         how = self._weights_for(e, what, where, cause, weights_follow)
         t0 = time.monotonic()
-        self.engines[e] = self._replacement(e, what, where, cause, restore=how == "ranks")
+        self.engines[e], started = self._replacement(e, what, where, cause, restore=how == "ranks")
         self.serving[e] = how != "survivors"
         now = time.monotonic()
         self.restarts += 1
@@ -429,8 +429,9 @@ class EngineGroup:
                 "survivors": f"its share of the call ({requests} prompts or sequences) sent to the engines that hold "
                              "the current weights (same request seeds), the replacement joins at the next weight sync"
                 }.get(how, f"its share of the call ({requests} prompts or sequences) sent again")
-        log.warning("%s: replaced on its bundle in %.1f s, %s (restart %d of %d, %s); %.1f s lost", what, now - t0,
-                    then, self.restarts, self.max_restarts, RESTARTS_FLAG, now - sent)
+        log.warning("%s: replaced on its bundle in %.1f s (%.1f s to start it, %.1f s for its weights and watch), %s "
+                    "(restart %d of %d, %s); %.1f s lost", what, now - t0, started, now - t0 - started, then,
+                    self.restarts, self.max_restarts, RESTARTS_FLAG, now - sent)
 
     def _weights_for(self, e: int, what: str, where: str, cause: BaseException, weights_follow: bool) -> str:
         """How engine ``e``'s replacement comes to hold the weights the others hold: ``directory`` (no sync yet),
@@ -452,16 +453,19 @@ class EngineGroup:
             "synchronous schedule (without --train.async_enable, whose ranks stream the weights to a replacement)",
             e, where) from cause
 
-    def _replacement(self, e: int, what: str, where: str, cause: BaseException, restore: bool):
+    def _replacement(self, e: int, what: str, where: str, cause: BaseException, restore: bool) -> tuple[Any, float]:
         """A started actor for engine ``e`` (given the group's weights with ``restore``), the lost one killed (its
-        bundle freed; a stalled one stops holding it), reporting its progress to :attr:`watch`."""
+        bundle freed; a stalled one stops holding it), reporting its progress to :attr:`watch`; and the seconds its
+        start took (from the kill to its vLLM ready: the part of a recovery an engine start bounds)."""
         import ray
 
+        t0 = time.monotonic()
         ray.kill(self.engines[e], no_restart=True)
         new = None
         try:
             new = self.launcher.start(e)
             ray.get(new.ready.remote(), timeout=self.start_timeout_s)
+            started = time.monotonic() - t0
             if restore:
                 self.restore_weights(e, new)
         except Exception as err:
@@ -471,7 +475,7 @@ class EngineGroup:
                                   f"{RESTARTS_FLAG} cannot help here", e, where) from cause
         if self.watch is not None:
             self.watch.watch(e, new)
-        return new
+        return new, started
 
     # ---- fan-out helpers ----------------------------------------------------------------------------
     def _call_all(self, method: str, *args) -> list:
