@@ -230,17 +230,18 @@ def test_trainer_cluster_path(dp2) -> None:
 
 
 def test_engine_killed_mid_sync_stops_the_run_and_a_rerun_resumes(dp2) -> None:
-    """Engine 1 is killed inside step 2's weight sync: the run stops at once with an error naming engine 1 and
-    step 2 (not after the sync's timeout, not a hang); the same command again resumes from the step-1 checkpoint
+    """Engine 1 is killed inside step 2's weight sync with no engine restarts allowed (--rollout.max_engine_restarts
+    0, the default): the run stops at once with an error naming engine 1, the sync, step 2 and the flag (not after the
+    sync's timeout, not a hang); the same command again resumes from the step-1 checkpoint
     and finishes step 2 with engines that run the trained policy (the batch in flight at the step-1 checkpoint
     reloaded: step 2 trains batch 2 one update stale, as the uninterrupted run would)."""
-    from openrlhf_shape.weight_sync.driver import WeightSyncError
+    from openrlhf_shape.rollout import EngineLostError
 
     killed, out = dp2["killed"], dp2["dir"]
-    assert isinstance(killed["error"], WeightSyncError), repr(killed["error"])
+    assert isinstance(killed["error"], EngineLostError), repr(killed["error"])
     assert killed["seconds"] < 300, "the run waited for the sync's timeout"
-    assert (killed["error"].who, killed["error"].step) == ("engine 1", 2), str(killed["error"])
-    assert "weight sync after step 2: engine 1 died" in str(killed["error"])
+    assert (killed["error"].engine, killed["error"].where) == (1, "weight sync at step 2"), str(killed["error"])
+    assert "--rollout.max_engine_restarts 0 spent" in str(killed["error"])
     assert "step_000001" in killed["checkpoints"] and "step_000002" not in killed["checkpoints"]
 
     rows = dp2["rerun"]["rows"]

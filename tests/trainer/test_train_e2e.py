@@ -454,6 +454,9 @@ def run_with_kills(flags: list[str], out_dir: str, num_steps: int, kills: int, s
     rng, landed = random.Random(seed), []
     for i in range(kills):
         resumed_from = _newest_step(out_dir)
+        if resumed_from >= num_steps:  # the last kill landed after the run's last checkpoint (a short last step)
+            landed.append(f"kill {i + 1}: none left to land, the run's last step checkpointed ({resumed_from})")
+            break
         kind, step = points[i] if points else draw_kill_point(rng, resumed_from, num_steps)
         delay = rng.uniform(0.0, 0.8) * step_seconds if kind == "mid_step" else 0.0
         since, console = time.time(), os.path.join(logs_dir, f"console_{i}.txt")
