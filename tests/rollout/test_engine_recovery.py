@@ -10,7 +10,6 @@ The tests share one engine pair (module scope) and run in file order: the last o
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -23,6 +22,7 @@ from openrlhf_shape.platform import cpu_platform
 from openrlhf_shape.rollout import EngineConfig, EngineLostError, ProbeConfig, SamplingConfig, estimate_potentials
 from openrlhf_shape.rollout.group import start_engines
 from openrlhf_shape.weight_sync.driver import EngineWeightSync
+from support.engine_calls import assert_same_samples, console_lines, samples
 from support.engine_weights import load_into_engines
 from support.weight_holder import HolderRanks, TensorHolder
 
@@ -43,17 +43,6 @@ def group(ray_local, tiny_model_dir):
     g.shutdown()
 
 
-def _samples(gens) -> dict:
-    return {(g.prompt_index, g.sample_index): (g.token_ids, g.logprobs) for g in gens}
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for key, (ids, lps) in got.items():
-        assert ids == want[key][0], key
-        assert lps == pytest.approx(want[key][1], abs=1e-5), key  # same tokens, same weights: float noise only
-
-
 def _kill_when_busy(group, victim: int, after_s: float) -> threading.Thread:
     """Kill engine ``victim``'s actor ``after_s`` seconds after the group starts working."""
 
@@ -68,36 +57,20 @@ def _kill_when_busy(group, victim: int, after_s: float) -> threading.Thread:
     return t
 
 
-class _Lines(logging.Handler):
-    """The messages of the trainer's logger (which a configured run keeps from propagating)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_an_engine_killed_mid_generate_is_replaced_and_the_call_returns_the_uninterrupted_samples(group, chat_ids):
     prompts = [chat_ids(q) for q in QUESTIONS]
-    want = _samples(group.generate(prompts, LONG))
+    want = samples(group.generate(prompts, LONG))
     assert sorted(set(group.plan(prompts, LONG.n))) == [0, 1]  # both engines hold a share
     dead = group.engines[1]
     killer = _kill_when_busy(group, 1, after_s=1.0)
-    console = _Lines()
-    logging.getLogger("openrlhf_shape").addHandler(console)
-    try:
-        with group.during("generate", step=7):
-            got = _samples(group.generate(prompts, LONG))
-    finally:
-        logging.getLogger("openrlhf_shape").removeHandler(console)
+    with console_lines() as console, group.during("generate", step=7):
+        got = samples(group.generate(prompts, LONG))
     killer.join()
-    _assert_same(got, want)
+    assert_same_samples(got, want)
     assert group.engines[1] != dead and ray.get(group.engines[1].ready.remote()) > 0
     metrics = group.fault_metrics()  # the module's first restart
     assert metrics["fault/engine_restarts"] == 1.0 and metrics["fault/seconds_lost"] > 1.0
-    lines = [ln for ln in console.lines if "died" in ln]
+    lines = [ln for ln in console if "died" in ln]
     assert len(lines) == 1 and lines[0].startswith("engine 1 died during generate at step 7 (ActorDiedError)")
     assert "restart 1 of 2, --rollout.max_engine_restarts" in lines[0]
 
@@ -154,10 +127,10 @@ def test_in_a_run_the_replacement_gets_the_ranks_weights_and_the_next_sync_reach
         life.sync_weights(step=1)
         life.after_sync()
         group.restore_weights, group.max_restarts = life.restore_engine, group.restarts + 1
-        want = _samples(group.generate(prompts, seeded))
+        want = samples(group.generate(prompts, seeded))
         ray.kill(group.engines[1])
         with group.during("generate", step=2):
-            _assert_same(_samples(group.generate(prompts, seeded)), want)  # the replacement holds step 1's weights
+            assert_same_samples(samples(group.generate(prompts, seeded)), want)  # the replacement holds step 1's weights
         assert "sync(engine 1 alone)" in life.events and "sync.reconnect" not in life.events
         before = group.generate([prompts[0]], greedy)[0].token_ids
         ray.get(holder.perturb.remote(2, 0.05))

@@ -16,7 +16,6 @@ The tests share one engine pair (module scope) and run in file order."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -31,6 +30,7 @@ from openrlhf_shape.platform import cpu_platform
 from openrlhf_shape.rollout import EngineConfig, EngineLostError, SamplingConfig
 from openrlhf_shape.rollout.group import start_engines
 from openrlhf_shape.weight_sync.driver import EngineWeightSync
+from support.engine_calls import assert_same_samples, console_lines, samples
 from support.hf_reference import hf_token_logprobs, mean_abs_gap
 from support.weight_holder import HolderRanks, TensorHolder
 
@@ -69,17 +69,6 @@ def rig(group, tiny_model_dir):
     ray.kill(holder)
 
 
-def _samples(gens) -> dict:
-    return {(g.prompt_index, g.sample_index): (g.token_ids, g.logprobs) for g in gens}
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for key, (ids, lps) in got.items():
-        assert ids == want[key][0], key
-        assert lps == pytest.approx(want[key][1], abs=1e-5), key
-
-
 def _pid(handle) -> int:
     return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
 
@@ -95,19 +84,6 @@ def _gone(pid: int, within_s: float = 60.0) -> bool:
     return False
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def _console():
-    lines = _Lines()
-    logging.getLogger("openrlhf_shape").addHandler(lines)
-    return lines
 
 
 def _engines_compute_the_holders_weights(rig: dict, group) -> None:
@@ -118,7 +94,7 @@ def _engines_compute_the_holders_weights(rig: dict, group) -> None:
 
 def test_a_stopped_engine_is_killed_after_the_bound_and_the_call_returns_the_uninterrupted_samples(group, chat_ids):
     prompts = [chat_ids(q) for q in QUESTIONS]
-    want = _samples(group.generate(prompts, LONG))
+    want = samples(group.generate(prompts, LONG))
     assert sorted(set(group.plan(prompts, LONG.n))) == [0, 1]
     pid = _pid(group.engines[1])
 
@@ -128,19 +104,19 @@ def test_a_stopped_engine_is_killed_after_the_bound_and_the_call_returns_the_uni
         time.sleep(1.0)
         os.kill(pid, signal.SIGSTOP)  # the actor lives on, its engine makes no step: a hang
 
-    stopper, console = threading.Thread(target=stop, daemon=True), _console()
+    stopper = threading.Thread(target=stop, daemon=True)
     stopper.start()
-    try:
-        with group.during("generate", step=3):
-            got = _samples(group.generate(prompts, LONG))
-    finally:
-        logging.getLogger("openrlhf_shape").removeHandler(console)
-        stopper.join()
-    _assert_same(got, want)
+    with console_lines() as console:
+        try:
+            with group.during("generate", step=3):
+                got = samples(group.generate(prompts, LONG))
+        finally:
+            stopper.join()
+    assert_same_samples(got, want)
     assert group.restarts == 1 and _gone(pid), "the stopped engine's process still exists"
-    lines = [ln for ln in console.lines if "stopped making progress" in ln]
+    lines = [ln for ln in console if "stopped making progress" in ln]
     assert len(lines) == 1 and lines[0].startswith("engine 1 stopped making progress during generate at step 3 "
-                                                   "(no engine step for "), console.lines
+                                                   "(no engine step for "), console
     assert f"(--rollout.engine_stall_timeout {STALL_S:g} s)" in lines[0] and "restart 1 of 10" in lines[0]
 
 
@@ -168,20 +144,19 @@ def test_an_engine_lost_mid_sync_is_replaced_and_the_sync_done_again_reaches_eve
     ray.get(holder.perturb.remote(10 + len(how), 0.05))
     life.ranks = _LosesAnEngineMidStream(holder, pause_s=0.2, victim=old, pid=_pid(old) if how == "stop" else None)
     life.events.clear()
-    console = _console()
-    try:
-        metrics = life.sync_weights(step=4)
-    finally:
-        logging.getLogger("openrlhf_shape").removeHandler(console)
-        life.ranks = HolderRanks(holder)
+    with console_lines() as console:
+        try:
+            metrics = life.sync_weights(step=4)
+        finally:
+            life.ranks = HolderRanks(holder)
     life.after_sync()
     assert group.restarts == spent + 1 and group.engines[0] is not old and metrics["sync/receivers"] == 2.0
     assert [e for e in life.events if e.startswith(("sync", "engines"))] == [
         "sync", "sync.abort(engine 0)", "engines.recover(0)", "sync.reconnect", "sync"], life.events
     lost = ("died during weight sync at step 4 (ActorDiedError)" if how == "kill" else
             "stalled during weight sync at step 4 (held the sync up at bucket ")
-    lines = [ln for ln in console.lines if ln.startswith(f"engine 0 {lost}")]
-    assert len(lines) == 1, console.lines
+    lines = [ln for ln in console if ln.startswith(f"engine 0 {lost}")]
+    assert len(lines) == 1, console
     assert "the weight sync starts again with it in its group" in lines[0]
     _engines_compute_the_holders_weights(rig, group)
 
@@ -191,7 +166,7 @@ def test_asynchronous_schedules_send_a_dead_engines_share_to_the_engine_holding_
     schedules), the share goes to the survivor and the replacement waits out of service for the next sync."""
     assert not group.weights_from_directory and group.restore_weights is None
     prompts = [chat_ids(q) for q in QUESTIONS]
-    want = _samples(group.generate(prompts, LONG))
+    want = samples(group.generate(prompts, LONG))
     spent, dead = group.restarts, group.engines[0]
 
     def kill() -> None:
@@ -200,19 +175,19 @@ def test_asynchronous_schedules_send_a_dead_engines_share_to_the_engine_holding_
         time.sleep(1.0)
         ray.kill(dead)
 
-    killer, console = threading.Thread(target=kill, daemon=True), _console()
+    killer = threading.Thread(target=kill, daemon=True)
     killer.start()
-    try:
-        with group.during("generate", step=5):
-            got = _samples(group.generate(prompts, LONG))
-    finally:
-        logging.getLogger("openrlhf_shape").removeHandler(console)
-        killer.join()
-    _assert_same(got, want)  # engine 1 ran engine 0's requests with their seeds
+    with console_lines() as console:
+        try:
+            with group.during("generate", step=5):
+                got = samples(group.generate(prompts, LONG))
+        finally:
+            killer.join()
+    assert_same_samples(got, want)  # engine 1 ran engine 0's requests with their seeds
     assert group.restarts == spent + 1 and group.serving == [False, True]
     assert set(group.plan(prompts, 1)) == {1}  # out of service until the next sync
     assert any(ln.startswith("engine 0 died during generate at step 5") and "sent to the engines that hold the "
-               "current weights" in ln and "joins at the next weight sync" in ln for ln in console.lines), console.lines
+               "current weights" in ln and "joins at the next weight sync" in ln for ln in console), console
 
 
 def test_with_no_engine_left_to_take_the_share_the_group_stops_naming_the_ways_out(group, chat_ids):
