@@ -55,7 +55,8 @@ PHASES = ("generate", "probes", "eval", "sync")
 # (a SIGKILLed one is seen at once), and the one planned rank kill is restarted in the command.
 FAULT_FLAGS = ["--rollout.engine_stall_timeout", "120", "--train.max_restarts", "1"]
 RECOVERY_LINE = re.compile(r"engine (\d+) died during (.+?) \(\w+\): replaced on its bundle in ([\d.]+) s "
-                           r"\(([\d.]+) s to start it, ([\d.]+) s for its weights and watch\).*?; ([\d.]+) s lost")
+                           r"\(([\d.]+) s to start it( from the standby engine)?, ([\d.]+) s for its weights and watch\).*?; "
+                           r"([\d.]+) s lost")
 
 # The tests' parity reward (tests/conftest.py): 1 when the response adds an even number of characters.
 PARITY_REWARD = '''
@@ -222,6 +223,7 @@ class Killer(threading.Thread):
         self.engine_pid: int | None = None  # the engine's process last seen (a new one is a replacement)
         self.rank_pid: int | None = None  # the rank's process last seen (a new one: the ranks were restarted)
         self.tree: dict[int, Any] = {}
+        self.promoted: set[int] = set()  # standby engines' processes that became the engine
         self.stop = threading.Event()
 
     def _actors(self) -> tuple[list[int], list[int]]:
@@ -232,7 +234,12 @@ class Killer(threading.Thread):
         except psutil.NoSuchProcess:
             return [], []
         self.tree.update({p.pid: p for p in kids})
-        return ([p.pid for p, _ in actor_processes(self.proc.pid, "VLLMEngine")],
+        # --rollout.engine_standby: the spare (ray::StandbyEngine) is an engine once it was promoted, i.e. once
+        # seen in a call other than its start or its promotion; an idle spare is not the engine
+        self.promoted.update(p.pid for p, t in actor_processes(self.proc.pid, "StandbyEngine")
+                             if "." in t and t.split(".", 1)[1] not in ("__init__", "promote"))
+        spares = [p.pid for p, _ in actor_processes(self.proc.pid, "StandbyEngine") if p.pid in self.promoted]
+        return ([p.pid for p, _ in actor_processes(self.proc.pid, "VLLMEngine")] + spares,
                 [p.pid for p, _ in actor_processes(self.proc.pid, "RankActor")])
 
     def run(self) -> None:
@@ -383,7 +390,7 @@ def recovery_lines(logs: str) -> list[dict[str, Any]]:
             with open(os.path.join(logs, name), errors="replace") as f:
                 for m in RECOVERY_LINE.finditer(f.read()):
                     out.append({"engine": int(m[1]), "where": m[2], "replaced_s": float(m[3]), "started_s": float(m[4]),
-                                "weights_s": float(m[5]), "lost_s": float(m[6])})
+                                "standby": bool(m[5]), "weights_s": float(m[6]), "lost_s": float(m[7])})
     return out
 
 
@@ -447,6 +454,7 @@ def summarize(ref: dict[int, dict], chaos_rows: dict[int, dict], chaos: dict[str
         "seconds_lost_per_failure": per_failure,
         "within_bound": [x <= bound for x in per_failure],
         "replacement_start_s": [ln["replaced_s"] for ln in lines],
+        "from_standby": [ln["standby"] for ln in lines],  # built from the spare (--rollout.engine_standby) or cold
         # the same bound with each replacement's own start (same moment, same load) in place of the separate one
         "own_start_s": [ln["started_s"] for ln in lines],
         "beyond_own_start_s": [round(ln["lost_s"] - ln["started_s"], 2) for ln in lines],
@@ -469,7 +477,7 @@ def markdown(result: dict[str, Any]) -> str:
            f"recovery flags: {' '.join(result['fault_flags'])}",
            f"engine start {s['engine_start_s']:.1f} s (separate start) + one sync {s['sync_s']:.2f} s (median "
            f"time/sync, uninterrupted) = bound {s['bound_s']:.1f} s; replacements started in "
-           f"{s['replacement_start_s']} s",
+           f"{s['replacement_start_s']} s (from the standby engine: {s['from_standby']})",
            f"restarts {s['restarts']:g}; seconds lost per failure {[round(x, 1) for x in s['seconds_lost_per_failure']]}"
            f" (within the bound: {s['within_bound']}); each replacement's own start {s['own_start_s']} s, the rest "
            f"{s['beyond_own_start_s']} s (within its own start + one sync: {s['within_own_bound']}); "
@@ -511,6 +519,8 @@ def main() -> None:
     ap.add_argument("--kill-rank", action="store_true", help="also SIGKILL the Megatron rank once, in an update")
     ap.add_argument("--kill-delay", type=float, default=0.05,
                     help="at most this many seconds into the phase's call (a call that ends first is not killed)")
+    ap.add_argument("--engine-standby", choices=("true", "false"), default="true",
+                    help="the chaos run's --rollout.engine_standby (true: replacements built from a spare process)")
     ap.add_argument("--rtol", type=float, default=1e-6, help="tolerance of the metrics other than trained prompts")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one process of a run may take")
     ap.add_argument("--out", default=None, help="runs, consoles, chaos.json and chaos.md (default: a temp dir)")
@@ -529,14 +539,16 @@ def main() -> None:
         os.makedirs(logs, exist_ok=True)
         flags = run_flags(*model_reward, out_dir, args.steps)
         if plan:
-            flags += ["--rollout.max_engine_restarts", str(args.steps), *FAULT_FLAGS]
+            flags += ["--rollout.max_engine_restarts", str(args.steps), *FAULT_FLAGS,
+                      "--rollout.engine_standby", args.engine_standby]
         runs[name] = run_until_done(flags, out_dir, plan, args.kill_delay, logs, args.timeout) | {"plan": plan}
         print(f"chaos: {name} done: {[a['rc'] for a in runs[name]['attempts']]}", flush=True)
     ref, got = metrics_by_step(os.path.join(out_root, "uninterrupted")), metrics_by_step(os.path.join(out_root, "chaos"))
     summary = summarize(ref, got, runs["chaos"], engine_start_s, runs["uninterrupted"]["attempts"][0]["wall_s"],
                         args.rtol, os.path.join(out_root, "chaos_logs"))
     result = {"steps": args.steps, "seed": args.seed, "phases": phases, "kill_rank": args.kill_rank,
-              "fault_flags": ["--rollout.max_engine_restarts", str(args.steps), *FAULT_FLAGS],
+              "fault_flags": ["--rollout.max_engine_restarts", str(args.steps), *FAULT_FLAGS,
+                              "--rollout.engine_standby", args.engine_standby],
               "load_average": {"start": list(load_start), "end": list(os.getloadavg())}, "runs": runs,
               "summary": summary}
     with open(os.path.join(out_root, "chaos.json"), "w") as f:

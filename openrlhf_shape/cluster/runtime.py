@@ -78,7 +78,8 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
         engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False,
-                                max_restarts=r.max_engine_restarts, stall_timeout_s=r.engine_stall_timeout)
+                                max_restarts=r.max_engine_restarts, stall_timeout_s=r.engine_stall_timeout,
+                                standby=r.engine_standby and r.max_engine_restarts > 0)
         ranks = make_rank_group(cfg, placement, platform)  # --actor.backend's worker
         if plan.refs:  # --algo.kl.init_coef > 0: the reference model's ranks, a world of their own
             refs = make_rank_group(cfg, placement, platform, reference=True)

@@ -66,6 +66,10 @@ class RolloutSection:
     # (synchronous schedule); the asynchronous schedules' ranks are ahead, so there the other engines take its share
     # and it joins at the next sync (with a single engine the run stops).
     max_engine_restarts: int = 0
+    # With --rollout.max_engine_restarts > 0: keep one spare engine process that has paid its imports (torch, vLLM;
+    # most of an engine's start on CPU), so a replacement costs the engine's build, not a process start
+    # (rollout/standby.py). It holds no CPU or GPU share and ~0.6 GiB of host memory; false: replacements start cold.
+    engine_standby: bool = True
     # Seconds an engine may go without one step of its engine loop during a call (generation, probes, eval, the
     # fidelity scores) before it counts as dead: killed and, within --rollout.max_engine_restarts, replaced with its
     # share sent again (rollout/watch.py); 0: not watched (a hung engine hangs the run). 300: a step is one forward

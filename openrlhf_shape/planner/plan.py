@@ -620,7 +620,8 @@ def _recovery(plan: Plan, cfg: TrainConfig) -> None:
     rank_nodes = len({s.node for s in plan.placement.ranks}) if plan.placement is not None else 1
     plan.recovery = recovery_cost(plan.model, plan.options, on_gpu=plan.on_gpu,
                                   sync_s=plan.sync.seconds if plan.sync is not None else None, rank_nodes=rank_nodes,
-                                  save_steps=int(cfg.ckpt.save_steps), step_s=plan.step_seconds if plan.phases else None)
+                                  save_steps=int(cfg.ckpt.save_steps), step_s=plan.step_seconds if plan.phases else None,
+                                  standby=cfg.rollout.engine_standby and cfg.rollout.max_engine_restarts > 0)
 
 
 def _async_plan(plan: Plan, cfg: TrainConfig) -> AsyncPlan | None:

@@ -18,6 +18,7 @@ from typing import Any
 from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
+from openrlhf_shape.rollout.standby import Standby
 from openrlhf_shape.rollout.watch import EngineStalled, StallWatch
 
 log = logging.getLogger("openrlhf_shape")  # the trainer's logger (its console and train.log)
@@ -46,7 +47,7 @@ class RayEngineLauncher:
 
     def __init__(self, cfg: EngineConfig, num_cpus_per_engine: float | None = None,
                  num_gpus_per_engine: float | None = None, extra_env: dict[str, str] | None = None,
-                 placement=None, *, platform: Platform):
+                 placement=None, *, platform: Platform, standby: bool = False):
         import ray
 
         if not ray.is_initialized():
@@ -56,6 +57,12 @@ class RayEngineLauncher:
         self.env.update(extra_env or {})
         self.num_cpus = platform.cpus_per_engine if num_cpus_per_engine is None else num_cpus_per_engine
         self.num_gpus = platform.gpus_per_engine if num_gpus_per_engine is None else num_gpus_per_engine
+        gpu_tp1 = platform.on_gpu and cfg.tensor_parallel_size == 1
+        self.standby = Standby(self, gpu_tp1) if standby else None  # --rollout.engine_standby
+
+    def engine_config(self, i: int) -> EngineConfig:
+        """Engine ``i``'s config: the group's, with seed ``cfg.seed + i`` (distinct streams for unseeded calls)."""
+        return EngineConfig(**{**asdict(self.cfg), "seed": self.cfg.seed + i})
 
     def start(self, i: int):
         """Engine ``i``'s actor handle (not awaited: ``handle.ready.remote()`` says when its vLLM is up)."""
@@ -66,18 +73,50 @@ class RayEngineLauncher:
             planned = self.placement.engine_options(i, self.num_cpus)
             opts.update(planned["options"])
             opts["runtime_env"] = {"env_vars": {**self.env, **planned["env"]}}
-        engine_cfg = EngineConfig(**{**asdict(self.cfg), "seed": self.cfg.seed + i})  # distinct streams for unseeded calls
-        return ray.remote(VLLMEngine).options(**opts).remote(engine_cfg, self.platform.to_dict())
+        handle = ray.remote(VLLMEngine).options(**opts).remote(self.engine_config(i), self.platform.to_dict())
+        if self.standby is not None:
+            self.standby.record(i, handle)
+        return handle
 
     def start_all(self, num_engines: int, wait_ready: bool = True) -> list:
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         handles = [self.start(i) for i in range(num_engines)]
+        if self.standby is not None:  # after the engines: their bundles are asked for first
+            self.standby.start()
         if wait_ready:
             import ray
 
             ray.get([h.ready.remote() for h in handles])
         return handles
+
+    def same_node(self, i: int, j: int) -> bool:
+        """Engines ``i`` and ``j`` are planned on one node (always, without a placement)."""
+        if self.placement is None:
+            return True
+        plan = self.placement.plan
+        return plan.bundle_node(plan.engine_workers(i)[0].bundle)[0] == plan.bundle_node(plan.engine_workers(j)[0].bundle)[0]
+
+    def replacement(self, i: int, timeout_s: float) -> tuple[Any, bool]:
+        """A new engine ``i``, ready: the standby built as it (True) or else a cold start (False)."""
+        import ray
+
+        if self.standby is not None:
+            env = self.placement.engine_options(i, self.num_cpus)["env"] if self.placement is not None else {}
+            new = self.standby.take(i, self.engine_config(i), env, timeout_s)
+            if new is not None:
+                return new, True
+        new = self.start(i)
+        try:
+            ray.get(new.ready.remote(), timeout=timeout_s)
+        except Exception:
+            ray.kill(new, no_restart=True)  # its bundle share back
+            raise
+        return new, False
+
+    def shutdown(self) -> None:
+        if self.standby is not None:
+            self.standby.shutdown()
 
 
 def create_ray_engines(
@@ -192,6 +231,7 @@ class EngineGroup:
         self.launcher, self.max_restarts, self.restore_weights = launcher, int(max_restarts), restore_weights
         self.weights_from_directory = True  # False once new weights arrived (forget_affinity)
         self.restarts, self.seconds_lost = 0, 0.0
+        self.standby_used = False  # the last replacement was the standby engine built (--rollout.engine_standby)
         self.start_timeout_s = 1800.0  # the longest a replacement may take to start (a GPU engine compiles)
         self._where = threading.local()  # (phase, step) of the calls this thread makes: :meth:`during`
         self._recovering = threading.Lock()  # the asynchronous schedule calls from two threads
@@ -429,8 +469,9 @@ class EngineGroup:
                 "survivors": f"its share of the call ({requests} prompts or sequences) sent to the engines that hold "
                              "the current weights (same request seeds), the replacement joins at the next weight sync"
                 }.get(how, f"its share of the call ({requests} prompts or sequences) sent again")
-        log.warning("%s: replaced on its bundle in %.1f s (%.1f s to start it, %.1f s for its weights and watch), %s "
-                    "(restart %d of %d, %s); %.1f s lost", what, now - t0, started, now - t0 - started, then,
+        log.warning("%s: replaced on its bundle in %.1f s (%.1f s to start it%s, %.1f s for its weights and watch), %s "
+                    "(restart %d of %d, %s); %.1f s lost", what, now - t0, started,
+                    " from the standby engine" if self.standby_used else "", now - t0 - started, then,
                     self.restarts, self.max_restarts, RESTARTS_FLAG, now - sent)
 
     def _weights_for(self, e: int, what: str, where: str, cause: BaseException, weights_follow: bool) -> str:
@@ -463,8 +504,7 @@ class EngineGroup:
         ray.kill(self.engines[e], no_restart=True)
         new = None
         try:
-            new = self.launcher.start(e)
-            ray.get(new.ready.remote(), timeout=self.start_timeout_s)
+            new, self.standby_used = self.launcher.replacement(e, self.start_timeout_s)
             started = time.monotonic() - t0
             if restore:
                 self.restore_weights(e, new)
@@ -513,6 +553,8 @@ class EngineGroup:
         return self._tokenizer
 
     def shutdown(self) -> None:
+        if self.launcher is not None:
+            self.launcher.shutdown()
         if all(self.remote):
             import ray
 

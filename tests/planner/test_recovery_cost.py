@@ -57,6 +57,12 @@ def test_each_part_follows_its_input(tmp_path) -> None:
     twice = recovery_cost(small, opt, on_gpu=True, sync_s=5.0, rank_nodes=2, save_steps=40, step_s=100.0)
     assert twice.engine_sync_s == 2 * gpu.engine_sync_s and twice.redo_s == (2000.0, 4000.0)
     assert recovery_cost(small, opt, on_gpu=True, sync_s=2.5, rank_nodes=2, save_steps=0, step_s=100.0).redo_s is None
+    # a standby engine (--rollout.engine_standby): the replacement's start is the engine's build alone, the rest equal
+    for on_gpu in (False, True):
+        cold, warm = (recovery_cost(small, opt, on_gpu=on_gpu, sync_s=2.5, rank_nodes=1, save_steps=20, step_s=None,
+                                    standby=sb) for sb in (False, True))
+        assert 0 < warm.engine_start_s < cold.engine_start_s
+        assert warm.engine_failure_s - warm.engine_start_s == pytest.approx(cold.engine_failure_s - cold.engine_start_s)
 
 
 def test_a_plan_prices_recovery_from_its_own_sync_estimate_step_time_and_options() -> None:

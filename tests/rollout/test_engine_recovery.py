@@ -38,7 +38,10 @@ LONG = SamplingConfig(n=2, max_tokens=512, temperature=1.0, logprobs=True, seed=
 @pytest.fixture(scope="module")
 def group(ray_local, tiny_model_dir):
     cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32")
-    g = start_engines(cfg, 2, platform=cpu_platform(threads_per_engine=1), num_cpus_per_engine=0.5, max_restarts=2)
+    # With a standby engine (--rollout.engine_standby): the first replacement is the spare built as engine 1; the
+    # cold start stays covered by tests/rollout/test_engine_stalls_and_sync_losses.py's group (no standby).
+    g = start_engines(cfg, 2, platform=cpu_platform(threads_per_engine=1), num_cpus_per_engine=0.5, max_restarts=2,
+                      standby=True)
     yield g
     g.shutdown()
 
@@ -61,18 +64,20 @@ def test_an_engine_killed_mid_generate_is_replaced_and_the_call_returns_the_unin
     prompts = [chat_ids(q) for q in QUESTIONS]
     want = samples(group.generate(prompts, LONG))
     assert sorted(set(group.plan(prompts, LONG.n))) == [0, 1]  # both engines hold a share
-    dead = group.engines[1]
+    dead, spare = group.engines[1], group.launcher.standby.spare
     killer = _kill_when_busy(group, 1, after_s=1.0)
     with console_lines() as console, group.during("generate", step=7):
         got = samples(group.generate(prompts, LONG))
     killer.join()
     assert_same_samples(got, want)
     assert group.engines[1] != dead and ray.get(group.engines[1].ready.remote()) > 0
+    # the spare became engine 1 (its samples above are engine 1's, seed and all) and a new spare took its place
+    assert group.engines[1] == spare and group.launcher.standby.spare not in (None, spare)
     metrics = group.fault_metrics()  # the module's first restart
     assert metrics["fault/engine_restarts"] == 1.0 and metrics["fault/seconds_lost"] > 1.0
     lines = [ln for ln in console if "died" in ln]
     assert len(lines) == 1 and lines[0].startswith("engine 1 died during generate at step 7 (ActorDiedError)")
-    assert "restart 1 of 2, --rollout.max_engine_restarts" in lines[0]
+    assert "restart 1 of 2, --rollout.max_engine_restarts" in lines[0] and "to start it from the standby engine" in lines[0]
 
 
 def _probe(group, chat_ids, before_probes=lambda: None):

@@ -27,8 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
 
 
 def _restart_flags(model_dir: str, reward_file: str, out_dir: str) -> list[str]:
-    """The fewest steps that show a resume (2), a checkpoint after each, short responses."""
-    return _flags(model_dir, reward_file, out_dir) + ["--train.num_steps", "2", "--rollout.max_new_tokens", "16"]
+    """The fewest steps that show a resume (2), a checkpoint after each, short responses; the KL penalty on, so that a
+    reference rank group runs too (a death there restarts both groups, as one of the actor's does)."""
+    return _flags(model_dir, reward_file, out_dir) + ["--train.num_steps", "2", "--rollout.max_new_tokens", "16",
+                                                      "--algo.kl.init_coef", "0.05", "--algo.kl.estimator", "k3"]
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +57,10 @@ def _has_step_1(metrics_path: str) -> bool:
         return False
 
 
-def _kill_rank_after_step_1(flags: list[str], in_sync_of: int | None = None) -> tuple[object, list[str], dict]:
-    """The command's run in this process (``ShapeTrainer`` set up, ``fit``, shut down) with actor rank 0's process
-    SIGKILLed once step 1's line is in ``metrics.jsonl`` or, with ``in_sync_of``, as the weight sync after that step
+def _kill_rank_after_step_1(flags: list[str], in_sync_of: int | None = None,
+                            group: str = "ranks") -> tuple[object, list[str], dict]:
+    """The command's run in this process (``ShapeTrainer`` set up, ``fit``, shut down) with rank 0's process of
+    ``group`` (``ranks``: the actor's; ``refs``: the reference model's) SIGKILLed once step 1's line is in ``metrics.jsonl`` or, with ``in_sync_of``, as the weight sync after that step
     starts (the sender dead when the engines wait for its first bucket). Returns the trainer, its log lines and what
     the test saw (pids, engine handles, the error ``fit`` raised)."""
     from openrlhf_shape.config import load_config
@@ -72,7 +75,7 @@ def _kill_rank_after_step_1(flags: list[str], in_sync_of: int | None = None) -> 
     metrics_path = os.path.join(os.path.abspath(cfg.ckpt.output_dir), "metrics.jsonl")
     try:
         trainer.setup()
-        seen["pid"] = ray.get(trainer.run.cluster.ranks.actors[0].pid.remote())
+        seen["pid"] = ray.get(getattr(trainer.run.cluster, group).actors[0].pid.remote())
         seen["engines"] = list(trainer.run.cluster.engines.engines)
 
         def kill() -> None:
@@ -100,7 +103,7 @@ def _kill_rank_after_step_1(flags: list[str], in_sync_of: int | None = None) -> 
         except Exception as exc:  # noqa: BLE001 - handed to the test
             seen["error"] = exc
         killer.join(timeout=60)
-        seen["new_pid"] = ray.get(trainer.run.cluster.ranks.actors[0].pid.remote()) if "error" not in seen else None
+        seen["new_pid"] = ray.get(getattr(trainer.run.cluster, group).actors[0].pid.remote()) if "error" not in seen else None
         seen["engines_after"] = list(trainer.run.cluster.engines.engines)
     finally:
         trainer.shutdown()
@@ -147,6 +150,24 @@ def test_a_rank_killed_as_the_weight_sync_starts_restarts_and_the_run_repeats(tm
     assert seen["engines_after"] == seen["engines"]
     got = _metrics(run_dir)
     assert_engine_ran_trained_policy(got)
+    drop = lambda m: {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in m.items()}  # noqa: E731
+    assert_repeats_the_run(drop(uninterrupted["metrics"]), drop(got))
+
+
+def test_a_killed_reference_rank_restarts_both_groups_and_the_run_repeats(tmp_path, uninterrupted, tied_model_dir,
+                                                                           parity_reward_file, ray_once):
+    """A reference rank's death shows at step 2's reference forward; the restart rebuilds the reference model from
+    the model directory, so step 2's KL (and every other metric) is the uninterrupted run's."""
+    run_dir = str(tmp_path / "run")
+    flags = _restart_flags(tied_model_dir, parity_reward_file, run_dir) + ["--train.max_restarts", "1"]
+    _, lines, seen = _kill_rank_after_step_1(flags, group="refs")
+    assert "error" not in seen, f"{seen.get('error')!r}\n" + "\n".join(lines[-30:])
+    assert "killed_at" in seen and seen["new_pid"] != seen["pid"]
+    said = [ln for ln in lines if "restarting the rank groups" in ln]
+    assert len(said) == 1 and said[0].startswith("reference rank 0 died during") and "at step 2" in said[0], said
+    assert seen["engines_after"] == seen["engines"]
+    got = _metrics(run_dir)
+    assert got[2]["ref/kl/mean"] > 0.0  # the KL term ran against the restarted reference (the policy moved)
     drop = lambda m: {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in m.items()}  # noqa: E731
     assert_repeats_the_run(drop(uninterrupted["metrics"]), drop(got))
 
