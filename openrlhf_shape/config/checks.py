@@ -39,6 +39,7 @@ def reworded(build: Callable, cls_name: str, to_flag: Callable[[str], str]):
 def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     """Every check that needs no model or devices; raises ``ValueError`` naming the flag."""
     estimator = cfg.advantage_estimator()  # a known name; the bounds and return settings that apply to it
+    _check_critic(cfg, estimator)
     cfg.data.validate()
     _check_rollout(cfg, estimator)
     _check_batches(cfg)
@@ -49,6 +50,15 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
     _check_agent(cfg, check_paths)
+
+
+def _check_critic(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
+    """An estimator that reads a critic's values (GAE) needs the critic's rank group, which the trainer does not
+    start yet (issue 50): refused here, once, rather than failing at the first step."""
+    _need(not estimator.needs_critic, "algo.advantage.estimator",
+          f"{cfg.algo.advantage.estimator} needs a critic (a value model trained beside the actor), and this trainer "
+          "has no critic rank group yet (issue 50); use a critic-free estimator: reinforce_baseline, grpo "
+          "(group_norm), rloo, reinforce, dr_grpo or flash_reinforce, or shape")
 
 
 def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:

@@ -188,3 +188,26 @@ def openrlhf_advantages(argv: list[str], rewards: torch.Tensor, mask: torch.Tens
                        response_length=mask[idx].sum(-1), index=idx.tolist(), info={}) for idx in parts]
     exps = maker.compute_advantages_and_returns(exps)
     return torch.cat([e.advantages for e in exps], dim=0)
+
+
+def openrlhf_gae(argv: list[str], rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 kl: torch.Tensor | None, kl_coef: float, splits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), each ``[B, T]``, from OpenRLHF's ``compute_advantages_and_returns`` with
+    ``--algo.advantage.estimator gae`` (added to ``argv``) for outcomes ``rewards`` ``[B]``, the critic's ``values``
+    ``[B, T]``, ``mask`` ``[B, T]``, KL ``[B, T]`` (None: 0) at coefficient ``kl_coef``, the batch split into
+    ``splits`` experiences (its whitening is global over them)."""
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    args = openrlhf_args(["--algo.advantage.estimator", "gae", *argv])
+    maker = load_experience_maker()(None, None, None, None, FixedKLController(kl_coef),
+                                    SimpleNamespace(args=args), None)
+    kl = torch.zeros(mask.shape) if kl is None else kl
+    parts = torch.arange(rewards.numel()).tensor_split(splits)
+    exps = [Experience(action_mask=mask[idx].clone(), rewards=rewards[idx].clone(), kl=kl[idx].clone(),
+                       values=values[idx].clone(), response_length=mask[idx].sum(-1), index=idx.tolist(), info={})
+            for idx in parts]
+    exps = maker.compute_advantages_and_returns(exps)
+    return torch.cat([e.advantages for e in exps], dim=0), torch.cat([e.returns for e in exps], dim=0)
