@@ -5,7 +5,7 @@ under pytest).
 flash_attn: CUDA only) and the Ray launcher. So its class ``RemoteExperienceMaker`` and
 ``openrlhf.models.utils.compute_reward`` are taken from the installed files' source with ``ast``, unchanged,
 and executed with the names they use: torch, itertools, and the real ``apply_length_penalties`` and
-``init_logger`` from openrlhf modules that do import; ``models/loss.py``'s ``PolicyLoss`` and ``aggregate_loss``
+``init_logger`` from openrlhf modules that do import; ``models/loss.py``'s ``PolicyLoss``, ``ValueLoss`` and ``aggregate_loss``
 the same way (:func:`load_loss_module`). Nothing of OpenRLHF is re-implemented; annotations are
 not evaluated (``RayActorGroup`` is only a type annotation). The arguments come from OpenRLHF's own CLI
 parser (``cli/train_ppo_ray.py``'s argparse block) and ``openrlhf.utils.config.hierarchize``, so every
@@ -65,7 +65,7 @@ def load_experience_maker():
 
 
 def load_loss_module() -> dict:
-    """OpenRLHF's ``PolicyLoss``, ``aggregate_loss`` (``models/loss.py``), ``compute_approx_kl``, ``compute_reward``
+    """OpenRLHF's ``PolicyLoss``, ``ValueLoss``, ``aggregate_loss`` (``models/loss.py``), ``compute_approx_kl``, ``compute_reward``
     and ``masked_mean`` (``models/utils.py``), defined from the installed source: a name -> object dict."""
     from typing import Optional, Union
 
@@ -84,7 +84,7 @@ def load_loss_module() -> dict:
     assert consts, f"{utils_path} no longer defines KL_IS_WEIGHT_CLIP"
     _exec(ast.Module(body=consts + utils.body, type_ignores=[]), utils_path, scope)
     loss_path = os.path.join(base, "models", "loss.py")
-    _exec(_definitions(loss_path, {"PolicyLoss", "aggregate_loss"}), loss_path, scope)
+    _exec(_definitions(loss_path, {"PolicyLoss", "ValueLoss", "aggregate_loss"}), loss_path, scope)
     return scope
 
 
