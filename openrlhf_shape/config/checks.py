@@ -7,12 +7,13 @@ message starts with the flag a user types.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 from typing import TYPE_CHECKING, Callable
 
-from openrlhf_shape.algorithms.estimators import AdvantageEstimator
+from openrlhf_shape.algorithms.estimators import AdvantageEstimator, names_with
 from openrlhf_shape.config.openrlhf import show
 from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER
 from openrlhf_shape.weight_sync import TRANSPORTS
@@ -53,12 +54,31 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
 
 
 def _check_critic(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
-    """An estimator that reads a critic's values (GAE) needs the critic's rank group, which the trainer does not
-    start yet (issue 50): refused here, once, rather than failing at the first step."""
+    """``--critic.*`` only with an estimator that reads a critic (a setting that does nothing is an error). Such an
+    estimator (GAE) needs the critic's rank group, which the trainer does not start yet (issue 50): refused here,
+    once, rather than failing at the first step."""
+    given = _changed(dataclasses.asdict(cfg.critic), dataclasses.asdict(type(cfg.critic)()), "critic.")
+    given += ["train.colocate_critic_reward"] if cfg.train.colocate_critic_reward else []
+    name = cfg.algo.advantage.estimator
+    _need(estimator.needs_critic or not given, given[0] if given else "",
+          f"only --algo.advantage.estimator {' or '.join(names_with('needs_critic'))} trains a critic, and the run's "
+          f"estimator is {name} (OpenRLHF's default is gae, ours shape): pass --algo.advantage.estimator gae, or drop "
+          + ", ".join(f"--{g}" for g in given))
     _need(not estimator.needs_critic, "algo.advantage.estimator",
-          f"{cfg.algo.advantage.estimator} needs a critic (a value model trained beside the actor), and this trainer "
-          "has no critic rank group yet (issue 50); use a critic-free estimator: reinforce_baseline, grpo "
-          "(group_norm), rloo, reinforce, dr_grpo or flash_reinforce, or shape")
+          f"{name} needs a critic (a value model trained beside the actor: --critic.*), and this trainer has no critic "
+          "rank group yet (issue 50); use a critic-free estimator: reinforce_baseline, grpo (group_norm), rloo, "
+          "reinforce, dr_grpo or flash_reinforce, or shape")
+
+
+def _changed(ours: dict, default: dict, prefix: str) -> list[str]:
+    """The dotted flags whose value in ``ours`` (a section's ``asdict``) differs from ``default``'s."""
+    out: list[str] = []
+    for key, value in ours.items():
+        if isinstance(value, dict):
+            out += _changed(value, default[key], f"{prefix}{key}.")
+        elif value != default[key]:
+            out.append(prefix + key)
+    return out
 
 
 def _check_rollout(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
