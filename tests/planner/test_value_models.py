@@ -138,3 +138,14 @@ def test_doctor_checks_the_critics_directory(tmp_path):
     assert flag == "critic.model_name_or_path" and "no value head" in problem
     assert value_model_report(_cfg("cpu-smoke.yaml", [], [])) == []  # from the actor's path: a fresh head
     assert value_model_report(_cfg("cpu-smoke.yaml", [])) == []  # no critic
+
+
+def test_a_reward_models_forward_costs_what_the_critics_values_do():
+    """A reward model is the critic's shape forward only: its time is the serial ``critic values`` phase's."""
+    from openrlhf_shape.planner.model import ModelShape, resolve_model_config
+    from openrlhf_shape.planner.value_models import critic_time, reward_model_time
+
+    model, opt = ModelShape.from_file(resolve_model_config("demo", None)), PlanOptions()
+    values, _ = critic_time(model, world=4, total_tokens=1e6, seq=2048, epochs=1, recompute=False, overlap=None, opt=opt)
+    rm = reward_model_time(model, world=4, total_tokens=1e6, seq=2048, opt=opt)
+    assert rm.name == "reward model" and values.seconds > 0 and rm.seconds == pytest.approx(values.seconds)
