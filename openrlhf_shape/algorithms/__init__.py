@@ -5,7 +5,7 @@ Public, stable API (see docs/architecture.md):
 ``mrt_segment_advantages``, ``grpo_advantages``, ``redistribute_token_credit``, ``policy_loss``,
 plus ``ShapeConfig`` and the batched helpers in :mod:`.pipeline`. The estimators are registered by name in
 ``ESTIMATOR_REGISTRY`` (:mod:`.estimators`: the paper's; :mod:`.reinforce`: OpenRLHF's outcome estimators, with
-their maths in :mod:`.returns`), the segmentation modes in ``SEGMENTATIONS`` (:mod:`.segmentation`).
+their maths in :mod:`.returns`; :mod:`.gae`: PPO's GAE over a critic's values), the segmentation modes in ``SEGMENTATIONS`` (:mod:`.segmentation`).
 """
 
 from openrlhf_shape.algorithms.advantages import (
@@ -20,6 +20,7 @@ from openrlhf_shape.algorithms.advantages import (
 from openrlhf_shape.algorithms.config import ReturnConfig, ShapeConfig
 from openrlhf_shape.algorithms.estimators import ESTIMATOR_REGISTRY, AdvantageEstimator, get_estimator, register
 from openrlhf_shape.algorithms import reinforce  # noqa: F401  (registers OpenRLHF's outcome estimators)
+from openrlhf_shape.algorithms import gae  # noqa: F401  (registers OpenRLHF's GAE, which needs a critic)
 from openrlhf_shape.algorithms.returns import baselined_outcomes, discounted_returns, outcome_token_rewards, whiten
 from openrlhf_shape.algorithms.entropy import token_entropy, token_log_probs_and_entropy
 from openrlhf_shape.algorithms.loss import policy_loss

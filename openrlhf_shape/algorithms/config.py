@@ -138,17 +138,22 @@ class ShapeConfig:
 
 @dataclass(frozen=True)
 class ReturnConfig:
-    """``--algo.advantage.gamma`` and ``--algo.advantage.no_std_norm``: how OpenRLHF's outcome estimators
-    (:mod:`openrlhf_shape.algorithms.reinforce`) turn per-token rewards into advantages.
+    """``--algo.advantage.gamma``, ``--algo.advantage.no_std_norm`` and ``--algo.advantage.lambd``: how OpenRLHF's
+    estimators (:mod:`openrlhf_shape.algorithms.reinforce`, :mod:`openrlhf_shape.algorithms.gae`) turn per-token
+    rewards into advantages.
 
-    ``gamma``: the return's discount per token, in [0, 1] (only ``reinforce`` discounts; the others need 1).
+    ``gamma``: the return's discount per token, in [0, 1] (only ``reinforce`` and ``gae`` discount; the others need 1).
     ``no_std_norm``: whitening keeps the mean subtraction and drops the std division (only for the
-    estimators that whiten: ``reinforce``, ``reinforce_baseline``).
+    estimators that whiten: ``reinforce``, ``reinforce_baseline``, ``gae``). ``lambd``: GAE's lambda in [0, 1]
+    (only ``gae``; the others need 1).
     """
 
     gamma: float = 1.0
     no_std_norm: bool = False
+    lambd: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.gamma) <= 1.0:
             raise ValueError(f"--algo.advantage.gamma: the return's per-token discount must lie in [0, 1], got {self.gamma}")
+        if not 0.0 <= float(self.lambd) <= 1.0:
+            raise ValueError(f"--algo.advantage.lambd: GAE's lambda must lie in [0, 1], got {self.lambd}")

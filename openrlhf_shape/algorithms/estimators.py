@@ -68,7 +68,8 @@ class SequenceInputs:
     ``rewards``: ``[B]`` outcomes R as the reward function gave them; ``mask``: ``[B, T]`` bool, True on
     response tokens; ``group_size``: n; ``token_rewards``: ``[B, T]`` reward added on every token, or None
     (KL in the reward: ``-kl_coef * KL_t``, OpenRLHF's ``compute_reward``); ``reward_clip_range``: the
-    outcome term is clipped into it after the baseline (``--reward.clip_range``), or None.
+    outcome term is clipped into it after the baseline (``--reward.clip_range``), or None; ``values``: ``[B, T]``
+    the critic's value per token, for the estimators that need a critic (``needs_critic``), else None.
     """
 
     rewards: torch.Tensor
@@ -76,6 +77,7 @@ class SequenceInputs:
     group_size: int
     token_rewards: torch.Tensor | None = None
     reward_clip_range: tuple[float, float] | None = None
+    values: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,7 +102,8 @@ class AdvantageEstimator:
     ``shaped``: alpha scales its shaping term (appendix A.1's bound applies); ``discounted``: it discounts
     by gamma_k (appendix A.2's bound against the probe count applies). ``default_tcr``: token credit
     redistribution when ``--shape.tcr`` is unset. ``needs_group``: it compares the n samples of a prompt
-    (n >= 2). ``discounts_returns`` / ``whitens``: ``--algo.advantage.gamma`` / ``no_std_norm`` apply to it."""
+    (n >= 2). ``discounts_returns`` / ``whitens``: ``--algo.advantage.gamma`` / ``no_std_norm`` apply to it.
+    ``needs_critic``: it reads a critic's values (GAE; ``--algo.advantage.lambd`` applies to it)."""
 
     name: ClassVar[str] = ""
     needs_segments: ClassVar[bool] = True
@@ -110,6 +113,7 @@ class AdvantageEstimator:
     needs_group: ClassVar[bool] = False
     discounts_returns: ClassVar[bool] = False
     whitens: ClassVar[bool] = False
+    needs_critic: ClassVar[bool] = False
 
     def __init__(self, cfg: ShapeConfig, returns: ReturnConfig | None = None):
         self.cfg = cfg
@@ -131,6 +135,11 @@ class AdvantageEstimator:
                 f"--algo.advantage.no_std_norm: {self.name} does not whiten advantages (only "
                 f"{' and '.join(names_with('whitens'))} do); drop the flag, or use --algo.advantage.estimator dr_grpo "
                 "for a group baseline without std division")
+        if self.returns.lambd != 1.0 and not self.needs_critic:
+            raise ValueError(
+                f"--algo.advantage.lambd {self.returns.lambd}: only --algo.advantage.estimator "
+                f"{' or '.join(names_with('needs_critic'))} (with a critic) reads GAE's lambda; {self.name} needs 1 "
+                "(drop the flag)")
 
     @property
     def uses_tcr(self) -> bool:
@@ -149,6 +158,10 @@ class AdvantageEstimator:
     def token_advantages(self, x: SequenceInputs) -> torch.Tensor:
         """``[B, T]`` token advantages, 0 at padding (sequence-level estimators)."""
         raise NotImplementedError(f"{type(self).__name__} is segment-level")
+
+    def advantages_and_returns(self, x: SequenceInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` token advantages and the critic's ``[B, T]`` targets (estimators with ``needs_critic``)."""
+        raise NotImplementedError(f"{type(self).__name__} trains no critic")
 
 
 @register("shape")

@@ -20,6 +20,10 @@ gradient; ppo and cispo) each token's l_t is multiplied by its weight; a weight 
 numerator, not from the count, as in OpenRLHF. GSPO takes none: OpenRLHF's GSPO with the correction on takes its
 ratio against the rollout log-probs instead (pass them as ``old_log_probs``) and applies no weights.
 
+The critic's loss (:func:`value_loss`, ``--critic.value_clip``), OpenRLHF 0.11.2's ``ValueLoss``: per token,
+l_t = 0.5 max((V^clip_t - G_t)^2, (V_t - G_t)^2) with V^clip_t = V^old_t + clip(V_t - V^old_t, -eps, eps) (eps None:
+0.5 (V_t - G_t)^2), aggregated as the policy loss: token level (OpenRLHF's critic always is) or sequence level.
+
 The log-ratio is clamped to +-:data:`LOG_RATIO_CLAMP` before ``exp`` (OpenRLHF's PPO clamp): exp(89) overflows
 float32, and one such token would make the gradient NaN and the whole optimizer step be skipped. GSPO clamps its
 sequence mean (OpenRLHF clamps nothing there; the two agree while |mean| <= 20).
@@ -168,3 +172,50 @@ def _loss_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tenso
         "ratio_sum": (ratio.detach() * mf).sum().to(torch.float32),
         "advantage_sum": (adv * mf).sum().detach().to(torch.float32),
     }
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None = 0.5,
+    *,
+    token_level: bool = True,
+    num_global_tokens: float | int | torch.Tensor | None = None,
+    num_global_samples: float | int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's clipped value loss (module doc; OpenRLHF's ``ValueLoss``).
+
+    Args:
+        values: ``[B, T]`` the critic's current values (requires grad); old_values: ``[B, T]`` its values when the
+            batch was made; returns: ``[B, T]`` GAE's targets G (:mod:`.gae`); mask: ``[B, T]`` bool.
+        clip_eps: ``--critic.value_clip`` (>= 0), how far V may move from V^old before its gradient is held; None:
+            no clip.
+        token_level: sum / ``num_global_tokens`` (OpenRLHF's critic); else the mean over samples of each sample's
+            token mean, / ``num_global_samples``. A count of None is this call's own.
+
+    Returns:
+        (loss scalar, metrics): detached sums over this call's valid tokens: ``num_tokens``, ``values_sum``,
+        ``value_clipfrac_sum`` (tokens whose clipped term was the larger).
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError("values, old_values, returns and mask must share one shape [B, T]; got "
+                         f"{tuple(values.shape)}, {tuple(old_values.shape)}, {tuple(returns.shape)}, {tuple(mask.shape)}")
+    if clip_eps is not None and not clip_eps >= 0:
+        raise ValueError(f"--critic.value_clip must be >= 0 (or unset: no clip), got {clip_eps}")
+    m = mask.bool()
+    mf = m.to(values.dtype)
+    old, target = old_values.to(values.dtype), returns.to(values.dtype)
+    tok_loss = (values - target) ** 2
+    clipped = torch.zeros_like(m)
+    if clip_eps is not None:
+        surr_clip = (old + (values - old).clamp(-float(clip_eps), float(clip_eps)) - target) ** 2
+        clipped = (surr_clip > tok_loss) & m
+        tok_loss = torch.maximum(surr_clip, tok_loss)
+    tok_loss = torch.where(m, 0.5 * tok_loss, torch.zeros_like(tok_loss))
+    loss = _aggregate(tok_loss, mf, not token_level, num_global_tokens, num_global_samples)
+    metrics = {"num_tokens": mf.sum().detach().to(torch.float32),
+               "values_sum": (values.detach() * mf).sum().to(torch.float32),
+               "value_clipfrac_sum": clipped.to(torch.float32).sum()}
+    return loss, metrics

@@ -53,6 +53,7 @@ class AdvantageResult:
     segment_advantages: torch.Tensor | None  # [B, K] (0 for absent segments); None for outcome estimators
     segment_ids: torch.Tensor | None  # [B, T]
     metrics: dict[str, float]
+    returns: torch.Tensor | None = None  # [B, T] the critic's targets (estimators with a critic), 0 at padding
 
 
 def compute_token_advantages(
@@ -66,6 +67,7 @@ def compute_token_advantages(
     potentials: torch.Tensor | None = None,
     token_rewards: torch.Tensor | None = None,
     reward_clip_range: tuple[float, float] | None = None,
+    values: torch.Tensor | None = None,
 ) -> AdvantageResult:
     """Token advantages from ``estimator`` (:func:`~openrlhf_shape.algorithms.estimators.get_estimator`: the
     registered name bound to its :class:`ShapeConfig`) over a padded batch.
@@ -77,6 +79,7 @@ def compute_token_advantages(
         token_rewards: ``[B, T]`` reward added on every token before the returns (KL in the reward:
         ``-kl_coef * KL_t``); outcome estimators only. reward_clip_range: outcome estimators clip their
         outcome term into it after the baseline (``--reward.clip_range``; SHAPE/MRT get R clipped already).
+        values: ``[B, T]`` the critic's values (GAE; it also fills :attr:`AdvantageResult.returns`).
     """
     mask = mask.bool()
     batch = mask.shape[0]
@@ -85,11 +88,10 @@ def compute_token_advantages(
         raise ValueError(f"rewards must be [B] = [{batch}], got {tuple(rewards.shape)}")
     if group_size < 1 or batch % group_size:
         raise ValueError(f"batch {batch} is not a multiple of group_size {group_size} (--rollout.n_samples_per_prompt)")
-    grouped = rewards.view(-1, group_size)
-    cfg = estimator.cfg
     if not estimator.needs_segments:
-        return _sequence_level(estimator, SequenceInputs(rewards, mask, group_size, token_rewards, reward_clip_range))
+        return _sequence_level(estimator, SequenceInputs(rewards, mask, group_size, token_rewards, reward_clip_range, values))
 
+    grouped, cfg = rewards.view(-1, group_size), estimator.cfg
     _check_segment_inputs(estimator, boundaries, potentials, token_rewards)
     seg_len, n_seg = segment_lengths(boundaries, _valid_lengths(mask))  # [B, K], [B]
     kmax = seg_len.shape[1]
@@ -142,7 +144,7 @@ def _sequence_level(estimator: AdvantageEstimator, x: SequenceInputs) -> Advanta
     """Outcome estimators (GRPO, REINFORCE++, ...): token advantages ``[B, T]`` from the outcomes, no segments.
     ``adv/sequence`` describes each response's mean token advantage (its one advantage when gamma is 1 and
     there is no per-token reward)."""
-    tok = estimator.token_advantages(x)
+    tok, returns = estimator.advantages_and_returns(x) if estimator.needs_critic else (estimator.token_advantages(x), None)
     mask = x.mask
     if tok.shape != mask.shape:
         raise RuntimeError(f"{estimator.name} returned advantages of shape {tuple(tok.shape)} for a {tuple(mask.shape)} batch")
@@ -151,7 +153,7 @@ def _sequence_level(estimator: AdvantageEstimator, x: SequenceInputs) -> Advanta
     metrics: dict[str, float] = {}
     metrics.update(describe(per_response, "adv/sequence"))
     metrics.update(advantage_by_outcome(tok, mask, x.rewards))
-    return AdvantageResult(tok, None, None, metrics)
+    return AdvantageResult(tok, None, None, metrics, returns)
 
 
 def _checked_potentials(potentials: torch.Tensor, rewards: torch.Tensor, n_seg: torch.Tensor,

@@ -16,7 +16,7 @@ into ``--reward.clip_range`` after the baseline, as OpenRLHF does. "Whitened": t
 token of the batch are shifted to mean 0 and divided by their std (``--algo.advantage.no_std_norm``: mean
 only). KL in the reward enters as :attr:`SequenceInputs.token_rewards` (``-kl_coef * KL_t`` on every token),
 so with KL each token's advantage is its own return; without it every token of a response gets r_i (times
-gamma^(T-1-t) under ``reinforce``), before whitening. ``gae`` needs a critic and is not here.
+gamma^(T-1-t) under ``reinforce``), before whitening. ``gae`` needs a critic: :mod:`.gae`.
 """
 
 from __future__ import annotations

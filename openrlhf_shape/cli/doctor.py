@@ -5,7 +5,8 @@ Takes the same config and flags as ``train``; joins ``--train.ray_address`` (or 
 Exit 0 when every check passed, 1 otherwise (openrlhf_shape/cluster/doctor.py says what each check does).
 It also says what recovery costs on the job's layout (the planner's estimate, ``planner/recovery.py``: per engine
 failure an engine start + one weight sync, per rank failure a rank group start + the checkpoint load + a re-sync +
-the steps since the last checkpoint); ``--plan.*`` flags change its assumptions as in ``train --dry_run``.
+the steps since the last checkpoint); ``--plan.*`` flags change its assumptions as in ``train --dry_run``. The
+critic's and a reward model's directories are checked for OpenRLHF's value head (:func:`value_model_report`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ def recovery_report(cfg, plan_flags: list[str]) -> list[str]:
     except (ValueError, FileNotFoundError, NotImplementedError) as exc:
         return [f"recovery cost: no estimate ({exc})"]
     return recovery_lines(plan.recovery)
+
+
+def value_model_report(cfg) -> list[tuple[str, str | None]]:
+    """``(flag, problem or None)`` for each value model the run starts from a directory: the critic (estimators with
+    a critic; none to check when it starts from the actor's path, where OpenRLHF initialises a fresh value head) and
+    a reward model (``--reward.model_name_or_path`` when the config has it): the directory exists and holds
+    OpenRLHF's value head (planner/value_models.py: ``score.weight`` of ``[1, hidden_size]`` by default)."""
+    from openrlhf_shape.planner.value_models import value_head_problem
+
+    paths = []
+    if cfg.advantage_estimator().needs_critic and cfg.critic_model_path() != cfg.actor.model_name_or_path:
+        paths.append(("critic.model_name_or_path", cfg.critic_model_path()))
+    for path in filter(None, str(getattr(cfg.reward, "model_name_or_path", None) or "").split(",")):
+        paths.append(("reward.model_name_or_path", path))
+    return [(flag, value_head_problem(path)) for flag, path in paths]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
         print(c.line())
     for line in recovery:
         print(f"doctor: {line}")
-    failed = [c.name for c in checks if not c.ok]
-    print(f"doctor: {len(checks) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    values = value_model_report(cfg)
+    for flag, problem in values:
+        print(f"doctor: --{flag}: " + (problem or "ok (a value head in OpenRLHF's format)"))
+    failed = [c.name for c in checks if not c.ok] + [flag for flag, problem in values if problem]
+    total = len(checks) + len(values)
+    print(f"doctor: {total - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
     return 1 if failed else 0

@@ -54,8 +54,8 @@ def _value(name: str, value: Any) -> Any:
     mean something else): -1 "off" steps, one-value thresholds, estimator names."""
     if name in ("eval.steps", "ckpt.save_steps"):
         return 0 if float(value) < 0 else value  # OpenRLHF's -1 is our 0 (off)
-    if name == "algo.advantage.estimator":  # OpenRLHF's group_norm is GRPO (our name)
-        return translated_value(BY_NAME[name], value)
+    if name == "algo.advantage.estimator":  # OpenRLHF's group_norm is GRPO (our name); an unknown name: the parser's
+        return BY_NAME[name].accept.get(str(value), value)
     if name == "algo.advantage.is_correction_threshold":
         vals = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
         return [0.0, float(vals[0])] if len(vals) == 1 else list(vals)  # one value: an upper bound only

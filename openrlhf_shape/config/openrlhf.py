@@ -46,7 +46,11 @@ class OpenRLHFFlag:
     checked_by: tuple[str, ...] = ()
 
 
-_NO_CRITIC = "no critic here; every --algo.advantage.estimator here is critic-free; drop it"
+_CRITIC = ("the critic of --algo.advantage.estimator gae (any other estimator refuses --critic.* and "
+           "--train.colocate_critic_reward); a run with gae is refused until the critic's rank group lands (issue 50)")
+_CRITIC_OPTIM = f"the critic's optimiser, as --actor.*'s; {_CRITIC}"
+_CRITIC_RANKS = ("the critic's ranks (unset: as many as the actor's, as the reference's): OpenRLHF's 1 node x 8 GPUs "
+                 "would not fit the one-rank default actor; " + _CRITIC)
 _REF_RANKS = ("the reference model's ranks (started when --algo.kl.init_coef > 0; unset: as many as the actor's): "
               "the actor's backend and TP/PP layout, on the actor's GPUs under --train.colocate_all, else on their own")
 _ACTOR_RANKS = ("ranks = num_nodes x num_gpus_per_node = TP x PP x CP x DP; both unset: one rank, so a bare command "
@@ -111,14 +115,22 @@ _T_IS = (_D + "test_rollout_correction_equals_openrlhfs",
          _D + "test_gspo_with_the_correction_takes_the_engines_log_probs_as_openrlhf")
 _T_IS_0110 = "tests/config/test_openrlhf_0110_names.py::test_old_names_weigh_the_loss_as_openrlhf_0112_does"
 _T_LR = "tests/actor/test_lr_schedule.py::test_lr_at_is_the_scheduler_openrlhf_builds"
+_T_GAE = "tests/algorithms/test_gae.py::test_equals_openrlhf_compute_advantages_and_returns"
+_T_VALUE_LOSS = "tests/algorithms/test_value_loss.py::test_equals_openrlhfs_value_loss"
 
 
 def _critic_optim() -> list[OpenRLHFFlag]:
-    rows = [("optim", "adam"), ("muon.lr", 0.02), ("muon.momentum", 0.95), ("muon.ns_steps", 5),
-            ("muon.nesterov", True), ("muon.no_nesterov", True), ("adam.lr", 9e-6), ("adam.betas", (0.9, 0.95)),
-            ("adam.eps", 1e-8), ("adam.weight_decay", 0.0), ("lr_scheduler", "cosine_with_min_lr"),
-            ("lr_warmup_ratio", 0.03), ("min_lr_ratio", 0.1), ("max_norm", 1.0)]
-    return [_f(f"critic.{k}", d, REFUSED, why=_NO_CRITIC) for k, d in rows]
+    """``--critic.*``'s optimiser rows: Adam(W) and the schedule as the actor's (same meanings), Muon refused."""
+    muon = "Muon is not available; Adam(W) only"
+    rows = [_f("critic.optim", "adam", VALUES, accept={"adam": None}, why="Adam(W) only (no Muon), as the actor's")]
+    rows += [_f(f"critic.{k}", d, REFUSED, why=muon) for k, d in (("muon.lr", 0.02), ("muon.momentum", 0.95),
+             ("muon.ns_steps", 5), ("muon.nesterov", True), ("muon.no_nesterov", True))]
+    rows += [_f(f"critic.{k}", d, SAME, why=_CRITIC_OPTIM) for k, d in (("adam.lr", 9e-6), ("adam.betas", (0.9, 0.95)),
+             ("adam.eps", 1e-8), ("adam.weight_decay", 0.0), ("lr_warmup_ratio", 0.03), ("min_lr_ratio", 0.1),
+             ("max_norm", 1.0))]
+    rows.append(_f("critic.lr_scheduler", "cosine_with_min_lr", VALUES, accept={name: name for name in SCHEDULES},
+                   why="transformers' schedule of that name, as for --actor.lr_scheduler"))
+    return rows
 
 
 OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
@@ -130,19 +142,22 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("reward.num_gpus_per_node", 8, REFUSED, why=_NO_RM),
     _f("reward.offload", False, REFUSED, why=_NO_RM),
     _f("reward.model_name_or_path", None, REFUSED, why=_NO_RM),
-    _f("critic.num_nodes", 1, REFUSED, why=_NO_CRITIC),
-    _f("critic.num_gpus_per_node", 8, REFUSED, why=_NO_CRITIC),
-    _f("critic.model_name_or_path", None, REFUSED, why=_NO_CRITIC),
-    _f("critic.value_clip", 0.5, REFUSED, why=_NO_CRITIC),
-    _f("critic.freezing_steps", -1, REFUSED, why=_NO_CRITIC),
-    _f("critic.save_value_network", False, REFUSED, why=_NO_CRITIC),
+    _f("critic.num_nodes", 1, OWN, why=_CRITIC_RANKS),
+    _f("critic.num_gpus_per_node", 8, OWN, why=_CRITIC_RANKS),
+    _f("critic.model_name_or_path", None, SAME, why="where the critic starts (a value head on the policy's "
+       f"architecture); unset: the actor's path (OpenRLHF: a reward model's when one is given); {_CRITIC}"),
+    _f("critic.value_clip", 0.5, SAME, why=f"the value loss's clip (OpenRLHF's ValueLoss); {_CRITIC}",
+       checked_by=(_T_VALUE_LOSS,)),
+    _f("critic.freezing_steps", -1, SAME, why=f"the actor does not train on steps 1..N while the critic warms up; "
+       f"{_CRITIC}"),
+    _f("critic.save_value_network", False, SAME, why=f"also save the critic's final weights; {_CRITIC}"),
     *_critic_optim(),
     _f("actor.num_nodes", 1, OWN, why=_ACTOR_RANKS),
     _f("actor.num_gpus_per_node", 8, OWN, why=_ACTOR_RANKS),
     _f("train.colocate_all", False, SAME, why="vLLM engines sleep while the actor ranks train on the same GPUs; with "
        "--train.async_enable, as in OpenRLHF, only the training models share GPUs and the engines get their own"),
     _f("train.colocate_actor_ref", False, REFUSED, why=_REF_COLOCATE),
-    _f("train.colocate_critic_reward", False, REFUSED, why=_NO_CRITIC),
+    _f("train.colocate_critic_reward", False, SAME, why=f"the critic and the reward model share GPUs; {_CRITIC}"),
     # ---- vLLM
     _f("vllm.num_engines", None, OWN, why="OpenRLHF's unset means no vLLM (its HF generate); here every rollout and "
        "probe runs on vLLM engines, so at least one"),
@@ -231,7 +246,8 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        "docs/context_parallel.md); on Megatron use --megatron.context_parallel_size"),
     _f("ds.ring_attn_head_stride", 1, SAME, why="KV heads all-gathered at once under --ds.ring_attn_size (must divide the "
        "model's KV heads)"),
-    _f("ds.value_head_prefix", "score", REFUSED, why=_NO_CRITIC),
+    _f("ds.value_head_prefix", "score", REFUSED, why="a value head here is read under OpenRLHF's default key prefix, "
+       "score (doctor checks it); another prefix comes with the critic's and reward model's rank groups (issue 50)"),
     _f("ds.load_in_4bit", False, REFUSED, why=_NO_LORA),
     _f("ds.lora.rank", 0, REFUSED, why=_NO_LORA),
     _f("ds.lora.alpha", 16, REFUSED, why=_NO_LORA),
@@ -319,19 +335,22 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        checked_by=(_D + "test_adaptive_controller_equals_openrlhfs", _T_KL_ADAPTIVE,)),
     _f("algo.kl.horizon", 10000, SAME, why="the adaptive KL controller's horizon in samples", checked_by=(_T_KL_ADAPTIVE,)),
     # ---- advantages
-    _f("algo.advantage.estimator", "gae", VALUES, ours="algo.advantage.estimator", accept=RegisteredEstimators(),
-       why="gae needs a critic, and there is none here; the registered estimators are critic-free (OpenRLHF's with its "
-           "semantics, docs/algorithms.md; " + ", ".join(f"{a} is {n}" for a, n in ESTIMATOR_ALIASES.items()) + " here)",
-       checked_by=(_T_RETURNS, _T_KL_REWARD)),
+    _f("algo.advantage.estimator", "gae", OWN, ours="algo.advantage.estimator", accept=RegisteredEstimators(),
+       why="shape, the paper's method; every registered estimator is accepted (OpenRLHF's with its semantics, "
+           "docs/algorithms.md; " + ", ".join(f"{a} is {n}" for a, n in ESTIMATOR_ALIASES.items()) + " here); gae "
+           "computes OpenRLHF's GAE but a run with it is refused until the critic's rank group lands (issue 50)",
+       checked_by=(_T_RETURNS, _T_KL_REWARD, _T_GAE)),
     _f("algo.advantage.gamma", 1, SAME,
-       why="the return's per-token discount, for the estimators that discount returns (OpenRLHF's reinforce); the others "
+       why="the return's per-token discount, for the estimators that discount returns (OpenRLHF's reinforce and gae); the others "
            "refuse a gamma other than 1, where OpenRLHF resets it to 1 with a warning; SHAPE's own discount is "
            "--shape.gamma_min",
-       checked_by=(_T_RETURNS,)),
-    _f("algo.advantage.lambd", 1, VALUES, accept={1: None, 1.0: None}, why=f"GAE's lambda: {_NO_CRITIC}"),
+       checked_by=(_T_RETURNS, _T_GAE)),
+    _f("algo.advantage.lambd", 1, SAME, why="GAE's lambda, for --algo.advantage.estimator gae (refused with the "
+       "others, which OpenRLHF ignores it for)", checked_by=(_T_GAE,)),
     _f("algo.advantage.no_std_norm", False, SAME,
-       why="whitening without the std division, for the estimators that whiten (OpenRLHF's reinforce and "
-           "reinforce_baseline); refused with the others, which OpenRLHF ignores it for", checked_by=(_T_RETURNS,)),
+       why="whitening without the std division, for the estimators that whiten (OpenRLHF's reinforce, "
+           "reinforce_baseline and gae); refused with the others, which OpenRLHF ignores it for",
+       checked_by=(_T_RETURNS, _T_GAE)),
     _f("algo.dynamic_filtering_enable", False, SAME,
        why="groups outside --algo.dynamic_filtering_range are dropped and new prompts sampled in their place until "
            "--rollout.batch_size groups pass, so every step trains a full batch; a short last mini-batch is dropped "

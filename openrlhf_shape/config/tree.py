@@ -2,7 +2,7 @@
 
 ``--train.batch_size 64`` sets ``cfg.train.batch_size``; ``--actor.adam.lr 1e-6`` sets
 ``cfg.actor.adam.lr``, which both actor backends train with. The sections follow OpenRLHF 0.11
-(``data``, ``rollout``, ``vllm``, ``train``, ``actor``, ``algo``, ``eval``, ``ckpt``, ``logger``)
+(``data``, ``rollout``, ``vllm``, ``train``, ``actor``, ``ref``, ``critic``, ``algo``, ``eval``, ``ckpt``, ``logger``)
 plus ours (``shape``, ``probe``, ``megatron``, ``ds``, ``reward``). A YAML preset uses the same
 names nested by dots. Components keep their own config types (:class:`EngineConfig`,
 :class:`SamplingConfig`, :class:`OptimConfig`, :class:`MegatronConfig`, ...); a section that feeds one
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openrlhf_shape.actor.backends import Backend, backend_named
-from openrlhf_shape.actor.optim import OptimConfig, OptimSettings
+from openrlhf_shape.actor.optim import AdamConfig, OptimConfig, OptimSettings
 from openrlhf_shape.algorithms.config import ShapeConfig
 from openrlhf_shape.algorithms.kl import KLController, KLPenalty
 from openrlhf_shape.algorithms.length_penalty import RewardShaping
@@ -127,6 +127,7 @@ class TrainSection:
     max_tokens_per_gpu: int = 16192  # prompt + response tokens of one micro-batch on one data-parallel rank
     seed: int = 42
     colocate_all: bool = False  # GPU: vLLM sleeps while the actor trains on the same GPUs
+    colocate_critic_reward: bool = False  # the critic and the reward model share GPUs (OpenRLHF's flag)
     async_enable: bool = False  # one-step-off: the engines make the next batch while the ranks train (disaggregated only)
     max_staleness: int = 1  # async: updates between the weights that generated a batch and the weights that train on it (1 or 2)
     # async: responses still running at a weight sync continue under the new weights, each token's version recorded
@@ -182,6 +183,43 @@ class RefSection:
         return (self.num_nodes or 1) * (self.num_gpus_per_node or 8)
 
 
+_CRITIC_OPTIM = ("adam", "lr_scheduler", "lr_warmup_ratio", "lr_warmup_steps", "min_lr", "min_lr_ratio", "max_norm")
+
+
+@dataclass
+class CriticSection(RefSection):
+    """``--critic.*``: the value model that ``--algo.advantage.estimator gae`` reads, with OpenRLHF 0.11.2's defaults:
+    its ranks (both unset: as many as the actor's), where it starts from, its loss's clip, its own optimiser and
+    schedule (the fields and meanings of ``--actor.*``'s, :class:`OptimSettings`), the actor's frozen first steps."""
+
+    model_name_or_path: str | None = None  # unset: the actor's (OpenRLHF: a reward model's when given, else the actor's)
+    value_clip: float = 0.5  # the value may move this far from its old value before its gradient is held (ValueLoss)
+    freezing_steps: int = -1  # the actor does not train on steps 1..N while the critic warms up; -1 (or 0): never
+    save_value_network: bool = False  # also save the critic's final weights (HF format) with the run
+    adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=9e-6))
+    lr_scheduler: str = "cosine_with_min_lr"
+    lr_warmup_ratio: float = 0.03
+    lr_warmup_steps: int | None = None  # ours, as --actor.lr_warmup_steps
+    min_lr: float | None = None  # ours, as --actor.min_lr
+    min_lr_ratio: float | None = 0.1
+    max_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.value_clip >= 0:
+            raise ValueError(f"CriticSection.value_clip must be >= 0 (OpenRLHF's 0.5 by default), got {self.value_clip}")
+        if self.freezing_steps < -1:
+            raise ValueError(f"CriticSection.freezing_steps must be >= -1 (-1: the actor is never frozen), got "
+                             f"{self.freezing_steps}")
+        self.optim_settings()
+
+    def optim_settings(self) -> OptimSettings:
+        """The critic's optimiser and schedule as the backends take them (the policy-loss fields are unused)."""
+        try:
+            return OptimSettings(**{k: getattr(self, k) for k in _CRITIC_OPTIM})
+        except ValueError as exc:  # worded for --critic.*, not --actor.*
+            raise ValueError(str(exc).replace("OptimSettings.", "CriticSection.")) from None
+
+
 @dataclass
 class KLSection:
     """``--algo.kl.*``: the KL penalty to the reference model (openrlhf_shape/algorithms/kl.py)."""
@@ -209,6 +247,7 @@ class AdvantageSection:
     estimator: str = "shape"
     gamma: float = 1.0  # the return's per-token discount (estimators that discount returns; OpenRLHF's flag)
     no_std_norm: bool = False  # whitening without the std division (estimators that whiten)
+    lambd: float = 1.0  # GAE's lambda (estimators with a critic: gae)
     is_correction_level: str = "off"  # off | token | seq
     is_correction_mode: str = "mask"  # mask | clip
     is_correction_gating: str = "ratio"  # ratio | binary_kl | tv
@@ -289,6 +328,7 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     actor: ActorSection = field(default_factory=ActorSection)
     ref: RefSection = field(default_factory=RefSection)
+    critic: CriticSection = field(default_factory=CriticSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     eval: EvalSection = field(default_factory=EvalSection)
     ckpt: CkptSection = field(default_factory=CkptSection)
@@ -335,6 +375,17 @@ class TrainConfig:
                            micro_batch_max_tokens=self.train.max_tokens_per_gpu,
                            forward_max_tokens=self.rollout.max_tokens_per_gpu, seed=self.train.seed)
 
+    def critic_optim_config(self) -> OptimConfig:
+        """What the critic's ranks train with: ``critic.*``'s optimiser and schedule, over the actor's run length
+        (OpenRLHF builds both schedules from one max_steps) and micro-batch budgets."""
+        actor = self.optim_config()
+        return dataclasses.replace(actor, **{k: getattr(self.critic, k) for k in _CRITIC_OPTIM})
+
+    def critic_model_path(self) -> str:
+        """Where the critic starts: ``--critic.model_name_or_path``, else the actor's (OpenRLHF's rule without a
+        reward model)."""
+        return self.critic.model_name_or_path or self.actor.model_name_or_path
+
     def backend(self) -> Backend:
         """The record of ``--actor.backend`` (its worker, rank config, model checks, trainer dtype)."""
         return backend_named(self.actor.backend)
@@ -350,12 +401,12 @@ class TrainConfig:
         return ZeroConfig(**own, optim=self.optim_config())
 
     def advantage_estimator(self):
-        """``--algo.advantage.estimator`` bound to ``--shape.*`` and ``--algo.advantage.gamma`` / ``no_std_norm``
-        (:func:`~openrlhf_shape.algorithms.estimators.get_estimator`; raises on settings it cannot honour)."""
+        """``--algo.advantage.estimator`` bound to ``--shape.*`` and ``--algo.advantage.gamma`` / ``no_std_norm`` /
+        ``lambd`` (:func:`~openrlhf_shape.algorithms.estimators.get_estimator`; raises on settings it cannot honour)."""
         from openrlhf_shape.algorithms import ReturnConfig, get_estimator
 
         a = self.algo.advantage
-        return get_estimator(a.estimator, self.shape, ReturnConfig(a.gamma, a.no_std_norm))
+        return get_estimator(a.estimator, self.shape, ReturnConfig(a.gamma, a.no_std_norm, a.lambd))
 
     def rollout_correction(self):
         """``--algo.advantage.is_correction_*`` as a :class:`RolloutCorrectionConfig`."""

@@ -117,6 +117,9 @@ class Plan:
     ref_world: int = 0  # reference model ranks (0: no KL, no reference model)
     reference: MegatronMemory | None = None  # one reference rank, its worst PP stage
     ref_phases: list[PhaseMemory] = field(default_factory=list)  # disaggregated reference GPUs
+    critic_world: int = 0  # critic ranks (--algo.advantage.estimator gae; 0: no critic)
+    critic: MegatronMemory | None = None  # one critic rank in its update, its worst PP stage
+    critic_phases: list[PhaseMemory] = field(default_factory=list)  # the critic's GPUs (planner/value_models.py)
     sync: Any = None  # planner/sync_time.py:SyncEstimate of one weight sync (GPU configs with a placement)
     sync_timeout_s: float = 0.0  # --rollout.weight_sync_timeout
     sync_warnings: list[str] = field(default_factory=list)
@@ -146,7 +149,7 @@ class Plan:
 
     @property
     def min_free(self) -> tuple[str, int]:
-        phases = self.gpu_phases + self.engine_phases + self.ref_phases
+        phases = self.gpu_phases + self.engine_phases + self.ref_phases + self.critic_phases
         worst = min(phases, key=lambda p: p.free)
         return worst.name, worst.free
 
@@ -173,6 +176,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     plan.worst_stage = meg.stage
     refs = _reference_memory(plan, cfg, dtype)
     plan.reference = max(refs, key=lambda x: x.peak) if refs else None
+    _critic_memory(plan, cfg, dtype)
 
     if not on_gpu:
         _cpu_phases(plan, cfg, meg, fwd)
@@ -187,7 +191,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     if plan.placement is not None:
         _host_memory(plan, cfg, meg, dtype)
     # -- per-phase verdicts on the worst rank GPU of each phase
-    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases:
+    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases + plan.critic_phases:
         if ph.free < options.min_free_gib * GiB:
             where = (_where(plan, ph.stage, reference=ph in plan.ref_phases) if ph.stage is not None
                      else "every engine GPU")
@@ -345,6 +349,33 @@ def _reference_memory(plan: Plan, cfg: TrainConfig, dtype: str) -> list[Megatron
     spec = (gpu_platform() if plan.on_gpu else cpu_platform()).layer_spec
     return reference_memory(plan.model, cfg, ref_world=plan.ref_world, micro_batch_tokens=plan.micro_batch_tokens,
                             max_seq=plan.inputs["max_seq"], dtype=dtype, spec=spec)
+
+
+def _critic_memory(plan: Plan, cfg: TrainConfig, dtype: str) -> None:
+    """The critic (estimators that need one: gae) on GPUs of its own: a ``critic values`` phase (its forward) and a
+    ``critic update`` phase, each with its process's context; on CPU its ranks join host RAM. Sharing the actor's GPUs
+    under --train.colocate_all is not modelled yet: counted on GPUs of its own, said in the notes."""
+    if not cfg.advantage_estimator().needs_critic:
+        return
+    from openrlhf_shape.planner.value_models import value_model_memory
+    from openrlhf_shape.platform import cpu_platform, gpu_platform
+
+    plan.critic_world = n = cfg.critic.world_size(plan.world)
+    kw = dict(world=n, micro_batch_tokens=plan.micro_batch_tokens, max_seq=plan.inputs["max_seq"], dtype=dtype,
+              spec=(gpu_platform() if plan.on_gpu else cpu_platform()).layer_spec, label="critic")
+    train = max(value_model_memory(plan.model, cfg, train=True, **kw), key=lambda m: m.peak)
+    fwd = max(value_model_memory(plan.model, cfg, train=False, **kw), key=lambda m: m.peak)
+    plan.critic = train
+    if not plan.on_gpu:  # its ranks join the host RAM phase (_cpu_phases)
+        return
+    o, cap = plan.options, int(plan.options.gpu_memory_gib * GiB)
+    ctx = [Term("CUDA context (critic rank)", int(o.cuda_context_gib * GiB), "--plan.cuda_context_gib"),
+           Term("NCCL buffers (critic rank)", int(o.nccl_gib * GiB), "--plan.nccl_gib")]
+    plan.critic_phases = [PhaseMemory("critic values (critic GPU)", fwd.peak_terms() + ctx, cap, fwd.stage),
+                          PhaseMemory("critic update (critic GPU)", train.peak_terms() + ctx, cap, train.stage)]
+    if cfg.train.colocate_all:
+        plan.notes.append(f"critic: {n} rank(s) counted on GPUs of their own; sharing the actor's GPUs under "
+                          "--train.colocate_all is not modelled yet")
 
 
 def _reference_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], refs: list[MegatronMemory]) -> None:
@@ -567,6 +598,11 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
         terms += [Term(f"{n} reference rank(s) x " + t.name, n * t.bytes, t.formula) for t in plan.reference.peak_terms()]
         terms.append(Term(f"{n} reference rank process baseline(s)", int(n * o.cpu_rank_baseline_gib * GiB),
                           "--plan.cpu_rank_baseline_gib"))
+    if plan.critic is not None:  # the critic's ranks in their update, beside the actor's
+        n = plan.critic_world
+        terms += [Term(f"{n} critic rank(s) x " + t.name, n * t.bytes, t.formula) for t in plan.critic.peak_terms()]
+        terms.append(Term(f"{n} critic rank process baseline(s)", int(n * o.cpu_rank_baseline_gib * GiB),
+                          "--plan.cpu_rank_baseline_gib"))
     plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
     if plan.gpu_phases[0].free < o.min_free_gib * GiB:
         plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
@@ -608,6 +644,16 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         plan.phases.insert(at, reference_time(  # the tokens of the actor's log-prob pass: the packed micro-batches'
             plan.model, ref_world=plan.ref_world, total_tokens=plan.packing.computed, seq=plan.packing.attention_seq,
             colocate=cfg.train.colocate_all, weight_bytes=plan.reference.static_bytes, opt=plan.options))
+    if plan.critic is not None:  # values when the batch is made (with the log-probs), its update after the actor's
+        from openrlhf_shape.planner.value_models import critic_time
+
+        actor = {p.name: p.seconds for p in plan.phases}
+        values, update = critic_time(plan.model, world=plan.critic_world, total_tokens=plan.packing.computed,
+                                     seq=plan.packing.attention_seq, epochs=cfg.train.max_epochs,
+                                     recompute=cfg.actor.gradient_checkpointing_enable,
+                                     overlap=None if cfg.train.colocate_all else actor, opt=plan.options)
+        plan.phases.insert(next(k for k, p in enumerate(plan.phases) if p.name == "log-probs + entropy") + 1, values)
+        plan.phases.insert(next(k for k, p in enumerate(plan.phases) if p.name == "update") + 1, update)
     plan.async_plan = _async_plan(plan, cfg)
     _recovery(plan, cfg)
 

@@ -5,7 +5,7 @@ under pytest).
 flash_attn: CUDA only) and the Ray launcher. So its class ``RemoteExperienceMaker`` and
 ``openrlhf.models.utils.compute_reward`` are taken from the installed files' source with ``ast``, unchanged,
 and executed with the names they use: torch, itertools, and the real ``apply_length_penalties`` and
-``init_logger`` from openrlhf modules that do import; ``models/loss.py``'s ``PolicyLoss`` and ``aggregate_loss``
+``init_logger`` from openrlhf modules that do import; ``models/loss.py``'s ``PolicyLoss``, ``ValueLoss`` and ``aggregate_loss``
 the same way (:func:`load_loss_module`). Nothing of OpenRLHF is re-implemented; annotations are
 not evaluated (``RayActorGroup`` is only a type annotation). The arguments come from OpenRLHF's own CLI
 parser (``cli/train_ppo_ray.py``'s argparse block) and ``openrlhf.utils.config.hierarchize``, so every
@@ -65,7 +65,7 @@ def load_experience_maker():
 
 
 def load_loss_module() -> dict:
-    """OpenRLHF's ``PolicyLoss``, ``aggregate_loss`` (``models/loss.py``), ``compute_approx_kl``, ``compute_reward``
+    """OpenRLHF's ``PolicyLoss``, ``ValueLoss``, ``aggregate_loss`` (``models/loss.py``), ``compute_approx_kl``, ``compute_reward``
     and ``masked_mean`` (``models/utils.py``), defined from the installed source: a name -> object dict."""
     from typing import Optional, Union
 
@@ -84,7 +84,7 @@ def load_loss_module() -> dict:
     assert consts, f"{utils_path} no longer defines KL_IS_WEIGHT_CLIP"
     _exec(ast.Module(body=consts + utils.body, type_ignores=[]), utils_path, scope)
     loss_path = os.path.join(base, "models", "loss.py")
-    _exec(_definitions(loss_path, {"PolicyLoss", "aggregate_loss"}), loss_path, scope)
+    _exec(_definitions(loss_path, {"PolicyLoss", "ValueLoss", "aggregate_loss"}), loss_path, scope)
     return scope
 
 
@@ -188,3 +188,26 @@ def openrlhf_advantages(argv: list[str], rewards: torch.Tensor, mask: torch.Tens
                        response_length=mask[idx].sum(-1), index=idx.tolist(), info={}) for idx in parts]
     exps = maker.compute_advantages_and_returns(exps)
     return torch.cat([e.advantages for e in exps], dim=0)
+
+
+def openrlhf_gae(argv: list[str], rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 kl: torch.Tensor | None, kl_coef: float, splits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), each ``[B, T]``, from OpenRLHF's ``compute_advantages_and_returns`` with
+    ``--algo.advantage.estimator gae`` (added to ``argv``) for outcomes ``rewards`` ``[B]``, the critic's ``values``
+    ``[B, T]``, ``mask`` ``[B, T]``, KL ``[B, T]`` (None: 0) at coefficient ``kl_coef``, the batch split into
+    ``splits`` experiences (its whitening is global over them)."""
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    args = openrlhf_args(["--algo.advantage.estimator", "gae", *argv])
+    maker = load_experience_maker()(None, None, None, None, FixedKLController(kl_coef),
+                                    SimpleNamespace(args=args), None)
+    kl = torch.zeros(mask.shape) if kl is None else kl
+    parts = torch.arange(rewards.numel()).tensor_split(splits)
+    exps = [Experience(action_mask=mask[idx].clone(), rewards=rewards[idx].clone(), kl=kl[idx].clone(),
+                       values=values[idx].clone(), response_length=mask[idx].sum(-1), index=idx.tolist(), info={})
+            for idx in parts]
+    exps = maker.compute_advantages_and_returns(exps)
+    return torch.cat([e.advantages for e in exps], dim=0), torch.cat([e.returns for e in exps], dim=0)

@@ -119,14 +119,14 @@ def test_estimators_are_registered_objects():
     """The registry names every estimator, each bound by ``get_estimator``."""
     from openrlhf_shape.algorithms import ESTIMATOR_REGISTRY
 
-    names = ("shape", "mrt", "grpo", "reinforce", "reinforce_baseline", "rloo", "dr_grpo", "flash_reinforce")
+    names = ("shape", "mrt", "grpo", "reinforce", "reinforce_baseline", "rloo", "dr_grpo", "flash_reinforce", "gae")
     assert tuple(ESTIMATOR_REGISTRY) == names
     assert get_estimator("grpo", ShapeConfig()).needs_segments is False
     assert get_estimator("shape", ShapeConfig()).needs_segments is True
     assert get_estimator("mrt", ShapeConfig()).name == "mrt"
     with pytest.raises(ValueError, match=r"--algo.advantage.estimator: unknown estimator 'ppo'; choose one of "
                                          r"\('shape', 'mrt', 'grpo', 'reinforce', 'reinforce_baseline', 'rloo', "
-                                         r"'dr_grpo', 'flash_reinforce'\)"):
+                                         r"'dr_grpo', 'flash_reinforce', 'gae'\)"):
         get_estimator("ppo", ShapeConfig())
 
 

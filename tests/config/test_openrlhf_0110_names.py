@@ -26,7 +26,7 @@ import torch
 from openrlhf_shape.algorithms.rollout_correction import rollout_correction_weights
 from openrlhf_shape.config import load_config
 from openrlhf_shape.config.compat import FlagError
-from test_openrlhf_recipes import AGENT_FILE, HERE, PPO_PARTS, recipe, without
+from test_openrlhf_recipes import AGENT_FILE, HERE, PPO_CRITIC, PPO_PARTS, recipe, without
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "algorithms"))
 ENABLE, TYPE = "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type"
@@ -150,7 +150,7 @@ def _old_recipe(name: str) -> list[str]:
 def test_v0110_scripts_load_as_their_0112_rewrite(name):
     def load(argv):
         argv = [AGENT_FILE if a == "examples/python/agent_func.py" else a for a in argv]
-        return load_config(None, without(argv, set(PPO_PARTS))).to_dict()
+        return load_config(None, without(argv, set(PPO_PARTS) | PPO_CRITIC)).to_dict()
 
     old = _old_recipe(name)
     assert ENABLE in old and "--algo.advantage.is_correction_level" not in old

@@ -103,7 +103,7 @@ def test_the_unset_own_defaults_are_said_once_with_openrlhfs_value(caplog, tmp_p
         assert f"--{f.name} " in bare, f.name
     assert "--algo.kl.init_coef 0.0 [0.01]" in bare and "--rollout.batch_size 128 [1024]" in bare
     assert "--ckpt.load_enable auto [false]" in bare and "--data.max_len 9216 [2048]" in bare
-    assert "--algo.advantage.estimator shape [gae, refused here]" in bare
+    assert "--algo.advantage.estimator shape [gae]" in bare
     assert "--actor.adam.betas" not in bare and "--train.seed" not in bare  # OpenRLHF's defaults: nothing to say
     # set on the command line, in the file, or through what stands for it: not said
     preset = tmp_path / "p.yaml"

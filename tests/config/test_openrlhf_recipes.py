@@ -4,8 +4,9 @@ The five scripts' flags are data in ``openrlhf_recipes/*.txt`` (README there: so
 Each list is first parsed by the installed OpenRLHF 0.11.2's own parser (so every name and value is 0.11.2's),
 then by ``load_config``. Refused before issue 35 (main at 814b8d9): dapo 7, prorlv2_math 9, reinforce_baseline 12,
 reinforce_baseline_agent_async 13, ppo 12. Refused now: dapo 0, prorlv2_math 0, reinforce_baseline 2,
-reinforce_baseline_agent_async 3 (the "Long reasoning" flags of issue 36, ``LONG``) and ppo 7 (its critic and
-reward model, ``PPO_PARTS``), each with its reason. ``PENDING`` lists flags other issue-35 work still owns (none).
+reinforce_baseline_agent_async 3 (the "Long reasoning" flags of issue 36, ``LONG``) and ppo 4 (its reward model,
+``PPO_PARTS``; its 3 critic flags are taken since issue 50's GAE, ``PPO_CRITIC``), each with its reason. ``PENDING``
+lists flags other issue-35 work still owns (none).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ RECIPES = ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_age
 PENDING: dict[str, str] = {}
 LONG: set[str] = set()  # issue 36's flags: packing, ring attention and partial rollouts are all honoured now
 PPO_PARTS = {  # flag -> the part its refusal names
-    "critic.num_nodes": "no critic", "critic.num_gpus_per_node": "no critic", "critic.adam.lr": "no critic",
     "reward.num_nodes": "no reward-model actor", "reward.num_gpus_per_node": "no reward-model actor",
     "reward.model_name_or_path": "no reward-model actor", "reward.normalize_enable": "reward model",
 }
@@ -42,6 +42,7 @@ FINAL = {
     "reinforce_baseline_agent_async": set(),
     "ppo": set(PPO_PARTS),
 }
+PPO_CRITIC = {"critic.num_nodes", "critic.num_gpus_per_node", "critic.adam.lr"}  # taken; the run is refused for gae
 BEFORE = {"dapo": 7, "prorlv2_math": 9, "reinforce_baseline": 12, "reinforce_baseline_agent_async": 13, "ppo": 12}
 
 
@@ -126,7 +127,7 @@ AGENT_FILE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "roll
 
 def _rest(name: str):
     argv = [AGENT_FILE if a == "examples/python/agent_func.py" else a for a in recipe(name)]
-    return load_config(None, without(argv, set(PENDING) | LONG | set(PPO_PARTS)))
+    return load_config(None, without(argv, set(PENDING) | LONG | set(PPO_PARTS) | PPO_CRITIC))
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -193,3 +194,20 @@ def test_episodes_with_dynamic_filtering_say_what_the_run_takes(caplog):
         load_config(None, ["--train.num_episodes", "2"])
         load_config(None, ["--algo.dynamic_filtering_enable"])
     assert not any("with --algo.dynamic_filtering_enable: the run takes" in r.getMessage() for r in caplog.records)
+
+
+def test_the_ppo_scripts_critic_flags_are_taken_and_the_run_names_the_missing_critic():
+    """The ppo script's critic flags translate to ``critic.*`` (its 8 critic ranks, its LR); the run itself is refused
+    in one line: under our default estimator (shape) the critic flags do nothing, and under OpenRLHF's (gae) the
+    critic's rank group is what is missing (issue 50)."""
+    from openrlhf_shape.config.load import FLAGS, _resolved
+    from openrlhf_shape.config.tree import TrainConfig
+
+    argv = without(recipe("ppo"), set(PPO_PARTS))
+    cfg = FLAGS.build(TrainConfig(), _resolved(parse_overrides(argv + ["--algo.advantage.estimator", "gae"])))
+    assert (cfg.critic.num_nodes, cfg.critic.num_gpus_per_node, cfg.critic.adam.lr) == (1, 8, 9e-6)
+    assert cfg.critic.value_clip == 0.5 and cfg.algo.advantage.estimator == "gae"
+    with pytest.raises(ValueError, match=r"^--critic\.num_nodes: only --algo.advantage.estimator gae trains a critic"):
+        load_config(None, argv)
+    with pytest.raises(ValueError, match=r"^--algo.advantage.estimator: gae needs a critic .* no critic rank group yet"):
+        load_config(None, argv + ["--algo.advantage.estimator", "gae"])
