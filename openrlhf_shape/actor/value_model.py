@@ -88,10 +88,14 @@ class HFValueModel(nn.Module):
     def head(self) -> nn.Linear:
         return getattr(self, self.fmt.prefix)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids``/``position_ids`` ``[rows, seq]`` (packed: ``[1, T]`` with restarting position ids) ->
-        raw values ``[rows, seq]`` float32 (un-normalised), one per position."""
+        raw values float32 (un-normalised): ``[rows, seq]``, one per position, or ``[M]`` at the given
+        ``rows``/``pos`` ``[M]`` (:func:`value_positions`)."""
         hidden = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        if rows is not None:
+            hidden = hidden[rows, pos]
         return self.head(hidden).squeeze(-1).float()
 
 
@@ -152,3 +156,20 @@ def save_value_model(model: HFValueModel, out_dir: str, src_dir: str, *, kind: s
     state = [(k, v.detach().to("cpu").contiguous()) for k, v in model.state_dict().items()]
     config = value_config(model.decoder.config, model.fmt, kind=kind, normalize=normalize)
     write_hf_dir([state], out_dir, config, model.head.weight.dtype, src_dir)
+
+
+def value_positions(mb) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """(rows ``[M]``, positions ``[M]``, per sample its slice) of the states a value model scores in a
+    :class:`~openrlhf_shape.actor.batching.MicroBatch`: a sample of prompt P and response R contributes the
+    R + 1 positions P - 1 .. P + R - 1 (plus its offset in a packed row). Its values then read: index j < R the
+    critic's value of response token j (the state it is sampled from, as ``resp_pos``), index R the value of
+    the whole sequence (the reward model's score)."""
+    rows: list[int] = []
+    pos: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    for (row, start, length), (a, b) in zip(mb.segments(), mb.resp_offsets):
+        end = start + length  # one past the sample's last token
+        rows.extend([row] * (b - a + 1))
+        pos.extend(range(end - (b - a) - 1, end))
+        offsets.append((len(pos) - (b - a + 1), len(pos)))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(pos, dtype=torch.long), offsets

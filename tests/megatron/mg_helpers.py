@@ -66,6 +66,23 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return worst
 
 
+# The value-model tests (tests/megatron, tests/zero): values of order 1 held to 1e-4 of Hugging Face's, and the seed
+# of the head drawn for a causal LM.
+VALUE_TOL = 1e-4
+VALUE_HEAD_SEED = 11
+
+
+def hf_state_values(model_dir: str, batch: dict, head_seed: int | None = None) -> list[torch.Tensor]:
+    """Hugging Face's raw values (``actor/value_model.py``, held to OpenRLHF's classes) of each sample's states
+    P - 1 .. L - 1 (``[R + 1]``), float32."""
+    from openrlhf_shape.actor.value_model import load_value_model
+
+    model = load_value_model(model_dir, dtype=torch.float32, head_seed=head_seed)
+    with torch.no_grad():
+        return [model(torch.tensor([s]), torch.arange(len(s))[None])[0, p - 1:]
+                for s, p in zip(batch["sequences"], batch["prompt_lens"])]
+
+
 def run_layout(world_size: int, timeout: float = 420, **kwargs) -> list[dict]:
     from openrlhf_shape.actor.launch import run_ranks
     from support.preload import spawn_preloaded
