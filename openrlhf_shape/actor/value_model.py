@@ -158,6 +158,14 @@ def save_value_model(model: HFValueModel, out_dir: str, src_dir: str, *, kind: s
     write_hf_dir([state], out_dir, config, model.head.weight.dtype, src_dir)
 
 
+def sequence_rewards(values: list[torch.Tensor], fmt: ValueHeadFormat, normalize: bool) -> torch.Tensor:
+    """A reward model's score of each sample: its last state's value (``values``: per sample ``[R + 1]`` as
+    ``compute_values`` returns them), normalised by ``fmt`` under ``--reward.normalize_enable`` as OpenRLHF's
+    reward model does in eval mode -> ``[B]`` float32."""
+    last = torch.stack([v[-1].float() for v in values])
+    return fmt.normalize(last) if normalize else last
+
+
 def value_positions(mb) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
     """(rows ``[M]``, positions ``[M]``, per sample its slice) of the states a value model scores in a
     :class:`~openrlhf_shape.actor.batching.MicroBatch`: a sample of prompt P and response R contributes the

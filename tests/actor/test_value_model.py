@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from openrlhf_shape.actor.value_model import ValueHeadFormat, load_value_model, save_value_model
+from openrlhf_shape.actor.value_model import (ValueHeadFormat, load_value_model, save_value_model,
+                                              sequence_rewards)
 from support.openrlhf_value_source import openrlhf_save, openrlhf_sequence_regression
 
 MEAN, STD, PREFIX = 0.25, 3.0, "value_head"
@@ -75,9 +76,14 @@ def test_reward_equals_openrlhf_reward_model(openrlhf_rm_dir, ragged_batch):
     theirs = _openrlhf_model(openrlhf_rm_dir, "reward", normalize=True)
     with torch.no_grad():
         expected = theirs(ids, attn)
-    got = torch.stack([ours.fmt.normalize(v[-1]) for v in _our_values(ours, ragged_batch["sequences"])])
+    states = [v[p - 1:] for v, p in zip(_our_values(ours, ragged_batch["sequences"]), ragged_batch["prompt_lens"])]
+    got = sequence_rewards(states, ours.fmt, normalize=True)  # compute_values' layout: the states P - 1 .. L - 1
     assert expected.abs().max() > 0.05  # a real signal, not zeros
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():
+        raw = _openrlhf_model(openrlhf_rm_dir, "reward", normalize=False)(ids, attn)
+    torch.testing.assert_close(sequence_rewards(states, ours.fmt, normalize=False), raw, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(raw, expected)  # the statistics matter: mean 0.25, std 3
 
 
 def _critic_rows(values: list[torch.Tensor], batch: dict, width: int) -> torch.Tensor:
