@@ -148,6 +148,12 @@ def value_config(hf_config, fmt: ValueHeadFormat, *, kind: str, normalize: bool)
     return config
 
 
+def export_config(hf_config, fmt: ValueHeadFormat | None):
+    """The config a backend's HF export writes: the policy's, or for a value model (``fmt``) OpenRLHF's critic
+    config (``--critic.save_value_network``)."""
+    return hf_config if fmt is None else value_config(hf_config, fmt, kind="critic", normalize=False)
+
+
 def save_value_model(model: HFValueModel, out_dir: str, src_dir: str, *, kind: str, normalize: bool) -> None:
     """``model`` as an OpenRLHF value-model directory (``--critic.save_value_network``), in its parameters' dtype,
     with ``src_dir``'s tokenizer files; written atomically by :func:`~openrlhf_shape.actor.hf_dir.write_hf_dir`."""

@@ -118,6 +118,7 @@ class _ShapeBridgeMixin:
     _shape_loading_dense_only: bool = False  # set by load_weights while mbridge loads all but the local experts
     _shape_value_head: Optional[str] = None  # a value model's head name (``score``): its output layer is [1, h]
     _shape_head_in_dir: bool = True  # False: the directory has no head (a critic from a causal LM): not loaded
+    _shape_loading: bool = False  # set by load_weights (the export still names the head)
 
     def _build_base_config(self, text_config_key=None, **kwargs):  # type: ignore[override]
         kwargs.update(self._shape_overrides)
@@ -171,7 +172,7 @@ class _ShapeBridgeMixin:
         offset = self.config.num_moe_experts // ep * self.mpu.ep_rank if consider_ep and ep > 1 else 0
         for local_name, global_name in list(mapping.items()):
             m = _LOCAL_EXPERT.search(global_name)
-            if global_name == "output_layer.weight" and self._shape_value_head and not self._shape_head_in_dir:
+            if global_name == "output_layer.weight" and self._shape_loading and not self._shape_head_in_dir:
                 del mapping[local_name]  # drawn by the caller (megatron/value.py)
             elif m and self._shape_loading_dense_only:
                 del mapping[local_name]  # load_weights reads these itself (_load_local_experts)
@@ -188,15 +189,19 @@ class _ShapeBridgeMixin:
         with its own expert ids and scattered over the TP group as TP shards. That equals the expert path only when
         expert TP = TP; with ``--megatron.expert_tensor_parallel_size 1`` at TP 2 it fails (each rank holds whole,
         different experts)."""
-        if not (self._shape_local_spec and self.config.num_moe_experts):
-            return super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
-        self._shape_loading_dense_only = True
+        self._shape_loading = True
         try:
-            super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+            if not (self._shape_local_spec and self.config.num_moe_experts):
+                return super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+            self._shape_loading_dense_only = True
+            try:
+                super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+            finally:
+                self._shape_loading_dense_only = False
+            for model in models:
+                self._load_local_experts(model)
         finally:
-            self._shape_loading_dense_only = False
-        for model in models:
-            self._load_local_experts(model)
+            self._shape_loading = False
 
     def _load_local_experts(self, model) -> None:
         """This rank's experts of ``model`` (local spec, SequentialMLP) from the HF files: the global expert id from the

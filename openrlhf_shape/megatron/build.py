@@ -47,6 +47,7 @@ def build_model(state: ActorState, hf_dir: str, *, load_weights: bool = True, tr
         for p in module.parameters():
             p.requires_grad_(False)
     state.bridge, state.tconfig, state.hf_config, state.hf_dir = bridge, bridge.config, hf_config, hf_dir
+    state.value_format = None  # a value model's: set by megatron/value.py after this build
     state.model, state.optimizer, state.step = module, optimizer, 0  # the LR schedule starts (a load sets its step)
     return _model_info(state, gpt)
 

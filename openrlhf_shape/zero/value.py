@@ -27,6 +27,7 @@ def init_value_engine(state: ZeroState, hf_dir: str, attn_implementation: str, *
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg.ds_reference_config(), dist_init_required=False)
     state.engine, state.base_optimizer = engine, None
     state.hf_config, state.hf_dir, state.step = model.decoder.config, hf_dir, 0
+    state.value_format = model.fmt
     fmt = model.fmt
     return {"num_parameters": int(n_params), "model_type": state.hf_config.model_type, "tp": 1, "pp": 1,
             "dp": state.dp_size, "zero_stage": 3 if cfg.zero_stage == 3 else 0, "dtype": str(cfg.params_dtype),

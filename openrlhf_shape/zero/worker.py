@@ -258,6 +258,7 @@ class ZeroRankWorker:
         return torch.optim.AdamW(groups, **kw)
 
     def _release_engine(self) -> None:
+        self.state.value_format = None  # the next engine is a policy unless init_value_model says otherwise
         if self.state.engine is not None:
             self.offloader.saved.clear()
             self.state.engine.destroy()

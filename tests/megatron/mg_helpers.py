@@ -83,6 +83,22 @@ def hf_state_values(model_dir: str, batch: dict, head_seed: int | None = None) -
                 for s, p in zip(batch["sequences"], batch["prompt_lens"])]
 
 
+def assert_value_export(export_dir: str, source_dir: str, head_seed: int | None = None) -> None:
+    """``export_dir`` is OpenRLHF's value-model directory of the HF value model of ``source_dir`` (its head drawn
+    from ``head_seed`` for a causal LM): tensor for tensor under the same names, the config naming the head."""
+    import json
+
+    from openrlhf_shape.actor.value_model import load_value_model
+
+    want = load_value_model(source_dir, dtype=torch.float32, head_seed=head_seed).state_dict()
+    got = load_value_model(export_dir, dtype=torch.float32).state_dict()
+    assert sorted(got) == sorted(want) and "score.weight" in got
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=0, rtol=0, msg=name)
+    config = json.load(open(os.path.join(export_dir, "config.json")))
+    assert (config["architectures"], config["value_head_prefix"]) == (["CriticModel"], "score")
+
+
 def run_layout(world_size: int, timeout: float = 420, **kwargs) -> list[dict]:
     from openrlhf_shape.actor.launch import run_ranks
     from support.preload import spawn_preloaded

@@ -10,9 +10,10 @@ from rank_sequence import release_megatron, release_zero
 
 def value_run(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str, cfg: dict,
               value_dir: str, batch: dict, causal_dir: str | None = None, head_seed: int = 0,
-              variants: dict | None = None, keep_group: bool = False) -> dict:
+              variants: dict | None = None, export_dir: str | None = None, keep_group: bool = False) -> dict:
     """``compute_values`` of ``value_dir``'s model on ``batch`` (``"values"``), of ``causal_dir`` with a head drawn
-    from ``head_seed`` (``"drawn"``), and of ``value_dir`` again under each of ``variants``' config switches."""
+    from ``head_seed`` (``"drawn"``), and of ``value_dir`` again under each of ``variants``' config switches; then
+    the last one's HF export to ``export_dir``."""
     if backend == "megatron":
         from openrlhf_shape.megatron.worker import MegatronRankWorker as Worker
 
@@ -31,5 +32,7 @@ def value_run(*, rank: int, world_size: int, master_addr: str, master_port: int,
         worker.cfg = replaced(worker.cfg, **overrides)
         worker.init_value_model(value_dir)
         res[name] = worker.compute_values(batch)
+    if export_dir is not None:
+        worker.export_hf(export_dir)
     release(worker, keep_group)
     return res
