@@ -307,6 +307,26 @@ def tiny_models(shared_results) -> dict[str, str]:
     return shared_results.get("backend_models", make)
 
 
+VALUE_MEAN, VALUE_STD = 0.5, 2.0  # the reward statistics the tiny value model's config.json carries
+
+
+@pytest.fixture(scope="session")
+def tiny_value_model(tiny_models, tmp_path_factory) -> str:
+    """The backend cross-checks' tiny Qwen3 as an OpenRLHF-format reward model (actor/value_model.py): its head drawn
+    with seed 7 and scaled to values of order 1 (std 0.25 per weight), reward mean / std in config.json."""
+    import torch
+
+    from openrlhf_shape.actor.value_model import ValueHeadFormat, load_value_model, save_value_model
+
+    model = load_value_model(tiny_models["qwen3"], dtype=torch.float32, head_seed=7)
+    with torch.no_grad():
+        model.head.weight.mul_((model.decoder.config.hidden_size + 1) / 4)
+    model.fmt = ValueHeadFormat(model.fmt.prefix, VALUE_MEAN, VALUE_STD)
+    out = str(tmp_path_factory.mktemp("tiny_value") / "rm")
+    save_value_model(model, out, tiny_models["qwen3"], kind="reward", normalize=True)
+    return out
+
+
 @pytest.fixture(scope="session")
 def ragged_batch() -> dict:
     """7 sequences, 12..44 tokens, prompts of 2..9 tokens (one empty response); see

@@ -26,12 +26,13 @@ def write_hf_dir(buckets: Iterable[list[tuple[str, torch.Tensor]]], out_dir: str
     safetensors shard under ``<out_dir>.tmp`` as it comes (memory stays near one bucket; other ranks
     get empty buckets), then numbers the shards ``model-i-of-n``, writes the index, the config with
     ``params_dtype`` and the source dir's non-weight files (tokenizer, generation config, chat
-    template), and moves the directory onto ``out_dir`` in one rename."""
+    template), and moves the directory onto ``out_dir`` in one rename. Without a process group the
+    one process writes."""
     from safetensors.torch import save_file
 
     final = os.path.abspath(out_dir)
     tmp = final + ".tmp"
-    rank0 = dist.get_rank() == 0
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0  # one process (an HF model's save): no group
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -65,4 +66,5 @@ def write_hf_dir(buckets: Iterable[list[tuple[str, torch.Tensor]]], out_dir: str
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()

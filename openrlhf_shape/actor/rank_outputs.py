@@ -38,3 +38,18 @@ def merge_rank_outputs(outputs: list[dict], n: int) -> LogProbs:
             for idx, r in zip(out.get("indices", []), out.get("routed_experts", [])):
                 routed[idx] = r
     return LogProbs(log_probs=log_probs, entropy=entropy, routed_experts=routed)
+
+
+def merge_value_outputs(outputs: list[dict], n: int) -> list[torch.Tensor]:
+    """Merge per-rank ``compute_values`` outputs (``{"indices": [i], "values": [Tensor[R_i + 1]]}``, ``{}`` for ranks
+    without results) into batch order: the n samples' values; raises if one is missing."""
+    values: list[Optional[torch.Tensor]] = [None] * n
+    for out in outputs:
+        for idx, v in zip(out.get("indices", []), out.get("values", [])):
+            if not 0 <= idx < n:
+                raise ValueError(f"rank output holds index {idx} outside the batch of {n}")
+            values[idx] = v
+    missing = [i for i in range(n) if values[i] is None]
+    if missing:
+        raise ValueError(f"no rank returned values for batch indices {missing[:10]} (of {len(missing)})")
+    return values  # type: ignore[return-value]

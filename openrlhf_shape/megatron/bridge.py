@@ -116,6 +116,9 @@ class _ShapeBridgeMixin:
     _shape_on_cpu: bool = False
     _shape_moe_overrides: dict[str, Any] = {}
     _shape_loading_dense_only: bool = False  # set by load_weights while mbridge loads all but the local experts
+    _shape_value_head: Optional[str] = None  # a value model's head name (``score``): its output layer is [1, h]
+    _shape_head_in_dir: bool = True  # False: the directory has no head (a critic from a causal LM): not loaded
+    _shape_loading: bool = False  # set by load_weights (the export still names the head)
 
     def _build_base_config(self, text_config_key=None, **kwargs):  # type: ignore[override]
         kwargs.update(self._shape_overrides)
@@ -141,6 +144,8 @@ class _ShapeBridgeMixin:
             }
         if getattr(self.hf_config, "tie_word_embeddings", False):
             self._DIRECT_MAPPING["output_layer.weight"] = "model.embed_tokens.weight"
+        if self._shape_value_head:  # a value model: the output layer is the [1, h] head, untied (OpenRLHF's format)
+            self._DIRECT_MAPPING["output_layer.weight"] = f"{self._shape_value_head}.weight"
 
     def _get_hf_shared_weight_keys(self) -> list[str]:
         if getattr(self.hf_config, "tie_word_embeddings", False):
@@ -167,7 +172,9 @@ class _ShapeBridgeMixin:
         offset = self.config.num_moe_experts // ep * self.mpu.ep_rank if consider_ep and ep > 1 else 0
         for local_name, global_name in list(mapping.items()):
             m = _LOCAL_EXPERT.search(global_name)
-            if m and self._shape_loading_dense_only:
+            if global_name == "output_layer.weight" and self._shape_loading and not self._shape_head_in_dir:
+                del mapping[local_name]  # drawn by the caller (megatron/value.py)
+            elif m and self._shape_loading_dense_only:
                 del mapping[local_name]  # load_weights reads these itself (_load_local_experts)
             elif m:
                 mapping[local_name] = _LOCAL_EXPERT.sub(rf"mlp.experts.\g<fc>.weight{int(m.group('e')) + offset}",
@@ -182,15 +189,19 @@ class _ShapeBridgeMixin:
         with its own expert ids and scattered over the TP group as TP shards. That equals the expert path only when
         expert TP = TP; with ``--megatron.expert_tensor_parallel_size 1`` at TP 2 it fails (each rank holds whole,
         different experts)."""
-        if not (self._shape_local_spec and self.config.num_moe_experts):
-            return super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
-        self._shape_loading_dense_only = True
+        self._shape_loading = True
         try:
-            super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+            if not (self._shape_local_spec and self.config.num_moe_experts):
+                return super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+            self._shape_loading_dense_only = True
+            try:
+                super().load_weights(models, weights_path, memory_efficient=memory_efficient)  # type: ignore[misc]
+            finally:
+                self._shape_loading_dense_only = False
+            for model in models:
+                self._load_local_experts(model)
         finally:
-            self._shape_loading_dense_only = False
-        for model in models:
-            self._load_local_experts(model)
+            self._shape_loading = False
 
     def _load_local_experts(self, model) -> None:
         """This rank's experts of ``model`` (local spec, SequentialMLP) from the HF files: the global expert id from the
@@ -223,10 +234,13 @@ class _ShapeBridgeMixin:
         )
 
 
-def make_bridge(hf_config: Any, cfg: MegatronConfig, *, platform: Platform):
+def make_bridge(hf_config: Any, cfg: MegatronConfig, *, platform: Platform, value_head: Optional[str] = None,
+                head_in_dir: bool = True):
     """An mbridge bridge for ``hf_config`` with our spec choice and TransformerConfig overrides.
 
-    ``platform``: the rank's profile (``layer_spec`` "auto" and the CPU-only overrides follow it).
+    ``platform``: the rank's profile (``layer_spec`` "auto" and the CPU-only overrides follow it). ``value_head``:
+    a value model's head name (its output layer ``[1, h]`` maps to ``<value_head>.weight``, read unless
+    ``head_in_dir`` is False; the model is built with mbridge's ``make_value_model``).
     Call after ``parallel_state.initialize_model_parallel`` (mbridge reads the parallel sizes).
     """
     on_cpu = platform.on_cpu
@@ -253,6 +267,8 @@ def make_bridge(hf_config: Any, cfg: MegatronConfig, *, platform: Platform):
             "_shape_local_attention": cfg.local_attention,
             "_shape_on_cpu": on_cpu,
             "_shape_moe_overrides": moe_config_overrides(cfg),
+            "_shape_value_head": value_head,
+            "_shape_head_in_dir": head_in_dir,
         },
     )
     return cls(hf_config, dtype=cfg.params_dtype)

@@ -15,12 +15,15 @@ from openrlhf_shape.megatron.routing_replay import RoutingReplay
 from openrlhf_shape.megatron.state import ActorState
 
 
-def build_model(state: ActorState, hf_dir: str, *, load_weights: bool = True, train: bool = True) -> dict:
+def build_model(state: ActorState, hf_dir: str, *, load_weights: bool = True, train: bool = True,
+                value_head: str | None = None, head_in_dir: bool = True) -> dict:
     """Build the GPT model through the bridge, load HF weights, build the optimizer into ``state``; returns
     the model's description (parameter counts, layout, MoE settings).
 
     ``load_weights=False`` keeps Megatron's random initialisation (benchmarks: only the shapes of ``hf_dir``'s
     config matter). ``train=False`` builds a forward-only model: no DDP gradient buffers, no optimizer.
+    ``value_head``: a value model (:mod:`~openrlhf_shape.megatron.value`), its output layer the ``[1, h]`` head of
+    that name, replicated over the TP ranks of the last stage (read from ``hf_dir`` unless ``head_in_dir`` is False).
     """
     from megatron.core.transformer.module import Float16Module
     from transformers import AutoConfig
@@ -30,8 +33,10 @@ def build_model(state: ActorState, hf_dir: str, *, load_weights: bool = True, tr
     cfg = state.cfg
     hf_config = AutoConfig.from_pretrained(hf_dir)
     cfg.validate_against_model(hf_config, state.world_size)
-    bridge = make_bridge(hf_config, cfg, platform=state.platform)
-    gpt = _build_gpt(state, bridge, hf_dir, load_weights)
+    if value_head is not None:
+        hf_config.tie_word_embeddings = False  # the head is a weight of its own: no embedding shared with it
+    bridge = make_bridge(hf_config, cfg, platform=state.platform, value_head=value_head, head_in_dir=head_in_dir)
+    gpt = _build_gpt(state, bridge, hf_dir, load_weights, value_model=value_head is not None)
     state.routing = None if cfg.routing_replay == "none" else RoutingReplay(gpt, sequence_parallel=cfg.sequence_parallel)
     module = Float16Module(bridge.config, gpt) if cfg.use_bf16 else gpt
     optimizer = None
@@ -42,16 +47,19 @@ def build_model(state: ActorState, hf_dir: str, *, load_weights: bool = True, tr
         for p in module.parameters():
             p.requires_grad_(False)
     state.bridge, state.tconfig, state.hf_config, state.hf_dir = bridge, bridge.config, hf_config, hf_dir
+    state.value_format = None  # a value model's: set by megatron/value.py after this build
     state.model, state.optimizer, state.step = module, optimizer, 0  # the LR schedule starts (a load sets its step)
     return _model_info(state, gpt)
 
 
-def _build_gpt(state: ActorState, bridge, hf_dir: str, load_weights: bool):
-    """This rank's GPT stage from the bridge's provider, on its device, with HF weights when asked."""
+def _build_gpt(state: ActorState, bridge, hf_dir: str, load_weights: bool, value_model: bool = False):
+    """This rank's GPT stage from the bridge's provider, on its device, with HF weights when asked (a value model:
+    mbridge's callback swaps the last stage's output layer for a replicated ``[1, h]`` linear)."""
+    from mbridge.utils.post_creation_callbacks import make_value_model
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    provider = bridge._model_provider([])
+    provider = bridge._model_provider([make_value_model] if value_model else [])
     gpt = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     detach_pad_lookups(gpt, getattr(bridge.hf_config, "pad_token_id", None))
     for p in gpt.parameters():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.actor.hf_dir import nbytes, write_hf_dir
+from openrlhf_shape.actor.value_model import export_config
 from openrlhf_shape.megatron.state import ActorState
 
 
@@ -54,5 +55,6 @@ def iter_buckets(state: ActorState, bucket_bytes: int) -> Iterator[list[tuple[st
 
 def export_hf_dir(state: ActorState, out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
     """Write safetensors shards (about ``shard_bytes`` each) + index + config + tokenizer files to
-    ``out_dir`` atomically (collective)."""
-    write_hf_dir(iter_buckets(state, shard_bytes), out_dir, state.hf_config, state.cfg.params_dtype, state.hf_dir)
+    ``out_dir`` atomically (collective). A value model's directory is OpenRLHF's (its head ``<prefix>.weight``)."""
+    write_hf_dir(iter_buckets(state, shard_bytes), out_dir, export_config(state.hf_config, state.value_format),
+                 state.cfg.params_dtype, state.hf_dir)

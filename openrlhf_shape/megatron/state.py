@@ -43,6 +43,7 @@ class ActorState:
     hf_config: Any = None
     hf_dir: Optional[str] = None  # the HF directory the model was built from (config/tokenizer source)
     routing: Any = None  # MoE routing replay's hooks on the model (--megatron.routing_replay), None without
+    value_format: Any = None  # a value model's ValueHeadFormat (megatron/value.py), None for a policy
     step: int = 0
 
     @property

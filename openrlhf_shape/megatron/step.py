@@ -104,8 +104,10 @@ def response_logprobs(state: ActorState, hidden: torch.Tensor, mb: MicroBatch, t
     return sum_over_cp(lp, held, group), (sum_over_cp(en, held, group) if en is not None else None)
 
 
-def _run_schedule(state: ActorState, mbs: list[MicroBatch], loss_fn, *, forward_only: bool,
-                  routing: MicroBatchRouting | None = None) -> list:
+def run_schedule(state: ActorState, mbs: list[MicroBatch], loss_fn, *, forward_only: bool,
+                 routing: MicroBatchRouting | None = None) -> list:
+    """``mbs`` through Megatron's pipeline schedule; the last stage stops at the final norm and hands each micro-batch's
+    hidden states ``[s, b, h]`` to ``loss_fn(mb, hidden)``; returns the last stage's ``loss_fn`` records."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     gpt = state.gpt
@@ -174,7 +176,7 @@ def logprobs_and_entropy(state: ActorState, batch: SequenceBatch | dict) -> dict
 
     routing = routing_for_pass(state.routing, state.cfg.routing_replay, batch, update=False)
     with torch.no_grad(), (routing.active() if routing else contextlib.nullcontext()):
-        store = _run_schedule(state, mbs, loss_fn, forward_only=True, routing=routing)
+        store = run_schedule(state, mbs, loss_fn, forward_only=True, routing=routing)
     state.model.train()
     if not holds_results() or not shard:
         return {}
@@ -217,7 +219,7 @@ def train_step(state: ActorState, batch: TrainBatch) -> dict:
     state.optimizer.zero_grad()
     routing = routing_for_pass(state.routing, state.cfg.routing_replay, batch, update=True)
     with routing.active() if routing else contextlib.nullcontext():
-        store = _run_schedule(state, mbs, loss_fn, forward_only=False, routing=routing)
+        store = run_schedule(state, mbs, loss_fn, forward_only=False, routing=routing)
     sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
     if holds_results() and shard:
         for rec in store:

@@ -131,6 +131,28 @@ class MegatronRankWorker:
         self.state.cfg = dataclasses.replace(self.state.cfg, routing_replay="none")
         return {**self.init_model(hf_dir, train=False), "reference": True}
 
+    def init_value_model(self, hf_dir: str, *, default_prefix: str = "score", head_seed: int | None = None) -> dict:
+        """A value model (reward model / critic in OpenRLHF's format, :mod:`openrlhf_shape.megatron.value`) in this
+        rank's layout, forward only; ``head_seed`` draws a head for a directory without one (a causal LM)."""
+        from openrlhf_shape.megatron.value import build_value_model
+
+        self.state.cfg = dataclasses.replace(self.state.cfg, routing_replay="none")
+        with self._mode():
+            return build_value_model(self.state, hf_dir, default_prefix=default_prefix, head_seed=head_seed)
+
+    def compute_values(self, batch: SequenceBatch | dict) -> dict:
+        """Forward only; results on the last PP stage / TP rank 0, ``{}`` elsewhere: ``{"indices", "values"}``, per
+        sample of prompt P and response R its raw values ``[R + 1]`` float32 (index j < R: response token j's state;
+        R: the whole sequence's, the reward model's score), un-normalised."""
+        from openrlhf_shape.megatron.value import values
+
+        self._require_onloaded(("params",), "compute_values")
+        self.state.require_model()
+        if self.state.value_format is None:
+            raise RuntimeError("compute_values needs a value model: init_value_model(hf_dir) first")
+        with self._mode():
+            return values(self.state, batch)
+
     # ------------------------------------------------------------------ log-probs / entropy
     def compute_logprobs_and_entropy(self, batch: SequenceBatch | dict) -> dict:
         """Forward only. Returns results on the last PP stage / TP rank 0, ``{}`` elsewhere.

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.actor.hf_dir import write_hf_dir
+from openrlhf_shape.actor.value_model import export_config
 from openrlhf_shape.zero.model import hf_named_parameters
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +49,9 @@ def iter_buckets(state: "ZeroState", bucket_bytes: int) -> Iterator[list[tuple[s
     zero3 = state.cfg.zero_stage == 3
     if zero3:
         import deepspeed
-    for bucket in plan_buckets(hf_named_parameters(state.policy), bucket_bytes):
+    # a value model's parameters carry OpenRLHF's names already (model.*, <prefix>.weight)
+    named = hf_named_parameters(state.policy) if state.value_format is None else list(state.policy.named_parameters())
+    for bucket in plan_buckets(named, bucket_bytes):
         params = [p for _, p in bucket]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else contextlib.nullcontext():
             out = [(name, p.detach().to("cpu", copy=True).contiguous()) for name, p in bucket] if keep else []
@@ -56,5 +59,7 @@ def iter_buckets(state: "ZeroState", bucket_bytes: int) -> Iterator[list[tuple[s
 
 
 def export_hf_dir(state: "ZeroState", out_dir: str, *, shard_bytes: int = 2 << 30) -> None:
-    """safetensors shards + index + config + the source dir's tokenizer files, written atomically (collective)."""
-    write_hf_dir(iter_buckets(state, shard_bytes), out_dir, state.hf_config, state.cfg.params_dtype, state.hf_dir)
+    """safetensors shards + index + config + the source dir's tokenizer files, written atomically (collective); a
+    value model's directory is OpenRLHF's."""
+    write_hf_dir(iter_buckets(state, shard_bytes), out_dir, export_config(state.hf_config, state.value_format),
+                 state.cfg.params_dtype, state.hf_dir)

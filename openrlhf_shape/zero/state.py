@@ -31,6 +31,7 @@ class ZeroState:
     base_optimizer: Any = None  # the torch/DeepSpeed Adam the engine wraps
     hf_config: Any = None
     hf_dir: Optional[str] = None  # the HF directory the model was loaded from (config/tokenizer source)
+    value_format: Any = None  # a value model's ValueHeadFormat (zero/value.py), None for a policy
     step: int = 0
 
     @property

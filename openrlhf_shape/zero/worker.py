@@ -212,6 +212,30 @@ class ZeroRankWorker:
                 "tp": 1, "pp": 1, "dp": self.dp_size, "zero_stage": 3 if cfg.zero_stage == 3 else 0,
                 "dtype": str(cfg.params_dtype), "backend": "deepspeed", "reference": True}
 
+    def init_value_model(self, hf_dir: str, *, default_prefix: str = "score", head_seed: int | None = None) -> dict:
+        """A value model (reward model / critic in OpenRLHF's format, :mod:`openrlhf_shape.zero.value`), forward only,
+        partitioned as the reference; ``head_seed`` draws a head for a directory without one (a causal LM)."""
+        from openrlhf_shape.zero.value import init_value_engine
+
+        if self.cfg.ring_attn_size > 1:
+            raise ValueError("a value model does not run under --ds.ring_attn_size > 1 yet: set it to 1 for the "
+                             "reward model / critic ranks")
+        self._release_engine()
+        return init_value_engine(self.state, hf_dir, self.cfg.attn_implementation, default_prefix=default_prefix,
+                                 head_seed=head_seed)
+
+    def compute_values(self, batch: SequenceBatch | dict) -> dict:
+        """Forward only; ``{"indices", "values"}`` of this rank's shard (``{}`` without one): per sample of prompt P
+        and response R its raw values ``[R + 1]`` float32 (index j < R: response token j's state; R: the whole
+        sequence's, the reward model's score), un-normalised."""
+        from openrlhf_shape.zero.value import value_outputs
+
+        self._require_model()
+        self._require_onloaded(("params",), "compute_values")
+        shard, mbs = self._plans(validate_batch(batch), forward_only=True)
+        out = value_outputs(self.state, mbs, self.device)
+        return out if shard else {}
+
     def _make_optimizer(self, policy) -> torch.optim.Optimizer:
         """AdamW (decoupled weight decay, as Megatron's CPU/GPU Adam) with Megatron's grouping: no weight
         decay on biases and 1-D (norm) weights. ``DeepSpeedCPUAdam`` under ``--ds.adam_offload``."""
@@ -234,6 +258,7 @@ class ZeroRankWorker:
         return torch.optim.AdamW(groups, **kw)
 
     def _release_engine(self) -> None:
+        self.state.value_format = None  # the next engine is a policy unless init_value_model says otherwise
         if self.state.engine is not None:
             self.offloader.saved.clear()
             self.state.engine.destroy()

@@ -66,6 +66,39 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return worst
 
 
+# The value-model tests (tests/megatron, tests/zero): values of order 1 held to 1e-4 of Hugging Face's, and the seed
+# of the head drawn for a causal LM.
+VALUE_TOL = 1e-4
+VALUE_HEAD_SEED = 11
+
+
+def hf_state_values(model_dir: str, batch: dict, head_seed: int | None = None) -> list[torch.Tensor]:
+    """Hugging Face's raw values (``actor/value_model.py``, held to OpenRLHF's classes) of each sample's states
+    P - 1 .. L - 1 (``[R + 1]``), float32."""
+    from openrlhf_shape.actor.value_model import load_value_model
+
+    model = load_value_model(model_dir, dtype=torch.float32, head_seed=head_seed)
+    with torch.no_grad():
+        return [model(torch.tensor([s]), torch.arange(len(s))[None])[0, p - 1:]
+                for s, p in zip(batch["sequences"], batch["prompt_lens"])]
+
+
+def assert_value_export(export_dir: str, source_dir: str, head_seed: int | None = None) -> None:
+    """``export_dir`` is OpenRLHF's value-model directory of the HF value model of ``source_dir`` (its head drawn
+    from ``head_seed`` for a causal LM): tensor for tensor under the same names, the config naming the head."""
+    import json
+
+    from openrlhf_shape.actor.value_model import load_value_model
+
+    want = load_value_model(source_dir, dtype=torch.float32, head_seed=head_seed).state_dict()
+    got = load_value_model(export_dir, dtype=torch.float32).state_dict()
+    assert sorted(got) == sorted(want) and "score.weight" in got
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, atol=0, rtol=0, msg=name)
+    config = json.load(open(os.path.join(export_dir, "config.json")))
+    assert (config["architectures"], config["value_head_prefix"]) == (["CriticModel"], "score")
+
+
 def run_layout(world_size: int, timeout: float = 420, **kwargs) -> list[dict]:
     from openrlhf_shape.actor.launch import run_ranks
     from support.preload import spawn_preloaded

@@ -1,0 +1,38 @@
+"""Rank side of the value-model tests (tests/megatron, tests/zero): a real worker of either backend builds the
+value model of a directory and scores a batch; plain data back to the pytest side."""
+
+from __future__ import annotations
+
+from openrlhf_shape.platform import detect_platform
+from openrlhf_shape.testing.rank_configs import megatron_config, replaced, zero_config
+from rank_sequence import release_megatron, release_zero
+
+
+def value_run(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str, cfg: dict,
+              value_dir: str, batch: dict, causal_dir: str | None = None, head_seed: int = 0,
+              variants: dict | None = None, export_dir: str | None = None, keep_group: bool = False) -> dict:
+    """``compute_values`` of ``value_dir``'s model on ``batch`` (``"values"``), of ``causal_dir`` with a head drawn
+    from ``head_seed`` (``"drawn"``), and of ``value_dir`` again under each of ``variants``' config switches; then
+    the last one's HF export to ``export_dir``."""
+    if backend == "megatron":
+        from openrlhf_shape.megatron.worker import MegatronRankWorker as Worker
+
+        config, release = megatron_config(cfg), release_megatron
+    else:
+        from openrlhf_shape.zero.worker import ZeroRankWorker as Worker
+
+        config, release = zero_config(cfg), release_zero
+    worker = Worker(config, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                    platform=detect_platform())
+    res = {"info": worker.init_value_model(value_dir), "values": worker.compute_values(batch)}
+    if causal_dir is not None:
+        worker.init_value_model(causal_dir, head_seed=head_seed)
+        res["drawn"] = worker.compute_values(batch)
+    for name, overrides in (variants or {}).items():
+        worker.cfg = replaced(worker.cfg, **overrides)
+        worker.init_value_model(value_dir)
+        res[name] = worker.compute_values(batch)
+    if export_dir is not None:
+        worker.export_hf(export_dir)
+    release(worker, keep_group)
+    return res
