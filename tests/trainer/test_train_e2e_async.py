@@ -22,7 +22,8 @@ import pytest
 
 from test_train_e2e import (ASYNC, COMPARED, DRIFT_FLOOR, FILTER, MAX_GAP, REFILL_KEYS,  # noqa: F401
                             _assert_engines_compute_trained_policy, _async_flags, _copy_run, _flags, _metrics,
-                            check_filled_steps, check_refused, check_several_kills, cut_back_to_step_1, ray_once,
+                            assert_repeats_the_run, check_filled_steps, check_refused, check_several_kills,
+                            cut_back_to_step_1, ray_once,
                             run_in_process, tied_model_dir)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.distributed]
@@ -181,3 +182,25 @@ def test_staleness_2_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp
 def test_resume_of_another_mode_or_depth_is_refused_before_anything_starts(case, async_ref, tmp_path, tied_model_dir,
                                                                            parity_reward_file, ray_once):
     check_refused(case, async_ref, tied_model_dir, parity_reward_file, str(tmp_path / "run"))
+
+
+def test_a_rank_killed_in_an_asynchronous_run_restarts_and_repeats_the_run(tmp_path, async_ref, tied_model_dir,
+                                                                           parity_reward_file, ray_once):
+    """``--train.max_restarts`` under the asynchronous schedule: the actor rank SIGKILLed once step 1's line is
+    written (the engines already generating the next batch beside the update); the command restarts the rank groups,
+    makes a fresh schedule, resumes from step 1's checkpoint (its batch in flight reloaded from ``async_pending/``)
+    and repeats the uninterrupted asynchronous run, prompts and metrics, but for the restart's own counter."""
+    from test_rank_restart_e2e import _kill_rank_after_step_1
+
+    run_dir = str(tmp_path / "run")
+    flags = _async_flags(tied_model_dir, parity_reward_file, run_dir) + ["--train.max_restarts", "1"]
+    _, lines, seen = _kill_rank_after_step_1(flags)
+    assert "error" not in seen, f"{seen.get('error')!r}\n" + "\n".join(lines[-30:])
+    assert "killed_at" in seen and seen["new_pid"] != seen["pid"]
+    said = [ln for ln in lines if "restarting the rank groups" in ln]
+    assert len(said) == 1 and said[0].startswith("actor rank 0 died during") and "step_000001" in said[0], said
+    assert seen["engines_after"] == seen["engines"]  # the engines kept, re-synced with the resumed weights
+    got = _metrics(run_dir)
+    drop = lambda m: {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in m.items()}  # noqa: E731
+    assert_repeats_the_run(drop(async_ref["metrics"]), drop(got))
+    assert [got[s]["fault/rank_restarts"] for s in sorted(got)][-1] == 1.0
