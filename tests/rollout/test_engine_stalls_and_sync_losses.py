@@ -215,3 +215,29 @@ def test_the_next_sync_replaces_the_engine_found_dead_and_reaches_both_replaceme
     greedy = SamplingConfig(max_tokens=16, temperature=0.0)
     outs = ray.get([e.generate.remote([chat_ids(QUESTIONS[1])], greedy) for e in group.engines])
     assert outs[0][0].token_ids == outs[1][0].token_ids
+
+
+def test_over_the_object_store_an_engine_killed_mid_sync_is_replaced_and_the_sync_done_again(group, rig):
+    """The same loss over the object-store transport (no process group: each engine pulls the buckets from Ray's
+    object store): the lifecycle replaces the engine, re-forms the sync over the engines and does it again, and both
+    engines then compute the sent weights. Last in the file: its sync and lifecycle take the group over."""
+    holder = rig["holder"]
+    sync = EngineWeightSync(group.engines, engine_tp=1, transport="object_store", backend="gloo",
+                            timeout_s=SYNC_BOUND_S)
+    sync.connect(holder)
+    life = Lifecycle(HolderRanks(holder), group, sync, bucket_bytes=16 << 10, colocate=False)
+    try:
+        spent, old = group.restarts, group.engines[1]
+        ray.get(holder.perturb.remote(30, 0.05))
+        life.ranks = _LosesAnEngineMidStream(holder, pause_s=0.2, victim=old)
+        with console_lines() as console:
+            metrics = life.sync_weights(step=8)
+        life.after_sync()
+        assert group.restarts == spent + 1 and group.engines[1] is not old and metrics["sync/receivers"] == 2.0
+        assert [e for e in life.events if e.startswith(("sync", "engines"))] == [
+            "sync", "sync.abort(engine 1)", "engines.recover(1)", "sync.reconnect", "sync"], life.events
+        lines = [ln for ln in console if ln.startswith("engine 1 died during weight sync at step 8 (ActorDiedError)")]
+        assert len(lines) == 1 and "the weight sync starts again with it in its group" in lines[0], console
+        _engines_compute_the_holders_weights(rig, group)
+    finally:
+        sync.close()
