@@ -250,6 +250,8 @@ class OneStepOffSchedule(SyncSchedule):
                 exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step),
                                          more_prompts=self.batcher.next_batch)
                 exp.policy_version = self.updates
+                if exp.tail_probes is not None:  # the first probe round ran in the generate call, on these weights
+                    exp.probe_version = self.updates
         exp.metrics = log.metrics
         self.events.append(("generate", step, t0, time.perf_counter()))
         return exp
@@ -273,7 +275,8 @@ class OneStepOffSchedule(SyncSchedule):
         if not len(exp):
             return exp
         t0 = time.perf_counter()
-        exp.probe_version = self.updates  # the engines' weights now: the probes' (the response is complete)
+        if exp.probe_version is None:  # the engines' weights now: the probes' (the response is complete)
+            exp.probe_version = self.updates
         with self.engines.during(step=step):
             exp = self.maker.credit(exp, _log_into(exp.metrics), seed=step_seed(self.seed, step))
         self.events.append(("credit", step, t0, time.perf_counter()))
