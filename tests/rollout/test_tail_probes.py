@@ -80,6 +80,31 @@ def _potentials(group, prompts, gens, cuts, cfg, suffixes, tail=None):
 def test_tail_probes_equal_the_ordered_computation(group, prompts, tiny_tokenizer, adaptive):
     cfg = ProbeConfig(num_probes=4, max_tokens=6, adaptive=adaptive, adaptive_first_round=2, adaptive_round_size=2,
                       max_probes=6, adaptive_tol=0.2)
+    got = _assert_tail_equals_ordered(group, prompts, tiny_tokenizer, cfg)
+    if adaptive:
+        assert got.stats["probe/rounds"] > 1  # a later round ran in the probes phase, on the tail's first one
+
+
+def test_tail_probes_over_two_ray_engines_equal_the_ordered_computation(ray_local, tiny_model_dir, prompts,
+                                                                        tiny_tokenizer):
+    """The same over two engine actors: the plan (segmentation, suffixes, seeds) travels to each, every engine probes
+    its own share's responses, and the group joins the shares."""
+    from openrlhf_shape.platform import cpu_platform
+    from openrlhf_shape.rollout import start_engines
+
+    cfg = EngineConfig(model_path=tiny_model_dir, max_model_len=1024, kv_cache_gib=1.0, dtype="float32",
+                       sampled_entropy=True)
+    two = start_engines(cfg, 2, platform=cpu_platform(threads_per_rank=7, threads_per_engine=2), num_cpus_per_engine=0.5)
+    try:
+        assert len(set(two.plan(prompts, N))) == 2  # both engines hold a share
+        _assert_tail_equals_ordered(two, prompts, tiny_tokenizer, ProbeConfig(num_probes=3, max_tokens=6))
+    finally:
+        two.shutdown()
+
+
+def _assert_tail_equals_ordered(group, prompts, tiny_tokenizer, cfg):
+    """Responses, cut points, probe samples, potentials and probe scores of the tail equal the ordered path's on the
+    same seeds; returns the tail's potentials."""
     suffixes, seg = ProbeSuffixes.from_tokenizer(tiny_tokenizer, cfg), get_segmentation(SHAPE, tiny_tokenizer)
     ordered = group.generate(prompts, _sampling())
     cuts = _cuts(seg, ordered)
@@ -101,8 +126,7 @@ def test_tail_probes_equal_the_ordered_computation(group, prompts, tiny_tokenize
         assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0))
     assert got.stats["probe/samples"] == want.stats["probe/samples"]
     assert got.stats["probe/tail_samples"] == len(run.probes) * first_round and want.stats["probe/tail_samples"] == 0
-    if adaptive:
-        assert got.stats["probe/rounds"] > 1  # a later round ran in the probes phase, on the tail's first one
+    return got
 
 
 def test_probes_are_sent_while_the_rest_of_the_batch_decodes(group, prompts, tiny_tokenizer):
