@@ -85,3 +85,20 @@ def test_tail_probes_leave_the_steps_as_the_ordered_path_makes_them(parts, tiny_
         assert {k: t_m[k] for k in keys} == {k: o_m[k] for k in keys}
         if staleness:  # the first round ran on the weights that generated the batch
             assert t_m["async/probe_version"] == t_m["async/policy_version"]
+
+
+def test_the_ordered_path_stays_where_the_tail_cannot_name_its_states(parts, tiny_tokenizer):
+    """The trainer's entropies (the default) and dynamic filtering (a probe's seed names its response's place in the
+    batch, which the filter changes after the generate call) keep the probes after the whole rollout."""
+    from openrlhf_shape.algorithms.length_penalty import RewardShaping
+
+    group, reward, _, hf = parts
+
+    def maker(source: str, shaping=None) -> ShapeExperienceMaker:
+        est = get_estimator("shape", ShapeConfig(num_segments=4, min_segment_len=4, entropy_source=source))
+        return ShapeExperienceMaker(est, SAMPLING, ProbeConfig(num_probes=3, max_tokens=6), group,
+                                    hf.compute_logprobs_and_entropy, reward, tiny_tokenizer, shaping=shaping)
+
+    assert maker("engine").probes_in_tail
+    assert not maker("trainer").probes_in_tail
+    assert not maker("engine", RewardShaping(True)).probes_in_tail
