@@ -277,6 +277,10 @@ class ExperienceBatch:
     # the KL coefficient the batch applies, in its advantages (KL in the reward) and its loss (KL in the loss): the
     # controller's value read once, when its reference log-probs are computed (trainer/experience.py); None: no KL
     kl_coef: float | None = None
+    # --shape.entropy_source engine: per sample, boundary -> (the first probe round's samples of the state prompt +
+    # response[:boundary], drawn as the response finished, and whether rollout responses still decoded then);
+    # boundary 0 (the prompt alone) at every sample of its prompt (rollout/tail.py). None: the probes phase draws them
+    tail_probes: list[dict[int, Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -319,6 +323,7 @@ class ExperienceBatch:
             ref_log_probs=take(self.ref_log_probs), kl=take(self.kl), truncated=take(self.truncated),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
             action_mask=take(self.action_mask), token_versions=kept, policy_version=version,
+            tail_probes=None if self.tail_probes is None else pick(self.tail_probes),
         )
 
     @classmethod

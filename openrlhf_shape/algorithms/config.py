@@ -41,7 +41,8 @@ class ShapeConfig:
     entropy_threshold: float | None = None  # absolute tau; None = per-response quantile
     entropy_quantile: float = 0.8
     # where the token entropies SHAPE reads (segmentation, TCR) come from: "trainer" (the old-log-prob forward) or
-    # "engine" (vLLM's sampler, from the logits each token was drawn from: rollout/sampled_entropy.py)
+    # "engine" (vLLM's sampler, from the logits each token was drawn from: rollout/sampled_entropy.py; each response
+    # is then segmented as it finishes and its first probe round runs inside the generate call, rollout/tail.py)
     entropy_source: str = "trainer"
     min_segment_len: int = 8
     delimiter: str = "\n\n"

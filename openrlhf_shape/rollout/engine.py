@@ -10,10 +10,11 @@ around (whole prefills for seeded requests, small KV block, explicit KV space).
 from __future__ import annotations
 
 import copy
-
+import dataclasses
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -169,6 +170,19 @@ class Generation:
     entropies: list[float] | None = None
 
 
+@dataclass
+class TailRun:
+    """What :meth:`VLLMEngine.generate_with_probes` did. ``gens``: the rollout's samples, as :meth:`~VLLMEngine.generate`
+    returns them; ``probes``: ``(response, boundary) -> (its first probe round's samples in sample order, whether they
+    were sent while rollout responses still decoded on this engine)``, response = the index in the step's batch;
+    ``events``: what the engine did, in order: ``("finish", response, -1)`` when a rollout response finished,
+    ``("probe", response, boundary)`` when a state's probes were sent."""
+
+    gens: list[Generation]
+    probes: dict[tuple[int, int], tuple[list[Generation], bool]]
+    events: list[tuple[str, int, int]]
+
+
 def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int, max_tokens: int) -> None:
     if not isinstance(prompt_token_ids, (list, tuple)):
         raise TypeError("prompt_token_ids must be a list of lists of token ids ([prompts][tokens])")
@@ -322,14 +336,28 @@ class VLLMEngine:
         has its own budget, and the turns of a step still go out as one batch; rollout/agents.py).
         ``request_seeds``: each prompt's own request seed (n = 1; agents: one per episode turn), instead of the
         seeds derived from ``sampling.seed`` and ``prompt_indices``."""
+        if not prompt_token_ids:
+            self._check_awake("generate")
+            return []
+        requests, params, keys = self.requests(prompt_token_ids, sampling, prompt_indices, max_tokens, request_seeds)
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        ents = self._collect_entropies(keys, outs)
+        return [self.generation(out, r_idx, sampling, ents[r_idx]) for r_idx, out in enumerate(outs)]
+
+    def _check_awake(self, call: str) -> None:
+        if self._asleep or self._kv_asleep:
+            raise RuntimeError(f"VLLMEngine.{call} called while asleep (weights or KV cache); the colocation "
+                               "lifecycle must wake it first")
+
+    def requests(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 prompt_indices: Sequence[int] | None = None, max_tokens: Sequence[int] | None = None,
+                 request_seeds: Sequence[int] | None = None) -> tuple[list, Any, list[str] | None]:
+        """vLLM's prompts and SamplingParams of a :meth:`generate` call (one request per sample, prompt-major) and
+        the requests' entropy keys (None without ``sampling.entropies``)."""
         from vllm.inputs import TokensPrompt
 
-        if self._asleep or self._kv_asleep:
-            raise RuntimeError("VLLMEngine.generate called while asleep (weights or KV cache); the colocation "
-                               "lifecycle must wake it first")
+        self._check_awake("generate")
         _check_prompts(prompt_token_ids, self.cfg.max_model_len, sampling.max_tokens)
-        if not prompt_token_ids:
-            return []
         # Fan out the n samples ourselves (vLLM v1 does the same internally) so that every sample
         # reports its own exact num_cached_tokens.
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompt_token_ids]
@@ -352,26 +380,99 @@ class VLLMEngine:
             for k, req in enumerate(params):
                 req.max_tokens = int(max_tokens[k // sampling.n])
         params, keys = self._entropy_params(params, len(requests), sampling.entropies)
-        outs = self.llm.generate(requests, params, use_tqdm=False)
-        ents = self._collect_entropies(keys, outs)
-        result: list[Generation] = []
-        for r_idx, out in enumerate(outs):
-            c = out.outputs[0]
-            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)] if sampling.logprobs else None
-            result.append(
-                Generation(
-                    prompt_index=r_idx // sampling.n, sample_index=r_idx % sampling.n,
-                    token_ids=list(c.token_ids),
-                    text=c.text,
-                    finish_reason=str(c.finish_reason),
-                    logprobs=lps,
-                    num_prompt_tokens=len(out.prompt_token_ids),
-                    num_cached_tokens=int(out.num_cached_tokens or 0),
-                    routed_experts=None if c.routed_experts is None else torch.from_numpy(c.routed_experts.copy()),
-                    entropies=ents[r_idx],
-                )
-            )
-        return result
+        return requests, params, keys
+
+    @staticmethod
+    def generation(out: Any, r_idx: int, sampling: SamplingConfig, entropies: list[float] | None) -> Generation:
+        """Request ``r_idx`` of a call (vLLM's finished RequestOutput ``out``) as a :class:`Generation`."""
+        c = out.outputs[0]
+        lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)] if sampling.logprobs else None
+        return Generation(
+            prompt_index=r_idx // sampling.n, sample_index=r_idx % sampling.n, token_ids=list(c.token_ids),
+            text=c.text, finish_reason=str(c.finish_reason), logprobs=lps,
+            num_prompt_tokens=len(out.prompt_token_ids), num_cached_tokens=int(out.num_cached_tokens or 0),
+            routed_experts=None if c.routed_experts is None else torch.from_numpy(c.routed_experts.copy()),
+            entropies=entropies,
+        )
+
+    def generate_with_probes(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                             prompt_indices: Sequence[int] | None, tail: Any) -> TailRun:
+        """:meth:`generate` (with ``sampling.entropies``) driving vLLM's engine step by step: each response that
+        finishes is handed to ``tail`` (a :class:`~openrlhf_shape.rollout.tail.TailProbes`: it segments the
+        response on its entropies and names its probe states), whose first probe round goes to this engine at once,
+        while the rest of the batch still decodes and the response's KV blocks are in the prefix cache. Response
+        ``r`` of the call is response ``prompt_indices[r // n] * n + r % n`` of the step (the states' names)."""
+        if not prompt_token_ids:
+            return TailRun([], {}, [])
+        sampling = dataclasses.replace(sampling, entropies=True)
+        requests, params, keys = self.requests(prompt_token_ids, sampling, prompt_indices)
+        index = range(len(prompt_token_ids)) if prompt_indices is None else [int(i) for i in prompt_indices]
+        step_ids = [index[r // sampling.n] * sampling.n + r % sampling.n for r in range(len(requests))]
+        first: dict[tuple[int, ...], int] = {}  # a prompt's first response: its prompt-alone state's name
+        for r, i in enumerate(step_ids):
+            key = tuple(prompt_token_ids[r // sampling.n])
+            first[key] = min(i, first.get(key, i))
+        rollout = {rid: r for r, rid in enumerate(self._enqueue(requests, params))}
+        run, probing, sent = TailRun([None] * len(requests), {}, []), {}, set()
+        engine, left = self.llm.llm_engine, len(requests)
+        try:
+            while engine.has_unfinished_requests():
+                done = [o for o in engine.step() if o.finished]
+                for o in done:
+                    if o.request_id in probing:  # (state, sample j)
+                        state, j = probing.pop(o.request_id)
+                        run.probes[state][0][j] = self.generation(o, 0, tail.sampling(), None)
+                outs = [o for o in done if o.request_id in rollout]
+                if not outs:
+                    continue
+                ended = [rollout[o.request_id] for o in outs]
+                left -= len(ended)
+                for r, o, ent in zip(ended, outs, self._collect_entropies([keys[r] for r in ended], outs)):
+                    run.gens[r] = self.generation(o, r, sampling, ent)
+                    run.events.append(("finish", step_ids[r], -1))
+                for r in ended:  # their probes, while `left` responses still decode
+                    prompt = prompt_token_ids[r // sampling.n]
+                    states = [(s, ids) for s, ids in tail.states(step_ids[r], first[tuple(prompt)], prompt,
+                                                                 run.gens[r].token_ids, run.gens[r].entropies)
+                              if s not in sent]
+                    self._send_probes(states, tail, run, probing, left > 0)
+                    sent.update(s for s, _ in states)
+        except BaseException:
+            engine.abort_request(list(rollout) + list(probing))
+            raise
+        return run
+
+    def _enqueue(self, prompts: list, params: list) -> list[str]:
+        """Add requests to vLLM's engine without running it (as ``LLM.generate`` adds them: final outputs only);
+        their ids, which the outputs carry (vLLM keeps its own suffixed ids inside)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        call = uuid.uuid4().hex[:12]
+        ids = []
+        for k, (prompt, one) in enumerate(zip(prompts, params)):
+            one.output_kind = RequestOutputKind.FINAL_ONLY
+            ids.append(f"shape-{call}-{k}")
+            self.llm.llm_engine.add_request(ids[-1], prompt, one)
+        return ids
+
+    def _send_probes(self, states: list[tuple[tuple[int, int], list[int]]], tail: Any, run: TailRun,
+                     probing: dict[str, tuple[tuple[int, int], int]], overlapped: bool) -> None:
+        """Queue ``tail.samples`` probe requests per state ``((response, boundary), probe prompt ids)``, sample j
+        seeded ``tail.seed(state, j)``; ``overlapped``: rollout responses still decode on this engine."""
+        from vllm.inputs import TokensPrompt
+
+        if not states:
+            return
+        _check_prompts([ids for _, ids in states], self.cfg.max_model_len, tail.max_tokens)
+        one = tail.sampling()
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for _, ids in states for _ in range(tail.samples)]
+        params = [one.to_vllm(tail.seed(s, j)) for s, _ in states for j in range(tail.samples)]
+        ids = self._enqueue(prompts, params)
+        for k, rid in enumerate(ids):
+            probing[rid] = (states[k // tail.samples][0], k % tail.samples)
+        for s, _ in states:
+            run.probes[s] = ([None] * tail.samples, overlapped)
+            run.events.append(("probe", *s))
 
     def _entropy_params(self, params: Any, num_requests: int, wanted: bool) -> tuple[Any, list[str] | None]:
         """``wanted`` (SamplingConfig.entropies): one SamplingParams per request, each tagged with its own key for

@@ -17,7 +17,7 @@ from typing import Any
 
 from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.platform import Platform
-from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, VLLMEngine
+from openrlhf_shape.rollout.engine import EngineConfig, Generation, SamplingConfig, TailRun, VLLMEngine
 from openrlhf_shape.rollout.standby import Standby
 from openrlhf_shape.rollout.watch import EngineStalled, StallWatch
 
@@ -197,6 +197,17 @@ def _caps(max_tokens: Sequence[int] | None, idxs: list[int]) -> list[int] | None
     return None if max_tokens is None else [int(max_tokens[i]) for i in idxs]
 
 
+def _merged(per_engine: list[list[int]], results: list) -> list[Generation]:
+    """The engines' samples of one call, prompt indices mapped back to the call's and ordered by (prompt, sample)."""
+    merged: list[Generation] = []
+    for idxs, gens in zip(per_engine, results):
+        for g in gens or []:
+            g.prompt_index = idxs[g.prompt_index]
+            merged.append(g)
+    merged.sort(key=lambda g: (g.prompt_index, g.sample_index))
+    return merged
+
+
 class EngineGroup:
     """1..N engines (in-process :class:`VLLMEngine` or Ray actor handles) behind one ``generate``.
 
@@ -307,27 +318,44 @@ class EngineGroup:
             return self._generate(prompt_token_ids, sampling, affinity_keys, max_tokens, request_seeds)
 
     def _generate(self, prompt_token_ids, sampling, affinity_keys, max_tokens=None, request_seeds=None) -> list[Generation]:
-        assign = self.plan(prompt_token_ids, sampling.n, affinity_keys)
+        per_engine, results = self._dispatch(prompt_token_ids, sampling.n, affinity_keys, "generate", lambda idxs: (
+            sampling, idxs, _caps(max_tokens, idxs), _caps(request_seeds, idxs)))
+        return _merged(per_engine, results)
+
+    def generate_with_probes(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig, tail: Any) -> TailRun:
+        """:meth:`generate` (its dispatch, seeds and recovery) where each engine sends every finished response's first
+        probe round at once, while the rest of its share decodes (:meth:`VLLMEngine.generate_with_probes`, ``tail``:
+        a :class:`~openrlhf_shape.rollout.tail.TailProbes`). A state's probes run on its response's engine, where the
+        probes of the ordered path go too (the prompt's affinity). ``events``: each engine's, engine after engine."""
+        if not prompt_token_ids:
+            return TailRun([], {}, [])
+        with self.clock.working():
+            per_engine, results = self._dispatch(prompt_token_ids, sampling.n, None, "generate_with_probes",
+                                                 lambda idxs: (sampling, idxs, tail))
+        run = TailRun(_merged(per_engine, [None if r is None else r.gens for r in results]), {}, [])
+        for r in results:
+            if r is not None:
+                run.probes.update(r.probes)
+                run.events.extend(r.events)
+        return run
+
+    def _dispatch(self, prompt_token_ids, n: int, affinity_keys, method: str,
+                  args: Callable[[list[int]], tuple]) -> tuple[list[list[int]], list]:
+        """Each engine's share of the prompts (indices into the call) and what its ``method(share's prompts,
+        *args(share))`` returned (None: no share)."""
+        assign = self.plan(prompt_token_ids, n, affinity_keys)
         per_engine: list[list[int]] = [[] for _ in self.engines]
         for i, e in enumerate(assign):
             per_engine[e].append(i)
         results: list = [None] * len(self.engines)
         if all(self.remote) and len(self.engines) > 0:
-            results = self._call_shares(per_engine, lambda h, idxs: h.generate.remote(
-                [list(prompt_token_ids[i]) for i in idxs], sampling, idxs, _caps(max_tokens, idxs),
-                _caps(request_seeds, idxs)))
+            results = self._call_shares(per_engine, lambda h, idxs: getattr(h, method).remote(
+                [list(prompt_token_ids[i]) for i in idxs], *args(idxs)))
         else:
             for e, idxs in enumerate(per_engine):
                 if idxs:
-                    results[e] = self.engines[e].generate([list(prompt_token_ids[i]) for i in idxs], sampling, idxs,
-                                                          _caps(max_tokens, idxs), _caps(request_seeds, idxs))
-        merged: list[Generation] = []
-        for e, idxs in enumerate(per_engine):
-            for g in results[e] or []:
-                g.prompt_index = idxs[g.prompt_index]
-                merged.append(g)
-        merged.sort(key=lambda g: (g.prompt_index, g.sample_index))
-        return merged
+                    results[e] = getattr(self.engines[e], method)([list(prompt_token_ids[i]) for i in idxs], *args(idxs))
+        return per_engine, results
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         """What the engines COMPUTE for given sequences: for each, the log-prob (temperature 1) of every token

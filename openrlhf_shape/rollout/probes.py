@@ -4,7 +4,10 @@ Phi(s) = mean verifier score of m forced-termination probes from state s = promp
 prompt is built in token space: prompt_ids + response_ids[:b] + suffix_ids, the suffix tokenised
 once, so the prefix is exactly the state the policy saw and its KV blocks come from the prefix cache.
 All probes of a step go to the engines in one batch, grouped by response (same affinity key as the
-main rollout of that prompt, so they land on the engine that cached the prefix).
+main rollout of that prompt, so they land on the engine that cached the prefix). With ``--shape.entropy_source
+engine`` the first round is drawn earlier, inside the generate call, as each response finishes
+(``rollout/tail.py``), and this module scores it with the rest; every sample's seed names its state, so both
+orders draw the same tokens.
 
 The verifier of a probe sample is the answer's (``--probe.scorer``, :class:`ProbeConfig`): the scorer gets each
 round as :class:`~openrlhf_shape.rewards.probe_scoring.ProbeAnswers`, the forced answer for Math-Verify and, for a
@@ -25,10 +28,13 @@ import torch
 
 from openrlhf_shape.algorithms.adaptive_probes import AdaptiveProbeRule, StateTally
 from openrlhf_shape.rewards.probe_scoring import ProbeAnswers, score_key
-from openrlhf_shape.rollout.engine import SamplingConfig
+from openrlhf_shape.rollout.engine import Generation, SamplingConfig
 from openrlhf_shape.rollout.group import EngineGroup
-from openrlhf_shape.rollout.seeds import derive_seed
+from openrlhf_shape.rollout.seeds import derive_seed, probe_seed
 
+# (response, boundary) -> the first probe round's samples of that state, drawn as its response finished, and whether
+# they were sent while rollout responses still decoded on their engine (rollout/tail.py)
+TailSamples = dict[tuple[int, int], tuple[list[Generation], bool]]
 DEFAULT_THINK_SUFFIX = (
     "\n\nTime is up. I should stop thinking and give the final answer now.\n</think>\n\n"
     "The final answer is $\\boxed{"
@@ -194,6 +200,7 @@ def estimate_potentials(
     seed: int | None = None,
     prompts: list[str] | None = None,
     tokenizer=None,
+    tail: TailSamples | None = None,
 ) -> PotentialResult:
     """Probe every state of a step in one batch and return Phi per boundary.
 
@@ -203,8 +210,11 @@ def estimate_potentials(
     ``policy_tokens[i]`` (agents: ``[T_i]``, True at the policy's own tokens, False in the environment's
     replies): every boundary must sit at a policy token, so a probe's prefix ends in the policy's turn or
     right after a whole reply, never inside one (refused otherwise). ``seed``: the probes' seed
-    stream (``rollout/seeds.py``): the round that starts at sample c of each state samples with stream
-    ``derive_seed(seed, c)``, so the potentials repeat whatever the engines; None: the engines' own generators.
+    stream (``rollout/seeds.py``): sample j of the round that starts at sample c of the state (response i, boundary b)
+    samples with ``probe_seed(derive_seed(seed, c), i, b, j)``, so the potentials repeat whatever the engines and
+    whenever the samples were drawn; None: the engines' own generators. ``tail``: the first round's samples of every
+    state, drawn already as each response finished (``rollout/tail.py``, ``--shape.entropy_source engine``); the
+    first round then only scores them (later adaptive rounds sample here).
     ``prompts[i]``: response i's prompt text (a reward function's ``prompts``; needed when ``scorer`` is a
     reward plug-in); ``tokenizer`` decodes the probe queries for it (None: the engines').
     """
@@ -219,7 +229,7 @@ def estimate_potentials(
         suffixes = ProbeSuffixes.from_tokenizer(tokenizer, cfg)
     batch = _probe_requests(prompt_ids, response_ids, boundaries, labels, suffixes, prompts)
     queries = _ProbeQueries(lambda: tokenizer or engines.get_tokenizer(), batch.requests)
-    run = _run_probe_rounds(engines, batch, scorer, cfg, seed, queries)
+    run = _run_probe_rounds(engines, batch, scorer, cfg, seed, queries, tail)
     phi = torch.tensor([t.estimate() for t in run.tallies], dtype=torch.float32)
 
     potentials, probe_scores = [], []
@@ -265,13 +275,16 @@ class _ProbeRequests:
     """One request per probed state, grouped by response; the prompt-alone state once per prompt."""
 
     requests: list[list[int]] = field(default_factory=list)  # probe prompt token ids
+    states: list[tuple[int, int]] = field(default_factory=list)  # (response, boundary): what each request probes
     keys: list[tuple[int, ...]] = field(default_factory=list)  # affinity key: the response's prompt ids
     labels: list[str] = field(default_factory=list)
     prompts: list[str] | None = None  # the prompt text of each request's response (None: not given)
     state_req: list[list[int]] = field(default_factory=list)  # per response: request index of each state (incl. s_0)
 
-    def add(self, request: list[int], key: tuple[int, ...], label: str, prompt: str | None) -> int:
+    def add(self, request: list[int], state: tuple[int, int], key: tuple[int, ...], label: str,
+            prompt: str | None) -> int:
         self.requests.append(request)
+        self.states.append(state)
         self.keys.append(key)
         self.labels.append(label)
         if self.prompts is not None:
@@ -287,13 +300,14 @@ def _probe_requests(prompt_ids: list[list[int]], response_ids: list[list[int]], 
     for i in range(len(response_ids)):
         key, text = tuple(prompt_ids[i]), None if prompts is None else prompts[i]
         if key not in prompt_req:
-            prompt_req[key] = out.add(build_probe_prompt(prompt_ids[i], response_ids[i], 0, suffixes), key,
+            prompt_req[key] = out.add(build_probe_prompt(prompt_ids[i], response_ids[i], 0, suffixes), (i, 0), key,
                                       labels[i], text)
         elif out.labels[prompt_req[key]] != labels[i]:
             raise ValueError(f"response {i} shares its prompt with another response but has a different label")
         rows = [prompt_req[key]]
         for b in boundaries[i]:
-            rows.append(out.add(build_probe_prompt(prompt_ids[i], response_ids[i], b, suffixes), key, labels[i], text))
+            rows.append(out.add(build_probe_prompt(prompt_ids[i], response_ids[i], b, suffixes), (i, b), key,
+                                labels[i], text))
         out.state_req.append(rows)
     return out
 
@@ -342,6 +356,9 @@ class _ProbeRun:
     cached: int = 0
     decode: int = 0
     gen_time: float = 0.0
+    tail_samples: int = 0  # first-round samples drawn inside the generate call, as their responses finished
+    overlapped: int = 0  # of them, sent while rollout responses still decoded on their engine
+    overlapped_tokens: int = 0  # their decode tokens
     score_time: float = 0.0
 
     def stats(self) -> dict[str, float]:
@@ -366,36 +383,40 @@ class _ProbeRun:
             "probe/generate_seconds": self.gen_time,
             "probe/score_seconds": self.score_time,
             "probe/unique_answers": float(len(self.cache) or len(self.distinct)),
+            # --shape.entropy_source engine (rollout/tail.py): probe work inside the generate phase, not after it
+            "probe/tail_samples": float(self.tail_samples),
+            "probe/overlapped_samples": float(self.overlapped),
+            "probe/overlapped_tokens": float(self.overlapped_tokens),
+            "probe/overlapped_share": self.overlapped / self.samples if self.samples else 0.0,
         }
 
 
-def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Callable | object,
-                      cfg: ProbeConfig, seed: int | None = None, queries: _ProbeQueries | None = None) -> _ProbeRun:
+def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Callable | object, cfg: ProbeConfig,
+                      seed: int | None = None, queries: _ProbeQueries | None = None,
+                      tail: TailSamples | None = None) -> _ProbeRun:
     """Sample and score every state: one round of m (fixed), or rounds until the adaptive rule stops each state.
-    ``seed``: see :func:`estimate_potentials` (a round's requests are its active states in order); ``queries``:
-    the probe samples' queries for a reward function."""
+    ``seed``: see :func:`estimate_potentials`; ``queries``: the probe samples' queries for a reward function;
+    ``tail``: the first round's samples, drawn already (:func:`estimate_potentials`)."""
     rule = cfg.rule()
     cap = rule.max_probes if rule is not None else cfg.num_probes
     checkpoints = rule.checkpoints() if rule is not None else [cap]
-    requests, keys = batch.requests, batch.keys
-    run = _ProbeRun(tallies=[StateTally() for _ in requests], cap=cap,
-                    score_mat=torch.full((len(requests), cap), float("nan"), dtype=torch.float32))
-    active = list(range(len(requests)))
+    run = _ProbeRun(tallies=[StateTally() for _ in batch.requests], cap=cap,
+                    score_mat=torch.full((len(batch.requests), cap), float("nan"), dtype=torch.float32))
+    active = list(range(len(batch.requests)))
     prev = 0
     for c in checkpoints:
         if not active:
             break
         k = c - prev
-        sampling = SamplingConfig(n=k, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                                  logprobs=False, seed=None if seed is None else derive_seed(seed, prev))
-        # one batch per round, in response order, each state keyed to its response's engine
         t0 = time.perf_counter()
-        gens = engines.generate([requests[i] for i in active], sampling, affinity_keys=[keys[i] for i in active])
+        gens = _draw_round(engines, batch, active, k, cfg, None if seed is None else derive_seed(seed, prev),
+                           tail if prev == 0 else None, run)
         run.gen_time += time.perf_counter() - t0
         if len(gens) != len(active) * k:
             raise RuntimeError(f"engines returned {len(gens)} probe samples, expected {len(active) * k}")
         t1 = time.perf_counter()
-        answers = _round_answers(batch, [active[g.prompt_index] for g in gens], gens, queries)
+        states = [active[r // k] for r in range(len(gens))]  # state-major, k samples each
+        answers = _round_answers(batch, states, gens, queries)
         scores = _score(scorer, answers, run.cache)
         run.score_time += time.perf_counter() - t1
         if not run.cache:  # the scorer keeps no cache: count distinct (answer, label) keys here
@@ -415,6 +436,31 @@ def _run_probe_rounds(engines: EngineGroup, batch: _ProbeRequests, scorer: Calla
             active = [i for i in active if not rule.can_stop(int(round(run.tallies[i].successes)), run.tallies[i].n)]
         prev = c
     return run
+
+
+def _draw_round(engines: EngineGroup, batch: _ProbeRequests, active: list[int], k: int, cfg: ProbeConfig,
+                stream: int | None, tail: TailSamples | None, run: _ProbeRun) -> list[Generation]:
+    """``k`` samples of each state in ``active``, state-major: from ``tail`` (drawn as the responses finished; counted
+    into ``run``'s overlap counters) or from the engines, one request per sample, sample j of state (i, b) seeded
+    ``probe_seed(stream, i, b, j)`` (``rollout/seeds.py``; ``stream`` None: the engines' own generators)."""
+    if tail is not None:
+        missing = [batch.states[i] for i in active if batch.states[i] not in tail]
+        if missing:
+            raise RuntimeError(f"probe states {missing[:4]} (response, boundary) were not probed when their response "
+                               "finished: the engines' segmentation and the segment phase disagree")
+        drawn = [tail[batch.states[i]] for i in active]
+        for samples, overlapped in drawn:
+            run.tail_samples += len(samples)
+            if overlapped:
+                run.overlapped += len(samples)
+                run.overlapped_tokens += sum(len(g.token_ids) for g in samples)
+        return [g for samples, _ in drawn for g in samples]
+    sampling = SamplingConfig(n=1, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                              logprobs=False)
+    seeds = None if stream is None else [probe_seed(stream, *batch.states[i], j) for i in active for j in range(k)]
+    # one batch per round, in response order, each state keyed to its response's engine
+    return engines.generate([batch.requests[i] for i in active for _ in range(k)], sampling,
+                            affinity_keys=[batch.keys[i] for i in active for _ in range(k)], request_seeds=seeds)
 
 
 def _round_answers(batch: _ProbeRequests, states: list[int], gens: Sequence,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from openrlhf_shape.rewards.probe_scoring import ProbeAnswers
-    from openrlhf_shape.rollout.engine import Generation, SamplingConfig
+    from openrlhf_shape.rollout.engine import Generation, SamplingConfig, TailRun
 
 
 class Tokenizer(Protocol):
@@ -42,6 +42,11 @@ class Engines(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
                  affinity_keys: Sequence[Hashable] | None = None, max_tokens: Sequence[int] | None = None,
                  request_seeds: Sequence[int] | None = None) -> list[Generation]: ...
+
+    def generate_with_probes(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                             tail: Any) -> TailRun:
+        """``generate`` whose engines send each finished response's first probe round at once (rollout/tail.py)."""
+        ...
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]: ...
 

@@ -19,7 +19,10 @@ The streams of a training run (``SamplingConfig.seed`` of each generate call):
   REFILL, r)``, so a resumed run repeats every round; under partial rollouts a refill takes further finished groups
   from the pool, whose requests are seeded by their admission (``rollout/partial.py:chunk_seed``);
 * its probes: ``p = derive_seed(step_seed(seed, t), PROBES)``; the round that starts at sample ``c`` of each
-  state samples with stream ``derive_seed(p, c)`` (``rollout/probes.py``);
+  state samples with stream ``derive_seed(p, c)``, sample ``j`` of the round at the state that ends at token ``b``
+  of response ``i`` (the prompt alone: ``b = 0`` of the first response of that prompt) with
+  ``probe_seed(derive_seed(p, c), i, b, j)``: what the state is, not where a call lists it, so probes sent as each
+  response finishes (``rollout/tail.py``) draw what the probes of the whole batch draw (``rollout/probes.py``);
 * the held-out eval: ``derive_seed(seed, EVAL)`` (the same weights give the same numbers at any step).
 
 Request ``(prompt i, sample j)`` of a call with stream ``s`` samples with ``request_seed(s, i, j)``.
@@ -60,3 +63,9 @@ def request_seed(stream: int, prompt_index: int, sample_index: int) -> int:
     """The seed of sample ``sample_index`` of prompt ``prompt_index`` (its index in the generate call) of a call
     whose ``SamplingConfig.seed`` is ``stream``."""
     return derive_seed(stream, prompt_index, sample_index)
+
+
+def probe_seed(stream: int, response: int, boundary: int, sample: int) -> int:
+    """The seed of probe sample ``sample`` of a round with stream ``stream`` at the state prompt + the first
+    ``boundary`` tokens of response ``response`` (its index in the step's batch)."""
+    return derive_seed(stream, "state", response, boundary, sample)

@@ -37,6 +37,7 @@ from openrlhf_shape.rollout.engine import Generation, SamplingConfig
 from openrlhf_shape.rollout.probes import AGENT_PROBE_SCORER, ProbeConfig, ProbeSuffixes, estimate_potentials
 from openrlhf_shape.rollout.protocol import Engines, Rewards, Tokenizer
 from openrlhf_shape.rollout.seeds import PROBES, REFILL, ROLLOUT, derive_seed
+from openrlhf_shape.rollout.tail import TailProbes
 from openrlhf_shape.trainer.phases import PhaseOutput, StepLog
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,6 +124,20 @@ def generated_batch(sample_items: Sequence, gens: Sequence[Generation], seconds:
     })
 
 
+def _tail_by_sample(probes: dict[tuple[int, int], Any], prompts: Sequence[tuple[int, ...]]) -> list[dict[int, Any]]:
+    """``ExperienceBatch.tail_probes`` from the engines' ``(response, boundary) -> samples`` (the prompt-alone state
+    named by its prompt's first response): per sample, its states by boundary, the prompt alone (0) at each."""
+    first: dict[tuple[int, ...], int] = {}
+    for i, key in enumerate(prompts):
+        first.setdefault(key, i)
+    out: list[dict[int, Any]] = [{} for _ in prompts]
+    for (i, b), value in probes.items():
+        out[i][b] = value
+    for i, key in enumerate(prompts):
+        out[i][0] = out[first[key]][0]
+    return out
+
+
 class ShapeExperienceMaker:
     """Phase functions that turn a batch of prompt items into an :class:`ExperienceBatch`.
 
@@ -174,6 +189,11 @@ class ShapeExperienceMaker:
             raise ValueError(AGENT_PROBE_SCORER)
         self.suffixes = ProbeSuffixes.from_tokenizer(tokenizer, probe) if self.estimator.needs_segments else None
         self.segmentation = get_segmentation(self.shape, tokenizer)  # --shape.segmentation, bound once per run
+        # --shape.entropy_source engine: each response's first probe round runs as it finishes, in the generate call
+        # (rollout/tail.py). Not under dynamic filtering: a probe's seed names its response's place in the batch,
+        # which the filter and its refills change after the generate call.
+        self.probes_in_tail = (self.shape.entropy_source == "engine" and self.estimator.needs_segments
+                               and agent is None and not self.shaping.dynamic_filtering_enable)
 
     def make_experience(self, items: Sequence, log: StepLog | None = None, seed: int | None = None,
                         more_prompts: Callable[[int], Sequence] | None = None,
@@ -283,12 +303,20 @@ class ShapeExperienceMaker:
                 return self._generate_episodes(items, sampling)
             n = self.sampling.n
             t0 = time.perf_counter()
-            gens = self.engines.generate([list(it.prompt_ids) for it in items], sampling)
+            if self.probes_in_tail and not refill_round:
+                tail = TailProbes.of(self.segmentation, self.suffixes, self.probe_cfg,
+                                     None if seed is None else derive_seed(seed, PROBES))
+                run = self.engines.generate_with_probes([list(it.prompt_ids) for it in items], sampling, tail)
+                gens = run.gens
+            else:
+                run, gens = None, self.engines.generate([list(it.prompt_ids) for it in items], sampling)
             seconds = time.perf_counter() - t0
         if len(gens) != len(items) * n:
             raise RuntimeError(f"engines returned {len(gens)} samples for {len(items)} prompts x n={n}")
         out = generated_batch([items[g.prompt_index] for g in gens], gens, seconds, sampling.logprobs)
         out.metrics["rollout/slot_idle_share"] = slot_idle_share([len(g.token_ids) for g in gens])
+        if run is not None:
+            out.value.tail_probes = _tail_by_sample(run.probes, [tuple(it.prompt_ids) for it in out.value.items])
         return out
 
     def _generate_episodes(self, items: Sequence, sampling: SamplingConfig) -> PhaseOutput:
@@ -450,6 +478,8 @@ class ShapeExperienceMaker:
                                                                     zip(policy, exp.responses)],
                 seed=None if seed is None else derive_seed(seed, PROBES),
                 prompts=[it.prompt for it in exp.items], tokenizer=self.tokenizer,
+                tail=None if exp.tail_probes is None else {(i, b): v for i, by_b in enumerate(exp.tail_probes)
+                                                           for b, v in by_b.items()},
             )
         metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
         metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]

@@ -11,7 +11,9 @@ needs both sides idle, so the schedule waits for the engines' side first, :meth:
   of its sequences (the fidelity check) and runs its probes, then {R: update(t)} || {E: generate and score batch
   t+1}. Batch t+1 comes from the weights of update t-1 and trains from those of update t.
   The probes cannot hide at this staleness: SHAPE's segmentation needs the trainer's entropy of the batch, which
-  exists only after the previous update.
+  exists only after the previous update. With ``--shape.entropy_source engine`` it needs only the engines' entropies,
+  and each response's first probe round runs inside the generate call beside the update (``rollout/tail.py``); the
+  credit stage then scores it (docs/architecture.md, "Probes in the rollout's tail").
 * ``--train.max_staleness 2``: R computes batch t+1's old log-probs and entropy first, then {R: update(t)} ||
   {E: batch t+1's probes, then generate and score batch t+2}. Batch t+2 comes from the weights of update t-1
   and trains from those of update t+1; its old log-probs come from update t (one behind its update's start).
@@ -19,7 +21,8 @@ needs both sides idle, so the schedule waits for the engines' side first, :meth:
 Which policy each quantity comes from (the docs/architecture.md table): samples and the engines' log-probs from
 the engines' weights (``policy_version``); old log-probs and entropy, hence the segments, from the ranks'
 weights when they ran (``logprob_version``); probes from the engines' weights at that time, equal to the ranks'
-(``max_staleness`` 1: after the sync of update t-1; 2: the same weights as the old log-probs). The gap between
+(``max_staleness`` 1: after the sync of update t-1; 2: the same weights as the old log-probs), or under
+``--shape.entropy_source engine`` (their first round) from the weights that sampled the batch. The gap between
 the engines' and the trainer's log-probs is then the policy's drift (``rollout/mismatch/*``, corrected by
 ``--algo.advantage.is_correction_level``); whether the engines compute the trained policy is checked on a few
 re-scored sequences instead (``rollout/fidelity/*``, the gap guard's metric in this mode).
@@ -250,6 +253,8 @@ class OneStepOffSchedule(SyncSchedule):
                 exp = self.maker.rollout(self.batcher.next_batch(), log, seed=step_seed(self.seed, step),
                                          more_prompts=self.batcher.next_batch)
                 exp.policy_version = self.updates
+                if exp.tail_probes is not None:  # the first probe round ran in the generate call, on these weights
+                    exp.probe_version = self.updates
         exp.metrics = log.metrics
         self.events.append(("generate", step, t0, time.perf_counter()))
         return exp
@@ -273,7 +278,8 @@ class OneStepOffSchedule(SyncSchedule):
         if not len(exp):
             return exp
         t0 = time.perf_counter()
-        exp.probe_version = self.updates  # the engines' weights now: the probes' (the response is complete)
+        if exp.probe_version is None:  # the engines' weights now: the probes' (the response is complete)
+            exp.probe_version = self.updates
         with self.engines.during(step=step):
             exp = self.maker.credit(exp, _log_into(exp.metrics), seed=step_seed(self.seed, step))
         self.events.append(("credit", step, t0, time.perf_counter()))

@@ -25,9 +25,12 @@ class CountingGroup:
         self.group = group
         self.calls: list[tuple[list[list[int]], int]] = []
 
-    def generate(self, prompts, sampling, affinity_keys=None):
-        self.calls.append(([list(p) for p in prompts], sampling.n))
-        return self.group.generate(prompts, sampling, affinity_keys=affinity_keys)
+    def generate(self, prompts, sampling, affinity_keys=None, request_seeds=None):
+        # (the round's states in order, samples per state): a round sends a state's k samples as k consecutive
+        # requests, each with its own seed (rollout/probes.py)
+        states = [list(p) for i, p in enumerate(prompts) if i == 0 or list(p) != list(prompts[i - 1])]
+        self.calls.append((states, sampling.n * len(prompts) // len(states)))
+        return self.group.generate(prompts, sampling, affinity_keys=affinity_keys, request_seeds=request_seeds)
 
     def get_tokenizer(self):
         return self.group.get_tokenizer()
