@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mg_helpers import HERE, TRAIN_CFG
-from support.critic_reference import CRITIC_CLIP, critic_batch, critic_optim, reference_updates
+from support.critic_reference import CRITIC_CLIP, CRITIC_OPTIM, critic_batch, critic_optim, reference_updates
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -68,20 +68,17 @@ def test_world1_equals_torch_reference_on_cpu(runs, tiny_value_model, batch):
         for key in ("critic_loss", "critic_grad_norm", "critic_lr", "critic_clipfrac", "values"):
             assert math.isclose(mine[key], ref[key], rel_tol=1e-5, abs_tol=1e-6), (key, mine[key], ref[key])
     assert 0 < ref_metrics[0]["critic_clipfrac"] < 1  # the clip acts on some tokens, not all
-    assert ref_metrics[0]["critic_grad_norm"] > CRITIC_OPTIM_MAX_NORM  # the clipping acts
-
-
-CRITIC_OPTIM_MAX_NORM = 0.5
+    assert ref_metrics[0]["critic_grad_norm"] > CRITIC_OPTIM["max_norm"]  # the clipping acts
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
 def test_layouts_equal_world1_on_cpu(runs, layout):
     """The head replicated over TP gets its gradient once (grad norm and loss as world 1's), with and without
     sequence parallel; PP2's last stage holds it."""
-    assert _max_gap(_weights(runs["root"] / layout / "final"), _weights(runs["root"] / "world1" / "final")) <= PARAM_TOL
-    for mine, ref in zip(runs[layout]["metrics"], runs["world1"]["metrics"]):
-        for key in ("critic_loss", "critic_grad_norm", "critic_lr", "critic_clipfrac", "values"):
+    for mine, ref in zip(runs[layout]["metrics"], runs["world1"]["metrics"]):  # Adam hides a gradient's scale:
+        for key in ("critic_loss", "critic_grad_norm", "critic_lr", "critic_clipfrac", "values"):  # the norm shows it
             assert math.isclose(mine[key], ref[key], rel_tol=1e-5, abs_tol=1e-6), (key, mine[key], ref[key])
+    assert _max_gap(_weights(runs["root"] / layout / "final"), _weights(runs["root"] / "world1" / "final")) <= PARAM_TOL
 
 
 def test_resume_equals_uninterrupted_on_cpu(runs):
