@@ -154,8 +154,8 @@ class MegatronRankWorker:
         with self._mode():
             return values(self.state, batch)
 
-    def init_critic(self, hf_dir: str, optim: OptimConfig, *, value_clip: float | None = 0.5,
-                    default_prefix: str = "score", head_seed: int | None = None) -> dict:
+    def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None = 0.5,
+                    head_seed: int | None = None, *, default_prefix: str = "score") -> dict:
         """The critic: ``hf_dir``'s value model in this rank's layout, trainable with its own optimiser and LR
         schedule ``optim`` (``TrainConfig.critic_optim_config()``: ``--critic.adam.*``, lr, warm-up, schedule,
         max_norm); ``value_clip``: ``--critic.value_clip`` of :meth:`train_values`. ``compute_values``,

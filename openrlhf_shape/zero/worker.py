@@ -238,8 +238,8 @@ class ZeroRankWorker:
         out = value_outputs(self.state, mbs, self.device)
         return out if shard else {}
 
-    def init_critic(self, hf_dir: str, optim: OptimConfig, *, value_clip: float | None = 0.5,
-                    default_prefix: str = "score", head_seed: int | None = None) -> dict:
+    def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None = 0.5,
+                    head_seed: int | None = None, *, default_prefix: str = "score") -> dict:
         """The critic: ``hf_dir``'s value model, trainable with its own optimiser and LR schedule ``optim``
         (``TrainConfig.critic_optim_config()``); ``value_clip``: ``--critic.value_clip`` of :meth:`train_values`.
         Checkpoints and ``export_hf`` (OpenRLHF's value-model directory) then act on it."""
