@@ -1,7 +1,7 @@
 """The critic's update on Megatron ranks, CPU/gloo: ``init_critic`` + ``train_values`` at world 1 equal plain torch
 updates of the Hugging Face value model (same loss, AdamW, clipping, LR schedule: tests/support/critic_reference.py);
 TP2, TP2 with sequence parallel and PP2 equal world 1; a checkpoint taken after one update and loaded into a fresh
-critic continues as if uninterrupted."""
+critic continues as if uninterrupted; a critic started from a causal LM (its head drawn) trains as the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mg_helpers import HERE, TRAIN_CFG
+from mg_helpers import HERE, TRAIN_CFG, VALUE_HEAD_SEED
 from support.critic_reference import CRITIC_CLIP, CRITIC_OPTIM, critic_batch, critic_optim, reference_updates
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -25,7 +25,7 @@ def batch(tiny_value_model, ragged_batch):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_value_model, batch, tmp_path_factory) -> dict:
+def runs(tiny_value_model, tiny_models, batch, tmp_path_factory) -> dict:
     from openrlhf_shape.actor.launch import run_ranks
     from rank_sequence import run_sequence
     from support.preload import spawn_preloaded
@@ -34,7 +34,7 @@ def runs(tiny_value_model, batch, tmp_path_factory) -> dict:
     common = dict(backend="megatron", value_dir=tiny_value_model, batch=batch, steps=STEPS, value_clip=CRITIC_CLIP)
     world1 = run_ranks("value_scenarios:critic_run", 1, timeout=300, extra_pythonpath=[HERE], spawner=spawn_preloaded,
                        kwargs=dict(cfg=TRAIN_CFG, export_dir=str(out / "world1"), ckpt_dir=str(out / "ckpt1"),
-                                   save_at=1, **common))
+                                   save_at=1, causal_dir=tiny_models["qwen3"], head_seed=VALUE_HEAD_SEED, **common))
     layouts = {"tp2": {"tensor_model_parallel_size": 2},
                "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
                "pp2": {"pipeline_model_parallel_size": 2}}
@@ -87,3 +87,14 @@ def test_resume_equals_uninterrupted_on_cpu(runs):
     assert runs["world1"]["resumed"][0]["critic_step"] == STEPS
     assert math.isclose(runs["world1"]["resumed"][0]["critic_loss"], runs["world1"]["metrics"][-1]["critic_loss"],
                         rel_tol=1e-6)
+
+
+def test_critic_from_causal_lm_equals_torch_reference_on_cpu(runs, tiny_models, batch):
+    """The critic started from the actor's causal LM (OpenRLHF's default): its head drawn as the HF loader draws it,
+    then trained as the reference trains it."""
+    from openrlhf_shape.megatron.config import MegatronConfig
+
+    want, ref_metrics = reference_updates(tiny_models["qwen3"], batch, critic_optim(MegatronConfig().optim), 1,
+                                          head_seed=VALUE_HEAD_SEED)
+    assert _max_gap(_weights(runs["root"] / "world1" / "drawn"), want) <= PARAM_TOL
+    assert math.isclose(runs["world1"]["drawn"]["critic_grad_norm"], ref_metrics[0]["critic_grad_norm"], rel_tol=1e-5)

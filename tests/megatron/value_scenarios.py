@@ -40,10 +40,13 @@ def value_run(*, rank: int, world_size: int, master_addr: str, master_port: int,
 
 def critic_run(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str, cfg: dict,
                value_dir: str, batch, steps: int, value_clip: float, export_dir: str, ckpt_dir: str | None = None,
-               save_at: int | None = None, zero: dict | None = None, keep_group: bool = False) -> dict:
+               save_at: int | None = None, zero: dict | None = None, causal_dir: str | None = None,
+               head_seed: int = 0, keep_group: bool = False) -> dict:
     """``steps`` critic updates (``init_critic`` with tests/support/critic_reference.py's optimiser, ``train_values``)
     on ``batch``, the final model exported to ``export_dir``/final; with ``ckpt_dir``: a checkpoint after
-    ``save_at`` updates, then a fresh critic loads it and runs the remaining updates, exported to ``.../resumed``."""
+    ``save_at`` updates, then a fresh critic loads it and runs the remaining updates, exported to ``.../resumed``;
+    with ``causal_dir``: a critic started from that causal LM (its head drawn from ``head_seed``), one update,
+    exported to ``.../drawn``."""
     import os
 
     from support.critic_reference import critic_optim
@@ -62,6 +65,10 @@ def critic_run(*, rank: int, world_size: int, master_addr: str, master_port: int
         worker.load_checkpoint(ckpt_dir)
         res["resumed"] = [worker.train_values(batch) for _ in range(steps - save_at)]
         worker.export_hf(os.path.join(export_dir, "resumed"))
+    if causal_dir is not None:
+        worker.init_critic(causal_dir, optim, value_clip, head_seed)
+        res["drawn"] = worker.train_values(batch)
+        worker.export_hf(os.path.join(export_dir, "drawn"))
     release(worker, keep_group)
     return res
 

@@ -49,14 +49,16 @@ def critic_batch(value_dir: str, ragged: dict) -> ValueBatch:
                       returns=torch.randn(b, t, generator=g), loss_mask=mask)
 
 
-def reference_updates(value_dir: str, batch: ValueBatch, optim, steps: int) -> tuple[dict, list[dict]]:
+def reference_updates(value_dir: str, batch: ValueBatch, optim, steps: int,
+                      head_seed: int | None = None) -> tuple[dict, list[dict]]:
     """``steps`` plain torch updates of the HF value model on ``batch`` (``optim``: the rank's ``OptimConfig``,
-    weight decay 0). Returns (its state dict after, per step loss / grad norm / clip fraction / lr)."""
+    weight decay 0; ``head_seed``: a causal LM's drawn head). Returns (its state dict after, per step loss / grad
+    norm / clip fraction / lr)."""
     from openrlhf_shape.actor.lr_schedule import lr_at
     from openrlhf_shape.actor.value_model import load_value_model
     from openrlhf_shape.algorithms.loss import value_loss
 
-    model = load_value_model(value_dir, dtype=torch.float32)
+    model = load_value_model(value_dir, dtype=torch.float32, head_seed=head_seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=optim.adam.lr, betas=optim.adam.betas, eps=optim.adam.eps, weight_decay=0.0)
     mask = batch.loss_mask.bool()
