@@ -148,6 +148,25 @@ class SequenceBatch:
                              "(one [L_i, layers, top_k] tensor per sample)")
 
 
+@dataclass(kw_only=True)
+class ValueBatch(SequenceBatch):
+    """Input of one critic update (``--algo.advantage.estimator gae``): a :class:`SequenceBatch` plus ``[B, T]``
+    per-token tensors of the response's states: ``old_values`` float32, the critic's values when the batch was
+    made; ``returns`` float32, GAE's targets; ``loss_mask`` bool, OpenRLHF's action mask (False at padding)."""
+
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def validate(self) -> None:
+        super().validate()
+        shape = (len(self), self.response_width)
+        for name in ("old_values", "returns", "loss_mask"):
+            t = getattr(self, name)
+            if t.dim() != 2 or t.shape[0] != shape[0] or t.shape[1] < shape[1]:
+                raise ValueError(f"batch.{name} must be [B, T] = [{shape[0]}, >= {shape[1]}], got {tuple(t.shape)}")
+
+
 @dataclass(frozen=True)
 class KLLossTerm:
     """The KL term of the policy loss (``--algo.kl.use_loss``, algorithms/kl.py): ``coef`` x the token mean of the

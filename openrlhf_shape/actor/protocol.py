@@ -23,7 +23,8 @@ from typing import Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 
-from openrlhf_shape.batch import SequenceBatch, TrainBatch
+from openrlhf_shape.actor.optim import OptimConfig
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, ValueBatch
 
 STATE_GROUPS = ("params", "grads", "optimizer")  # what offload_states / onload_states move
 
@@ -50,6 +51,17 @@ class RankWorker(Protocol):
     def train_step(self, batch: TrainBatch) -> dict:
         """One optimizer step over the mini-batch; float metrics identical on every rank
         (:func:`openrlhf_shape.actor.micro_batch_loss.step_metrics`). Collective."""
+
+    def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None = 0.5,
+                    head_seed: int | None = None) -> dict:
+        """Build the critic (``--algo.advantage.estimator gae``): ``hf_dir``'s value model (OpenRLHF's format; a causal
+        LM gets a head drawn from ``head_seed``) in this rank's layout, trainable with its own optimiser and LR
+        schedule ``optim`` (``TrainConfig.critic_optim_config()``); ``value_clip``: ``--critic.value_clip``.
+        Checkpoints and :meth:`export_hf` then act on it. Collective."""
+
+    def train_values(self, batch: ValueBatch) -> dict:
+        """One critic optimizer step over the mini-batch (OpenRLHF's clipped value loss); float metrics identical on
+        every rank (:func:`openrlhf_shape.actor.critic_loss.critic_metrics`). Collective."""
 
     def save_checkpoint(self, ckpt_dir: str, extra: Optional[dict] = None) -> None:
         """Atomically write model, optimizer, schedule step, RNG and ``extra``. Collective."""

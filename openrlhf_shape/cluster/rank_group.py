@@ -18,7 +18,8 @@ import torch
 
 from openrlhf_shape.actor.protocol import STATE_GROUPS, RankWorker
 from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
-from openrlhf_shape.batch import LogProbs, SequenceBatch, TrainBatch
+from openrlhf_shape.actor.optim import OptimConfig
+from openrlhf_shape.batch import LogProbs, SequenceBatch, TrainBatch, ValueBatch
 from openrlhf_shape.busy_clock import BusyClock
 from openrlhf_shape.cluster.ray_placement import local_endpoint
 from openrlhf_shape.platform import Platform
@@ -188,6 +189,14 @@ class RankGroup:
 
     def train_step(self, batch: TrainBatch) -> dict:
         return self._all("train_step", batch)[0]
+
+    def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None, head_seed: int | None) -> dict:
+        """The critic on every rank (:meth:`RankWorker.init_critic`): ``hf_dir``'s value model with its own optimiser."""
+        return self._all("init_critic", hf_dir, optim, value_clip, head_seed)[0]
+
+    def train_values(self, batch: ValueBatch) -> dict:
+        """One critic update (:meth:`RankWorker.train_values`); rank 0's metrics (every rank's are the same)."""
+        return self._all("train_values", batch)[0]
 
     def save_checkpoint(self, ckpt_dir: str, extra: dict | None = None) -> None:
         self._all("save_checkpoint", ckpt_dir, extra)

@@ -228,7 +228,15 @@ def train_step(state: ActorState, batch: TrainBatch) -> dict:
     sums = sums.to(state.device)
     dist.all_reduce(sums)  # results live on one rank per DP replica; others add zeros
     sums = sums.cpu()
-    loss_finite = sums[METRIC_KEYS.index("nonfinite")].item() == 0
+    ok, grad_norm, lr_used = optimizer_update(state, loss_finite=sums[METRIC_KEYS.index("nonfinite")].item() == 0)
+    return step_metrics(sums, grad_norm=grad_norm, lr=lr_used, ok=ok, step=state.step)
+
+
+def optimizer_update(state: ActorState, *, loss_finite: bool) -> tuple[bool, float, float]:
+    """After the backward of a mini-batch: set the step's LR, clip to ``optim.max_norm`` by the global norm and step
+    Adam; a non-finite loss or gradient skips the update (the step count then stays). Returns (updated, grad norm,
+    LR); the policy's and the critic's updates (``megatron/critic.py``) share it."""
+    optim = state.cfg.optim
     lr_used = apply_lr(state.optimizer, optim, state.step)
     found_inf = state.optimizer.prepare_grads()
     grad_norm = float(state.optimizer.get_grad_norm()) if not found_inf else float("nan")
@@ -241,7 +249,7 @@ def train_step(state: ActorState, batch: TrainBatch) -> dict:
         state.step += 1
     else:
         state.optimizer.zero_grad()
-    return step_metrics(sums, grad_norm=grad_norm, lr=lr_used, ok=ok, step=state.step)
+    return ok, grad_norm, lr_used
 
 
 def _clip_to_total_norm(optimizer, max_norm: float, total_norm: float) -> None:

@@ -20,9 +20,11 @@ from openrlhf_shape.megatron.state import ActorState
 from openrlhf_shape.megatron.step import holds_results, plan, run_schedule
 
 
-def build_value_model(state: ActorState, hf_dir: str, *, default_prefix: str, head_seed: int | None) -> dict:
-    """Build ``hf_dir``'s value model into ``state`` (forward only); a directory without a head (a causal LM)
-    needs ``head_seed``, from which every last-stage rank draws the same head. Returns the model's description."""
+def build_value_model(state: ActorState, hf_dir: str, *, default_prefix: str, head_seed: int | None,
+                      train: bool = False) -> dict:
+    """Build ``hf_dir``'s value model into ``state`` (forward only; ``train``: with DDP and the optimizer of
+    ``state.cfg.optim``, the critic); a directory without a head (a causal LM) needs ``head_seed``, from which every
+    last-stage rank draws the same head. Returns the model's description."""
     from megatron.core import parallel_state as mpu
     from transformers import AutoConfig
 
@@ -34,25 +36,33 @@ def build_value_model(state: ActorState, hf_dir: str, *, default_prefix: str, he
     if not in_dir and head_seed is None:
         raise ValueError(f"{hf_dir} has no value head '{fmt.prefix}.weight': pass an OpenRLHF reward model / "
                          "critic directory, or set --ds.value_head_prefix to the head's name")
-    info = build_model(state, hf_dir, train=False, value_head=fmt.prefix, head_in_dir=in_dir)
+    info = build_model(state, hf_dir, train=train, value_head=fmt.prefix, head_in_dir=in_dir)
     if not in_dir and mpu.is_pipeline_last_stage():
         head = state.gpt.output_layer
-        init_value_head(head, head.weight.shape[1], head_seed)
+        with torch.no_grad():
+            init_value_head(head, head.weight.shape[1], head_seed)
+    if not in_dir and state.optimizer is not None:
+        state.optimizer.reload_model_params()  # bf16: the fp32 main copy of the drawn head
     state.value_format = fmt
     return {**info, "value_head_prefix": fmt.prefix, "mean": fmt.mean, "std": fmt.std}
 
 
-def _state_values(state: ActorState, hidden: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, list]:
+def state_values(state: ActorState, hidden: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, list]:
     """hidden ``[s(/tp under SP), b, h]`` on the last stage -> (raw values ``[M]`` float32 of ``mb``'s states, per
-    sample its slice); every TP rank holds the whole head and, gathered, the whole sequence."""
+    sample its slice); every TP rank holds the whole head and computes the same loss.
+
+    Gradients: without SP every TP rank sees the whole sequence, so the head's gradient is whole on each (not marked
+    ``sequence_parallel``: Megatron reduces it over data parallelism only). Under SP the head scores the rank's
+    chunk and the values are gathered (their backward takes the rank's chunk back): the head's gradient is that
+    chunk's part, and Megatron sums the ``sequence_parallel`` head over TP, as it does the norms."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    if state.cfg.sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-    rows, pos, offsets = value_positions(mb)
-    h = hidden[pos.to(hidden.device), rows.to(hidden.device)]  # [M, h]
     weight = state.gpt.output_layer.weight  # [1, h]
-    return torch.nn.functional.linear(h, weight.to(h.dtype)).squeeze(-1).float(), offsets
+    scores = torch.nn.functional.linear(hidden, weight.to(hidden.dtype))  # [s(/tp), b, 1]
+    if state.cfg.sequence_parallel:
+        scores = gather_from_sequence_parallel_region(scores, tensor_parallel_output_grad=False)
+    rows, pos, offsets = value_positions(mb)
+    return scores[pos.to(scores.device), rows.to(scores.device), 0].float(), offsets
 
 
 def values(state: ActorState, batch: SequenceBatch | dict) -> dict[str, Any]:
@@ -63,7 +73,7 @@ def values(state: ActorState, batch: SequenceBatch | dict) -> dict[str, Any]:
     state.model.eval()
 
     def loss_fn(mb: MicroBatch, hidden: torch.Tensor):
-        vals, offsets = _state_values(state, hidden, mb)
+        vals, offsets = state_values(state, hidden, mb)
         zero = torch.zeros((), device=hidden.device)
         return zero, torch.tensor(0, dtype=torch.int), {"mb": mb, "values": vals.cpu(), "offsets": offsets}
 

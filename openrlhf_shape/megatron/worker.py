@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from openrlhf_shape.actor.protocol import STATE_GROUPS
-from openrlhf_shape.batch import SequenceBatch, TrainBatch
+from openrlhf_shape.actor.optim import OptimConfig
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, ValueBatch
 from openrlhf_shape.megatron import cpu as cpu_compat
 from openrlhf_shape.megatron import step
 from openrlhf_shape.megatron.build import build_model
@@ -152,6 +153,35 @@ class MegatronRankWorker:
             raise RuntimeError("compute_values needs a value model: init_value_model(hf_dir) first")
         with self._mode():
             return values(self.state, batch)
+
+    def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None = 0.5,
+                    head_seed: int | None = None, *, default_prefix: str = "score") -> dict:
+        """The critic: ``hf_dir``'s value model in this rank's layout, trainable with its own optimiser and LR
+        schedule ``optim`` (``TrainConfig.critic_optim_config()``: ``--critic.adam.*``, lr, warm-up, schedule,
+        max_norm); ``value_clip``: ``--critic.value_clip`` of :meth:`train_values`. ``compute_values``,
+        checkpoints and ``export_hf`` (``--critic.save_value_network``: OpenRLHF's value-model directory) then
+        act on it."""
+        from openrlhf_shape.megatron.value import build_value_model
+
+        self.state.cfg = dataclasses.replace(self.state.cfg, routing_replay="none", optim=optim)
+        self.value_clip = value_clip
+        with self._mode():
+            return build_value_model(self.state, hf_dir, default_prefix=default_prefix, head_seed=head_seed,
+                                     train=True)
+
+    def train_values(self, batch: ValueBatch) -> dict:
+        """One optimizer step of the critic over the whole mini-batch (``megatron/critic.py``): OpenRLHF's clipped
+        value loss of ``batch.old_values`` / ``returns`` / ``loss_mask`` (``[B, T]``) over its valid tokens.
+        Returns float metrics under OpenRLHF's names (``critic_loss``, ``values``, ``critic_lr``,
+        ``critic_grad_norm``), identical on all ranks."""
+        from openrlhf_shape.megatron.critic import train_values
+
+        self.state.require_optimizer("train_values")
+        self._require_onloaded(STATE_GROUPS, "train_values")
+        if self.state.value_format is None:
+            raise RuntimeError("train_values needs a critic: init_critic(hf_dir, optim) first")
+        with self._mode():
+            return train_values(self.state, batch, value_clip=self.value_clip)
 
     # ------------------------------------------------------------------ log-probs / entropy
     def compute_logprobs_and_entropy(self, batch: SequenceBatch | dict) -> dict:

@@ -22,6 +22,7 @@ gradient then carries its piece's share, and the average over all ranks (x world
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from datetime import timedelta
@@ -30,7 +31,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from openrlhf_shape.batch import SequenceBatch, TrainBatch, length_mask
+from openrlhf_shape.actor.optim import OptimConfig
+from openrlhf_shape.batch import SequenceBatch, TrainBatch, ValueBatch, length_mask
 from openrlhf_shape.actor.batching import MicroBatch, micro_batch_budget, rank_micro_batches, validate_batch
 from openrlhf_shape.actor.micro_batch_loss import METRIC_KEYS, micro_batch_loss, step_metrics
 from openrlhf_shape.platform import Platform
@@ -235,6 +237,36 @@ class ZeroRankWorker:
         shard, mbs = self._plans(validate_batch(batch), forward_only=True)
         out = value_outputs(self.state, mbs, self.device)
         return out if shard else {}
+
+    def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None = 0.5,
+                    head_seed: int | None = None, *, default_prefix: str = "score") -> dict:
+        """The critic: ``hf_dir``'s value model, trainable with its own optimiser and LR schedule ``optim``
+        (``TrainConfig.critic_optim_config()``); ``value_clip``: ``--critic.value_clip`` of :meth:`train_values`.
+        Checkpoints and ``export_hf`` (OpenRLHF's value-model directory) then act on it."""
+        from openrlhf_shape.zero.critic import init_critic_engine
+
+        if self.cfg.ring_attn_size > 1:
+            raise ValueError("a value model does not run under --ds.ring_attn_size > 1 yet: set it to 1 for the "
+                             "critic ranks")
+        self._release_engine()
+        self.state.cfg = dataclasses.replace(self.state.cfg, optim=optim)
+        self.value_clip = value_clip
+        return init_critic_engine(self.state, hf_dir, self.cfg.attn_implementation, self._make_optimizer,
+                                  on_gpu=not self.on_cpu, default_prefix=default_prefix, head_seed=head_seed)
+
+    def train_values(self, batch: ValueBatch) -> dict:
+        """One optimizer step of the critic over the whole mini-batch (``zero/critic.py``); float metrics under
+        OpenRLHF's names, identical on every rank (the same keys as the Megatron backend's)."""
+        from openrlhf_shape.zero.critic import critic_step
+
+        self._require_model()
+        self.state.require_optimizer("train_values")
+        self._require_onloaded(("params", "grads", "optimizer"), "train_values")
+        if self.state.value_format is None:
+            raise RuntimeError("train_values needs a critic: init_critic(hf_dir, optim) first")
+        batch.validate()
+        _, mbs = self._plans(batch, forward_only=False)
+        return critic_step(self.state, batch, mbs, value_clip=self.value_clip, device=self.device)
 
     def _make_optimizer(self, policy) -> torch.optim.Optimizer:
         """AdamW (decoupled weight decay, as Megatron's CPU/GPU Adam) with Megatron's grouping: no weight

@@ -60,7 +60,7 @@ def test_both_workers_implement_the_rank_interface(backend: str) -> None:
 
     cls = getattr(importlib.import_module(f"openrlhf_shape.{backend}.worker"), BACKENDS[backend])
     wanted = {n: f for n, f in vars(RankWorker).items() if callable(f) and not n.startswith("_")}
-    assert len(wanted) == 11  # init_reference: the reference model (--algo.kl.init_coef > 0)
+    assert len(wanted) == 13  # init_reference: the reference model (--algo.kl.init_coef > 0); init_critic, train_values
     for name, proto in wanted.items():
         impl = getattr(cls, name, None)
         assert impl is not None, f"{cls.__name__} lacks {name}"
