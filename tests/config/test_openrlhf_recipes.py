@@ -4,8 +4,8 @@ The five scripts' flags are data in ``openrlhf_recipes/*.txt`` (README there: so
 Each list is first parsed by the installed OpenRLHF 0.11.2's own parser (so every name and value is 0.11.2's),
 then by ``load_config``. Refused before issue 35 (main at 814b8d9): dapo 7, prorlv2_math 9, reinforce_baseline 12,
 reinforce_baseline_agent_async 13, ppo 12. Refused now: dapo 0, prorlv2_math 0, reinforce_baseline 2,
-reinforce_baseline_agent_async 3 (the "Long reasoning" flags of issue 36, ``LONG``) and ppo 7 (its critic and
-reward model, ``PPO_PARTS``), each with its reason. ``PENDING`` lists flags other issue-35 work still owns (none).
+reinforce_baseline_agent_async 3 (the "Long reasoning" flags of issue 36, ``LONG``) and ppo 3 (its critic,
+``PPO_PARTS``; its reward model's flags are taken), each with its reason. ``PENDING`` lists flags other issue-35 work still owns (none).
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ PENDING: dict[str, str] = {}
 LONG: set[str] = set()  # issue 36's flags: packing, ring attention and partial rollouts are all honoured now
 PPO_PARTS = {  # flag -> the part its refusal names
     "critic.num_nodes": "no critic", "critic.num_gpus_per_node": "no critic", "critic.adam.lr": "no critic",
-    "reward.num_nodes": "no reward-model actor", "reward.num_gpus_per_node": "no reward-model actor",
-    "reward.model_name_or_path": "no reward-model actor", "reward.normalize_enable": "reward model",
-}
+}  # the reward model's four (--reward.model_name_or_path, num_nodes, num_gpus_per_node, normalize_enable) are taken
 # What stays refused once the pending work has landed, per script.
 FINAL = {
     "dapo": set(),
