@@ -1,4 +1,5 @@
-"""One front door for outcome rewards: Math-Verify (default) or an OpenRLHF reward plug-in, for the answers
+"""One front door for outcome rewards: Math-Verify (default), an OpenRLHF reward plug-in or a reward model's ranks
+(``--reward.model_name_or_path``, bound by :meth:`RewardComputer.attach_model`: it scores token ids), for the answers
 (:meth:`RewardComputer.compute`) and for SHAPE/MRT's probes (:meth:`RewardComputer.score_probes`).
 
 The probes' forced answers take the answer's reward path, so Phi_0..Phi_{K-1} and Phi_K = R come from one

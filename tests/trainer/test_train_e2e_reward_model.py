@@ -8,6 +8,7 @@ scores the policy's token ids), its head drawn and scaled to scores of order 1, 
   Hugging Face value model's normalised value at the last sampled token (eos included) of the same token ids;
   ``rollout/reward/mean`` logged is their mean; the reward model's parameters come to the device only around its
   forward; two steps train.
+* REINFORCE++-baseline on DeepSpeed ZeRO-3, separate GPUs, no normalisation: the raw last-token values.
 * SHAPE, separate GPUs: R and every probe's value are sigmoid(score) of the HF value model on the same ids (the
   probes are scored by the reward model, ``--probe.scorer auto``), in [0, 1]; two steps train.
 """
@@ -117,6 +118,23 @@ def test_grpo_reward_model_is_on_host_except_its_forward(grpo_run):
     assert ev[:3] == ["megatron.offload(all)", "reward.offload(params)", "reward.onload(params)"], ev
     assert ev[3:5] == ["reward.forward", "reward.offload(params)"], ev
     assert ev.count("reward.forward") == 2 and ev.count("reward.onload(params)") == 2
+
+
+@pytest.fixture(scope="module")
+def deepspeed_run(tmp_path_factory, tiny_model_dir, reward_model_dir, ray_once) -> dict:  # noqa: F811
+    out = str(tmp_path_factory.mktemp("rm_ds") / "run")
+    return _run(_flags(tiny_model_dir, reward_model_dir, out) + [
+        "--algo.advantage.estimator", "reinforce_baseline", "--actor.backend", "deepspeed", "--ds.zero_stage", "3"])
+
+
+def test_deepspeed_reward_model_scores_raw(deepspeed_run, reward_model_dir):
+    """ZeRO-3 reward-model ranks on GPUs of their own, no normalisation: the raw value at the last token."""
+    rows = deepspeed_run["metrics"]
+    assert sorted(rows) == [1, 2] and len(deepspeed_run["calls"]) == 2
+    for step, (sequences, got) in zip((1, 2), deepspeed_run["calls"]):
+        assert float((got - _hf_scores(reward_model_dir, sequences, normalize=False)).abs().max()) <= TOL
+        assert rows[step]["rollout/reward/mean"] == pytest.approx(float(got.mean()), abs=1e-6)
+    assert "reward.onload(params)" not in deepspeed_run["events"]  # not colocated: it stays on its GPUs
 
 
 @pytest.fixture(scope="module")
