@@ -9,6 +9,8 @@ scores the policy's token ids), its head drawn and scaled to scores of order 1, 
   ``rollout/reward/mean`` logged is their mean; the reward model's parameters come to the device only around its
   forward; two steps train.
 * REINFORCE++-baseline on DeepSpeed ZeRO-3, separate GPUs, no normalisation: the raw last-token values.
+* GRPO with ``--train.max_restarts 1`` and the reward model's rank SIGKILLed after step 1: the groups restart, the
+  reward model is built again and step 2 is scored as before.
 * SHAPE, separate GPUs: R and every probe's value are sigmoid(score) of the HF value model on the same ids (the
   probes are scored by the reward model, ``--probe.scorer auto``), in [0, 1]; two steps train.
 """
@@ -16,6 +18,10 @@ scores the policy's token ids), its head drawn and scaled to scores of order 1, 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -54,15 +60,22 @@ def _flags(model_dir: str, rm_dir: str, out_dir: str) -> list[str]:
     ]
 
 
-def _run(flags: list[str]) -> dict:
+def _run(flags: list[str], kill_rm_after_step_1: bool = False) -> dict:
     """One run in this process; every call of the reward model's scores (its sequences and what it returned) and
-    every value the reward path handed on (after the sigmoid of SHAPE/MRT) recorded."""
+    every value the reward path handed on (after the sigmoid of SHAPE/MRT) recorded. ``kill_rm_after_step_1``: the
+    reward model's rank 0 process SIGKILLed once step 1's metrics line is written (its pids before and after kept)."""
+    import ray
+
     from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
 
-    trainer, calls, judged = ShapeTrainer(load_config(None, flags)), [], []
+    cfg = load_config(None, flags)
+    trainer, calls, judged, pids = ShapeTrainer(cfg), [], [], []
     try:
         trainer.setup()
+        if kill_rm_after_step_1:
+            pids.append(ray.get(trainer.run.cluster.rms.actors[0].pid.remote()))
+            threading.Thread(target=_kill_after_step_1, args=(cfg.ckpt.output_dir, pids[0]), daemon=True).start()
         reward = trainer.run.reward
         real_scores, real_rewards = reward.model, reward._model_rewards
 
@@ -79,9 +92,24 @@ def _run(flags: list[str]) -> dict:
         reward.model, reward._model_rewards = scores_and_look, rewards_and_look
         trainer.fit()
         events = list(trainer.run.cluster.lifecycle.events)
+        if kill_rm_after_step_1:
+            pids.append(ray.get(trainer.run.cluster.rms.actors[0].pid.remote()))
     finally:
         trainer.shutdown()
-    return {"metrics": _metrics(trainer.run_dir), "events": events, "calls": calls, "judged": judged}
+    return {"metrics": _metrics(trainer.run_dir), "events": events, "calls": calls, "judged": judged, "pids": pids,
+            "restarts": trainer.rank_restarts}
+
+
+def _kill_after_step_1(out_dir: str, pid: int) -> None:
+    path, deadline = os.path.join(os.path.abspath(out_dir), "metrics.jsonl"), time.time() + 900
+    while time.time() < deadline:
+        try:
+            if os.path.exists(path) and 1 in _metrics(os.path.dirname(path)):
+                break
+        except ValueError:  # the line is being written
+            pass
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
 
 
 def _hf_scores(rm_dir: str, sequences: list[list[int]], normalize: bool) -> torch.Tensor:
@@ -135,6 +163,22 @@ def test_deepspeed_reward_model_scores_raw(deepspeed_run, reward_model_dir):
         assert float((got - _hf_scores(reward_model_dir, sequences, normalize=False)).abs().max()) <= TOL
         assert rows[step]["rollout/reward/mean"] == pytest.approx(float(got.mean()), abs=1e-6)
     assert "reward.onload(params)" not in deepspeed_run["events"]  # not colocated: it stays on its GPUs
+
+
+def test_a_killed_reward_model_rank_restarts_and_scores_as_before(tmp_path, tiny_model_dir, reward_model_dir,
+                                                                  ray_once):  # noqa: F811
+    """--train.max_restarts 1: the reward model's rank dies after step 1; every group restarts on its bundles, the
+    reward model is built again from its directory, the run resumes from step 1's checkpoint and step 2's rewards are
+    still the HF value model's scores."""
+    run = _run(_flags(tiny_model_dir, reward_model_dir, str(tmp_path / "run")) + [
+        "--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "1", "--train.max_restarts", "1"],
+        kill_rm_after_step_1=True)
+    assert run["restarts"] == 1 and run["pids"][0] != run["pids"][1]
+    assert sorted(run["metrics"]) == [1, 2] and run["metrics"][2]["fault/rank_restarts"] == 1.0
+    assert len(run["calls"]) == 2  # step 1's, then step 2's after the restart (the dead call returned nothing)
+    for step, (sequences, got) in zip((1, 2), run["calls"]):
+        assert float((got - _hf_scores(reward_model_dir, sequences, normalize=False)).abs().max()) <= TOL
+        assert run["metrics"][step]["rollout/reward/mean"] == pytest.approx(float(got.mean()), abs=1e-6)
 
 
 @pytest.fixture(scope="module")
