@@ -25,7 +25,9 @@ resets) happen; the same calls are made with no sleep/offload.
 The reference model (``refs``, with ``--algo.kl.init_coef`` > 0) has parameters only. Colocated it is offloaded
 at the start and onloaded only around its own forward in phase 2 (``ref_logprobs``, right after the actor's
 parameters went back to host), so it is in host memory while the engines generate and probe, during the update
-and the sync; not colocated it stays on its own GPUs.
+and the sync; not colocated it stays on its own GPUs. The reward model (``rms``, with
+``--reward.model_name_or_path``) is handled the same way around its own forward (``reward_values``, in the rewards
+phase, while the engines are awake).
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ class Lifecycle:
         bucket_bytes: weight-sync bucket size.
         colocate: engines share the ranks' GPUs.
         refs: the reference model's ``RankGroup`` (forward only; on the ranks' GPUs when colocated), or None.
+        rms: the reward model's ``RankGroup`` (forward only, the same), or None.
     """
 
-    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool, refs=None):
+    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool, refs=None, rms=None):
         self.ranks = ranks
         self.refs = refs  # the reference model's RankGroup (None without KL)
+        self.rms = rms  # the reward model's RankGroup (None without --reward.model_name_or_path)
         self.engines = engines
         self.sync = sync
         self.bucket_bytes = int(bucket_bytes)
@@ -70,6 +74,8 @@ class Lifecycle:
             self._do("megatron.offload(all)", self.ranks.offload_states, ALL_STATES)
             if self.refs is not None:
                 self._do("reference.offload(params)", self.refs.offload_states, ("params",))
+            if self.rms is not None:
+                self._do("reward.offload(params)", self.rms.offload_states, ("params",))
         self.phase = "rollout"
 
     # ---- forward for old log-probs ----------------------------------------------------------------
@@ -93,13 +99,24 @@ class Lifecycle:
         ``ref_logprobs_fn``); colocated, its parameters are on the device only for this forward."""
         if self.refs is None:
             raise RuntimeError("no reference model runs (--algo.kl.init_coef 0)")
+        return self._forward_only("reference", self.refs, self.refs.compute_logprobs_and_entropy, batch)
+
+    def reward_values(self, batch) -> Any:
+        """The reward model's state values of ``batch`` (a :class:`~openrlhf_shape.batch.SequenceBatch`; per sample
+        ``[R + 1]``, the last its score); colocated, its parameters are on the device only for this forward."""
+        if self.rms is None:
+            raise RuntimeError("no reward model runs (--reward.model_name_or_path unset)")
+        return self._forward_only("reward", self.rms, self.rms.compute_values, batch)
+
+    def _forward_only(self, who: str, group, fn, batch) -> Any:
+        """``fn(batch)`` on a forward-only group (``who``: its name in :attr:`events`), onloaded around it."""
         if self.colocate:
-            self._do("reference.onload(params)", self.refs.onload_states, ("params",))
+            self._do(f"{who}.onload(params)", group.onload_states, ("params",))
         try:
-            return self._do("reference.forward", self.refs.compute_logprobs_and_entropy, batch)
+            return self._do(f"{who}.forward", fn, batch)
         finally:
             if self.colocate:
-                self._do("reference.offload(params)", self.refs.offload_states, ("params",))
+                self._do(f"{who}.offload(params)", group.offload_states, ("params",))
 
     # ---- update -------------------------------------------------------------------------------------
     def before_update(self) -> None:

@@ -21,6 +21,8 @@ Rules (each one a failure mode on a real cluster):
   layout: colocated, reference rank ``r`` shares actor rank ``r``'s bundle (three processes per GPU, the
   colocation lifecycle keeps the reference on host except during its forward); disaggregated, they get bundles
   of their own after the actor's and before the engines' (OpenRLHF's separate reference group).
+* The reward model's ranks (``rm_world_size`` > 0, ``--reward.model_name_or_path``) follow the same rule: colocated,
+  reward rank ``r`` shares actor rank ``r``'s bundle; disaggregated, bundles of their own after the reference's.
 
 Errors are ``ValueError`` naming the flags to change.
 """
@@ -87,6 +89,7 @@ class PlacementPlan:
     dp: int
     engine_tp: int
     refs: tuple[RankSlot, ...] = ()  # the reference model's ranks (none without KL)
+    rms: tuple[RankSlot, ...] = ()  # the reward model's ranks (none without --reward.model_name_or_path)
 
     def bundle_node(self, bundle: int) -> tuple[int, int]:
         """(node, local index on that node) of a global bundle index."""
@@ -104,6 +107,17 @@ class PlacementPlan:
     @property
     def num_engines(self) -> int:
         return len({s.engine for s in self.engines})
+
+
+# A rank group's role -> the plan's slots of its ranks.
+ROLE_SLOTS = {"actor": "ranks", "reference": "refs", "reward": "rms"}
+
+
+def role_slots(plan: PlacementPlan, role: str) -> tuple[RankSlot, ...]:
+    """The slots of ``role``'s ranks (``actor``, ``reference`` or ``reward``) in ``plan``."""
+    if role not in ROLE_SLOTS:
+        raise ValueError(f"unknown rank group role {role!r}; one of {sorted(ROLE_SLOTS)}")
+    return getattr(plan, ROLE_SLOTS[role])
 
 
 def megatron_coords(rank: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int]:
@@ -145,6 +159,7 @@ def plan_placement(
     num_nodes: int | None = None,
     rollout_gpus: int | None = None,
     ref_world_size: int = 0,
+    rm_world_size: int = 0,
 ) -> PlacementPlan:
     """Plan Megatron ranks, reference ranks and vLLM engine workers on GPUs (see the module docstring for the rules).
 
@@ -156,45 +171,55 @@ def plan_placement(
         num_nodes: nodes available; None means as many as the plan needs.
         rollout_gpus: disaggregated only: GPUs of the engine pool (default ``num_engines * engine_tp``).
         ref_world_size: the reference model's ranks (0: none); colocated it must equal ``world_size``.
+        rm_world_size: the reward model's ranks (0: none); the same rule.
     Raises ``ValueError`` naming the flags when the shape is impossible."""
     _check_shape(world_size=world_size, tp=tp, pp=pp, num_engines=num_engines, engine_tp=engine_tp,
                  gpus_per_node=gpus_per_node, num_nodes=num_nodes)
     _check_ref(ref_world_size, world_size, tp, pp, colocate)
-    own_ref = 0 if colocate else ref_world_size  # GPUs of the reference's own
+    _check_ref(rm_world_size, world_size, tp, pp, colocate, FLAG_RM, "reward model")
+    own_ref = 0 if colocate else ref_world_size + rm_world_size  # GPUs of the reference's and reward model's own
     total = _total_gpus(world_size, num_engines, engine_tp, colocate, rollout_gpus) + own_ref
 
-    # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole); the reference's
-    # on the same GPUs (colocated) or right after them (world and ref sizes are multiples of TP: groups stay whole).
+    # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole).
     rank_gpu = list(range(world_size))
-    ref_gpu = list(range(ref_world_size)) if colocate else list(range(world_size, world_size + ref_world_size))
+    ref_gpu, rm_gpu = _side_gpus(world_size, (ref_world_size, rm_world_size), colocate)
     engine_gpu = _engine_gpus(world_size + own_ref, num_engines, engine_tp, colocate, gpus_per_node)
 
-    used = sorted(set(rank_gpu) | set(ref_gpu) | {g for grp in engine_gpu for g in grp})
+    used = sorted(set(rank_gpu) | set(ref_gpu) | set(rm_gpu) | {g for grp in engine_gpu for g in grp})
     nodes_needed = used[-1] // gpus_per_node + 1
     if num_nodes is not None:
         _need(nodes_needed <= num_nodes,
               f"the layout needs {nodes_needed} nodes of {gpus_per_node} GPUs ({world_size} rank GPUs"
-              + (f" + {own_ref} reference GPUs" if own_ref else "")
+              + (f" + {own_ref} reference / reward-model GPUs" if own_ref else "")
               + ("" if colocate else f" + {total - world_size - own_ref} engine GPUs")
               + f", TP groups and engines kept inside a node) but {FLAG_NUM_NODES} = {num_nodes}; add nodes or "
               f"lower {FLAG_WORLD} / {FLAG_ENGINES} / {FLAG_ENGINE_TP}")
 
     bundle_of, local_of, per_node = _number_bundles(used, gpus_per_node, nodes_needed)
     ranks = _rank_slots(rank_gpu, tp, pp, gpus_per_node, bundle_of, local_of)
-    refs = _rank_slots(ref_gpu, tp, pp, gpus_per_node, bundle_of, local_of)
-    engines = []
-    for e, grp in enumerate(engine_gpu):
-        for w, g in enumerate(grp):
-            engines.append(EngineSlot(engine=e, worker=w, node=g // gpus_per_node, gpu=local_of[g],
-                                      bundle=bundle_of[g]))
+    refs, rms = (_rank_slots(g, tp, pp, gpus_per_node, bundle_of, local_of) for g in (ref_gpu, rm_gpu))
+    engines = [EngineSlot(engine=e, worker=w, node=g // gpus_per_node, gpu=local_of[g], bundle=bundle_of[g])
+               for e, grp in enumerate(engine_gpu) for w, g in enumerate(grp)]
     return PlacementPlan(
         ranks=ranks, engines=tuple(engines), num_bundles=len(used), num_nodes=nodes_needed,
         colocate=colocate, master_rank_node=ranks[0].node, gpus_per_node=gpus_per_node,
         node_bundles=tuple(per_node), tp=tp, pp=pp, dp=world_size // (tp * pp), engine_tp=engine_tp, refs=refs,
-    )
+        rms=rms)
 
 
 FLAG_REF = "--ref.num_nodes x --ref.num_gpus_per_node"
+
+
+def _side_gpus(world_size: int, sizes: tuple[int, ...], colocate: bool) -> list[list[int]]:
+    """Global GPUs of each forward-only group (the reference's, the reward model's ranks): colocated, the actor's
+    first ones; else GPUs of their own after the actor's, group after group (sizes are multiples of TP: groups stay
+    whole)."""
+    out, start = [], world_size
+    for n in sizes:
+        out.append(list(range(n)) if colocate else list(range(start, start + n)))
+        start += 0 if colocate else n
+    return out
+FLAG_RM = "--reward.num_nodes x --reward.num_gpus_per_node"
 
 
 def _rank_slots(gpus: list[int], tp: int, pp: int, gpus_per_node: int, bundle_of: dict[int, int],
@@ -208,14 +233,16 @@ def _rank_slots(gpus: list[int], tp: int, pp: int, gpus_per_node: int, bundle_of
     return tuple(out)
 
 
-def _check_ref(ref_world: int, world: int, tp: int, pp: int, colocate: bool) -> None:
-    """The reference runs the actor's TP x PP layout; colocated it pairs with the actor's ranks one for one."""
+def _check_ref(ref_world: int, world: int, tp: int, pp: int, colocate: bool, flag: str = FLAG_REF,
+               who: str = "reference") -> None:
+    """The reference (or reward model: ``flag``, ``who``) runs the actor's TP x PP layout; colocated it pairs with
+    the actor's ranks one for one."""
     if not ref_world:
         return
     _need(ref_world % (tp * pp) == 0,
-          f"{FLAG_REF} = {ref_world}: the reference runs the actor's layout, so TP x PP = {tp * pp} must divide it")
+          f"{flag} = {ref_world}: the {who} runs the actor's layout, so TP x PP = {tp * pp} must divide it")
     _need(not colocate or ref_world == world,
-          f"{FLAG_COLOCATE}: the reference shares the actor's GPUs one for one, so {FLAG_REF} = {ref_world} must equal "
+          f"{FLAG_COLOCATE}: the {who} shares the actor's GPUs one for one, so {flag} = {ref_world} must equal "
           f"{FLAG_WORLD} = {world}")
 
 
@@ -318,11 +345,13 @@ def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
     node (gpus_per_node = all slots)."""
     m, t, v, world = cfg.megatron, cfg.train, cfg.vllm, cfg.actor.world_size
     ref = cfg.ref.world_size(world) if cfg.algo.kl.enabled else 0  # no KL: no reference ranks at all
+    rm = cfg.reward.world_size(world) if cfg.reward.model_name_or_path else 0
     etp = v.tensor_parallel_size
     if on_gpu:
         gpn, nodes = t.gpus_per_node, t.num_nodes
     else:
-        gpn, nodes = max(world + ref + v.num_engines * etp, etp, m.tensor_model_parallel_size), None
+        gpn, nodes = max(world + ref + rm + v.num_engines * etp, etp, m.tensor_model_parallel_size), None
     return plan_placement(world_size=world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                           num_engines=v.num_engines, engine_tp=etp, colocate=t.colocate_all, gpus_per_node=gpn,
-                          num_nodes=nodes, rollout_gpus=cfg.rollout.num_gpus, ref_world_size=ref)
+                          num_nodes=nodes, rollout_gpus=cfg.rollout.num_gpus, ref_world_size=ref,
+                          rm_world_size=rm)

@@ -17,10 +17,11 @@ import ray
 import torch
 
 from openrlhf_shape.actor.protocol import STATE_GROUPS, RankWorker
-from openrlhf_shape.actor.rank_outputs import merge_rank_outputs
 from openrlhf_shape.actor.optim import OptimConfig
+from openrlhf_shape.actor.rank_outputs import merge_rank_outputs, merge_value_outputs
 from openrlhf_shape.batch import LogProbs, SequenceBatch, TrainBatch, ValueBatch
 from openrlhf_shape.busy_clock import BusyClock
+from openrlhf_shape.cluster.placement import role_slots
 from openrlhf_shape.cluster.ray_placement import local_endpoint
 from openrlhf_shape.platform import Platform
 from openrlhf_shape.startup_gc import collector_paused
@@ -71,9 +72,9 @@ class RankActor(WeightSenderMixin):
         """The profile this rank runs under (as handed), and the torch threads it set."""
         return {**self.platform.to_dict(), "torch_threads": torch.get_num_threads()}
 
-    def call(self, method: str, *args) -> Any:
+    def call(self, method: str, *args, **kwargs) -> Any:
         """Run one :class:`RankWorker` method on this rank's worker."""
-        return getattr(self.worker, method)(*args)
+        return getattr(self.worker, method)(*args, **kwargs)
 
     def stream_weights_out(self, sync_id: str, bucket_bytes: int) -> dict:
         """All ranks walk the worker's HF export in lockstep (it gathers TP shards / PP stages / ZeRO
@@ -101,7 +102,8 @@ class RankDiedError(RuntimeError):
 
 
 class RankGroup:
-    """All ranks of the actor model (or of the reference model), each a :class:`RankActor` hosting a ``worker``.
+    """All ranks of the actor model (or of the reference or reward model), each a :class:`RankActor` hosting a
+    ``worker``.
 
     Args:
         worker: the backend's rank worker class (a :class:`~openrlhf_shape.actor.protocol.RankWorker`) as
@@ -110,25 +112,28 @@ class RankGroup:
         world_size: number of ranks.
         placement: an ``openrlhf_shape.cluster.ray_placement.RayPlacement``; rank r on its bundle.
         platform: the run's profile (CPU shares and threads of each rank; handed to every rank).
-        reference: the reference model's ranks (the plan's ``refs``: a torch.distributed world of their own);
-            build them with :meth:`init_reference`.
+        role: ``actor``; ``reference``: the reference model's ranks (the plan's ``refs``: a torch.distributed world of
+            their own), built by :meth:`init_reference`; ``reward``: the reward model's (the plan's ``rms``), built by
+            :meth:`init_value_model`.
     """
 
-    def __init__(self, worker: str, cfg: Any, world_size: int, placement, platform: Platform,
-                 reference: bool = False):
-        planned = len(placement.plan.refs if reference else placement.plan.ranks)
+    def __init__(self, worker: str, cfg: Any, world_size: int, placement, platform: Platform, role: str = "actor"):
+        planned = len(role_slots(placement.plan, role))
         if planned != world_size:
-            flag = "--ref.num_nodes x --ref.num_gpus_per_node" if reference else "--actor.num_nodes x --actor.num_gpus_per_node"
-            raise ValueError(f"placement plan has {planned} ranks, {flag} = {world_size}")
+            flag = {"actor": "--actor", "reference": "--ref", "reward": "--reward"}[role]
+            raise ValueError(f"placement plan has {planned} ranks, {flag}.num_nodes x {flag}.num_gpus_per_node = "
+                             f"{world_size}")
         self.worker, self.cfg, self.world_size, self.platform = worker, cfg, world_size, platform
-        self.reference, self.placement = reference, placement
+        self.role, self.placement = role, placement
         self.actors: list = []
+        self.value_dir: str | None = None
+        self.head_seed: int | None = None
         self._spawn()
         self.clock = BusyClock()  # ranks at work (a call in flight); the weight stream is timed by the sync
 
     @property
     def name(self) -> str:
-        return "reference" if self.reference else "actor"
+        return self.role
 
     def _spawn(self) -> None:
         """One fresh actor per rank on its bundle, connected (rank 0's node serves the rendezvous)."""
@@ -136,7 +141,7 @@ class RankGroup:
 
         handed = self.platform.to_dict()
         self.actors, self.rendezvous = spawn_rank_actors(
-            self.placement, ray.remote(RankActor), num_cpus=self.platform.cpus_per_rank, reference=self.reference,
+            self.placement, ray.remote(RankActor), num_cpus=self.platform.cpus_per_rank, role=self.role,
             args_for_rank=lambda r: (self.worker, self.cfg, r, self.world_size, handed))
         self._gather([a.connect.remote(self.rendezvous["ip"], self.rendezvous["port"]) for a in self.actors], "connect")
 
@@ -147,9 +152,9 @@ class RankGroup:
             ray.kill(a, no_restart=True)
         self._spawn()
 
-    def _all(self, method: str, *args) -> list:
+    def _all(self, method: str, *args, **kwargs) -> list:
         with self.clock.working():
-            return self._gather([a.call.remote(method, *args) for a in self.actors], method)
+            return self._gather([a.call.remote(method, *args, **kwargs) for a in self.actors], method)
 
     def _gather(self, refs: list, method: str) -> list:
         """``ray.get`` of one call's refs (rank order), failing as soon as one fails: a rank whose actor died raises
@@ -181,6 +186,17 @@ class RankGroup:
     def init_reference(self, hf_dir: str) -> dict:
         """The reference model from ``hf_dir`` on every rank (forward only)."""
         return self._all("init_reference", hf_dir)[0]
+
+    def init_value_model(self, hf_dir: str, head_seed: int | None = None) -> dict:
+        """A value model (OpenRLHF's reward-model format: its head and config.json's mean/std) from ``hf_dir`` on
+        every rank, forward only (a directory without a head: one drawn from ``head_seed``); the description names
+        its head and the mean/std."""
+        self.value_dir, self.head_seed = hf_dir, head_seed  # what restart_ranks builds again
+        return self._all("init_value_model", hf_dir, head_seed=head_seed)[0]
+
+    def compute_values(self, batch: SequenceBatch) -> list[torch.Tensor]:
+        """Per sample of response R its raw state values ``[R + 1]`` float32 in batch order (the last: the score)."""
+        return merge_value_outputs(self._all("compute_values", batch), len(batch))
 
     def compute_logprobs_and_entropy(self, batch: SequenceBatch) -> LogProbs:
         """Float32 log-probs and entropy of every response token, per sample in batch order (with MoE routing

@@ -8,7 +8,8 @@ straddle two nodes.
 
 * Megatron rank ``r`` runs on its bundle with ``num_gpus`` 1 (0.5 when colocated: the engine worker
   on the same bundle takes the other half, so Ray refuses a second rank on that GPU; a third each when the
-  reference model's rank shares the bundle too). Reference rank ``r`` runs on its own bundle the same way.
+  reference model's rank shares the bundle too, a quarter with the reward model's as well). Reference and
+  reward-model rank ``r`` run on their own bundles the same way.
 * Engine ``e`` at TP 1: the engine actor IS the vLLM worker (in-process executor) and takes the GPU
   share of its bundle. At TP > 1: the engine actor sits on its worker-0 bundle with no GPU, inside
   the node's group with ``placement_group_capture_child_tasks=True``; vLLM's Ray executor then
@@ -34,6 +35,7 @@ from openrlhf_shape.cluster.placement import (
     FLAG_TP,
     FLAG_WORLD,
     PlacementPlan,
+    role_slots,
 )
 
 
@@ -111,7 +113,7 @@ class RayPlacement:
             return 0.0
         if not self.plan.colocate:
             return 1.0
-        sharers = 3 if self.plan.refs else 2
+        sharers = 2 + bool(self.plan.refs) + bool(self.plan.rms)
         return math.floor(10_000 / sharers) / 10_000
 
     def rank_gpu_share(self) -> float:
@@ -121,9 +123,9 @@ class RayPlacement:
         """GPU share of each engine worker (vLLM's per-worker GPUs at TP > 1)."""
         return self._gpu_share()
 
-    def rank_options(self, rank: int, num_cpus: float, *, reference: bool = False) -> dict[str, Any]:
-        """``actor_cls.options(**...)`` for Megatron rank ``rank`` (of the reference model with ``reference``)."""
-        slot = (self.plan.refs if reference else self.plan.ranks)[rank]
+    def rank_options(self, rank: int, num_cpus: float, *, role: str = "actor") -> dict[str, Any]:
+        """``actor_cls.options(**...)`` for rank ``rank`` of ``role``'s group (:data:`ROLE_SLOTS`)."""
+        slot = role_slots(self.plan, role)[rank]
         return dict(num_cpus=num_cpus, num_gpus=self.rank_gpu_share(), scheduling_strategy=self._strategy(slot.bundle))
 
     def engine_options(self, engine: int, num_cpus: float) -> dict[str, Any]:
@@ -180,9 +182,9 @@ def rendezvous_from(rank0_actor) -> dict[str, Any]:
 
 
 def spawn_rank_actors(placement: RayPlacement, actor_cls, *, num_cpus: float,
-                      args_for_rank, reference: bool = False) -> tuple[list, dict[str, Any]]:
-    """Start one actor of ``actor_cls`` (a ``ray.remote`` class) per Megatron rank on its bundle (per reference rank
-    with ``reference``: a world of its own, with its own rendezvous).
+                      args_for_rank, role: str = "actor") -> tuple[list, dict[str, Any]]:
+    """Start one actor of ``actor_cls`` (a ``ray.remote`` class) per rank of ``role``'s group on its bundle (the
+    reference's or reward model's ranks: a world of its own, with its own rendezvous).
 
     ``args_for_rank(rank)`` gives the constructor's positional args. The actors must not join
     torch.distributed in their constructor: this function then asks rank 0's actor (method
@@ -190,7 +192,7 @@ def spawn_rank_actors(placement: RayPlacement, actor_cls, *, num_cpus: float,
     passes ``endpoint["ip"]`` / ``endpoint["port"]`` to every rank.
     """
     actors = []
-    for rank in range(len(placement.plan.refs if reference else placement.plan.ranks)):
-        opts = placement.rank_options(rank, num_cpus, reference=reference)
+    for rank in range(len(role_slots(placement.plan, role))):
+        opts = placement.rank_options(rank, num_cpus, role=role)
         actors.append(actor_cls.options(**opts).remote(*args_for_rank(rank)))
     return actors, rendezvous_from(actors[0])

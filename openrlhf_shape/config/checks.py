@@ -48,6 +48,7 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
     _check_kl(cfg, replica)
+    _check_reward_model(cfg, replica, check_paths)
     _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
     _check_agent(cfg, check_paths)
@@ -218,6 +219,29 @@ def _check_kl(cfg: "TrainConfig", mp: int) -> None:
           f"with --train.colocate_all the reference shares the actor's GPUs one for one: --ref.num_nodes x "
           f"--ref.num_gpus_per_node = {ref} must equal --actor.num_nodes x --actor.num_gpus_per_node = {world} "
           "(or leave both --ref.* unset)")
+
+
+def _check_reward_model(cfg: "TrainConfig", mp: int, check_paths: bool) -> None:
+    """``--reward.model_name_or_path``: one reward path (not with ``--reward.remote_url``), a directory, and ranks laid
+    out as the reference's (a multiple of the actor's TP x PP x CP; colocated, one per actor rank)."""
+    r, world = cfg.reward, cfg.actor.world_size
+    if not r.model_name_or_path:
+        _need(not r.normalize_enable, "reward.normalize_enable", "normalises a reward model's score: it needs "
+              "--reward.model_name_or_path (a reward function's rewards are never normalised, as in OpenRLHF)")
+        return
+    _need(not r.remote_url, "reward.model_name_or_path",
+          "and --reward.remote_url are two reward paths; give one: the reward model scores token ids, the reward "
+          "function or server scores decoded queries")
+    _need(not check_paths or r.model_name_or_path == "demo" or os.path.isdir(r.model_name_or_path),
+          "reward.model_name_or_path", f"{r.model_name_or_path} is not a reward model directory (OpenRLHF's format)")
+    rms = r.world_size(world)
+    _need(rms >= 1 and rms % mp == 0, "reward.num_gpus_per_node",
+          f"the reward model runs the actor's layout, so its {rms} ranks (--reward.num_nodes x "
+          f"--reward.num_gpus_per_node) must be a multiple of TP x PP x CP = {mp}")
+    _need(not cfg.train.colocate_all or rms == world, "reward.num_gpus_per_node",
+          f"with --train.colocate_all the reward model shares the actor's GPUs one for one: --reward.num_nodes x "
+          f"--reward.num_gpus_per_node = {rms} must equal --actor.num_nodes x --actor.num_gpus_per_node = {world} "
+          "(or leave both --reward.num_* unset)")
 
 
 def _check_reward_shaping(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:

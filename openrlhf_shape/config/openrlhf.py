@@ -59,15 +59,23 @@ _REF_OFFLOAD = ("under --train.colocate_all the colocation lifecycle keeps the r
                 "except during its forward; without it they stay on the reference's own GPUs; drop it")
 _REF_COLOCATE = ("the reference shares the actor's GPUs under --train.colocate_all (offloaded by the colocation "
                  "lifecycle); without it, it runs on its own GPUs (--ref.num_nodes x --ref.num_gpus_per_node)")
-_NO_RM = "no reward-model actor here; rewards come from Math-Verify or --reward.remote_url (a reward_func .py or HTTP server)"
+_RM = ("an OpenRLHF-format reward model (base model + value head, config.json's mean/std) on ranks of its own: it "
+       "scores each sample's prompt + response token ids (eos included, as sampled) at the last token; with "
+       "--algo.advantage.estimator shape or mrt each score goes through a sigmoid (R and the probes' potentials must "
+       "lie in [0, 1]) and the probes are scored by it too under --probe.scorer auto; not with --reward.remote_url")
+_RM_RANKS = ("the reward model's ranks (unset: as many as the actor's): the actor's backend and TP/PP layout, on the "
+             "actor's GPUs under --train.colocate_all, else on their own")
+_RM_OFFLOAD = ("under --train.colocate_all the colocation lifecycle keeps the reward model's parameters in host "
+               "memory except during its forward; without it they stay on its own GPUs; drop it")
 _DS = "not a switch of this trainer's DeepSpeed backend (--actor.backend deepspeed: ZeRO 0-3, adam offload, bf16/fp32, gradient checkpointing)"
 _NO_VLM = "text-only: vision-language models are not supported"
 _NO_LORA = "LoRA / 4-bit loading are not supported on either backend: full fine-tuning"
 _TOKEN_BUDGET = "micro-batches are packed by a token budget here (--train.max_tokens_per_gpu)"
 # The flags of the "Long reasoning" work (issue 36): refused until it lands, with this reason.
 _LONG = 'comes with the "Long reasoning" work (issue 36), not yet here'
-_NO_RM_NORM = ("OpenRLHF divides the reward model's (and critic's) output by the mean/std stored in its config.json; "
-               f"a reward_func is never normalised; {_NO_RM}")
+_RM_NORM = ("the reward model's score becomes (score - mean) / std with the mean/std of its config.json, as OpenRLHF's "
+            "reward model (before the sigmoid of SHAPE/MRT); needs --reward.model_name_or_path: a reward function's "
+            "rewards are never normalised")
 _SLEEP = ("whenever --train.colocate_all is set the engines sleep while the ranks work and the ranks (either backend) "
           "offload to host while the engines generate; without colocation nothing shares their GPUs (OpenRLHF, too, "
           "turns vLLM's sleep off then)")
@@ -138,10 +146,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("ref.num_nodes", 1, OWN, why=_REF_RANKS),
     _f("ref.num_gpus_per_node", 8, OWN, why=_REF_RANKS),
     _f("ref.offload", False, REFUSED, why=_REF_OFFLOAD),
-    _f("reward.num_nodes", 1, REFUSED, why=_NO_RM),
-    _f("reward.num_gpus_per_node", 8, REFUSED, why=_NO_RM),
-    _f("reward.offload", False, REFUSED, why=_NO_RM),
-    _f("reward.model_name_or_path", None, REFUSED, why=_NO_RM),
+    _f("reward.num_nodes", 1, OWN, why=_RM_RANKS),
+    _f("reward.num_gpus_per_node", 8, OWN, why=_RM_RANKS),
+    _f("reward.offload", False, REFUSED, why=_RM_OFFLOAD),
+    _f("reward.model_name_or_path", None, SAME, why=_RM),
     _f("critic.num_nodes", 1, OWN, why=_CRITIC_RANKS),
     _f("critic.num_gpus_per_node", 8, OWN, why=_CRITIC_RANKS),
     _f("critic.model_name_or_path", None, SAME, why="where the critic starts (a value head on the policy's "
@@ -368,7 +376,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("reward.clip_range", (-10, 10), SAME, why="the outcome estimators clamp their baselined outcome r_i into it (OpenRLHF's "
        "order); SHAPE and MRT clamp the outcome R as it comes, before it becomes the last potential",
        checked_by=(_T_RETURNS,)),
-    _f("reward.normalize_enable", False, REFUSED, why=_NO_RM_NORM),
+    _f("reward.normalize_enable", False, SAME, why=_RM_NORM),
     _f("reward.overlong_buffer_len", None, REFUSED, why="DAPO's overlong penalty is not implemented; drop it"),
     _f("reward.overlong_penalty_factor", 1, VALUES, accept={1: None, 1.0: None},
        why="DAPO's overlong penalty is not implemented"),

@@ -1,4 +1,5 @@
-"""One front door for outcome rewards: Math-Verify (default) or an OpenRLHF reward plug-in, for the answers
+"""One front door for outcome rewards: Math-Verify (default), an OpenRLHF reward plug-in or a reward model's ranks
+(``--reward.model_name_or_path``, bound by :meth:`RewardComputer.attach_model`: it scores token ids), for the answers
 (:meth:`RewardComputer.compute`) and for SHAPE/MRT's probes (:meth:`RewardComputer.score_probes`).
 
 The probes' forced answers take the answer's reward path, so Phi_0..Phi_{K-1} and Phi_K = R come from one
@@ -10,6 +11,7 @@ gets OpenRLHF's arguments for each probe sample as for an answer (see :meth:`Rew
 from __future__ import annotations
 
 from collections.abc import MutableMapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,9 @@ import torch
 from openrlhf_shape.rewards.math_verify_pool import MathVerifyScorer
 from openrlhf_shape.rewards.plugin import load_reward_fn, mean_extra_logs
 from openrlhf_shape.rewards.probe_scoring import DedupProbeScorer, ProbeAnswers
+
+# A reward model's scores of token sequences (prompt + response ids each) -> [N] float32, normalised when asked.
+ModelScores = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 
 # Probe samples per plug-in call: a step's probes (B x K x m, each query a whole response prefix) go out in
 # calls of at most this many, one HTTP request per endpoint each, so no request body grows with the step.
@@ -39,6 +44,17 @@ class RewardConfig:
     # Truncated responses (finish reason "length"): reward x coef (coef in [0, 1]) or = coef (coef < 0); None off.
     # Applied by the experience maker (algorithms/length_penalty.py), before the clip.
     stop_properly_penalty_coef: float | None = None
+    # A reward model (OpenRLHF's format, actor/value_model.py) on ranks of its own: it scores the sampled token ids.
+    model_name_or_path: str | None = None
+    num_nodes: int | None = None  # its ranks = num_nodes x num_gpus_per_node (both unset: as many as the actor's)
+    num_gpus_per_node: int | None = None
+    normalize_enable: bool = False  # (score - mean) / std with config.json's mean/std, as OpenRLHF's reward model
+
+    def world_size(self, actor_world: int) -> int:
+        """Reward-model ranks; ``actor_world`` when neither flag is given (one unset: 1 node / 8 GPUs per node)."""
+        if self.num_nodes is None and self.num_gpus_per_node is None:
+            return actor_world
+        return (self.num_nodes or 1) * (self.num_gpus_per_node or 8)
 
 
 class RewardComputer:
@@ -58,6 +74,10 @@ class RewardComputer:
         self.scorer: MathVerifyScorer | None = None
         self._probe_scorer: DedupProbeScorer | None = None
         self.probe_chunk = PROBE_CHUNK
+        self.model: ModelScores | None = None  # --reward.model_name_or_path: bound by attach_model once ranks run
+        self.squash = False  # SHAPE/MRT with a reward model: sigmoid(score) makes R a value in [0, 1]
+        if self.cfg.model_name_or_path:
+            return  # the reward model judges answers and probes; Math-Verify starts only for --probe.scorer math_verify
         if self.cfg.remote_url:
             self.plugin = load_reward_fn(
                 self.cfg.remote_url, timeout_s=self.cfg.remote_timeout_s, retries=self.cfg.remote_retries
@@ -85,21 +105,37 @@ class RewardComputer:
             self._probe_scorer = DedupProbeScorer(self._math_verify())
         return self._probe_scorer.score(texts, labels, cache=cache)
 
+    def attach_model(self, scores: ModelScores, squash: bool) -> None:
+        """Bind the reward model's ranks (``--reward.model_name_or_path``): ``scores`` maps token sequences to their
+        (normalised) scores ``[N]``; ``squash`` maps each through a sigmoid (SHAPE/MRT need R in [0, 1])."""
+        self.model, self.squash = scores, bool(squash)
+
+    def _model_rewards(self, sequences: Sequence[Sequence[int]]) -> list[float]:
+        """The reward model's reward of each token sequence, sigmoid-squashed under :attr:`squash`."""
+        if self.model is None:
+            raise RuntimeError("--reward.model_name_or_path: the reward model's ranks are not bound yet (attach_model)")
+        out = self.model([list(s) for s in sequences]).float()
+        return (torch.sigmoid(out) if self.squash else out).tolist()
+
     def score_probes(self, answers: ProbeAnswers, cache: MutableMapping | None = None,
                      verifier: str = "reward") -> list[float]:
         """One value per probe sample, on the scale of the outcome R: the probe potential's terms.
 
-        ``verifier="reward"``: the answer's reward path. Math-Verify (no plug-in): :meth:`score` on the forced
-        answers. A plug-in: its ``rewards`` (what R is made of; ``scores`` only filter and log) for the query of
-        each distinct sample (``answers.keys``; ``cache`` carries them across the rounds of a step), in calls of
-        at most ``probe_chunk`` samples, clamped into ``--reward.clip_range`` as R is; a value outside [0, 1]
+        ``verifier="reward"``: the answer's reward path. Math-Verify (no plug-in, no reward model): :meth:`score` on
+        the forced answers. A reward model: its (squashed) reward of each distinct sample's token ids
+        (``answers.sequence``). A plug-in: its ``rewards`` (what R is made of; ``scores`` only filter and log) for the
+        query of each distinct sample (``answers.keys``; ``cache`` carries them across the rounds of a step), in calls
+        of at most ``probe_chunk`` samples, clamped into ``--reward.clip_range`` as R is; a value outside [0, 1]
         after that is refused, as for R. Its extra logs are dropped (they would mix into the answers' metrics).
         ``verifier="math_verify"``: Math-Verify whatever judges the answer (``--probe.scorer math_verify``)."""
         if verifier not in ("reward", "math_verify"):
             raise ValueError(f"score_probes: verifier must be 'reward' or 'math_verify', got {verifier!r}")
-        if verifier == "math_verify" or self.plugin is None:
+        if verifier == "math_verify" or (self.plugin is None and self.model is None):
             return self.score(answers.texts, answers.labels, cache=cache)
-        if answers.query is None or answers.prompts is None:
+        if self.model is not None and answers.sequence is None:
+            raise ValueError("score_probes: a reward model judges probe samples by their token ids; the caller gave "
+                             "none (rollout/probes.py:estimate_potentials needs prompts=)")
+        if self.model is None and (answers.query is None or answers.prompts is None):
             raise ValueError("score_probes: a reward plug-in judges probe samples by their queries and prompts; "
                              "the caller gave none (rollout/probes.py:estimate_potentials needs prompts=)")
         if answers.keys is None:  # no identities: every sample is sent, nothing is kept across calls
@@ -111,29 +147,46 @@ class RewardComputer:
             if k not in cache and k not in todo:
                 todo[k] = j
         sent = list(todo.values())
-        lo, hi = self.cfg.clip_range
         for start in range(0, len(sent), self.probe_chunk):
             part = sent[start : start + self.probe_chunk]
-            out = self.plugin([answers.query(j) for j in part], [answers.prompts[j] for j in part],
-                              [answers.labels[j] for j in part])
-            for j, r in zip(part, out["rewards"]):
-                value = min(max(float(r), lo), hi)
-                if not 0.0 <= value <= 1.0:
-                    raise ValueError(
-                        f"--reward.remote_url gave a probe's forced answer the reward {r} (clipped to {value} by "
-                        "--reward.clip_range): potentials estimate the expected outcome R, which SHAPE/MRT need in "
-                        "[0, 1]. Rescale the reward function, or judge the probes with Math-Verify "
-                        "(--probe.scorer math_verify)")
+            for j, value in zip(part, self._judge_probes(answers, part)):
                 cache[keys[j]] = value
         return [cache[k] for k in keys]
 
+    def _judge_probes(self, answers: ProbeAnswers, part: list[int]) -> list[float]:
+        """Probe samples ``part`` judged by the reward model (squashed as R) or the plug-in (clipped, in [0, 1])."""
+        if self.model is not None:
+            return self._model_rewards([answers.sequence(j) for j in part])
+        lo, hi = self.cfg.clip_range
+        out = self.plugin([answers.query(j) for j in part], [answers.prompts[j] for j in part],
+                          [answers.labels[j] for j in part])
+        values = []
+        for r in out["rewards"]:
+            value = min(max(float(r), lo), hi)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(
+                    f"--reward.remote_url gave a probe's forced answer the reward {r} (clipped to {value} by "
+                    "--reward.clip_range): potentials estimate the expected outcome R, which SHAPE/MRT need in "
+                    "[0, 1]. Rescale the reward function, or judge the probes with Math-Verify "
+                    "(--probe.scorer math_verify)")
+            values.append(value)
+        return values
+
     def compute(
-        self, queries: list[str], prompts: list[str], labels: list[str], responses: list[str] | None = None, **kw
+        self, queries: list[str], prompts: list[str], labels: list[str], responses: list[str] | None = None,
+        sequences: Sequence[Sequence[int]] | None = None, **kw
     ) -> dict:
+        """``sequences``: each sample's prompt + response token ids, as sampled (a reward model scores them)."""
         n = len(queries)
         if len(prompts) != n or len(labels) != n or (responses is not None and len(responses) != n):
             raise ValueError("compute: queries, prompts, labels (and responses) must have the same length")
-        if self.plugin is not None:
+        if self.model is not None:  # OpenRLHF: the reward model's (normalised) score is both reward and score
+            if sequences is None or len(sequences) != n:
+                raise ValueError("compute: a reward model (--reward.model_name_or_path) scores token ids: pass "
+                                 "sequences= (prompt + response ids of every sample)")
+            rewards = self._model_rewards(sequences)
+            scores, extra = list(rewards), {}
+        elif self.plugin is not None:
             out = self.plugin(queries, prompts, labels, **kw)
             rewards, scores, extra = out["rewards"], out["scores"], mean_extra_logs(out["extra_logs"])
         else:

@@ -78,6 +78,7 @@ class ProbeAnswers:
     keys: samples with equal keys have equal queries (the same state and tokens): a reward function judges one.
     query: sample index -> OpenRLHF's query of the sample, the decoded prompt + response prefix + forced-answer
         suffix + the sample's tokens, special tokens kept (rollout/probes.py); built only for what is sent.
+    sequence: sample index -> the same as token ids (probe prompt + sample tokens): what a reward model scores.
     """
 
     texts: list[str]
@@ -85,6 +86,7 @@ class ProbeAnswers:
     prompts: list[str] | None = None
     keys: list[Hashable] | None = None
     query: Callable[[int], str] | None = None
+    sequence: Callable[[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.texts)

@@ -472,4 +472,5 @@ def _round_answers(batch: _ProbeRequests, states: list[int], gens: Sequence,
         prompts=None if batch.prompts is None else [batch.prompts[s] for s in states],
         keys=[("reward", s, tuple(g.token_ids)) for s, g in zip(states, gens)],
         query=None if queries is None else (lambda j: queries.query(states[j], gens[j].token_ids)),
+        sequence=None if queries is None else (lambda j: [*batch.requests[states[j]], *gens[j].token_ids]),
     )

@@ -67,7 +67,8 @@ class Rewards(Protocol):
     (``score_probes``) and Math-Verify alone (``score``: ``--probe.scorer math_verify``)."""
 
     def compute(self, queries: list[str], prompts: list[str], labels: list[str],
-                responses: list[str] | None = None, **kw: Any) -> dict: ...
+                responses: list[str] | None = None, sequences: Sequence[Sequence[int]] | None = None,
+                **kw: Any) -> dict: ...
 
     def score(self, texts: list[str], labels: list[str], cache: dict | None = None) -> list[float]: ...
 

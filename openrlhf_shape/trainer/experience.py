@@ -339,6 +339,7 @@ class ShapeExperienceMaker:
             prompts=[it.prompt for it in exp.items],
             labels=[it.label for it in exp.items],
             responses=exp.texts,
+            sequences=exp.sequences,  # a reward model scores the sampled ids, eos included
         )
         return out["rewards"], out["scores"], dict(out.get("extra_logs", {}))
 

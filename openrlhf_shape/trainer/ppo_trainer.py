@@ -320,7 +320,8 @@ class ShapeTrainer:
             queries=[tok.decode(list(items[g.prompt_index].prompt_ids) + list(g.token_ids), skip_special_tokens=False)
                      for g in gens],
             prompts=[items[g.prompt_index].prompt for g in gens], labels=[items[g.prompt_index].label for g in gens],
-            responses=[g.text for g in gens])
+            responses=[g.text for g in gens],
+            sequences=[list(items[g.prompt_index].prompt_ids) + list(g.token_ids) for g in gens])
         problems = group_results([g.prompt_index for g in gens], judged["scores"].tolist(),
                                  [len(g.token_ids) for g in gens], [g.finish_reason for g in gens])
         metrics = heldout_metrics(problems, seed=seed)
@@ -442,8 +443,9 @@ class ShapeTrainer:
             run.reward.close()
             run.cluster.engines.shutdown()
             run.cluster.ranks.shutdown()
-            if run.cluster.refs is not None:
-                run.cluster.refs.shutdown()
+            for group in (run.cluster.refs, run.cluster.rms):  # the reference's and reward model's ranks
+                if group is not None:
+                    group.shutdown()
             run.cluster.shutdown()
         # without a Run, set-up failed: it started Ray only if Ray was down when it reached build_run
         own_ray = run.own_ray if run is not None else (self._ray_was_up is False and not self.cfg.train.ray_address)

@@ -17,6 +17,8 @@ from openrlhf_shape.config.checks import check_dtypes
 from openrlhf_shape.trainer.logging_utils import log
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from openrlhf_shape.algorithms.kl import KLPenalty
     from openrlhf_shape.cluster.runtime import ClusterRuntime
     from openrlhf_shape.data.prompts import PromptBatcher
@@ -162,6 +164,8 @@ def build_run(cfg: TrainConfig) -> Run:
         log.info("reference model (%d ranks): %s", cluster.refs.world_size, cluster.refs.init_reference(model_dir))
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
+    if cluster.rms is not None:  # --reward.model_name_or_path: answers (and probes) scored by its ranks
+        attach_reward_model(cfg, cluster, reward)
     kl = cfg.kl_penalty() if cluster.refs is not None else None
     schedule = build_schedule(cfg, cluster, batcher, tokenizer, reward, kl)
     gap_guard = guard_for_run(cfg, platform, model_config, engine_cfg.dtype)
@@ -170,6 +174,38 @@ def build_run(cfg: TrainConfig) -> Run:
     return Run(model_dir=model_dir, platform=platform, tokenizer=tokenizer, batcher=batcher, eval_items=eval_items,
                cluster=cluster, reward=reward, kl=kl, schedule=schedule, gap_guard=gap_guard,
                own_ray=own_ray, setup_seconds=seconds)
+
+
+def attach_reward_model(cfg: TrainConfig, cluster: ClusterRuntime, reward: RewardComputer) -> None:
+    """Build the reward model on its ranks and bind it to ``reward``: a sequence's score is its last token's value
+    (OpenRLHF's reward model: eos included as sampled), normalised by config.json's mean/std under
+    ``--reward.normalize_enable``; SHAPE/MRT map it through a sigmoid so that R and the potentials lie in [0, 1]."""
+    from transformers import AutoConfig
+
+    from openrlhf_shape.actor.value_model import (ValueHeadFormat, read_checkpoint_tensor, sequence_rewards,
+                                                  value_head_format)
+    from openrlhf_shape.batch import SequenceBatch
+
+    rm_dir = resolve_model_dir(cfg.reward.model_name_or_path)
+    prefix = value_head_format(AutoConfig.from_pretrained(rm_dir)).prefix
+    if read_checkpoint_tensor(rm_dir, f"{prefix}.weight") is None:  # a causal LM: OpenRLHF's loader draws the head
+        log.warning("--reward.model_name_or_path %s has no value head '%s.weight': a head is drawn from --train.seed "
+                    "(scores are then arbitrary; give a trained reward model)", rm_dir, prefix)
+    info = cluster.rms.init_value_model(rm_dir, head_seed=cfg.train.seed)
+    log.info("reward model (%d ranks): %s", cluster.rms.world_size, info)
+    fmt, normalize = ValueHeadFormat(info["value_head_prefix"], info["mean"], info["std"]), cfg.reward.normalize_enable
+
+    def scores(sequences: list[list[int]]) -> torch.Tensor:
+        # prompt = the whole sequence: one state per sample, its last token's (the reward model's score)
+        batch = SequenceBatch(sequences=sequences, prompt_lens=[len(s) for s in sequences], temperature=1.0)
+        return sequence_rewards(cluster.lifecycle.reward_values(batch), fmt, normalize)
+
+    squash = cfg.advantage_estimator().needs_segments
+    if squash:
+        log.info("reward model with --algo.advantage.estimator %s: each score%s goes through a sigmoid, so that R "
+                 "and the probe potentials lie in [0, 1] as SHAPE/MRT need", cfg.algo.advantage.estimator,
+                 " (normalised first)" if normalize else "")
+    reward.attach_model(scores, squash)
 
 
 def build_schedule(cfg: TrainConfig, cluster: ClusterRuntime, batcher: PromptBatcher, tokenizer, reward: RewardComputer,

@@ -254,3 +254,23 @@ def test_trainer_config_places_the_reference_only_with_kl() -> None:
     assert [s.bundle for s in plan.refs] == [4, 5] and [s.bundle for s in plan.engines] == [6, 7]
     coloc = plan_for(load_config(None, base + ["--algo.kl.init_coef", "0.01", "--train.colocate_all"]), on_gpu=True)
     assert [s.bundle for s in coloc.refs] == [0, 1, 2, 3] and coloc.num_bundles == 4
+
+
+def test_reward_model_ranks_colocated_and_disaggregated() -> None:
+    """--reward.model_name_or_path: colocated, reward rank r on actor rank r's GPU (with the reference's, no GPU added);
+    separate, GPUs of its own after the reference's and before the engines', its TP groups whole inside a node."""
+    plan = plan_placement(world_size=4, tp=2, pp=1, num_engines=2, engine_tp=2, colocate=True, gpus_per_node=8,
+                          ref_world_size=4, rm_world_size=4)
+    assert [(s.node, s.gpu, s.bundle, s.tp_rank) for s in plan.rms] == \
+           [(s.node, s.gpu, s.bundle, s.tp_rank) for s in plan.ranks] and plan.num_bundles == 4
+    plan = plan_placement(world_size=2, tp=2, pp=1, num_engines=2, engine_tp=2, colocate=False, gpus_per_node=4,
+                          ref_world_size=2, rm_world_size=4)
+    assert [(s.node, s.gpu) for s in plan.refs] == [(0, 2), (0, 3)]
+    assert [(s.node, s.gpu, s.tp_rank, s.dp_rank) for s in plan.rms] == \
+           [(1, 0, 0, 0), (1, 1, 1, 0), (1, 2, 0, 1), (1, 3, 1, 1)]
+    assert [(s.engine, s.node) for s in plan.engines] == [(0, 2)] * 2 + [(1, 2)] * 2
+    taken = [(s.node, s.gpu) for s in (*plan.ranks, *plan.refs, *plan.rms, *plan.engines)]
+    assert len(set(taken)) == len(taken) == 2 + 2 + 4 + 4
+    with pytest.raises(ValueError, match=r"--reward.num_nodes x --reward.num_gpus_per_node = 2 must equal"):
+        plan_placement(world_size=4, tp=1, pp=1, num_engines=1, engine_tp=1, colocate=True, gpus_per_node=8,
+                       rm_world_size=2)

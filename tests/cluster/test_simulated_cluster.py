@@ -315,8 +315,8 @@ def test_colocated_reference_ranks_share_the_actor_gpus(cluster) -> None:
     placement = RayPlacement(plan, cpus_per_bundle=1.5, gpus=True, timeout_s=120)
     try:
         assert placement.rank_gpu_share() == placement.engine_gpu_share() == 0.3333
-        actors = [RankProbe.options(**placement.rank_options(r, 0.5, reference=ref)).remote(r)
-                  for ref in (False, True) for r in range(2)]
+        actors = [RankProbe.options(**placement.rank_options(r, 0.5, role=role)).remote(r)
+                  for role in ("actor", "reference") for r in range(2)]
         actors += [RankProbe.options(**placement.engine_options(e, 0.5)["options"]).remote(e) for e in range(2)]
         reps = ray.get([a.report.remote() for a in actors], timeout=120)  # all six alive at once
         for r in range(2):  # actor rank r, reference rank r and engine r on one GPU of one node

@@ -4,9 +4,9 @@ The five scripts' flags are data in ``openrlhf_recipes/*.txt`` (README there: so
 Each list is first parsed by the installed OpenRLHF 0.11.2's own parser (so every name and value is 0.11.2's),
 then by ``load_config``. Refused before issue 35 (main at 814b8d9): dapo 7, prorlv2_math 9, reinforce_baseline 12,
 reinforce_baseline_agent_async 13, ppo 12. Refused now: dapo 0, prorlv2_math 0, reinforce_baseline 2,
-reinforce_baseline_agent_async 3 (the "Long reasoning" flags of issue 36, ``LONG``) and ppo 4 (its reward model,
-``PPO_PARTS``; its 3 critic flags are taken since issue 50's GAE, ``PPO_CRITIC``), each with its reason. ``PENDING``
-lists flags other issue-35 work still owns (none).
+reinforce_baseline_agent_async 3 (the "Long reasoning" flags of issue 36, ``LONG``) and ppo 0 (its reward
+model's flags taken since issue 50's reward-model group; its 3 critic flags since its GAE, ``PPO_CRITIC``), each
+with its reason. ``PENDING`` lists flags other issue-35 work still owns (none).
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ RECIPES = ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_age
 # came with i3x-kl, the estimators with i3x-est, agents with i3x-agent)
 PENDING: dict[str, str] = {}
 LONG: set[str] = set()  # issue 36's flags: packing, ring attention and partial rollouts are all honoured now
-PPO_PARTS = {  # flag -> the part its refusal names
-    "reward.num_nodes": "no reward-model actor", "reward.num_gpus_per_node": "no reward-model actor",
-    "reward.model_name_or_path": "no reward-model actor", "reward.normalize_enable": "reward model",
-}
+PPO_PARTS: dict[str, str] = {  # flag -> the part its refusal names: none left (issue 50 took the reward
+}  # model's four flags and the critic's)
 # What stays refused once the pending work has landed, per script.
 FINAL = {
     "dapo": set(),
