@@ -522,8 +522,9 @@ def check_resume(cfg: TrainConfig) -> None:
 
 def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
     """The one console line of a step: accuracy, length, dynamic filtering's pass rate and refill rounds (when on),
-    SHAPE segments / drop rate, loss, the rollout/trainer log-prob mismatch (mean/max |dlogp|), step time by phase,
-    time left in this run."""
+    SHAPE segments / drop rate, loss, the rollout/trainer log-prob mismatch (mean/max |dlogp|), the generate phase's
+    tail share and the probe tokens hidden in it (``--shape.entropy_source engine``), step time by phase, time left
+    in this run."""
 
     def get(key: str, fmt: str) -> str:
         v = metrics.get(key)
