@@ -112,6 +112,9 @@ def _assert_tail_equals_ordered(group, prompts, tiny_tokenizer, cfg):
     assert [g.token_ids for g in run.gens] == [g.token_ids for g in ordered]
     assert [g.entropies for g in run.gens] == [g.entropies for g in ordered]
     assert _cuts(seg, run.gens) == cuts and sum(map(len, cuts)) >= len(ordered) // 2
+    # each engine's record of its rollout steps, joined engine after engine (slots: its share's requests here)
+    assert sum(steps for _, steps in run.slots) == len(run.occupancy) == len(run.step_seconds)
+    assert sum(n for n, _ in run.slots) == len(run.gens) and 0 <= run.tail_seconds() <= run.decode_seconds()
     # every state probed once: each response's cut points, and the prompt alone once per prompt (its first response)
     assert set(run.probes) == {(i, b) for i, bs in enumerate(cuts) for b in bs} | {(p * N, 0) for p in range(3)}
     first_round = TailProbes.of(seg, suffixes, cfg, STREAM).samples
