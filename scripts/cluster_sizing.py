@@ -54,6 +54,13 @@ def _phase(plan: Plan, name: str) -> str:
     return "-"
 
 
+def _ratio_cell(plan: Plan) -> str:
+    """SHAPE/GRPO of the ordered step, and with each response's first probe round in the rollout's tail."""
+    if not plan.shape_over_grpo:
+        return "-"
+    return f"{plan.shape_over_grpo:.2f} ({plan.shape_over_grpo_overlapped:.2f})"
+
+
 def _async_cell(plan: Plan) -> str:
     """The one-step-off step over the preset's synchronous GRPO step at max_staleness 1 and 2, with the GPUs it needs."""
     a = plan.async_plan
@@ -193,7 +200,7 @@ def long_context_section() -> list[str]:
 
 def preset_table() -> list[str]:
     rows = [
-        "| preset | model | GPUs | Megatron TP x PP x DP | vLLM engines x TP | rollout | log-probs | update | update, vLLM never asleep | smallest margin | KV tokens / engine | est. step | SHAPE/GRPO | async SHAPE / sync GRPO (s=1, s=2) |",
+        "| preset | model | GPUs | Megatron TP x PP x DP | vLLM engines x TP | rollout | log-probs | update | update, vLLM never asleep | smallest margin | KV tokens / engine | est. step | SHAPE/GRPO (probes in the tail) | async SHAPE / sync GRPO (s=1, s=2) |",
         "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for path in sorted(CONFIGS.glob("*.yaml")):
@@ -207,7 +214,7 @@ def preset_table() -> list[str]:
             f"{_phase(plan, 'rollout')} | {_phase(plan, 'log-probs')} | {_phase(plan, 'update')} | "
             f"{_phase(awake, 'update') if awake else '-'} | {free / GiB:.1f} GiB ({name}) | "
             f"{plan.vllm.kv_tokens:,} | {f'{plan.step_seconds:.0f} s' if plan.phases else 'n/a'} | "
-            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} | {_async_cell(plan)} |"
+            f"{_ratio_cell(plan)} | {_async_cell(plan)} |"
             if plan.vllm else
             f"| {path.stem} | {plan.model.name} | CPU | {plan.tp} x {plan.pp} x {plan.dp} | {engines} | - | - | "
             f"{_phase(plan, 'update')} (host RAM) | - | {free / GiB:.1f} GiB ({name}) | - | n/a | - | - |"
@@ -256,7 +263,7 @@ def moe_section() -> list[str]:
     """The mixture-of-experts presets: parameters, expert layout, margins, step time and its all-to-all share."""
     rows = [
         "| preset | params total / active | GPUs (training + rollout) | Megatron TP x PP x DP | experts EP x ETP x EDP | vLLM engines x TP | "
-        "smallest margin | est. step | MoE all-to-all | SHAPE/GRPO | async SHAPE / sync GRPO (s=1, s=2) |",
+        "smallest margin | est. step | MoE all-to-all | SHAPE/GRPO (probes in the tail) | async SHAPE / sync GRPO (s=1, s=2) |",
         "| --- | --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     moe_presets = []
@@ -274,7 +281,7 @@ def moe_section() -> list[str]:
             f"| {path.stem} | {m.total_params() / 1e9:.1f}B / {m.active_params() / 1e9:.2f}B | {gpus} | "
             f"{plan.tp} x {plan.pp} x {plan.dp} | {plan.ep} x {plan.etp} x {plan.edp} | {p.num_engines} x TP{p.engine_tp} | "
             f"{free / GiB:.1f} GiB ({name}) | {plan.step_seconds:.0f} s | {a2a:.0f} s | "
-            f"{f'{plan.shape_over_grpo:.2f}' if plan.shape_over_grpo else '-'} | {_async_cell(plan)} |")
+            f"{_ratio_cell(plan)} | {_async_cell(plan)} |")
     big = next((p for p in moe_presets if "235b" in p.stem), None)
     refusal = []
     if big is not None:
@@ -371,10 +378,14 @@ _PRESETS_READING = (
     "prefill is compute bound at the forward MFU the GPU kit measured; the decode runs in waves of",
     "`vllm_max_num_seqs` probes and is bound by HBM, where each probe's context KV (the prompt and the response",
     "up to its boundary) is ~95% of the bytes a step reads: paged attention reads a shared prefix once per",
-    "sequence. The SHAPE/GRPO column is the step with the probes over the same step without them; the paper",
-    "measured 1.17 at K = 8 (K = 16 here). What would cut the probe term: attention that reads a prefix shared",
-    "by a wave once (cascade / shared-prefix kernels), grouping a response's probes into one wave, or fewer",
-    "probes (`--probe.adaptive`: 0.54x the probe tokens on the demo, docs/adaptive_probes.md).",
+    "sequence (vLLM 0.32 removed its cascade attention, the one kernel that read a common prefix once). The",
+    "SHAPE/GRPO column is the step with the probes over the same step without them; the paper measured 1.17 at",
+    "K = 8 (K = 16 here). In brackets: with `--shape.entropy_source engine`, each response's first probe round",
+    "runs in the rollout's tail (`planner/cost.py:tail_overlap`): the tail's steps share their weight read with",
+    "the probes and its idle compute takes their suffix prefill, but each probe's context KV is still read on",
+    "top, so the tail hides little of an HBM-bound probe term. What would cut it: attention that reads a prefix",
+    "shared by a boundary's probes once (not in vLLM 0.32), or fewer probes (`--probe.adaptive`: 0.54x the",
+    "probe tokens on the demo, docs/adaptive_probes.md).",
     "",
 )
 

@@ -57,6 +57,13 @@ class Phase:
     # rollout decode under partial rollouts (--plan.partial_rollout_cap_tokens): a window decodes at most the cap's
     # steps and unfinished responses continue in the next one, so the tail no longer bounds the window; None: off
     partial_seconds: float | None = None
+    # rollout decode: seconds and decode steps past the bulk (the engine below its slot count, one long response
+    # after another finishing); the SHAPE probes under --shape.entropy_source engine: the seconds of them the
+    # rollout's tail hides (:func:`tail_overlap`) and how
+    tail_seconds: float = 0.0
+    tail_steps: float = 0.0
+    hidden_seconds: float = 0.0
+    hidden_how: str = ""
 
 
 def flops_per_token(model: ModelShape, seq_len: float, *, backward: bool, recompute: bool) -> float:
@@ -127,6 +134,25 @@ def moe_alltoall(model: ModelShape, *, tokens_per_dp: float, passes: float, tp: 
     return t, how
 
 
+def _probe_parts(model: ModelShape, engine_tp: int, probes: float, suffix_tokens: int, decode_tokens: int,
+                 context_tokens: float, opt: PlanOptions) -> dict[str, float]:
+    """The roofline's terms (:func:`probe_roofline`): seconds of the prefill (``prefill``), the wave (``wave``
+    probes) and ``waves``, the decode step's seconds (``step``; ``mem``, ``cmp``), the step's weight read alone
+    (``weights``), GFLOP per suffix token (``f``), the context per probe (``ctx`` tokens) and its KV's share of the
+    bytes a step reads (``kv_share``)."""
+    gpu = opt.peak_tflops * 1e12
+    bw = opt.hbm_gbs * 1e9 * opt.decode_efficiency
+    f_prefill = 2 * model.active_params() + 2 * 2 * model.layers * model.q_dim * (context_tokens + suffix_tokens / 2)
+    wave = max(1.0, min(float(opt.vllm_max_num_seqs), probes))
+    ctx = context_tokens + suffix_tokens + decode_tokens / 2
+    weights = decode_weight_bytes(model, wave) / engine_tp
+    bytes_step = weights + wave * ctx * model.kv_bytes_per_token(engine_tp)
+    t_mem, t_cmp = bytes_step / bw, 2 * model.active_params() / engine_tp * wave / (gpu * opt.mfu)
+    return dict(prefill=probes * suffix_tokens * f_prefill / (engine_tp * gpu * opt.prefill_mfu), wave=wave,
+                waves=math.ceil(probes / wave), step=max(t_mem, t_cmp), mem=t_mem, cmp=t_cmp,
+                weights=min(weights / bw, max(t_mem, t_cmp)), f=f_prefill, ctx=ctx, kv_share=1 - weights / bytes_step)
+
+
 def probe_roofline(model: ModelShape, *, engine_tp: int, probes: float, suffix_tokens: int, decode_tokens: int,
                    context_tokens: float, opt: PlanOptions) -> tuple[float, str]:
     """Seconds of one engine's probe phase, and how they were reached.
@@ -136,27 +162,39 @@ def probe_roofline(model: ModelShape, *, engine_tp: int, probes: float, suffix_t
     ``2 x params + attention over the context`` FLOPs each, at ``--plan.prefill_mfu``. Decode: waves of
     ``min(vllm_max_num_seqs, probes)`` probes x ``decode_tokens`` steps; a step reads the engine's weight
     shard plus each probe's context KV at ``hbm_gbs x decode_efficiency``, or computes ``2 x params`` per
-    probe at ``mfu``, whichever is slower."""
+    probe at ``mfu``, whichever is slower. Each probe reads its own copy of the shared prefix: vLLM 0.32 has no
+    shared-prefix (cascade) attention (docs/architecture.md, "Where the probe time goes")."""
     if probes <= 0:
         return 0.0, "no probes"
-    gpu = opt.peak_tflops * 1e12
-    f_prefill = 2 * model.active_params() + 2 * 2 * model.layers * model.q_dim * (context_tokens + suffix_tokens / 2)
-    t_prefill = probes * suffix_tokens * f_prefill / (engine_tp * gpu * opt.prefill_mfu)
-    wave = max(1.0, min(float(opt.vllm_max_num_seqs), probes))
-    waves = math.ceil(probes / wave)
-    ctx = context_tokens + suffix_tokens + decode_tokens / 2
-    bytes_step = decode_weight_bytes(model, wave) / engine_tp + wave * ctx * model.kv_bytes_per_token(engine_tp)
-    t_mem = bytes_step / (opt.hbm_gbs * 1e9 * opt.decode_efficiency)
-    t_cmp = 2 * model.active_params() / engine_tp * wave / (gpu * opt.mfu)
-    t_step = max(t_mem, t_cmp)
-    t_decode = waves * decode_tokens * t_step
-    kv_share = wave * ctx * model.kv_bytes_per_token(engine_tp) / bytes_step
-    how = (f"prefill {probes:,.0f} probes x {suffix_tokens} suffix tokens x {f_prefill / 1e9:.1f} GFLOP / "
-           f"({engine_tp} GPU x {opt.peak_tflops:g} TFLOPS x prefill MFU {opt.prefill_mfu}) = {t_prefill:.0f} s; "
-           f"decode {waves} waves of {wave:.0f} x {decode_tokens} steps x {t_step * 1e3:.1f} ms "
-           f"({'HBM' if t_mem >= t_cmp else 'compute'} bound, context KV {100 * kv_share:.0f}% of the bytes read, "
-           f"{ctx:,.0f} tokens per probe) = {t_decode:.0f} s")
-    return t_prefill + t_decode, how
+    p = _probe_parts(model, engine_tp, probes, suffix_tokens, decode_tokens, context_tokens, opt)
+    t_decode = p["waves"] * decode_tokens * p["step"]
+    how = (f"prefill {probes:,.0f} probes x {suffix_tokens} suffix tokens x {p['f'] / 1e9:.1f} GFLOP / "
+           f"({engine_tp} GPU x {opt.peak_tflops:g} TFLOPS x prefill MFU {opt.prefill_mfu}) = {p['prefill']:.0f} s; "
+           f"decode {p['waves']:.0f} waves of {p['wave']:.0f} x {decode_tokens} steps x {p['step'] * 1e3:.1f} ms "
+           f"({'HBM' if p['mem'] >= p['cmp'] else 'compute'} bound, context KV {100 * p['kv_share']:.0f}% of the bytes "
+           f"read, {p['ctx']:,.0f} tokens per probe) = {t_decode:.0f} s")
+    return p["prefill"] + t_decode, how
+
+
+def tail_overlap(*, tail_seconds: float, tail_steps: float, probe_seconds: float, prefill_seconds: float,
+                 decode_steps: float, weight_read_seconds: float, first_round_share: float) -> tuple[float, str]:
+    """Seconds of one engine's probes the rollout's tail hides when each response's first probe round is sent as
+    it finishes (``--shape.entropy_source engine``), and how.
+
+    The tail (``tail_seconds``, ``tail_steps`` decode steps) runs few sequences, HBM bound on the weights: a probe
+    folded into a tail step shares that step's weight read, but its own context KV is read on top (the step gets
+    longer: exposed). So the tail hides, of the first round (``first_round_share`` of the probes): the weight reads
+    of its decode steps (``min(decode_steps x share, tail_steps) x weight_read_seconds``) and its suffix prefill,
+    compute the memory-bound tail leaves idle (``min(prefill_seconds x share, tail_seconds)``); at most
+    ``probe_seconds``."""
+    steps = min(decode_steps * first_round_share, tail_steps)
+    prefill = min(prefill_seconds * first_round_share, tail_seconds)
+    hidden = min(probe_seconds, steps * weight_read_seconds + prefill)
+    how = (f"tail {tail_seconds:.0f} s / {tail_steps:,.0f} steps; first round {100 * first_round_share:.0f}% of the "
+           f"probes: {steps:,.0f} decode steps share the tail's weight reads ({weight_read_seconds * 1e3:.1f} ms "
+           f"each) + suffix prefill {prefill:.0f} s in the tail's idle compute = {hidden:.0f} s hidden of "
+           f"{probe_seconds:.0f} s; their context KV reads stay exposed")
+    return hidden, how
 
 
 def step_time(
@@ -191,18 +229,21 @@ def step_time(
     lengths: ResponseLengths | None = None,
     packing: Packing | None = None,
     cp: int = 1,
+    probe_first_round_share: float = 1.0,
 ) -> list[Phase]:
     """The phases of one synchronous step, in seconds each: rollout, probes, log-probs, update, sync, rewards.
 
     ``lengths``: the response-length distribution (None: every response ``response_tokens`` long, cut at
     ``max_response_tokens``); ``packing``: the tokens the ranks compute (None: ``samples x (prompt + response)``);
-    ``cp``: the context-parallel size (its K/V exchange is a phase of its own)."""
+    ``cp``: the context-parallel size (its K/V exchange is a phase of its own); ``probe_first_round_share``: the
+    share of a state's probes in its first round (an adaptive rule's first round over m), the part the rollout's
+    tail can hide (``Phase.hidden_seconds`` of the probes, :func:`tail_overlap`)."""
     per_engine = samples / num_engines
     lengths = lengths or ResponseLengths.from_mean(response_tokens, 0.0, max_response_tokens)
     phases = [_rollout_decode(model, engine_tp, per_engine, prompt_tokens, lengths, samples, kv_tokens_per_engine, opt)]
     if probes_per_response:
         phases.append(_probe_phase(model, engine_tp, per_engine, prompt_tokens, response_tokens, probes_per_response,
-                                   probe_suffix_tokens, probe_decode_tokens, opt))
+                                   probe_suffix_tokens, probe_decode_tokens, opt, phases[0], probe_first_round_share))
     packing = packing or Packing.uniform(samples, prompt_tokens + response_tokens, micro_batch_tokens * cp, dp)
     phases += _training_phases(model, world=world, tp=tp, pp=pp, dp=dp, recompute=recompute, epochs=epochs,
                                packing=packing, train_batch_size=train_batch_size, samples=samples, opt=opt, ep=ep,
@@ -255,22 +296,30 @@ def _rollout_decode(model: ModelShape, engine_tp: int, per_engine: float, prompt
     return Phase("rollout decode", t,
                  f"{gen_tokens:,.0f} tokens/engine / {rate:,.0f} tok/s = {t_tp:.0f} s, {how_tail} -> {t:.0f} s "
                  f"(the longest of {samples} responses); {how_rate}; lengths {lengths.describe()}{how_partial}",
-                 partial_seconds=partial)
+                 partial_seconds=partial, tail_seconds=t - t_tp, tail_steps=(t - t_tp) / t_one)
 
 
 def _probe_phase(model: ModelShape, engine_tp: int, per_engine: float, prompt_tokens: int, response_tokens: float,
-                 probes_per_response: int, probe_suffix_tokens: int, probe_decode_tokens: int, opt: PlanOptions) -> Phase:
-    """The SHAPE probes of one engine's responses (roofline), with the cold-cache prefill an async step adds."""
+                 probes_per_response: int, probe_suffix_tokens: int, probe_decode_tokens: int, opt: PlanOptions,
+                 rollout: Phase, first_round_share: float) -> Phase:
+    """The SHAPE probes of one engine's responses (roofline), with the cold-cache prefill an async step adds and
+    the seconds the ``rollout`` decode's tail hides under ``--shape.entropy_source engine``."""
     seq = prompt_tokens + response_tokens
+    probes, ctx = per_engine * probes_per_response, prompt_tokens + response_tokens / 2
     # a probe continues the response at a boundary: on average half of it (segments cut it evenly)
-    t_probes, how_probes = probe_roofline(model, engine_tp=engine_tp, probes=per_engine * probes_per_response,
-                                          suffix_tokens=probe_suffix_tokens, decode_tokens=probe_decode_tokens,
-                                          context_tokens=prompt_tokens + response_tokens / 2, opt=opt)
+    t_probes, how_probes = probe_roofline(model, engine_tp=engine_tp, probes=probes, suffix_tokens=probe_suffix_tokens,
+                                          decode_tokens=probe_decode_tokens, context_tokens=ctx, opt=opt)
+    parts = _probe_parts(model, engine_tp, probes, probe_suffix_tokens, probe_decode_tokens, ctx, opt)
+    hidden, how_hidden = tail_overlap(tail_seconds=rollout.tail_seconds, tail_steps=rollout.tail_steps,
+                                      probe_seconds=t_probes, prefill_seconds=parts["prefill"],
+                                      decode_steps=parts["waves"] * probe_decode_tokens,
+                                      weight_read_seconds=parts["weights"], first_round_share=first_round_share)
     # async: the new weights reset the cache between rollout and probes: every response is prefilled again
     f_ctx = flops_per_token(model, seq / 2, backward=False, recompute=False)
     t_cold = per_engine * seq * f_ctx / (engine_tp * opt.peak_tflops * 1e12 * opt.prefill_mfu)
     return Phase("SHAPE probes", t_probes, f"{per_engine:.0f} responses/engine x {probes_per_response} probes: "
-                                           + how_probes, cold_cache_seconds=t_cold)
+                                           + how_probes, cold_cache_seconds=t_cold, hidden_seconds=hidden,
+                 hidden_how=how_hidden)
 
 
 def _training_phases(model: ModelShape, *, world: int, tp: int, pp: int, dp: int, recompute: bool, epochs: int,

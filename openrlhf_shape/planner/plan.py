@@ -128,6 +128,7 @@ class Plan:
     packing: Any = None  # planner/packing.py:Packing of the batch the ranks compute
     split: Any = None  # planner/split.py:SplitSearch, set by its caller (async engine:trainer split; GPU configs)
     recovery: Any = None  # planner/recovery.py:RecoveryCost of one engine / rank failure on this layout
+    engine_entropy: bool = False  # --shape.entropy_source engine: the first probe round runs in the rollout's tail
 
     @property
     def fits(self) -> bool:
@@ -140,6 +141,17 @@ class Plan:
     @property
     def probe_seconds(self) -> float:
         return sum(p.seconds for p in self.phases if p.name == "SHAPE probes")
+
+    @property
+    def probe_hidden_seconds(self) -> float:
+        """Probe seconds the rollout's tail hides when the first round starts as its response ends (cost.py:tail_overlap)."""
+        return sum(p.hidden_seconds for p in self.phases if p.name == "SHAPE probes")
+
+    @property
+    def shape_over_grpo_overlapped(self) -> float | None:
+        """:attr:`shape_over_grpo` with :attr:`probe_hidden_seconds` off the step (``--shape.entropy_source engine``)."""
+        base = self.step_seconds - self.probe_seconds
+        return (self.step_seconds - self.probe_hidden_seconds) / base if self.probe_seconds and base > 0 else None
 
     @property
     def shape_over_grpo(self) -> float | None:
@@ -610,6 +622,12 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
     plan.notes.append("CPU config (--megatron.gpus_per_rank 0): fp32, Megatron's local spec, every process in one host's RAM (--plan.host_memory_gib)")
 
 
+def _first_round_share(cfg: TrainConfig) -> float:
+    """The share of a state's probes in its first round: 1, or an adaptive rule's first round over m."""
+    rule = cfg.probe.rule()
+    return min(1.0, rule.checkpoints()[0] / cfg.probe.num_probes) if rule is not None else 1.0
+
+
 def _finish(plan: Plan, cfg: TrainConfig) -> None:
     if not plan.on_gpu:
         plan.notes.append("no step-time estimate for CPU configs: the cost model's rates describe GPUs")
@@ -628,7 +646,9 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         nodes=nodes, colocate=cfg.train.colocate_all, sleep_level=plan.options.vllm_sleep_level, opt=plan.options,
         ep=plan.ep, etp=plan.etp, sequence_parallel=bool(cfg.megatron.sequence_parallel and plan.tp > 1),
         gpus_per_node=plan.options.gpus_per_node, lengths=plan.lengths, packing=plan.packing, cp=plan.cp,
+        probe_first_round_share=_first_round_share(cfg),
     )
+    plan.engine_entropy = cfg.shape.entropy_source == "engine"
     if plan.sync is not None:  # the picked transport's estimate (planner/sync_time.py: copy rates measured on an H200)
         from openrlhf_shape.planner.sync_time import weight_sync_phase
 

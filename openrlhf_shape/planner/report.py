@@ -181,12 +181,21 @@ def step_time_lines(plan: Plan) -> list[str]:
     elif plan.shape_over_grpo:
         lines = [f"step time estimate: {plan.step_seconds:.0f} s; SHAPE/GRPO {plan.shape_over_grpo:.2f} (the probes add "
                  f"{plan.probe_seconds:.0f} s to the {plan.step_seconds - plan.probe_seconds:.0f} s of a GRPO step on "
-                 "this layout; the paper measured 1.17 at K = 8)"]
+                 "this layout; the paper measured 1.17 at K = 8)", _overlap_line(plan)]
     else:
         lines = [f"step time estimate: {plan.step_seconds:.0f} s"]
     for p in plan.phases:
         lines.append(f"  {p.seconds:8.1f} s  {p.name}: {p.how}")
     return lines
+
+
+def _overlap_line(plan: Plan) -> str:
+    """SHAPE/GRPO with each response's first probe round in the rollout's tail, and the model's inputs."""
+    on = "configured" if plan.engine_entropy else "not configured: --shape.entropy_source trainer"
+    probes = next(p for p in plan.phases if p.name == "SHAPE probes")
+    return (f"  with the probes in the rollout's tail (--shape.entropy_source engine, {on}): SHAPE/GRPO "
+            f"{plan.shape_over_grpo_overlapped:.2f} ({plan.probe_hidden_seconds:.0f} s of the probes hidden, "
+            f"{plan.probe_seconds - plan.probe_hidden_seconds:.0f} s exposed): {probes.hidden_how}")
 
 
 def weight_sync_lines(plan: Plan) -> list[str]:

@@ -176,11 +176,27 @@ class TailRun:
     returns them; ``probes``: ``(response, boundary) -> (its first probe round's samples in sample order, whether they
     were sent while rollout responses still decoded on this engine)``, response = the index in the step's batch;
     ``events``: what the engine did, in order: ``("finish", response, -1)`` when a rollout response finished,
-    ``("probe", response, boundary)`` when a state's probes were sent."""
+    ``("probe", response, boundary)`` when a state's probes were sent. The engine steps while rollout responses
+    remained: ``occupancy`` (rollout requests unfinished as the step began, running or waiting), ``step_seconds``
+    (its wall seconds), in order, each engine's after the other's; ``slots`` per engine: ``min(max_num_seqs, its
+    rollout requests)``, the batch slots the call could fill."""
 
     gens: list[Generation]
     probes: dict[tuple[int, int], tuple[list[Generation], bool]]
     events: list[tuple[str, int, int]]
+    occupancy: list[int] = dataclasses.field(default_factory=list)
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+    slots: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slots, its steps) per engine
+
+    def decode_seconds(self) -> float:
+        """Engine-seconds of the steps while rollout responses remained (summed over engines)."""
+        return sum(self.step_seconds)
+
+    def tail_seconds(self) -> float:
+        """Of :meth:`decode_seconds`, the steps in which fewer than half of their engine's slots still decoded a
+        rollout response (``2 x occupancy < slots``): the tail, where a finished response's probes find free slots."""
+        limits = [n for n, steps in self.slots for _ in range(steps)]
+        return sum(s for k, s, n in zip(self.occupancy, self.step_seconds, limits) if 2 * k < n)
 
 
 def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], max_model_len: int, max_tokens: int) -> None:
@@ -415,9 +431,14 @@ class VLLMEngine:
         rollout = {rid: r for r, rid in enumerate(self._enqueue(requests, params))}
         run, probing, sent = TailRun([None] * len(requests), {}, []), {}, set()
         engine, left = self.llm.llm_engine, len(requests)
+        run.slots.append((min(engine.vllm_config.scheduler_config.max_num_seqs, left), 0))
         try:
             while engine.has_unfinished_requests():
+                t0, before = time.perf_counter(), left
                 done = [o for o in engine.step() if o.finished]
+                if before > 0:  # a step of the rollout (a probes-only step after the last response is not)
+                    run.occupancy.append(before)
+                    run.step_seconds.append(time.perf_counter() - t0)
                 for o in done:
                     if o.request_id in probing:  # (state, sample j)
                         state, j = probing.pop(o.request_id)
@@ -440,6 +461,7 @@ class VLLMEngine:
         except BaseException:
             engine.abort_request(list(rollout) + list(probing))
             raise
+        run.slots[0] = (run.slots[0][0], len(run.occupancy))
         return run
 
     def _enqueue(self, prompts: list, params: list) -> list[str]:

@@ -337,6 +337,9 @@ class EngineGroup:
             if r is not None:
                 run.probes.update(r.probes)
                 run.events.extend(r.events)
+                run.occupancy.extend(r.occupancy)
+                run.step_seconds.extend(r.step_seconds)
+                run.slots.extend(r.slots)
         return run
 
     def _dispatch(self, prompt_token_ids, n: int, affinity_keys, method: str,

@@ -388,6 +388,9 @@ class _ProbeRun:
             "probe/overlapped_samples": float(self.overlapped),
             "probe/overlapped_tokens": float(self.overlapped_tokens),
             "probe/overlapped_share": self.overlapped / self.samples if self.samples else 0.0,
+            # the rest ran after the generate phase (its last step's probes, the ordered path, later rounds)
+            "probe/exposed_samples": float(self.samples - self.overlapped),
+            "probe/exposed_tokens": float(self.decode - self.overlapped_tokens),
         }
 
 

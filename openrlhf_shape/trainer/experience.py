@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -86,6 +87,15 @@ def slot_idle_share(lengths: Sequence[int]) -> float:
     """Of the decode slots one generate call holds (its requests x its longest response, all decoding together),
     the share that decodes nothing: requests already finished while the longest still runs (the long tail's cost)."""
     return 1.0 - sum(lengths) / (len(lengths) * max(lengths)) if lengths and max(lengths) else 0.0
+
+
+def tail_metrics(run: Any, seconds: float) -> dict[str, float]:
+    """The generate phase's engine record (``TailRun``, ``--shape.entropy_source engine``): ``rollout/tail_share``
+    (of the engines' rollout step seconds, those with fewer than half of their slots decoding) and
+    ``time/generate_engine_busy_share`` (those step seconds over engines x the phase's ``seconds``)."""
+    decode, engines = run.decode_seconds(), max(len(run.slots), 1)
+    return {"rollout/tail_share": run.tail_seconds() / decode if decode > 0 else 0.0,
+            "time/generate_engine_busy_share": min(1.0, decode / (engines * seconds)) if seconds > 0 else 0.0}
 
 
 def generated_batch(sample_items: Sequence, gens: Sequence[Generation], seconds: float,
@@ -290,8 +300,6 @@ class ShapeExperienceMaker:
         """n samples per prompt from the engines -> an :class:`ExperienceBatch` (no rewards yet); sample j of
         prompt i samples with ``request_seed(derive_seed(seed, ROLLOUT), i, j)`` when ``seed`` is given, in dynamic
         filtering's refill round r >= 1 with ``request_seed(derive_seed(seed, ROLLOUT, REFILL, r), i, j)``."""
-        import time
-
         if not items:
             raise RuntimeError("the prompt source gave no prompts to generate from")
         sampling = self.sampling
@@ -317,6 +325,7 @@ class ShapeExperienceMaker:
         out.metrics["rollout/slot_idle_share"] = slot_idle_share([len(g.token_ids) for g in gens])
         if run is not None:
             out.value.tail_probes = _tail_by_sample(run.probes, [tuple(it.prompt_ids) for it in out.value.items])
+            out.metrics.update(tail_metrics(run, seconds))
         return out
 
     def _generate_episodes(self, items: Sequence, sampling: SamplingConfig) -> PhaseOutput:
@@ -470,6 +479,7 @@ class ShapeExperienceMaker:
             return PhaseOutput(None, {})
         policy = exp.loss_mask()
         scorer = self.reward.score if self.probe_cfg.scorer == "math_verify" else self.reward
+        busy0, t0 = self.engines.clock.seconds(), time.perf_counter()
         with self.engines.during("probes"):  # named if an engine dies (EngineGroup.recover)
             pot = estimate_potentials(
                 self.engines, [s[:p] for s, p in zip(exp.sequences, exp.prompt_lens)], exp.responses,
@@ -483,6 +493,9 @@ class ShapeExperienceMaker:
                                                            for b, v in by_b.items()},
             )
         metrics = dict(pot.stats)  # probe/* under their logged names (rollout/probes.py)
+        # engines at work (any call in flight, an async schedule's other stage included) against the driver scoring
+        metrics["time/probes_engine_busy_share"] = min(1.0, (self.engines.clock.seconds() - busy0)
+                                                       / max(time.perf_counter() - t0, 1e-9))
         metrics["probe/prefill_per_response_token"] = (metrics["probe/computed_prompt_tokens"]
                                                        / max(float(exp.response_mask.sum()), 1.0))
         return PhaseOutput(pad_potentials(pot.potentials, self.shape.num_segments), metrics)

@@ -524,8 +524,9 @@ def check_resume(cfg: TrainConfig) -> None:
 
 def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
     """The one console line of a step: accuracy, length, dynamic filtering's pass rate and refill rounds (when on),
-    SHAPE segments / drop rate, loss, the rollout/trainer log-prob mismatch (mean/max |dlogp|), step time by phase,
-    time left in this run."""
+    SHAPE segments / drop rate, loss, the rollout/trainer log-prob mismatch (mean/max |dlogp|), the generate phase's
+    tail share and the probe tokens hidden in it (``--shape.entropy_source engine``), step time by phase, time left
+    in this run."""
 
     def get(key: str, fmt: str) -> str:
         v = metrics.get(key)
@@ -541,6 +542,9 @@ def step_line(step: int, num_steps: int, metrics: dict[str, Any], eta_s: float |
         seen = sorted({v for vs in metrics["rollout/response_versions"] for v in vs})
         gap += (f", tokens of v{seen[0]}..v{seen[-1]} ({get('partial/multi_version_share', '.0%')} of responses span "
                 f"syncs), probes on v{get('async/probe_version', '.0f')}")
+    if "rollout/tail_share" in metrics:  # --shape.entropy_source engine: the generate phase's tail, probes hidden in it
+        hidden = metrics.get("probe/overlapped_tokens", 0.0) / max(metrics.get("probe/tokens", 0.0), 1.0)
+        gap += f", tail {get('rollout/tail_share', '.0%')}, probe tokens hidden {hidden:.0%}"
     refill = (f", filter pass {get('rollout/filter_pass_rate', '.2f')} ({get('rollout/refill_rounds', '.0f')} refills)"
               if "rollout/refill_rounds" in metrics else "")
     return (

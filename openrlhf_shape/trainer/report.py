@@ -59,6 +59,7 @@ def write_report(run_dir: str, history: list[dict], setup_seconds: float) -> dic
         )
     lines += _sample_table(history, summary)
     lines += _instrument_table(history, summary)
+    lines += _probe_time_table(history, summary)
     with open(os.path.join(run_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -97,6 +98,30 @@ def _column_table(history: list[dict], cols: list[tuple[str, str, str]]) -> list
         cells = [format(h[key], fmt) if isinstance(h.get(key), (int, float)) else "" for key, _, fmt in cols]
         lines.append(f"| {h['step']} | " + " | ".join(cells) + " |")
     return lines
+
+
+# Where the engines' time and the probes went (issue 49; the tail columns with --shape.entropy_source engine).
+PROBE_TIME = (
+    ("time/generate_engine_busy_share", "engines busy in generate", ".0%"),
+    ("rollout/tail_share", "generate's tail", ".0%"),
+    ("time/probes_engine_busy_share", "engines busy in probes", ".0%"),
+    ("probe/overlapped_samples", "probe samples hidden", ".0f"),
+    ("probe/exposed_samples", "exposed", ".0f"),
+    ("probe/overlapped_tokens", "probe tokens hidden", ".0f"),
+    ("probe/exposed_tokens", "exposed", ".0f"),
+)
+
+
+def _probe_time_table(history: list[dict], summary: dict[str, Any]) -> list[str]:
+    """Per step: the engines' busy share of the generate and probes phases, the generate phase's tail share, and the
+    probe work done inside the generate phase (hidden) or after it (exposed); their series go to ``summary`` too."""
+    cols = [c for c in PROBE_TIME if any(isinstance(h.get(c[0]), (int, float)) for h in history)]
+    summary["probe_time"] = {key: [h.get(key) for h in history] for key, _, _ in cols}
+    if not cols:
+        return []
+    return ["", "Where the engines' time and the probes went (docs/architecture.md, \"Probes in the rollout's tail\"): "
+            "the tail is the engines' rollout steps with fewer than half of their slots decoding; hidden probe work "
+            "was sent while rollout responses still decoded, exposed work ran after.", ""] + _column_table(history, cols)
 
 
 # The advantage instruments (issue 23) as (metric, column title, format); a column shows when any step logged it.

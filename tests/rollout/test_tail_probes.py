@@ -112,6 +112,9 @@ def _assert_tail_equals_ordered(group, prompts, tiny_tokenizer, cfg):
     assert [g.token_ids for g in run.gens] == [g.token_ids for g in ordered]
     assert [g.entropies for g in run.gens] == [g.entropies for g in ordered]
     assert _cuts(seg, run.gens) == cuts and sum(map(len, cuts)) >= len(ordered) // 2
+    # each engine's record of its rollout steps, joined engine after engine (slots: its share's requests here)
+    assert sum(steps for _, steps in run.slots) == len(run.occupancy) == len(run.step_seconds)
+    assert sum(n for n, _ in run.slots) == len(run.gens) and 0 <= run.tail_seconds() <= run.decode_seconds()
     # every state probed once: each response's cut points, and the prompt alone once per prompt (its first response)
     assert set(run.probes) == {(i, b) for i, bs in enumerate(cuts) for b in bs} | {(p * N, 0) for p in range(3)}
     first_round = TailProbes.of(seg, suffixes, cfg, STREAM).samples
@@ -152,3 +155,34 @@ def test_probes_are_sent_while_the_rest_of_the_batch_decodes(group, prompts, tin
     assert pot.stats["probe/overlapped_samples"] == len(early) * cfg.num_probes
     assert pot.stats["probe/overlapped_tokens"] == sum(len(g.token_ids) for s in early for g in run.probes[s][0])
     assert 0 < pot.stats["probe/overlapped_share"] < 1 + 1e-9
+    # hidden (sent while rollout responses decoded) + exposed (after) = all the step's probe work
+    assert pot.stats["probe/overlapped_samples"] + pot.stats["probe/exposed_samples"] == pot.stats["probe/samples"]
+    assert pot.stats["probe/overlapped_tokens"] + pot.stats["probe/exposed_tokens"] == pot.stats["probe/tokens"]
+    assert pot.stats["probe/exposed_samples"] > 0  # the probes of the responses that finished in the last step
+
+
+def test_the_engine_counts_its_rollout_steps_and_the_tail(group, prompts, tiny_tokenizer):
+    """The engine's record of its steps (issue 49 item 3): one entry per engine step while rollout responses
+    remained, their count as the step began; the tail is the steps with fewer than half of the call's slots
+    decoding, and its share of the step seconds is what the generate phase logs (``rollout/tail_share``)."""
+    from openrlhf_shape.trainer.experience import tail_metrics
+
+    cfg = ProbeConfig(num_probes=2, max_tokens=4)
+    suffixes, seg = ProbeSuffixes.from_tokenizer(tiny_tokenizer, cfg), get_segmentation(SHAPE, tiny_tokenizer)
+    run = group.generate_with_probes(prompts, _sampling(seed=8), TailProbes.of(seg, suffixes, cfg, STREAM))
+    lengths = sorted(len(g.token_ids) for g in run.gens)
+    assert run.slots == [(len(run.gens), len(run.occupancy))]  # 9 requests, under vLLM's max_num_seqs
+    assert len(run.step_seconds) == len(run.occupancy) and all(s >= 0 for s in run.step_seconds)
+    assert run.occupancy[0] == len(run.gens) and run.occupancy[-1] >= 1
+    assert all(a >= b for a, b in zip(run.occupancy, run.occupancy[1:]))
+    # the longest response needs a step per token; every unfinished request is counted at every step
+    assert len(run.occupancy) >= lengths[-1] and sum(run.occupancy) >= sum(lengths)
+    finishes = sum(1 for e in run.events if e[0] == "finish")
+    assert finishes == len(run.gens) == run.occupancy[0]
+    tail = sum(s for k, s in zip(run.occupancy, run.step_seconds) if 2 * k < len(run.gens))
+    assert run.tail_seconds() == tail and 0 < tail <= run.decode_seconds()
+    assert lengths[len(lengths) // 2] < lengths[-1]  # more than half finished before the last: a tail
+    m = tail_metrics(run, sum(run.step_seconds))
+    assert m["rollout/tail_share"] == tail / run.decode_seconds() and 0 < m["rollout/tail_share"] < 1
+    assert m["time/generate_engine_busy_share"] == 1.0  # one engine, stepping the whole call
+    assert 0 < tail_metrics(run, 2 * sum(run.step_seconds))["time/generate_engine_busy_share"] <= 0.5 + 1e-9

@@ -65,7 +65,8 @@ def _run(parts, tokenizer, tail: bool, staleness: int) -> list[tuple]:
 
 
 def _timing_or_overlap(key: str) -> bool:
-    return (key.startswith(("time/", "probe/tail_", "probe/overlapped_")) or "seconds" in key
+    return (key.startswith(("time/", "probe/tail_", "probe/overlapped_", "probe/exposed_")) or "seconds" in key
+            or key == "rollout/tail_share"
             or key.endswith("_per_s") or key == "async/probe_version")
 
 
@@ -80,6 +81,13 @@ def test_tail_probes_leave_the_steps_as_the_ordered_path_makes_them(parts, tiny_
         assert t_m["probe/tail_samples"] < t_m["probe/samples"] + 1e-9
         assert o_m["probe/overlapped_samples"] == 0 and t_m["probe/overlapped_tokens"] >= 0
         assert len({len(r) for r in t_exp.responses}) > 1  # responses finished at different steps
+        # where the time went (issue 49 item 3): hidden + exposed = all, shares in [0, 1], no tail without the tail
+        for m in (t_m, o_m):
+            assert m["probe/overlapped_samples"] + m["probe/exposed_samples"] == m["probe/samples"]
+            assert m["probe/overlapped_tokens"] + m["probe/exposed_tokens"] == m["probe/tokens"]
+            assert 0 <= m["time/probes_engine_busy_share"] <= 1
+        assert 0 < t_m["rollout/tail_share"] < 1 and 0 < t_m["time/generate_engine_busy_share"] <= 1
+        assert "rollout/tail_share" not in o_m and o_m["probe/exposed_samples"] == o_m["probe/samples"]
         keys = {k for k in t_m if not _timing_or_overlap(k)}
         assert keys == {k for k in o_m if not _timing_or_overlap(k)}
         assert {k: t_m[k] for k in keys} == {k: o_m[k] for k in keys}
