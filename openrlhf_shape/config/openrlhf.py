@@ -156,8 +156,8 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        f"architecture); unset: the actor's path (OpenRLHF: a reward model's when one is given); {_CRITIC}"),
     _f("critic.value_clip", 0.5, SAME, why=f"the value loss's clip (OpenRLHF's ValueLoss); {_CRITIC}",
        checked_by=(_T_VALUE_LOSS,)),
-    _f("critic.freezing_steps", -1, SAME, why=f"the actor does not train on steps 1..N while the critic warms up; "
-       f"{_CRITIC}"),
+    _f("critic.freezing_steps", -1, SAME, why="the actor does not train while the critic warms up: as OpenRLHF "
+       f"0.11.2, N >= 0 freezes it for the first N + 1 steps (its step count starts at 0), -1 never; {_CRITIC}"),
     _f("critic.save_value_network", False, SAME, why=f"also save the critic's final weights; {_CRITIC}"),
     *_critic_optim(),
     _f("actor.num_nodes", 1, OWN, why=_ACTOR_RANKS),

@@ -194,7 +194,7 @@ class CriticSection(RefSection):
 
     model_name_or_path: str | None = None  # unset: the actor's (OpenRLHF: a reward model's when given, else the actor's)
     value_clip: float = 0.5  # the value may move this far from its old value before its gradient is held (ValueLoss)
-    freezing_steps: int = -1  # the actor does not train on steps 1..N while the critic warms up; -1 (or 0): never
+    freezing_steps: int = -1  # as OpenRLHF 0.11.2: N >= 0 freezes the actor for the first N + 1 steps; -1: never
     save_value_network: bool = False  # also save the critic's final weights (HF format) with the run
     adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=9e-6))
     lr_scheduler: str = "cosine_with_min_lr"
