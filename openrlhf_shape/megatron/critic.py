@@ -8,13 +8,12 @@ the rank's :class:`~openrlhf_shape.megatron.state.ActorState`, run inside the wo
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from openrlhf_shape.actor.batching import MicroBatch
 from openrlhf_shape.actor.critic_loss import CRITIC_KEYS, critic_masks, critic_metrics, micro_batch_value_loss
 from openrlhf_shape.batch import ValueBatch
 from openrlhf_shape.megatron.state import ActorState
-from openrlhf_shape.megatron.step import holds_results, optimizer_update, plan, run_schedule
+from openrlhf_shape.megatron.step import plan, run_schedule, summed_update
 from openrlhf_shape.megatron.value import state_values
 
 
@@ -37,13 +36,5 @@ def train_values(state: ActorState, batch: ValueBatch, *, value_clip: float | No
     state.model.zero_grad_buffer()
     state.optimizer.zero_grad()
     store = run_schedule(state, mbs, loss_fn, forward_only=False)
-    sums = torch.zeros(len(CRITIC_KEYS), dtype=torch.float64)
-    if holds_results() and shard:
-        for rec in store:
-            for j, k in enumerate(CRITIC_KEYS):
-                sums[j] += float(rec[k])
-    sums = sums.to(state.device)
-    dist.all_reduce(sums)  # results live on one rank per DP replica; others add zeros
-    sums = sums.cpu()
-    ok, grad_norm, lr = optimizer_update(state, loss_finite=sums[CRITIC_KEYS.index("nonfinite")].item() == 0)
+    sums, ok, grad_norm, lr = summed_update(state, store, bool(shard), CRITIC_KEYS)
     return critic_metrics(sums, grad_norm=grad_norm, lr=lr, ok=ok, step=state.step)

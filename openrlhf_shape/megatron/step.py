@@ -220,16 +220,26 @@ def train_step(state: ActorState, batch: TrainBatch) -> dict:
     routing = routing_for_pass(state.routing, state.cfg.routing_replay, batch, update=True)
     with routing.active() if routing else contextlib.nullcontext():
         store = run_schedule(state, mbs, loss_fn, forward_only=False, routing=routing)
-    sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
-    if holds_results() and shard:
+    sums, ok, grad_norm, lr_used = summed_update(state, store, bool(shard), METRIC_KEYS)
+    return step_metrics(sums, grad_norm=grad_norm, lr=lr_used, ok=ok, step=state.step)
+
+
+def summed_update(state: ActorState, store: list, has_shard: bool,
+                  keys: tuple[str, ...]) -> tuple[torch.Tensor, bool, float, float]:
+    """The end of a training pass (the policy's and the critic's): the micro-batches' records of ``store`` summed per
+    ``keys`` over the whole world (results live on one rank per DP replica; the others add zeros), then the
+    optimizer step unless ``nonfinite`` is counted. Returns the sums ``[len(keys)]`` float64 on CPU, applied,
+    grad norm, LR."""
+    sums = torch.zeros(len(keys), dtype=torch.float64)
+    if holds_results() and has_shard:
         for rec in store:
-            for j, k in enumerate(METRIC_KEYS):
+            for j, k in enumerate(keys):
                 sums[j] += float(rec[k])
     sums = sums.to(state.device)
-    dist.all_reduce(sums)  # results live on one rank per DP replica; others add zeros
+    dist.all_reduce(sums)
     sums = sums.cpu()
-    ok, grad_norm, lr_used = optimizer_update(state, loss_finite=sums[METRIC_KEYS.index("nonfinite")].item() == 0)
-    return step_metrics(sums, grad_norm=grad_norm, lr=lr_used, ok=ok, step=state.step)
+    ok, grad_norm, lr = optimizer_update(state, loss_finite=sums[keys.index("nonfinite")].item() == 0)
+    return sums, ok, grad_norm, lr
 
 
 def optimizer_update(state: ActorState, *, loss_finite: bool) -> tuple[bool, float, float]:
