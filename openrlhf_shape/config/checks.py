@@ -211,14 +211,19 @@ def _check_kl(cfg: "TrainConfig", mp: int) -> None:
     cfg.kl_penalty(), cfg.kl_controller()  # estimator, unbiased_gradient; init_coef, target, horizon (errors name the flag)
     if not k.enabled:
         return
-    world, ref = cfg.actor.world_size, cfg.ref.world_size(cfg.actor.world_size)
-    _need(ref >= 1 and ref % mp == 0, "ref.num_gpus_per_node",
-          f"the reference runs the actor's layout, so its {ref} ranks (--ref.num_nodes x --ref.num_gpus_per_node) must "
-          f"be a multiple of TP x PP x CP = {mp}")
-    _need(not cfg.train.colocate_all or ref == world, "ref.num_gpus_per_node",
-          f"with --train.colocate_all the reference shares the actor's GPUs one for one: --ref.num_nodes x "
-          f"--ref.num_gpus_per_node = {ref} must equal --actor.num_nodes x --actor.num_gpus_per_node = {world} "
-          "(or leave both --ref.* unset)")
+    _check_side_ranks(cfg, "the reference", "ref", cfg.ref.world_size(cfg.actor.world_size), mp, "--ref.*")
+
+
+def _check_side_ranks(cfg: "TrainConfig", part: str, section: str, ranks: int, mp: int, unset: str) -> None:
+    """A forward-only rank group on the actor's layout (the reference, the reward model): ``ranks``
+    (``--<section>.num_nodes`` x ``num_gpus_per_node``) a multiple of TP x PP x CP ``mp``; colocated, one per actor
+    rank."""
+    world, flags = cfg.actor.world_size, f"--{section}.num_nodes x --{section}.num_gpus_per_node"
+    _need(ranks >= 1 and ranks % mp == 0, f"{section}.num_gpus_per_node",
+          f"{part} runs the actor's layout, so its {ranks} ranks ({flags}) must be a multiple of TP x PP x CP = {mp}")
+    _need(not cfg.train.colocate_all or ranks == world, f"{section}.num_gpus_per_node",
+          f"with --train.colocate_all {part} shares the actor's GPUs one for one: {flags} = {ranks} must equal "
+          f"--actor.num_nodes x --actor.num_gpus_per_node = {world} (or leave both {unset} unset)")
 
 
 def _check_reward_model(cfg: "TrainConfig", mp: int, check_paths: bool) -> None:
@@ -234,14 +239,7 @@ def _check_reward_model(cfg: "TrainConfig", mp: int, check_paths: bool) -> None:
           "function or server scores decoded queries")
     _need(not check_paths or r.model_name_or_path == "demo" or os.path.isdir(r.model_name_or_path),
           "reward.model_name_or_path", f"{r.model_name_or_path} is not a reward model directory (OpenRLHF's format)")
-    rms = r.world_size(world)
-    _need(rms >= 1 and rms % mp == 0, "reward.num_gpus_per_node",
-          f"the reward model runs the actor's layout, so its {rms} ranks (--reward.num_nodes x "
-          f"--reward.num_gpus_per_node) must be a multiple of TP x PP x CP = {mp}")
-    _need(not cfg.train.colocate_all or rms == world, "reward.num_gpus_per_node",
-          f"with --train.colocate_all the reward model shares the actor's GPUs one for one: --reward.num_nodes x "
-          f"--reward.num_gpus_per_node = {rms} must equal --actor.num_nodes x --actor.num_gpus_per_node = {world} "
-          "(or leave both --reward.num_* unset)")
+    _check_side_ranks(cfg, "the reward model", "reward", r.world_size(world), mp, "--reward.num_*")
 
 
 def _check_reward_shaping(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
