@@ -25,7 +25,7 @@ and whether its segmentation statistics equal the trainer arm's of the same repe
 equal cuts give equal statistics; ``bench_engine_entropy.py`` compares the cut points themselves). Issue 49's
 goal is SHAPE <= 1.05x GRPO on the demo; it says met or not per SHAPE arm. The load average is printed at the
 start and the end; results go to ``<out>/bench_step_time.json`` and ``<out>/bench_step_time.md``. Each run's
-final checkpoint is deleted once its metrics are read (12 runs would hold ~25 GiB of them).
+final checkpoint (model and optimizer state) is deleted once its metrics are read: only they are needed.
 
 Run: ``.venv/bin/python benchmarks/bench_step_time.py [--steps 3] [--repeats 3] [--variants demo,long]
 [--entropy-source trainer[,engine]] [--shape-flags "..."] [--out DIR] [extra dotted flags for every run]``
@@ -64,8 +64,8 @@ TIMED = tuple(p for p in PHASES if p not in NOT_TRAINING)
 FIGURES = ("rollout/tokens", "rollout/response_length/mean", "rollout/response_length/max", "rollout/truncated_rate",
            "rollout/slot_idle_share", "rollout/tail_share", "time/generate_engine_busy_share", "probe/requests",
            "probe/rounds", "probe/samples_per_state", "probe/tokens", "probe/tokens_saved", "probe/generate_seconds",
-           "probe/score_seconds", "probe/unique_answers", "probe/overlapped_tokens", "probe/exposed_tokens",
-           "probe/overlapped_share", "rollout/mismatch/entropy_abs_diff")
+           "probe/score_seconds", "probe/unique_answers", "probe/tail_samples", "probe/overlapped_tokens",
+           "probe/exposed_tokens", "probe/overlapped_share", "rollout/mismatch/entropy_abs_diff")
 SEGMENT_KEYS = ("shape/segments_per_response/", "shape/segment_length/")
 
 
@@ -122,7 +122,7 @@ def same_segmentation(a: Sequence[dict], b: Sequence[dict], tol: float = 1e-6) -
     by_a, by_b = {r["step"]: r for r in a}, {r["step"]: r for r in b}
     out = []
     for step in sorted(set(by_a) & set(by_b)):
-        keys = {k for k in by_a[step] if k.startswith(SEGMENT_KEYS)} | {k for k in by_b[step] if k.startswith(SEGMENT_KEYS)}
+        keys = {k for row in (by_a[step], by_b[step]) for k in row if k.startswith(SEGMENT_KEYS)}
         out.append(bool(keys) and all(k in by_a[step] and k in by_b[step]
                                       and abs(float(by_a[step][k]) - float(by_b[step][k])) <= tol for k in keys))
     return out
@@ -209,9 +209,12 @@ def run_variant(name: str, args: argparse.Namespace, common: list[str], out_root
 # ---------------------------------------------------------------------------- the report
 PHASE_LABELS = {"generate": "generate (with the probes in the tail)", "probes": "probes (exposed)",
                 "logprobs": "log-probs"}
-FIGURE_LABELS = {"rollout/tail_share": "generate's tail share", "probe/overlapped_tokens": "probe tokens hidden",
-                 "probe/exposed_tokens": "probe tokens exposed", "probe/overlapped_share": "probe samples hidden (share)",
-                 "rollout/mismatch/entropy_abs_diff": "mean |H engine - H trainer| (nats)"}
+FIGURE_LABELS = {"rollout/tail_share": "generate's tail share",
+                 "probe/tail_samples": "probe samples drawn in the generate call",
+                 "probe/overlapped_tokens": "probe tokens hidden",
+                 "probe/exposed_tokens": "probe tokens exposed",
+                 "probe/overlapped_share": "probe samples hidden (share)",
+                 "rollout/mismatch/entropy_abs_diff": "mean abs(H engine - H trainer), nats"}
 
 
 def _fmt(v: float | None, spec: str = ".2f") -> str:
@@ -230,7 +233,7 @@ def variant_markdown(name: str, res: dict[str, Any]) -> list[str]:
                    f"{[round(r['step_seconds'], 1) for r in runs]} | {_fmt(c and c['ratio'])} | "
                    f"{', '.join(f'{x:.2f}' for x in c['pair_ratios']) if c else ''} |")
     arms = list(comps)
-    out += ["", "| phase (median s) | " + " | ".join(f"{a} | - grpo" for a in arms) + " | grpo |",
+    out += ["", "| phase (median s) | " + " | ".join(f"{a} | {a} - grpo" for a in arms) + " | grpo |",
             "| --- |" + " ---: | ---: |" * len(arms) + " ---: |"]
     for p in TIMED:
         if any(abs(c["shape_phases"][p]) + abs(c["grpo_phases"][p]) >= 0.005 for c in comps.values()):
@@ -274,7 +277,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--long-prompts", type=int, default=4, help="the long variant's --rollout.batch_size")
     ap.add_argument("--shape-flags", default="", help="extra dotted flags for the SHAPE runs only")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
-    ap.add_argument("--smoke", action="store_true", help="tiny random Qwen3, parity reward (long: 64 tokens, 2 prompts)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny random Qwen3, parity reward (long: 64 tokens, 2 prompts)")
     ap.add_argument("--out", default=None, help="runs, bench_step_time.json and .md (default: a temp dir)")
     args, extra = ap.parse_known_args()
     args.extra = extra  # dotted flags for every run
