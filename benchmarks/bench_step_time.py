@@ -40,6 +40,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -176,7 +177,7 @@ def launch(flags: list[str], out_dir: str, timeout_s: float) -> tuple[list[dict]
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
     wall = time.time() - t0
     shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)
