@@ -9,7 +9,8 @@ its forward (its ``values`` phase); a reward model only weights and the forward'
 parameters are counted as the policy's (an overestimate by ``vocab x hidden / TP`` on the last stage when the
 embeddings are untied), and the log-prob scratch is not (a value head has no vocabulary). Time: the critic's
 forward over every token (its values, when the batch is made) and its update (forward and backward per epoch),
-each over its own GPUs; a reward model's forward over every sequence.
+each over its own GPUs; a reward model's forward over every sequence (and the probes' when it judges them), in the
+rewards' place of the step, plus its weights' trips over PCIe when they live on host between forwards.
 """
 
 from __future__ import annotations
@@ -81,12 +82,17 @@ def critic_time(model: ModelShape, *, world: int, total_tokens: float, seq: floa
     return out
 
 
-def reward_model_time(model: ModelShape, *, world: int, total_tokens: float, seq: float, opt: PlanOptions) -> Phase:
-    """A reward model's forward of every sequence over its ``world`` GPUs."""
+def reward_model_time(model: ModelShape, *, world: int, total_tokens: float, seq: float, opt: PlanOptions,
+                      moved_bytes: int = 0) -> Phase:
+    """A reward model's forward of every sequence over its ``world`` GPUs, and ``moved_bytes`` (one rank's weights,
+    kept on host outside the forward: colocated or ``--reward.offload``) to the GPU and back over PCIe; in the
+    rewards' place of the one-step-off schedule."""
     f = flops_per_token(model, seq, backward=False, recompute=False)
-    return Phase("reward model", total_tokens * f / (world * opt.peak_tflops * 1e12 * opt.mfu),
-                 f"{total_tokens:,.0f} tokens x {f / 1e9:.1f} GFLOP/token / ({world} GPUs x {opt.peak_tflops:g} "
-                 f"TFLOPS x MFU {opt.mfu})")
+    t = total_tokens * f / (world * opt.peak_tflops * 1e12 * opt.mfu) + 2 * moved_bytes / (opt.pcie_gbs * 1e9)
+    how = (f"{total_tokens:,.0f} tokens x {f / 1e9:.1f} GFLOP/token / ({world} GPUs x {opt.peak_tflops:g} TFLOPS x "
+           f"MFU {opt.mfu})" + (f" + weights on and off the GPU 2 x {moved_bytes / 1e9:.2f} GB at {opt.pcie_gbs:g} GB/s"
+                                if moved_bytes else ""))
+    return Phase("reward model", t, how, parts=(("rewards", t),))
 
 
 def value_head_problem(path: str, prefix: str = VALUE_HEAD_PREFIX, *, normalize: bool = False) -> str | None:
