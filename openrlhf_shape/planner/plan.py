@@ -13,7 +13,10 @@ Phases per GPU (what our trainer does, in order):
 With a reference model (``--algo.kl.init_coef`` > 0, :mod:`openrlhf_shape.planner.reference`): colocated, every
 phase also holds the reference rank's process (CUDA context, NCCL) and a ``reference log-probs`` phase follows
 the log-probs one (its weights and forward on the GPU, the actor back in its rollout state, vLLM awake);
-disaggregated, the reference GPUs have that phase of their own.
+disaggregated, the reference GPUs have that phase of their own. A reward model (``--reward.model_name_or_path``)
+likewise: colocated, its process in every phase, its weights on host, and a ``reward model`` phase after the rollout
+(its forward; the actor in its rollout state, vLLM awake); disaggregated, a phase on its own GPUs. Its forward takes
+the rewards' place in the step time.
 
 Disaggregated (no colocation), rank GPUs and engine GPUs are separate and each only holds its own.
 """
