@@ -39,15 +39,16 @@ def value_model_report(cfg) -> list[tuple[str, str | None]]:
     """``(flag, problem or None)`` for each value model the run starts from a directory: the critic (estimators with
     a critic; none to check when it starts from the actor's path, where OpenRLHF initialises a fresh value head) and
     a reward model (``--reward.model_name_or_path`` when the config has it): the directory exists and holds
-    OpenRLHF's value head (planner/value_models.py: ``score.weight`` of ``[1, hidden_size]`` by default)."""
+    OpenRLHF's value head (planner/value_models.py: ``<prefix>.weight`` of ``[1, hidden_size]``, the prefix config.json's
+    or ``--ds.value_head_prefix``) and, for the reward model under ``--reward.normalize_enable``, its mean and std."""
     from openrlhf_shape.planner.value_models import value_head_problem
 
     paths = []
     if cfg.advantage_estimator().needs_critic and cfg.critic_model_path() != cfg.actor.model_name_or_path:
-        paths.append(("critic.model_name_or_path", cfg.critic_model_path()))
+        paths.append(("critic.model_name_or_path", cfg.critic_model_path(), False))
     for path in filter(None, str(getattr(cfg.reward, "model_name_or_path", None) or "").split(",")):
-        paths.append(("reward.model_name_or_path", path))
-    return [(flag, value_head_problem(path)) for flag, path in paths]
+        paths.append(("reward.model_name_or_path", path, cfg.reward.normalize_enable))
+    return [(flag, value_head_problem(path, cfg.ds.value_head_prefix, normalize=norm)) for flag, path, norm in paths]
 
 
 def run(args: argparse.Namespace) -> int:

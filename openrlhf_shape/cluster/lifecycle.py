@@ -25,9 +25,10 @@ resets) happen; the same calls are made with no sleep/offload.
 The reference model (``refs``, with ``--algo.kl.init_coef`` > 0) has parameters only. Colocated it is offloaded
 at the start and onloaded only around its own forward in phase 2 (``ref_logprobs``, right after the actor's
 parameters went back to host), so it is in host memory while the engines generate and probe, during the update
-and the sync; not colocated it stays on its own GPUs. The reward model (``rms``, with
-``--reward.model_name_or_path``) is handled the same way around its own forward (``reward_values``, in the rewards
-phase, while the engines are awake).
+and the sync; not colocated it stays on its own GPUs unless ``--ref.offload`` keeps it on host there too, onloaded
+around its forward alone. The reward model (``rms``, with ``--reward.model_name_or_path``) is handled the same way
+around its own forward (``reward_values``, in the rewards phase, while the engines are awake), ``--reward.offload``
+its flag.
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ class Lifecycle:
         colocate: engines share the ranks' GPUs.
         refs: the reference model's ``RankGroup`` (forward only; on the ranks' GPUs when colocated), or None.
         rms: the reward model's ``RankGroup`` (forward only, the same), or None.
+        ref_offload, rm_offload: ``--ref.offload`` / ``--reward.offload``: that group's parameters stay in host memory
+            except during its own forward even when not colocated (colocated they always do).
     """
 
-    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool, refs=None, rms=None):
+    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool, refs=None, rms=None,
+                 ref_offload: bool = False, rm_offload: bool = False):
         self.ranks = ranks
         self.refs = refs  # the reference model's RankGroup (None without KL)
         self.rms = rms  # the reward model's RankGroup (None without --reward.model_name_or_path)
@@ -61,6 +65,8 @@ class Lifecycle:
         self.sync = sync
         self.bucket_bytes = int(bucket_bytes)
         self.colocate = bool(colocate)
+        # forward-only groups kept on host outside their forward, by name in events
+        self.on_host = {"reference": self.colocate or bool(ref_offload), "reward": self.colocate or bool(rm_offload)}
         self.events: list[str] = []
         self.phase = "init"
 
@@ -69,13 +75,13 @@ class Lifecycle:
         return fn(*args)
 
     def start(self) -> None:
-        """After start-up: engines loaded the initial weights themselves; Megatron to host."""
+        """After start-up: engines loaded the initial weights themselves; Megatron to host (colocated), and the
+        forward-only groups kept on host (:attr:`on_host`)."""
         if self.colocate:
             self._do("megatron.offload(all)", self.ranks.offload_states, ALL_STATES)
-            if self.refs is not None:
-                self._do("reference.offload(params)", self.refs.offload_states, ("params",))
-            if self.rms is not None:
-                self._do("reward.offload(params)", self.rms.offload_states, ("params",))
+        for who, group in (("reference", self.refs), ("reward", self.rms)):
+            if group is not None and self.on_host[who]:
+                self._do(f"{who}.offload(params)", group.offload_states, ("params",))
         self.phase = "rollout"
 
     # ---- forward for old log-probs ----------------------------------------------------------------
@@ -96,26 +102,29 @@ class Lifecycle:
 
     def ref_logprobs(self, batch) -> Any:
         """The reference model's log-probs of ``batch`` (a :class:`~openrlhf_shape.batch.LogProbs`; the maker's
-        ``ref_logprobs_fn``); colocated, its parameters are on the device only for this forward."""
+        ``ref_logprobs_fn``); colocated or with ``--ref.offload``, its parameters are on the device only for this
+        forward."""
         if self.refs is None:
             raise RuntimeError("no reference model runs (--algo.kl.init_coef 0)")
         return self._forward_only("reference", self.refs, self.refs.compute_logprobs_and_entropy, batch)
 
     def reward_values(self, batch) -> Any:
         """The reward model's state values of ``batch`` (a :class:`~openrlhf_shape.batch.SequenceBatch`; per sample
-        ``[R + 1]``, the last its score); colocated, its parameters are on the device only for this forward."""
+        ``[R + 1]``, the last its score); colocated or with ``--reward.offload``, its parameters are on the device only
+        for this forward."""
         if self.rms is None:
             raise RuntimeError("no reward model runs (--reward.model_name_or_path unset)")
         return self._forward_only("reward", self.rms, self.rms.compute_values, batch)
 
     def _forward_only(self, who: str, group, fn, batch) -> Any:
-        """``fn(batch)`` on a forward-only group (``who``: its name in :attr:`events`), onloaded around it."""
-        if self.colocate:
+        """``fn(batch)`` on a forward-only group (``who``: its name in :attr:`events`), onloaded around it when it is
+        kept on host (:attr:`on_host`)."""
+        if self.on_host[who]:
             self._do(f"{who}.onload(params)", group.onload_states, ("params",))
         try:
             return self._do(f"{who}.forward", fn, batch)
         finally:
-            if self.colocate:
+            if self.on_host[who]:
                 self._do(f"{who}.offload(params)", group.offload_states, ("params",))
 
     # ---- update -------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
         placement.remove()
         raise
     lifecycle = Lifecycle(ranks, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate, refs=refs,
-                          rms=rms)
+                          rms=rms, ref_offload=cfg.ref.offload, rm_offload=cfg.reward.offload)
     if not cfg.train.async_enable:  # the ranks hold the engines' weights until the update: a replacement gets them
         engines.restore_weights = lifecycle.restore_engine
     return ClusterRuntime(plan, placement, platform, ranks, engines, sync, lifecycle, refs, rms)

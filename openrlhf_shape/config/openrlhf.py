@@ -55,8 +55,9 @@ _REF_RANKS = ("the reference model's ranks (started when --algo.kl.init_coef > 0
               "the actor's backend and TP/PP layout, on the actor's GPUs under --train.colocate_all, else on their own")
 _ACTOR_RANKS = ("ranks = num_nodes x num_gpus_per_node = TP x PP x CP x DP; both unset: one rank, so a bare command "
                 "runs on one GPU or the CPU (the demo); one unset: OpenRLHF's 1 node / 8 GPUs per node")
-_REF_OFFLOAD = ("under --train.colocate_all the colocation lifecycle keeps the reference's parameters in host memory "
-                "except during its forward; without it they stay on the reference's own GPUs; drop it")
+_OFFLOAD = ("parameters in host memory except during its own forward, also on GPUs of its own (under "
+            "--train.colocate_all they always are): the colocation lifecycle moves them to the GPU whole for the "
+            "forward and back after it (OpenRLHF: DeepSpeed's ZeRO-3 parameter offload, fetched layer by layer)")
 _REF_COLOCATE = ("the reference shares the actor's GPUs under --train.colocate_all (offloaded by the colocation "
                  "lifecycle); without it, it runs on its own GPUs (--ref.num_nodes x --ref.num_gpus_per_node)")
 _RM = ("an OpenRLHF-format reward model (base model + value head, config.json's mean/std) on ranks of its own: it "
@@ -65,8 +66,6 @@ _RM = ("an OpenRLHF-format reward model (base model + value head, config.json's 
        "lie in [0, 1]) and the probes are scored by it too under --probe.scorer auto; not with --reward.remote_url")
 _RM_RANKS = ("the reward model's ranks (unset: as many as the actor's): the actor's backend and TP/PP layout, on the "
              "actor's GPUs under --train.colocate_all, else on their own")
-_RM_OFFLOAD = ("under --train.colocate_all the colocation lifecycle keeps the reward model's parameters in host "
-               "memory except during its forward; without it they stay on its own GPUs; drop it")
 _DS = "not a switch of this trainer's DeepSpeed backend (--actor.backend deepspeed: ZeRO 0-3, adam offload, bf16/fp32, gradient checkpointing)"
 _NO_VLM = "text-only: vision-language models are not supported"
 _NO_LORA = "LoRA / 4-bit loading are not supported on either backend: full fine-tuning"
@@ -145,10 +144,10 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     # ---- placement: Ray actor groups
     _f("ref.num_nodes", 1, OWN, why=_REF_RANKS),
     _f("ref.num_gpus_per_node", 8, OWN, why=_REF_RANKS),
-    _f("ref.offload", False, REFUSED, why=_REF_OFFLOAD),
+    _f("ref.offload", False, SAME, why=f"the reference model's {_OFFLOAD}"),
     _f("reward.num_nodes", 1, OWN, why=_RM_RANKS),
     _f("reward.num_gpus_per_node", 8, OWN, why=_RM_RANKS),
-    _f("reward.offload", False, REFUSED, why=_RM_OFFLOAD),
+    _f("reward.offload", False, SAME, why=f"the reward model's {_OFFLOAD}"),
     _f("reward.model_name_or_path", None, SAME, why=_RM),
     _f("critic.num_nodes", 1, OWN, why=_CRITIC_RANKS),
     _f("critic.num_gpus_per_node", 8, OWN, why=_CRITIC_RANKS),
@@ -254,8 +253,9 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
        "docs/context_parallel.md); on Megatron use --megatron.context_parallel_size"),
     _f("ds.ring_attn_head_stride", 1, SAME, why="KV heads all-gathered at once under --ds.ring_attn_size (must divide the "
        "model's KV heads)"),
-    _f("ds.value_head_prefix", "score", REFUSED, why="a value head here is read under OpenRLHF's default key prefix, "
-       "score (doctor checks it); another prefix comes with the critic's and reward model's rank groups (issue 50)"),
+    _f("ds.value_head_prefix", "score", SAME, why="the value head's name (<prefix>.weight) of the reward model and the "
+       "critic when their config.json names none (its value_head_prefix wins, as in OpenRLHF), on either backend; a "
+       "saved critic writes its head under it; doctor checks the head there"),
     _f("ds.load_in_4bit", False, REFUSED, why=_NO_LORA),
     _f("ds.lora.rank", 0, REFUSED, why=_NO_LORA),
     _f("ds.lora.alpha", 16, REFUSED, why=_NO_LORA),

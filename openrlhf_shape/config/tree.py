@@ -167,27 +167,35 @@ class ActorSection(OptimSettings):
 
 
 @dataclass
-class RefSection:
-    """``--ref.*``: the reference model's ranks, started only when ``--algo.kl.init_coef`` > 0 (the initial
-    weights, forward only, the actor's backend and TP/PP/EP layout). Under ``--train.colocate_all`` they share the
-    actor's GPUs (so they must be as many: OpenRLHF's rule); otherwise they get their own."""
+class SideRanks:
+    """The rank count of a model beside the actor (the reference, the critic): ranks = num_nodes x
+    num_gpus_per_node (both unset: as many as the actor's; one unset: 1 node / 8 GPUs per node)."""
 
-    # ranks = num_nodes x num_gpus_per_node (both unset: as many as the actor's; one unset: 1 node / 8 GPUs per node)
     num_nodes: int | None = None
     num_gpus_per_node: int | None = None
 
     def world_size(self, actor_world: int) -> int:
-        """Reference ranks; ``actor_world`` when neither flag is given."""
+        """Its ranks; ``actor_world`` when neither flag is given."""
         if self.num_nodes is None and self.num_gpus_per_node is None:
             return actor_world
         return (self.num_nodes or 1) * (self.num_gpus_per_node or 8)
+
+
+@dataclass
+class RefSection(SideRanks):
+    """``--ref.*``: the reference model's ranks, started only when ``--algo.kl.init_coef`` > 0 (the initial
+    weights, forward only, the actor's backend and TP/PP/EP layout). Under ``--train.colocate_all`` they share the
+    actor's GPUs (so they must be as many: OpenRLHF's rule); otherwise they get their own."""
+
+    # its parameters in host memory except during its own forward, colocated or not (OpenRLHF's --ref.offload)
+    offload: bool = False
 
 
 _CRITIC_OPTIM = ("adam", "lr_scheduler", "lr_warmup_ratio", "lr_warmup_steps", "min_lr", "min_lr_ratio", "max_norm")
 
 
 @dataclass
-class CriticSection(RefSection):
+class CriticSection(SideRanks):
     """``--critic.*``: the value model that ``--algo.advantage.estimator gae`` reads, with OpenRLHF 0.11.2's defaults:
     its ranks (both unset: as many as the actor's), where it starts from, its loss's clip, its own optimiser and
     schedule (the fields and meanings of ``--actor.*``'s, :class:`OptimSettings`), the actor's frozen first steps."""
@@ -391,9 +399,10 @@ class TrainConfig:
         return backend_named(self.actor.backend)
 
     def megatron_config(self) -> MegatronConfig:
-        """What each Megatron rank gets: ``megatron.*`` (same names) and :meth:`optim_config`."""
+        """What each Megatron rank gets: ``megatron.*`` (same names), :meth:`optim_config` and the value head's name
+        (``--ds.value_head_prefix``)."""
         own = {f.name: getattr(self.megatron, f.name) for f in dataclasses.fields(MegatronSettings)}
-        return MegatronConfig(**own, optim=self.optim_config())
+        return MegatronConfig(**own, optim=self.optim_config(), value_head_prefix=self.ds.value_head_prefix)
 
     def zero_config(self) -> ZeroConfig:
         """What each DeepSpeed rank gets: ``ds.*`` (same names) and :meth:`optim_config`."""

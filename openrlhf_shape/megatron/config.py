@@ -133,9 +133,12 @@ class MegatronSettings:
 @dataclass
 class MegatronConfig(MegatronSettings):
     """One Megatron rank's settings: the layout and switches, and ``optim``, the training settings
-    both backends share (Adam, LR schedule, clipping, policy-loss clip, micro-batch budget, seed)."""
+    both backends share (Adam, LR schedule, clipping, policy-loss clip, micro-batch budget, seed), and
+    ``value_head_prefix``: a value model's head name when its config.json names none (``--ds.value_head_prefix``, the
+    flag both backends read under OpenRLHF's name)."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
+    value_head_prefix: str = "score"
 
     @property
     def ranks_per_replica(self) -> int:

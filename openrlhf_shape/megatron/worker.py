@@ -132,14 +132,17 @@ class MegatronRankWorker:
         self.state.cfg = dataclasses.replace(self.state.cfg, routing_replay="none")
         return {**self.init_model(hf_dir, train=False), "reference": True}
 
-    def init_value_model(self, hf_dir: str, *, default_prefix: str = "score", head_seed: int | None = None) -> dict:
+    def init_value_model(self, hf_dir: str, *, default_prefix: str | None = None, head_seed: int | None = None) -> dict:
         """A value model (reward model / critic in OpenRLHF's format, :mod:`openrlhf_shape.megatron.value`) in this
-        rank's layout, forward only; ``head_seed`` draws a head for a directory without one (a causal LM)."""
+        rank's layout, forward only; ``head_seed`` draws a head for a directory without one (a causal LM). Its head is
+        ``<prefix>.weight``: config.json's ``value_head_prefix``, else ``default_prefix``, else the rank config's
+        (``--ds.value_head_prefix``)."""
         from openrlhf_shape.megatron.value import build_value_model
 
         self.state.cfg = dataclasses.replace(self.state.cfg, routing_replay="none")
+        prefix = default_prefix or self.cfg.value_head_prefix
         with self._mode():
-            return build_value_model(self.state, hf_dir, default_prefix=default_prefix, head_seed=head_seed)
+            return build_value_model(self.state, hf_dir, default_prefix=prefix, head_seed=head_seed)
 
     def compute_values(self, batch: SequenceBatch | dict) -> dict:
         """Forward only; results on the last PP stage / TP rank 0, ``{}`` elsewhere: ``{"indices", "values"}``, per
@@ -155,7 +158,7 @@ class MegatronRankWorker:
             return values(self.state, batch)
 
     def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None = 0.5,
-                    head_seed: int | None = None, *, default_prefix: str = "score") -> dict:
+                    head_seed: int | None = None, *, default_prefix: str | None = None) -> dict:
         """The critic: ``hf_dir``'s value model in this rank's layout, trainable with its own optimiser and LR
         schedule ``optim`` (``TrainConfig.critic_optim_config()``: ``--critic.adam.*``, lr, warm-up, schedule,
         max_norm); ``value_clip``: ``--critic.value_clip`` of :meth:`train_values`. ``compute_values``,
@@ -165,9 +168,9 @@ class MegatronRankWorker:
 
         self.state.cfg = dataclasses.replace(self.state.cfg, routing_replay="none", optim=optim)
         self.value_clip = value_clip
+        prefix = default_prefix or self.cfg.value_head_prefix  # as init_value_model's
         with self._mode():
-            return build_value_model(self.state, hf_dir, default_prefix=default_prefix, head_seed=head_seed,
-                                     train=True)
+            return build_value_model(self.state, hf_dir, default_prefix=prefix, head_seed=head_seed, train=True)
 
     def train_values(self, batch: ValueBatch) -> dict:
         """One optimizer step of the critic over the whole mini-batch (``megatron/critic.py``): OpenRLHF's clipped

@@ -13,7 +13,10 @@ Phases per GPU (what our trainer does, in order):
 With a reference model (``--algo.kl.init_coef`` > 0, :mod:`openrlhf_shape.planner.reference`): colocated, every
 phase also holds the reference rank's process (CUDA context, NCCL) and a ``reference log-probs`` phase follows
 the log-probs one (its weights and forward on the GPU, the actor back in its rollout state, vLLM awake);
-disaggregated, the reference GPUs have that phase of their own.
+disaggregated, the reference GPUs have that phase of their own. A reward model (``--reward.model_name_or_path``)
+likewise: colocated, its process in every phase, its weights on host, and a ``reward model`` phase after the rollout
+(its forward; the actor in its rollout state, vLLM awake); disaggregated, a phase on its own GPUs. Its forward takes
+the rewards' place in the step time.
 
 Disaggregated (no colocation), rank GPUs and engine GPUs are separate and each only holds its own.
 """
@@ -21,6 +24,7 @@ Disaggregated (no colocation), rank GPUs and engine GPUs are separate and each o
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -120,6 +124,10 @@ class Plan:
     critic_world: int = 0  # critic ranks (--algo.advantage.estimator gae; 0: no critic)
     critic: MegatronMemory | None = None  # one critic rank in its update, its worst PP stage
     critic_phases: list[PhaseMemory] = field(default_factory=list)  # the critic's GPUs (planner/value_models.py)
+    rm_world: int = 0  # reward-model ranks (--reward.model_name_or_path; 0: none)
+    reward_model: MegatronMemory | None = None  # one reward-model rank in its forward, its worst PP stage
+    rm_phases: list[PhaseMemory] = field(default_factory=list)  # the reward model's own GPUs (not colocated)
+    rm_shape: ModelShape | None = None  # the reward model's architecture (its config.json, else the policy's)
     sync: Any = None  # planner/sync_time.py:SyncEstimate of one weight sync (GPU configs with a placement)
     sync_timeout_s: float = 0.0  # --rollout.weight_sync_timeout
     sync_warnings: list[str] = field(default_factory=list)
@@ -161,7 +169,7 @@ class Plan:
 
     @property
     def min_free(self) -> tuple[str, int]:
-        phases = self.gpu_phases + self.engine_phases + self.ref_phases + self.critic_phases
+        phases = self.gpu_phases + self.engine_phases + self.ref_phases + self.critic_phases + self.rm_phases
         worst = min(phases, key=lambda p: p.free)
         return worst.name, worst.free
 
@@ -177,6 +185,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     on_gpu = cfg.megatron.gpus_per_rank > 0
     plan = Plan(config_path, str(model_path), model, options, on_gpu, tp, pp, dp, world, None, None, cp=cp)
     plan.ref_world = cfg.ref.world_size(world) if cfg.algo.kl.enabled else 0
+    plan.rm_world = cfg.reward.world_size(world) if cfg.reward.model_name_or_path else 0
     _check_layout(plan, cfg)
     if on_gpu:
         _place(plan, cfg)
@@ -189,6 +198,7 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     refs = _reference_memory(plan, cfg, dtype)
     plan.reference = max(refs, key=lambda x: x.peak) if refs else None
     _critic_memory(plan, cfg, dtype)
+    rms = _reward_model_memory(plan, cfg, dtype)
 
     if not on_gpu:
         _cpu_phases(plan, cfg, meg, fwd)
@@ -198,15 +208,18 @@ def build_plan(cfg: TrainConfig, options: PlanOptions, config_path: str | None =
     _gpu_phases(plan, cfg, megs, fwds)
     if refs:
         _reference_phases(plan, cfg, megs, refs)
+    if rms:
+        _reward_model_phases(plan, cfg, rms)
     _check_kv_cache(plan, cfg)
     _sync_estimate(plan, cfg)
     if plan.placement is not None:
         _host_memory(plan, cfg, meg, dtype)
     # -- per-phase verdicts on the worst rank GPU of each phase
-    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases + plan.critic_phases:
+    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases + plan.critic_phases + plan.rm_phases:
         if ph.free < options.min_free_gib * GiB:
             where = (_where(plan, ph.stage, reference=ph in plan.ref_phases) if ph.stage is not None
                      else "every engine GPU")
+            where = f"a reward-model GPU of PP stage {ph.stage}" if ph in plan.rm_phases else where
             plan.refusals.append(_refusal(plan, cfg, ph, where))
     _finish(plan, cfg)
     return plan
@@ -276,6 +289,7 @@ def _place(plan: Plan, cfg: TrainConfig) -> None:
             world_size=plan.world, tp=plan.tp * plan.cp, pp=plan.pp, num_engines=cfg.vllm.num_engines,
             engine_tp=cfg.vllm.tensor_parallel_size, colocate=cfg.train.colocate_all,
             gpus_per_node=options.gpus_per_node, num_nodes=options.num_nodes, ref_world_size=plan.ref_world,
+            rm_world_size=plan.rm_world,
         )
     except ValueError as exc:
         msg = str(exc)
@@ -388,6 +402,45 @@ def _critic_memory(plan: Plan, cfg: TrainConfig, dtype: str) -> None:
     if cfg.train.colocate_all:
         plan.notes.append(f"critic: {n} rank(s) counted on GPUs of their own; sharing the actor's GPUs under "
                           "--train.colocate_all is not modelled yet")
+
+
+def _reward_model_memory(plan: Plan, cfg: TrainConfig, dtype: str) -> list[MegatronMemory]:
+    """The reward model's forward per PP stage of one of its ranks (``--reward.model_name_or_path``): its own
+    config.json's shape when the directory is here, else the policy's (said in the notes); [] without one."""
+    if not cfg.reward.model_name_or_path:
+        return []
+    from openrlhf_shape.planner.value_models import value_model_memory
+    from openrlhf_shape.platform import cpu_platform, gpu_platform
+
+    n = plan.rm_world
+    conf = os.path.join(cfg.reward.model_name_or_path, "config.json")
+    plan.rm_shape = model = ModelShape.from_file(conf) if os.path.isfile(conf) else plan.model
+    if not os.path.isfile(conf):
+        plan.notes.append(f"reward model: {conf} is not here; counted with the policy's shape")
+    mems = value_model_memory(model, cfg, world=n, micro_batch_tokens=plan.micro_batch_tokens,
+                              max_seq=plan.inputs["max_seq"], dtype=dtype, train=False, label="reward model",
+                              spec=(gpu_platform() if plan.on_gpu else cpu_platform()).layer_spec)
+    plan.reward_model = max(mems, key=lambda m: m.peak)
+    return mems
+
+
+def _reward_model_phases(plan: Plan, cfg: TrainConfig, rms: list[MegatronMemory]) -> None:
+    """Not colocated: a ``reward model`` phase on its own GPUs (its peak is its forward, ``--reward.offload`` or not:
+    the whole model comes back for it). Colocated: its weights on host in every phase of the rank GPU, its process
+    on it, and a ``reward model`` phase after the rollout (the actor in its rollout state, vLLM awake)."""
+    o, cap = plan.options, int(plan.options.gpu_memory_gib * GiB)
+    proc = [Term("CUDA context (reward-model rank)", int(o.cuda_context_gib * GiB), "--plan.cuda_context_gib"),
+            Term("NCCL buffers (reward-model rank)", int(o.nccl_gib * GiB), "--plan.nccl_gib")]
+    if not cfg.train.colocate_all:
+        rm = plan.reward_model
+        plan.rm_phases = [PhaseMemory("reward model (reward-model GPU)", rm.peak_terms() + proc, cap, rm.stage)]
+        return
+    rollout = plan.gpu_phases[0]  # colocated: "rollout", the worst PP stage's
+    forward = PhaseMemory("reward model", rollout.terms + proc + rms[rollout.stage].peak_terms(), cap, rollout.stage)
+    for ph in plan.gpu_phases:
+        on_host = [Term(f"{t.name} (on host: the colocation lifecycle)", 0, t.formula) for t in rms[ph.stage].static]
+        ph.terms = ph.terms + on_host + proc
+    plan.gpu_phases.insert(1, forward)
 
 
 def _reference_phases(plan: Plan, cfg: TrainConfig, megs: list[MegatronMemory], refs: list[MegatronMemory]) -> None:
@@ -509,10 +562,15 @@ def _host_memory(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, dtype: str) 
         Term("weight-sync buckets on rank 0", w_all, f"{model.total_params():,} params x 2 B (kept until every engine has loaded)"),
         Term("Megatron states offloaded", off * n_ranks_node0, f"--plan.megatron_offload {options.megatron_offload} x {n_ranks_node0} ranks"),
     ]
-    if plan.reference is not None and cfg.train.colocate_all:  # the lifecycle keeps it on host between its forwards
+    if plan.reference is not None and (cfg.train.colocate_all or cfg.ref.offload):  # on host between its forwards
         from openrlhf_shape.planner.reference import host_term
 
         plan.host.append(host_term(plan.reference, sum(1 for x in plan.placement.refs if x.node == node0)))
+    if plan.reward_model is not None and (cfg.train.colocate_all or cfg.reward.offload):  # the same, --reward.offload
+        n = sum(1 for x in plan.placement.rms if x.node == node0)
+        w = plan.reward_model.static_bytes
+        plan.host.append(Term("reward model weights offloaded", w * n, f"{w / GiB:.2f} GiB x {n} reward-model ranks "
+                              "on the node"))
     if cfg.actor.backend == "deepspeed" and cfg.ds.adam_offload:
         from openrlhf_shape.planner.zero_memory import zero_host_term
 
@@ -610,11 +668,11 @@ def _cpu_phases(plan: Plan, cfg: TrainConfig, meg: MegatronMemory, fwd: Megatron
         terms += [Term(f"{n} reference rank(s) x " + t.name, n * t.bytes, t.formula) for t in plan.reference.peak_terms()]
         terms.append(Term(f"{n} reference rank process baseline(s)", int(n * o.cpu_rank_baseline_gib * GiB),
                           "--plan.cpu_rank_baseline_gib"))
-    if plan.critic is not None:  # the critic's ranks in their update, beside the actor's
-        n = plan.critic_world
-        terms += [Term(f"{n} critic rank(s) x " + t.name, n * t.bytes, t.formula) for t in plan.critic.peak_terms()]
-        terms.append(Term(f"{n} critic rank process baseline(s)", int(n * o.cpu_rank_baseline_gib * GiB),
-                          "--plan.cpu_rank_baseline_gib"))
+    for who, n, mem in (("critic", plan.critic_world, plan.critic), ("reward-model", plan.rm_world, plan.reward_model)):
+        if mem is not None:  # the critic's ranks in their update, the reward model's in its forward
+            terms += [Term(f"{n} {who} rank(s) x " + t.name, n * t.bytes, t.formula) for t in mem.peak_terms()]
+            terms.append(Term(f"{n} {who} rank process baseline(s)", int(n * o.cpu_rank_baseline_gib * GiB),
+                              "--plan.cpu_rank_baseline_gib"))
     plan.gpu_phases = [PhaseMemory("update (host RAM)", terms, cap, 0)]
     if plan.gpu_phases[0].free < o.min_free_gib * GiB:
         plan.refusals.append(f"update (host RAM): needs {plan.gpu_phases[0].total / GiB:.1f} GiB of {cap / GiB:.1f} GiB; "
@@ -663,7 +721,8 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
         at = next(k for k, p in enumerate(plan.phases) if p.name == "log-probs + entropy") + 1
         plan.phases.insert(at, reference_time(  # the tokens of the actor's log-prob pass: the packed micro-batches'
             plan.model, ref_world=plan.ref_world, total_tokens=plan.packing.computed, seq=plan.packing.attention_seq,
-            colocate=cfg.train.colocate_all, weight_bytes=plan.reference.static_bytes, opt=plan.options))
+            colocate=cfg.train.colocate_all or cfg.ref.offload, weight_bytes=plan.reference.static_bytes,
+            opt=plan.options))
     if plan.critic is not None:  # values when the batch is made (with the log-probs), its update after the actor's
         from openrlhf_shape.planner.value_models import critic_time
 
@@ -674,8 +733,26 @@ def _finish(plan: Plan, cfg: TrainConfig) -> None:
                                      overlap=None if cfg.train.colocate_all else actor, opt=plan.options)
         plan.phases.insert(next(k for k, p in enumerate(plan.phases) if p.name == "log-probs + entropy") + 1, values)
         plan.phases.insert(next(k for k, p in enumerate(plan.phases) if p.name == "update") + 1, update)
+    if plan.reward_model is not None:
+        plan.phases = [_reward_model_time(plan, cfg) if p.name == "rewards" else p for p in plan.phases]
     plan.async_plan = _async_plan(plan, cfg)
     _recovery(plan, cfg)
+
+
+def _reward_model_time(plan: Plan, cfg: TrainConfig) -> Phase:
+    """The reward model's forward in the rewards' place (it judges the answers, not Math-Verify): the tokens of the
+    actor's log-prob pass, plus with SHAPE/MRT every probe's (prompt + half a response + suffix + decode, an upper
+    bound: equal probes are scored once) unless ``--probe.scorer math_verify``; weights moved when kept on host."""
+    from openrlhf_shape.planner.value_models import reward_model_time
+
+    i = plan.inputs
+    tokens = plan.packing.computed
+    if i["probes_per_response"] and cfg.probe.scorer != "math_verify":
+        tokens += i["samples"] * i["probes_per_response"] * (i["prompt_tokens"] + i["response_tokens"] / 2
+                                                             + i["probe_tokens"])
+    moved = plan.reward_model.static_bytes if (cfg.train.colocate_all or cfg.reward.offload) else 0
+    return reward_model_time(plan.rm_shape, world=plan.rm_world, total_tokens=tokens, seq=plan.packing.attention_seq,
+                             opt=plan.options, moved_bytes=moved)
 
 
 def _recovery(plan: Plan, cfg: TrainConfig) -> None:

@@ -150,7 +150,7 @@ def memory_lines(plan: Plan) -> list[str]:
     from openrlhf_shape.planner.plan import _where
 
     lines = ["memory per GPU by phase, GiB (for each phase the GPU of the PP stage that needs most):"]
-    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases:
+    for ph in plan.gpu_phases + plan.engine_phases + plan.ref_phases + plan.critic_phases + plan.rm_phases:
         where = (_where(plan, ph.stage, reference=ph in plan.ref_phases) if ph.stage is not None and plan.on_gpu
                  else ("every engine GPU" if plan.on_gpu else "this host"))
         lines.append(f"  [{ph.name}] {where}: total {ph.total / GiB:.2f} of {ph.capacity / GiB:.2f}, free {ph.free / GiB:.2f}")

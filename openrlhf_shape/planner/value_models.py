@@ -9,7 +9,8 @@ its forward (its ``values`` phase); a reward model only weights and the forward'
 parameters are counted as the policy's (an overestimate by ``vocab x hidden / TP`` on the last stage when the
 embeddings are untied), and the log-prob scratch is not (a value head has no vocabulary). Time: the critic's
 forward over every token (its values, when the batch is made) and its update (forward and backward per epoch),
-each over its own GPUs; a reward model's forward over every sequence.
+each over its own GPUs; a reward model's forward over every sequence (and the probes' when it judges them), in the
+rewards' place of the step, plus its weights' trips over PCIe when they live on host between forwards.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from openrlhf_shape.planner.cost import Phase, flops_per_token
 from openrlhf_shape.planner.memory import MegatronMemory, Term, megatron_memory_stages
 from openrlhf_shape.planner.model import ModelShape
 
-VALUE_HEAD_PREFIX = "score"  # OpenRLHF's --ds.value_head_prefix default (a config.json "value_head_prefix" wins)
+VALUE_HEAD_PREFIX = "score"  # --ds.value_head_prefix's default, OpenRLHF's (a config.json "value_head_prefix" wins)
 
 
 def value_model_memory(model: ModelShape, cfg, *, world: int, micro_batch_tokens: int, max_seq: int, dtype: str,
@@ -81,33 +82,51 @@ def critic_time(model: ModelShape, *, world: int, total_tokens: float, seq: floa
     return out
 
 
-def reward_model_time(model: ModelShape, *, world: int, total_tokens: float, seq: float, opt: PlanOptions) -> Phase:
-    """A reward model's forward of every sequence over its ``world`` GPUs."""
+def reward_model_time(model: ModelShape, *, world: int, total_tokens: float, seq: float, opt: PlanOptions,
+                      moved_bytes: int = 0) -> Phase:
+    """A reward model's forward of every sequence over its ``world`` GPUs, and ``moved_bytes`` (one rank's weights,
+    kept on host outside the forward: colocated or ``--reward.offload``) to the GPU and back over PCIe; in the
+    rewards' place of the one-step-off schedule."""
     f = flops_per_token(model, seq, backward=False, recompute=False)
-    return Phase("reward model", total_tokens * f / (world * opt.peak_tflops * 1e12 * opt.mfu),
-                 f"{total_tokens:,.0f} tokens x {f / 1e9:.1f} GFLOP/token / ({world} GPUs x {opt.peak_tflops:g} "
-                 f"TFLOPS x MFU {opt.mfu})")
+    t = total_tokens * f / (world * opt.peak_tflops * 1e12 * opt.mfu) + 2 * moved_bytes / (opt.pcie_gbs * 1e9)
+    how = (f"{total_tokens:,.0f} tokens x {f / 1e9:.1f} GFLOP/token / ({world} GPUs x {opt.peak_tflops:g} TFLOPS x "
+           f"MFU {opt.mfu})" + (f" + weights on and off the GPU 2 x {moved_bytes / 1e9:.2f} GB at {opt.pcie_gbs:g} GB/s"
+                                if moved_bytes else ""))
+    return Phase("reward model", t, how, parts=(("rewards", t),))
 
 
-def value_head_problem(path: str, prefix: str = VALUE_HEAD_PREFIX) -> str | None:
+def value_head_problem(path: str, prefix: str = VALUE_HEAD_PREFIX, *, normalize: bool = False) -> str | None:
     """None when ``path`` is a model directory whose weights hold OpenRLHF's value head (``<prefix>.weight`` of shape
-    ``[1, hidden_size]``; config.json's ``value_head_prefix`` overrides ``prefix``, as OpenRLHF reads it), else what
-    is wrong, in one line. Reads the safetensors headers (one file or an index) or a ``pytorch_model.bin``."""
+    ``[1, hidden_size]``; config.json's ``value_head_prefix`` overrides ``prefix`` (``--ds.value_head_prefix``), as
+    OpenRLHF reads it) and, with ``normalize`` (``--reward.normalize_enable``), whose config.json holds the reward
+    ``mean`` and a positive ``std`` (without them the flag would do nothing); else what is wrong, in one line. Reads the safetensors headers (one file or an
+    index) or a ``pytorch_model.bin``."""
     conf = os.path.join(path, "config.json")
     if not os.path.isfile(conf):
         return f"{path} is not a Hugging Face model directory (no config.json)"
     with open(conf) as f:
         config = json.load(f)
-    prefix = config.get("value_head_prefix", prefix)
+    named, prefix = "value_head_prefix" in config, config.get("value_head_prefix", prefix)
     shapes = _tensor_shapes(path)
     if shapes is None:
         return f"{path} has no weights (model.safetensors, its index, or pytorch_model.bin)"
     key, want = f"{prefix}.weight", [1, config.get("hidden_size")]
     if key not in shapes:
+        heads = sorted(k[:-len(".weight")] for k, v in shapes.items() if k.count(".") == 1 and list(v) == want)
+        fix = (f"; its config.json names the head {prefix}" if named else
+               f"; a [1, hidden] head is stored as {', '.join(heads)}: set --ds.value_head_prefix to it" if heads else
+               "; a policy checkpoint is not a value model")
         return (f"{path} has no value head: no tensor {key} (OpenRLHF's critic / reward-model format: the base model "
-                f"and a Linear(hidden, 1) named {prefix}); a policy checkpoint is not a value model")
+                f"and a Linear(hidden, 1) named {prefix}, --ds.value_head_prefix){fix}")
     if list(shapes[key]) != want:
         return f"{path}: the value head {key} has shape {list(shapes[key])}, not [1, hidden_size] = {want}"
+    mean, std = config.get("mean"), config.get("std")
+    if normalize and mean is None:  # OpenRLHF then divides by its defaults, mean 0 and std 1: the flag does nothing
+        return (f"{path}: --reward.normalize_enable normalises by config.json's reward mean / std, which it has not "
+                "(OpenRLHF's reward-model training writes them), so the scores would stay as they are: drop the flag "
+                "or give a reward model that has them")
+    if normalize and not (isinstance(std, (int, float)) and std > 0):
+        return f"{path}: --reward.normalize_enable divides by config.json's std, which is {std!r}, not a positive number"
     return None
 
 

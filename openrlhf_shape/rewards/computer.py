@@ -49,6 +49,7 @@ class RewardConfig:
     num_nodes: int | None = None  # its ranks = num_nodes x num_gpus_per_node (both unset: as many as the actor's)
     num_gpus_per_node: int | None = None
     normalize_enable: bool = False  # (score - mean) / std with config.json's mean/std, as OpenRLHF's reward model
+    offload: bool = False  # its parameters in host memory except during its own forward, colocated or not
 
     def world_size(self, actor_world: int) -> int:
         """Reward-model ranks; ``actor_world`` when neither flag is given (one unset: 1 node / 8 GPUs per node)."""

@@ -32,6 +32,8 @@ class ZeroSettings:
     really sharded). ``reduce_bucket_elems``: gradient reduce bucket in elements.
     ``attn_implementation``: the Hugging Face attention kernel (``sdpa``; ``flash_attention_2`` on
     GPU when installed; ``eager``).
+    ``value_head_prefix``: the name of a value model's head (``<prefix>.weight``) for the reward model and the critic
+    when their config.json names none (OpenRLHF's ``--ds.value_head_prefix``; both backends read it).
     ``ring_attn_size``: context parallelism, OpenRLHF's ring attention: groups of this many consecutive ranks share
     one data-parallel shard and split each packed micro-batch into that many contiguous pieces
     (:mod:`openrlhf_shape.zero.ring_attention`); ``ring_attn_head_stride``: KV heads all-gathered at once there.
@@ -45,6 +47,7 @@ class ZeroSettings:
     attn_implementation: str = "sdpa"
     ring_attn_size: int = 1
     ring_attn_head_stride: int = 1
+    value_head_prefix: str = "score"
 
     def __post_init__(self) -> None:
         if self.param_dtype == "fp16":
@@ -61,6 +64,9 @@ class ZeroSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--ds.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.value_head_prefix, str) or not self.value_head_prefix.isidentifier():
+            raise ValueError(f"--ds.value_head_prefix must name a module attribute (OpenRLHF's default: score), got "
+                             f"{self.value_head_prefix!r}")
         if self.zero3_param_persistence_threshold < 0 or self.reduce_bucket_elems < 1:
             raise ValueError("zero3_param_persistence_threshold must be >= 0 and reduce_bucket_elems >= 1")
 

@@ -214,17 +214,19 @@ class ZeroRankWorker:
                 "tp": 1, "pp": 1, "dp": self.dp_size, "zero_stage": 3 if cfg.zero_stage == 3 else 0,
                 "dtype": str(cfg.params_dtype), "backend": "deepspeed", "reference": True}
 
-    def init_value_model(self, hf_dir: str, *, default_prefix: str = "score", head_seed: int | None = None) -> dict:
+    def init_value_model(self, hf_dir: str, *, default_prefix: str | None = None, head_seed: int | None = None) -> dict:
         """A value model (reward model / critic in OpenRLHF's format, :mod:`openrlhf_shape.zero.value`), forward only,
-        partitioned as the reference; ``head_seed`` draws a head for a directory without one (a causal LM)."""
+        partitioned as the reference; ``head_seed`` draws a head for a directory without one (a causal LM). Its head is
+        ``<prefix>.weight``: config.json's ``value_head_prefix``, else ``default_prefix``, else the rank config's
+        (``--ds.value_head_prefix``)."""
         from openrlhf_shape.zero.value import init_value_engine
 
         if self.cfg.ring_attn_size > 1:
             raise ValueError("a value model does not run under --ds.ring_attn_size > 1 yet: set it to 1 for the "
                              "reward model / critic ranks")
         self._release_engine()
-        return init_value_engine(self.state, hf_dir, self.cfg.attn_implementation, default_prefix=default_prefix,
-                                 head_seed=head_seed)
+        return init_value_engine(self.state, hf_dir, self.cfg.attn_implementation,
+                                 default_prefix=default_prefix or self.cfg.value_head_prefix, head_seed=head_seed)
 
     def compute_values(self, batch: SequenceBatch | dict) -> dict:
         """Forward only; ``{"indices", "values"}`` of this rank's shard (``{}`` without one): per sample of prompt P
@@ -239,7 +241,7 @@ class ZeroRankWorker:
         return out if shard else {}
 
     def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None = 0.5,
-                    head_seed: int | None = None, *, default_prefix: str = "score") -> dict:
+                    head_seed: int | None = None, *, default_prefix: str | None = None) -> dict:
         """The critic: ``hf_dir``'s value model, trainable with its own optimiser and LR schedule ``optim``
         (``TrainConfig.critic_optim_config()``); ``value_clip``: ``--critic.value_clip`` of :meth:`train_values`.
         Checkpoints and ``export_hf`` (OpenRLHF's value-model directory) then act on it."""
@@ -252,7 +254,8 @@ class ZeroRankWorker:
         self.state.cfg = dataclasses.replace(self.state.cfg, optim=optim)
         self.value_clip = value_clip
         return init_critic_engine(self.state, hf_dir, self.cfg.attn_implementation, self._make_optimizer,
-                                  on_gpu=not self.on_cpu, default_prefix=default_prefix, head_seed=head_seed)
+                                  on_gpu=not self.on_cpu, default_prefix=default_prefix or self.cfg.value_head_prefix,
+                                  head_seed=head_seed)
 
     def train_values(self, batch: ValueBatch) -> dict:
         """One optimizer step of the critic over the whole mini-batch (``zero/critic.py``); float metrics under

@@ -59,7 +59,7 @@ def test_every_refusal_is_one_line_that_says_why():
     assert refusal("logger.logging_steps", 1) is None and refusal("logger.logging_steps", "5")
 
 
-@pytest.mark.parametrize("name", ["ds.zpg", "reward.offload", "ref.offload"])
+@pytest.mark.parametrize("name", ["ds.zpg", "ds.deepcompile", "train.colocate_actor_ref"])
 def test_parts_we_do_not_have_are_named(name):
     assert refusal(name, True).startswith(f"--{name}: ")
 

@@ -40,3 +40,20 @@ def test_colocated_reward_model_pairs_with_the_actor_ranks(tmp_path):
                            "--reward.num_nodes", "1", "--reward.num_gpus_per_node", "1"])
     with pytest.raises(ValueError, match=r"--reward.model_name_or_path: .* is not a reward model directory"):
         load_config(None, ["--reward.model_name_or_path", str(tmp_path / "missing")])
+
+
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_value_head_prefix_and_offload_flags_reach_the_ranks(backend):
+    """--ds.value_head_prefix reaches the rank config either backend's reward-model and critic ranks are handed (the
+    workers read it when a directory's config.json names no head); --reward.offload / --ref.offload the config the
+    lifecycle is built from (OpenRLHF 0.11.2's names and defaults: test_openrlhf_defaults.py)."""
+    flags = ["--actor.backend", backend, "--ds.value_head_prefix", "value_head", "--reward.offload", "--ref.offload"]
+    cfg = load_config(None, flags)
+    assert cfg.backend().rank_config(cfg).value_head_prefix == "value_head"
+    assert (cfg.reward.offload, cfg.ref.offload) == (True, True)
+    plain = load_config(None, ["--actor.backend", backend])
+    assert plain.backend().rank_config(plain).value_head_prefix == "score"
+    assert (plain.reward.offload, plain.ref.offload) == (False, False)
+    assert BY_NAME["ds.value_head_prefix"].kind == BY_NAME["reward.offload"].kind == BY_NAME["ref.offload"].kind == SAME
+    with pytest.raises(ValueError, match="--ds.value_head_prefix must name a module attribute"):
+        load_config(None, ["--ds.value_head_prefix", "value.head"])

@@ -122,7 +122,8 @@ def test_value_head_check_reads_openrlhfs_format(tmp_path):
     assert value_head_problem(str(named)) is None  # config.json's value_head_prefix wins, as in OpenRLHF
     policy = value_head_problem(str(_value_model(tmp_path / "policy", head=None)))
     assert policy.endswith("no value head: no tensor score.weight (OpenRLHF's critic / reward-model format: the base "
-                           "model and a Linear(hidden, 1) named score); a policy checkpoint is not a value model")
+                           "model and a Linear(hidden, 1) named score, --ds.value_head_prefix); a policy checkpoint is "
+                           "not a value model")
     wrong = value_head_problem(str(_value_model(tmp_path / "wrong", head=(2, 16))))
     assert "score.weight has shape [2, 16], not [1, hidden_size] = [1, 16]" in wrong
     assert "not a Hugging Face model directory" in value_head_problem(str(tmp_path / "missing"))
@@ -149,3 +150,34 @@ def test_a_reward_models_forward_costs_what_the_critics_values_do():
     values, _ = critic_time(model, world=4, total_tokens=1e6, seq=2048, epochs=1, recompute=False, overlap=None, opt=opt)
     rm = reward_model_time(model, world=4, total_tokens=1e6, seq=2048, opt=opt)
     assert rm.name == "reward model" and values.seconds > 0 and rm.seconds == pytest.approx(values.seconds)
+
+
+def _with_stats(path: Path, **stats) -> Path:
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, **stats}))
+    return path
+
+
+def test_doctor_reads_the_reward_models_head_under_the_flag_and_its_stats_under_normalisation(tmp_path):
+    """--ds.value_head_prefix names the head when config.json does not (OpenRLHF's PPO critic save writes none);
+    --reward.normalize_enable needs config.json's mean and a positive std (without them OpenRLHF divides by 0 / 1)."""
+    from openrlhf_shape.cli.doctor import value_model_report
+
+    rm = str(_value_model(tmp_path / "rm", head=(1, 16), prefix="value_head"))
+    miss = value_head_problem(rm)
+    assert "no tensor score.weight" in miss and "stored as value_head: set --ds.value_head_prefix to it" in miss
+    flag = ["--reward.model_name_or_path", rm, "--ds.value_head_prefix", "value_head"]
+    assert value_model_report(_cfg("cpu-smoke.yaml", flag)) == [("reward.model_name_or_path", None)]
+    ((name, problem),) = value_model_report(_cfg("cpu-smoke.yaml", ["--reward.model_name_or_path", rm]))
+    assert name == "reward.model_name_or_path" and "set --ds.value_head_prefix" in problem
+    ((_, no_stats),) = value_model_report(_cfg("cpu-smoke.yaml", flag + ["--reward.normalize_enable"]))
+    assert "--reward.normalize_enable normalises by config.json's reward mean / std, which it has not" in no_stats
+    _with_stats(Path(rm), mean=0.5, std=0.0)
+    ((_, zero_std),) = value_model_report(_cfg("cpu-smoke.yaml", flag + ["--reward.normalize_enable"]))
+    assert "divides by config.json's std, which is 0.0" in zero_std
+    _with_stats(Path(rm), mean=0.5, std=2.0)
+    assert value_model_report(_cfg("cpu-smoke.yaml", flag + ["--reward.normalize_enable"])) == [
+        ("reward.model_name_or_path", None)]
+    named = str(_value_model(tmp_path / "named", head=None, config_prefix="value_head"))
+    assert value_head_problem(named).endswith("named value_head, --ds.value_head_prefix); its config.json names the "
+                                              "head value_head")

@@ -11,8 +11,9 @@ scores the policy's token ids), its head drawn and scaled to scores of order 1, 
 * REINFORCE++-baseline on DeepSpeed ZeRO-3, separate GPUs, no normalisation: the raw last-token values.
 * GRPO with ``--train.max_restarts 1`` and the reward model's rank SIGKILLed after step 1: the groups restart, the
   reward model is built again and step 2 is scored as before.
-* SHAPE, separate GPUs: R and every probe's value are sigmoid(score) of the HF value model on the same ids (the
-  probes are scored by the reward model, ``--probe.scorer auto``), in [0, 1]; two steps train.
+* SHAPE, separate GPUs, ``--reward.offload``: R and every probe's value are sigmoid(score) of the HF value model on
+  the same ids (the probes are scored by the reward model, ``--probe.scorer auto``), in [0, 1]; the reward model's
+  parameters are on host except around each of its forwards; two steps train.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def shape_run(tmp_path_factory, tiny_model_dir, reward_model_dir, ray_once) -> d
     out = str(tmp_path_factory.mktemp("rm_shape") / "run")
     return _run(_flags(tiny_model_dir, reward_model_dir, out) + [
         "--algo.advantage.estimator", "shape", "--shape.num_segments", "3", "--shape.min_segment_len", "2",
-        "--probe.num_probes", "2", "--probe.max_tokens", "8"])
+        "--probe.num_probes", "2", "--probe.max_tokens", "8", "--reward.offload"])
 
 
 def test_shape_scores_answers_and_probes_through_a_sigmoid(shape_run, reward_model_dir):
@@ -200,3 +201,13 @@ def test_shape_scores_answers_and_probes_through_a_sigmoid(shape_run, reward_mod
     assert bool(((values > 0) & (values < 1)).all())
     for step in (1, 2):
         assert math.isfinite(rows[step]["actor/loss"]) and rows[step]["probe/samples"] > 0
+
+
+def test_reward_offload_keeps_it_on_host_but_for_each_forward_without_colocation(shape_run):
+    """--reward.offload, not colocated: offloaded at the start, then every forward (answers and probes) between its
+    onload and its offload; the actor is never offloaded (no colocation)."""
+    ev = [e for e in shape_run["events"] if e.startswith(("reward.", "megatron.o"))]
+    assert ev[0] == "reward.offload(params)" and not [e for e in ev if e.startswith("megatron.")], ev
+    forwards = ev.count("reward.forward")
+    assert forwards == len(shape_run["judged"]) > 2
+    assert ev[1:] == ["reward.onload(params)", "reward.forward", "reward.offload(params)"] * forwards, ev
