@@ -162,6 +162,10 @@ def build_run(cfg: TrainConfig) -> Run:
     log.info("actor: %s", cluster.ranks.init_model(model_dir))
     if cluster.refs is not None:  # --algo.kl.init_coef > 0: the initial weights, forward only
         log.info("reference model (%d ranks): %s", cluster.refs.world_size, cluster.refs.init_reference(model_dir))
+    if cluster.critics is not None:  # gae: the critic from --critic.model_name_or_path (TrainConfig.critic_model_path)
+        info = cluster.critics.init_critic(resolve_model_dir(cfg.critic_model_path()), cfg.critic_optim_config(),
+                                           cfg.critic.value_clip, cfg.train.seed)
+        log.info("critic (%d ranks): %s", cluster.critics.world_size, info)
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     if cluster.rms is not None:  # --reward.model_name_or_path: answers (and probes) scored by its ranks
@@ -223,5 +227,6 @@ def build_schedule(cfg: TrainConfig, cluster: ClusterRuntime, batcher: PromptBat
     maker = ShapeExperienceMaker(cfg.advantage_estimator(), sampling, cfg.probe, engines, lifecycle.logprobs, reward,
                                  tokenizer, shaping=cfg.reward_shaping(), rollout_correction=cfg.rollout_correction(),
                                  agent=build_agent(cfg, tokenizer), kl=kl,
-                                 ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None)
+                                 ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None,
+                                 values_fn=lifecycle.critic_values if cluster.critics is not None else None)
     return make_schedule(cfg, maker, batcher, engines, sampling, tokenizer, lifecycle.logprobs)
