@@ -152,7 +152,7 @@ def test_resume_from_step_1_equals_the_uninterrupted_step_2(gae_run, tiny_model_
     assert os.path.isfile(os.path.join(ckpt, "critic", "COMPLETE"))
     resumed = _run(_flags(tiny_model_dir, str(tmp_path / "resumed")) + ["--ckpt.resume", ckpt])["metrics"]
     want = gae_run["metrics"][2]
-    assert sorted(resumed) == [2]
+    assert sorted(resumed) == [1, 2] and resumed[1]["resume/line_from_checkpoint"] == 1.0  # step 1: the kept line
     keys = [k for k in want if k.startswith(("critic/", "actor/", "adv/", "rollout/reward")) and
             isinstance(want[k], float) and "time" not in k]
     assert {"critic/critic_loss", "critic/values", "actor/loss", "critic/old_values/mean"} <= set(keys)
