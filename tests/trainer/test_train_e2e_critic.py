@@ -11,7 +11,8 @@ for a causal LM). Asserted on what the run computed:
 * each step's advantages and returns are GAE's (``algorithms/gae.py``) on the batch's old values and rewards;
 * the actor took no update at step 1: step 2's old log-probs are the initial model's; it trained at step 2;
 * the critic is on host except around its values pass, its update and the checkpoints;
-* resumed from step 1's checkpoint, step 2 equals the uninterrupted run's (metrics to 1e-6).
+* resumed from step 1's checkpoint, step 2 equals the uninterrupted run's (metrics to 1e-6); so does step 2 of a run
+  whose critic rank is SIGKILLed after step 1 (``--train.max_restarts 1``: the groups restart, the critic too).
 """
 
 from __future__ import annotations
@@ -44,15 +45,24 @@ def _flags(model_dir: str, out_dir: str) -> list[str]:
     ]
 
 
-def _run(flags: list[str]) -> dict:
-    """One run in this process; every values pass (its batch and values), old-log-prob pass and trained batch kept."""
+def _run(flags: list[str], kill_critic_after_step_1: bool = False) -> dict:
+    """One run in this process; every values pass (its batch and values), old-log-prob pass and trained batch kept.
+    ``kill_critic_after_step_1``: the critic's rank 0 SIGKILLed once step 1's line is written (pids before, after)."""
+    import threading
+
+    import ray
+
     from openrlhf_shape.config import load_config
     from openrlhf_shape.trainer.ppo_trainer import ShapeTrainer
+    from test_train_e2e_reward_model import _kill_after_step_1
 
     cfg = load_config(None, flags)
-    trainer, values, logprobs, trained = ShapeTrainer(cfg), [], [], []
+    trainer, values, logprobs, trained, pids = ShapeTrainer(cfg), [], [], [], []
     try:
         trainer.setup()
+        if kill_critic_after_step_1:
+            pids.append(ray.get(trainer.run.cluster.critics.actors[0].pid.remote()))
+            threading.Thread(target=_kill_after_step_1, args=(cfg.ckpt.output_dir, pids[0]), daemon=True).start()
         life = trainer.run.cluster.lifecycle
         real_values, real_logprobs, real_train = life.critic_values, life.logprobs, trainer.train
 
@@ -74,10 +84,12 @@ def _run(flags: list[str]) -> dict:
         maker.values_fn, maker.logprobs_fn, trainer.train = values_and_look, logprobs_and_look, train_and_look
         trainer.fit()
         events = list(life.events)
+        if kill_critic_after_step_1:
+            pids.append(ray.get(trainer.run.cluster.critics.actors[0].pid.remote()))
     finally:
         trainer.shutdown()
     return {"metrics": _metrics(trainer.run_dir), "events": events, "values": values, "logprobs": logprobs,
-            "trained": trained, "run_dir": trainer.run_dir, "cfg": cfg}
+            "trained": trained, "run_dir": trainer.run_dir, "cfg": cfg, "pids": pids, "restarts": trainer.rank_restarts}
 
 
 @pytest.fixture(scope="module")
@@ -147,14 +159,27 @@ def test_the_critic_is_on_host_except_its_forward_update_and_checkpoints(gae_run
     assert ev.count("critic.forward") == ev.count("critic.update") == 2 and ev.count("critic.checkpoint") == 3
 
 
-def test_resume_from_step_1_equals_the_uninterrupted_step_2(gae_run, tiny_model_dir, tmp_path):
-    ckpt = os.path.join(gae_run["run_dir"], "checkpoints", "step_000001")
-    assert os.path.isfile(os.path.join(ckpt, "critic", "COMPLETE"))
-    resumed = _run(_flags(tiny_model_dir, str(tmp_path / "resumed")) + ["--ckpt.resume", ckpt])["metrics"]
-    want = gae_run["metrics"][2]
-    assert sorted(resumed) == [1, 2] and resumed[1]["resume/line_from_checkpoint"] == 1.0  # step 1: the kept line
+def _assert_step_2_equal(got: dict, want: dict) -> None:
     keys = [k for k in want if k.startswith(("critic/", "actor/", "adv/", "rollout/reward")) and
             isinstance(want[k], float) and "time" not in k]
     assert {"critic/critic_loss", "critic/values", "actor/loss", "critic/old_values/mean"} <= set(keys)
     for k in keys:
-        assert resumed[2][k] == pytest.approx(want[k], abs=1e-6), k
+        assert got[k] == pytest.approx(want[k], abs=1e-6), k
+
+
+def test_resume_from_step_1_equals_the_uninterrupted_step_2(gae_run, tiny_model_dir, tmp_path):
+    ckpt = os.path.join(gae_run["run_dir"], "checkpoints", "step_000001")
+    assert os.path.isfile(os.path.join(ckpt, "critic", "COMPLETE"))
+    resumed = _run(_flags(tiny_model_dir, str(tmp_path / "resumed")) + ["--ckpt.resume", ckpt])["metrics"]
+    assert sorted(resumed) == [1, 2] and resumed[1]["resume/line_from_checkpoint"] == 1.0  # step 1: the kept line
+    _assert_step_2_equal(resumed[2], gae_run["metrics"][2])
+
+
+def test_a_killed_critic_rank_restarts_and_step_2_is_the_same(gae_run, tiny_model_dir, tmp_path):
+    """--train.max_restarts 1: the critic's rank 0 SIGKILLed after step 1; every group restarts (the critic built
+    again by init_critic), the run resumes from step 1's checkpoint and step 2 is the uninterrupted run's."""
+    run = _run(_flags(tiny_model_dir, str(tmp_path / "killed")) + ["--train.max_restarts", "1"],
+               kill_critic_after_step_1=True)
+    assert run["restarts"] == 1 and run["pids"][0] != run["pids"][1]
+    assert sorted(run["metrics"]) == [1, 2] and run["metrics"][2]["fault/rank_restarts"] == 1.0
+    _assert_step_2_equal(run["metrics"][2], gae_run["metrics"][2])
