@@ -300,6 +300,10 @@ class ExperienceBatch:
     # response[:boundary], drawn as the response finished, and whether rollout responses still decoded then);
     # boundary 0 (the prompt alone) at every sample of its prompt (rollout/tail.py). None: the probes phase draws them
     tail_probes: list[dict[int, Any]] | None = None
+    # --algo.advantage.estimator gae: [B, T] float32 the critic's values of each response token's state when the batch
+    # was made (its values phase) and GAE's returns, the critic's targets (its advantages phase); 0 at padding
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -342,7 +346,8 @@ class ExperienceBatch:
             ref_log_probs=take(self.ref_log_probs), kl=take(self.kl), truncated=take(self.truncated),
             routed_experts=None if self.routed_experts is None else pick(self.routed_experts),
             action_mask=take(self.action_mask), token_versions=kept, policy_version=version,
-            tail_probes=None if self.tail_probes is None else pick(self.tail_probes),
+            tail_probes=None if self.tail_probes is None else pick(self.tail_probes), values=take(self.values),
+            returns=take(self.returns),
         )
 
     @classmethod
@@ -375,6 +380,18 @@ class ExperienceBatch:
     def sequence_batch(self, temperature: float) -> SequenceBatch:
         return SequenceBatch(sequences=self.sequences, prompt_lens=self.prompt_lens, temperature=temperature,
                              routed_experts=self.routed_experts)
+
+    def value_batch(self, rows: Sequence[int], temperature: float) -> ValueBatch:
+        """The critic's :class:`ValueBatch` for the samples at ``rows`` (one mini-batch, the actor's rows): the old
+        values and GAE's returns of the policy's tokens (``--algo.advantage.estimator gae``)."""
+        if self.values is None or self.returns is None:
+            raise ValueError("a critic update needs the batch's values and returns (the maker's values and advantages "
+                             "phases with --algo.advantage.estimator gae)")
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        width = max(int(self.response_mask[idx].sum(-1).max()), 0) if len(idx) else 0
+        return ValueBatch(sequences=[self.sequences[i] for i in rows], prompt_lens=[self.prompt_lens[i] for i in rows],
+                          temperature=temperature, old_values=self.values[idx, :width],
+                          returns=self.returns[idx, :width], loss_mask=self.loss_mask()[idx, :width])
 
     def train_batch(self, rows: Sequence[int], temperature: float, kl_loss: KLLossTerm | None = None) -> TrainBatch:
         """The actor's :class:`TrainBatch` for the samples at ``rows`` (one mini-batch); with ``kl_loss`` (KL in the

@@ -2,7 +2,8 @@
 
 Each script's flag list (tests/config/openrlhf_recipes/<name>.txt: OpenRLHF v0.11's examples/scripts, paths
 changed to ours) runs with its layout shrunk to this machine (later flags win: 1 rank, 1 engine, a small batch
-of short responses), once with the script's own estimator and once with ``--algo.advantage.estimator shape``.
+of short responses), once with the script's own estimator (ppo's: OpenRLHF's default gae, with its reward model and
+critic shrunk to a rank each) and once with ``--algo.advantage.estimator shape``.
 Flags our check still refuses are listed; with ``--drop_refused`` they are left out and the run goes on.
 The agent script gets ``--train.agent_func_path`` = OpenRLHF's example agent when ``OPENRLHF_AGENT_EXAMPLE``
 names a copy, else our calculator agent (the same interface; nothing is fetched).
@@ -31,6 +32,11 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "config"))
 from test_openrlhf_recipes import recipe, refused, without  # noqa: E402  (the recipe lists and their parsing)
 
 CRITIC_FREE = ("dapo", "prorlv2_math", "reinforce_baseline", "reinforce_baseline_agent_async")
+# Scripts that leave the estimator to OpenRLHF's default (gae: a critic; ours is shape): "own" passes it, and their
+# reward model and critic shrink to one rank with four rank processes sharing the colocated bundle's CPUs.
+OPENRLHF_DEFAULT_ESTIMATOR = {"ppo": ["--algo.advantage.estimator", "gae", "--reward.num_nodes", "1",
+                                      "--reward.num_gpus_per_node", "1", "--critic.num_nodes", "1",
+                                      "--critic.num_gpus_per_node", "1", "--actor.num_cpus_per_rank", "0.25"]}
 SHRINK = ["--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1", "--ref.num_nodes", "1",
           "--ref.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
           "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "8",
@@ -80,6 +86,8 @@ def _argv(name: str, out: str, estimator: str, drop: set[str], reward: str) -> l
         argv += RING
     if estimator != "own":
         argv += ["--algo.advantage.estimator", estimator]
+    elif name in OPENRLHF_DEFAULT_ESTIMATOR:
+        argv += OPENRLHF_DEFAULT_ESTIMATOR[name]
     return without(argv, drop)
 
 
@@ -118,7 +126,7 @@ def _markdown(runs: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/openrlhf_recipes")
-    ap.add_argument("--recipes", default=",".join(CRITIC_FREE))
+    ap.add_argument("--recipes", default=",".join(CRITIC_FREE + tuple(OPENRLHF_DEFAULT_ESTIMATOR)))
     ap.add_argument("--estimators", default="own,shape", help="own = the script's; any estimator name")
     ap.add_argument("--reward", choices=("parity", "math"), default="parity",
                     help="parity: the scripts' reward file replaced by an even-length reward (signal in every group "

@@ -28,7 +28,10 @@ parameters went back to host), so it is in host memory while the engines generat
 and the sync; not colocated it stays on its own GPUs unless ``--ref.offload`` keeps it on host there too, onloaded
 around its forward alone. The reward model (``rms``, with ``--reward.model_name_or_path``) is handled the same way
 around its own forward (``reward_values``, in the rewards phase, while the engines are awake), ``--reward.offload``
-its flag.
+its flag. The critic (``critics``, with ``--algo.advantage.estimator gae``) trains, so it has parameters, gradients
+and optimizer states: colocated, all of them are on host except its parameters around its values pass
+(``critic_values``, next to the reference's) and every state around its update (``critic_update``, in the update
+phase) and a checkpoint.
 """
 
 from __future__ import annotations
@@ -52,21 +55,24 @@ class Lifecycle:
         colocate: engines share the ranks' GPUs.
         refs: the reference model's ``RankGroup`` (forward only; on the ranks' GPUs when colocated), or None.
         rms: the reward model's ``RankGroup`` (forward only, the same), or None.
+        critics: the critic's ``RankGroup`` (trained; on the ranks' GPUs when colocated), or None.
         ref_offload, rm_offload: ``--ref.offload`` / ``--reward.offload``: that group's parameters stay in host memory
             except during its own forward even when not colocated (colocated they always do).
     """
 
-    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool, refs=None, rms=None,
+    def __init__(self, ranks, engines, sync, bucket_bytes: int, colocate: bool, refs=None, rms=None, critics=None,
                  ref_offload: bool = False, rm_offload: bool = False):
         self.ranks = ranks
         self.refs = refs  # the reference model's RankGroup (None without KL)
         self.rms = rms  # the reward model's RankGroup (None without --reward.model_name_or_path)
+        self.critics = critics  # the critic's RankGroup (None without --algo.advantage.estimator gae)
         self.engines = engines
         self.sync = sync
         self.bucket_bytes = int(bucket_bytes)
         self.colocate = bool(colocate)
         # forward-only groups kept on host outside their forward, by name in events
-        self.on_host = {"reference": self.colocate or bool(ref_offload), "reward": self.colocate or bool(rm_offload)}
+        self.on_host = {"reference": self.colocate or bool(ref_offload), "reward": self.colocate or bool(rm_offload),
+                        "critic": self.colocate}
         self.events: list[str] = []
         self.phase = "init"
 
@@ -79,9 +85,7 @@ class Lifecycle:
         forward-only groups kept on host (:attr:`on_host`)."""
         if self.colocate:
             self._do("megatron.offload(all)", self.ranks.offload_states, ALL_STATES)
-        for who, group in (("reference", self.refs), ("reward", self.rms)):
-            if group is not None and self.on_host[who]:
-                self._do(f"{who}.offload(params)", group.offload_states, ("params",))
+        self.resumed()
         self.phase = "rollout"
 
     # ---- forward for old log-probs ----------------------------------------------------------------
@@ -115,6 +119,34 @@ class Lifecycle:
         if self.rms is None:
             raise RuntimeError("no reward model runs (--reward.model_name_or_path unset)")
         return self._forward_only("reward", self.rms, self.rms.compute_values, batch)
+
+    def critic_values(self, batch) -> Any:
+        """The critic's raw state values of ``batch`` (a :class:`~openrlhf_shape.batch.SequenceBatch`; per sample
+        ``[R + 1]``; the maker's ``values_fn``); colocated, its parameters are on the device only for this forward."""
+        if self.critics is None:
+            raise RuntimeError("no critic runs (--algo.advantage.estimator is not gae)")
+        return self._forward_only("critic", self.critics, self.critics.compute_values, batch)
+
+    def resumed(self) -> None:
+        """After a resume or a restart (no :meth:`start`; :meth:`start` ends with it): the side groups, built or loaded
+        on the device, go to host where :attr:`on_host` keeps them: the critic's every state, the forward-only
+        groups' parameters."""
+        if self.critics is not None and self.on_host["critic"]:
+            self._do("critic.offload(all)", self.critics.offload_states, ALL_STATES)
+        for who, group in (("reference", self.refs), ("reward", self.rms)):
+            if group is not None and self.on_host[who]:
+                self._do(f"{who}.offload(params)", group.offload_states, ("params",))
+
+    def critic_update(self, fn, *args) -> Any:
+        """``fn(*args)``: the critic's updates of a step (its ``train_values`` calls); colocated, every state of the
+        critic is on the device only for them."""
+        if self.colocate:
+            self._do("critic.onload(all)", self.critics.onload_states, ALL_STATES)
+        try:
+            return self._do("critic.update", fn, *args)
+        finally:
+            if self.colocate:
+                self._do("critic.offload(all)", self.critics.offload_states, ALL_STATES)
 
     def _forward_only(self, who: str, group, fn, batch) -> Any:
         """``fn(batch)`` on a forward-only group (``who``: its name in :attr:`events`), onloaded around it when it is
@@ -197,13 +229,14 @@ class Lifecycle:
         self.engines.forget_affinity()
         self.phase = "rollout"
 
-    def around_checkpoint(self, fn, *args) -> Any:
-        """Checkpoints need every state on the device (the distributed checkpoint writes from it)."""
+    def around_checkpoint(self, fn, *args, who: str = "megatron") -> Any:
+        """Checkpoints need every state on the device (the distributed checkpoint writes from it). ``who``:
+        ``megatron`` (the actor's ranks) or ``critic`` (the critic's: ``fn`` its save, load or export)."""
+        group = self.ranks if who == "megatron" else self.critics
         if self.colocate and self.phase == "rollout":
-            self._do("megatron.onload(all)", self.ranks.onload_states, ALL_STATES)
+            self._do(f"{who}.onload(all)", group.onload_states, ALL_STATES)
             try:
-                return self._do("megatron.checkpoint", fn, *args)
+                return self._do(f"{who}.checkpoint", fn, *args)
             finally:
-                self._do("megatron.offload(all)", self.ranks.offload_states, ALL_STATES)
-        return self._do("megatron.checkpoint", fn, *args)
-
+                self._do(f"{who}.offload(all)", group.offload_states, ALL_STATES)
+        return self._do(f"{who}.checkpoint", fn, *args)

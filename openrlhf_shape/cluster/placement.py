@@ -23,6 +23,10 @@ Rules (each one a failure mode on a real cluster):
   of their own after the actor's and before the engines' (OpenRLHF's separate reference group).
 * The reward model's ranks (``rm_world_size`` > 0, ``--reward.model_name_or_path``) follow the same rule: colocated,
   reward rank ``r`` shares actor rank ``r``'s bundle; disaggregated, bundles of their own after the reference's.
+* The critic's ranks (``critic_world_size`` > 0, ``--algo.advantage.estimator gae``) too: colocated, on the actor's
+  bundles; disaggregated, bundles of their own after the reward model's, or the reward model's own bundles with
+  ``critic_on_reward`` (``--train.colocate_critic_reward``, OpenRLHF's flag: critic rank ``r`` on reward rank ``r``'s
+  GPU, the two worlds equal).
 
 Errors are ``ValueError`` naming the flags to change.
 """
@@ -90,6 +94,7 @@ class PlacementPlan:
     engine_tp: int
     refs: tuple[RankSlot, ...] = ()  # the reference model's ranks (none without KL)
     rms: tuple[RankSlot, ...] = ()  # the reward model's ranks (none without --reward.model_name_or_path)
+    critics: tuple[RankSlot, ...] = ()  # the critic's ranks (none without --algo.advantage.estimator gae)
 
     def bundle_node(self, bundle: int) -> tuple[int, int]:
         """(node, local index on that node) of a global bundle index."""
@@ -110,11 +115,11 @@ class PlacementPlan:
 
 
 # A rank group's role -> the plan's slots of its ranks.
-ROLE_SLOTS = {"actor": "ranks", "reference": "refs", "reward": "rms"}
+ROLE_SLOTS = {"actor": "ranks", "reference": "refs", "reward": "rms", "critic": "critics"}
 
 
 def role_slots(plan: PlacementPlan, role: str) -> tuple[RankSlot, ...]:
-    """The slots of ``role``'s ranks (``actor``, ``reference`` or ``reward``) in ``plan``."""
+    """The slots of ``role``'s ranks (``actor``, ``reference``, ``reward`` or ``critic``) in ``plan``."""
     if role not in ROLE_SLOTS:
         raise ValueError(f"unknown rank group role {role!r}; one of {sorted(ROLE_SLOTS)}")
     return getattr(plan, ROLE_SLOTS[role])
@@ -160,6 +165,8 @@ def plan_placement(
     rollout_gpus: int | None = None,
     ref_world_size: int = 0,
     rm_world_size: int = 0,
+    critic_world_size: int = 0,
+    critic_on_reward: bool = False,
 ) -> PlacementPlan:
     """Plan Megatron ranks, reference ranks and vLLM engine workers on GPUs (see the module docstring for the rules).
 
@@ -170,44 +177,60 @@ def plan_placement(
         gpus_per_node: GPUs of every node.
         num_nodes: nodes available; None means as many as the plan needs.
         rollout_gpus: disaggregated only: GPUs of the engine pool (default ``num_engines * engine_tp``).
-        ref_world_size: the reference model's ranks (0: none); colocated it must equal ``world_size``.
-        rm_world_size: the reward model's ranks (0: none); the same rule.
+        ref_world_size, rm_world_size, critic_world_size: the reference model's, the reward model's and the critic's
+            ranks (0: none); colocated each must equal ``world_size``.
+        critic_on_reward: disaggregated, the critic on the reward model's GPUs (``--train.colocate_critic_reward``).
     Raises ``ValueError`` naming the flags when the shape is impossible."""
     _check_shape(world_size=world_size, tp=tp, pp=pp, num_engines=num_engines, engine_tp=engine_tp,
                  gpus_per_node=gpus_per_node, num_nodes=num_nodes)
-    _check_ref(ref_world_size, world_size, tp, pp, colocate)
-    _check_ref(rm_world_size, world_size, tp, pp, colocate, FLAG_RM, "reward model")
-    own_ref = 0 if colocate else ref_world_size + rm_world_size  # GPUs of the reference's and reward model's own
+    sides = (ref_world_size, rm_world_size, critic_world_size)
+    ref_gpu, rm_gpu, critic_gpu = _side_groups(world_size, tp, pp, colocate, sides, critic_on_reward)
+    own_ref = 0 if colocate else len(set(ref_gpu) | set(rm_gpu) | set(critic_gpu))  # the side groups' own GPUs
     total = _total_gpus(world_size, num_engines, engine_tp, colocate, rollout_gpus) + own_ref
 
     # Ranks: bundle r on global GPU r (nodes filled in order; TP | gpus_per_node keeps groups whole).
     rank_gpu = list(range(world_size))
-    ref_gpu, rm_gpu = _side_gpus(world_size, (ref_world_size, rm_world_size), colocate)
     engine_gpu = _engine_gpus(world_size + own_ref, num_engines, engine_tp, colocate, gpus_per_node)
 
-    used = sorted(set(rank_gpu) | set(ref_gpu) | set(rm_gpu) | {g for grp in engine_gpu for g in grp})
+    used = sorted(set(rank_gpu) | set(ref_gpu) | set(rm_gpu) | set(critic_gpu) | {g for grp in engine_gpu for g in grp})
     nodes_needed = used[-1] // gpus_per_node + 1
     if num_nodes is not None:
         _need(nodes_needed <= num_nodes,
               f"the layout needs {nodes_needed} nodes of {gpus_per_node} GPUs ({world_size} rank GPUs"
-              + (f" + {own_ref} reference / reward-model GPUs" if own_ref else "")
+              + (f" + {own_ref} reference / reward-model / critic GPUs" if own_ref else "")
               + ("" if colocate else f" + {total - world_size - own_ref} engine GPUs")
               + f", TP groups and engines kept inside a node) but {FLAG_NUM_NODES} = {num_nodes}; add nodes or "
               f"lower {FLAG_WORLD} / {FLAG_ENGINES} / {FLAG_ENGINE_TP}")
 
     bundle_of, local_of, per_node = _number_bundles(used, gpus_per_node, nodes_needed)
     ranks = _rank_slots(rank_gpu, tp, pp, gpus_per_node, bundle_of, local_of)
-    refs, rms = (_rank_slots(g, tp, pp, gpus_per_node, bundle_of, local_of) for g in (ref_gpu, rm_gpu))
+    refs, rms, critics = (_rank_slots(g, tp, pp, gpus_per_node, bundle_of, local_of) for g in (ref_gpu, rm_gpu, critic_gpu))
     engines = [EngineSlot(engine=e, worker=w, node=g // gpus_per_node, gpu=local_of[g], bundle=bundle_of[g])
                for e, grp in enumerate(engine_gpu) for w, g in enumerate(grp)]
     return PlacementPlan(
         ranks=ranks, engines=tuple(engines), num_bundles=len(used), num_nodes=nodes_needed,
         colocate=colocate, master_rank_node=ranks[0].node, gpus_per_node=gpus_per_node,
         node_bundles=tuple(per_node), tp=tp, pp=pp, dp=world_size // (tp * pp), engine_tp=engine_tp, refs=refs,
-        rms=rms)
+        rms=rms, critics=critics)
 
 
 FLAG_REF = "--ref.num_nodes x --ref.num_gpus_per_node"
+
+
+def _side_groups(world_size: int, tp: int, pp: int, colocate: bool, sizes: tuple[int, int, int],
+                 critic_on_reward: bool) -> list[list[int]]:
+    """Global GPUs of the reference's, the reward model's and the critic's ranks (``sizes``), checked: the actor's
+    layout; colocated, one per actor rank; ``critic_on_reward`` (disaggregated, with a reward model) the critic's on
+    the reward model's GPUs, the two worlds equal."""
+    ref, rm, critic = sizes
+    _check_ref(ref, world_size, tp, pp, colocate)
+    _check_ref(rm, world_size, tp, pp, colocate, FLAG_RM, "reward model")
+    _check_ref(critic, world_size, tp, pp, colocate, FLAG_CRITIC, "critic")
+    on_rm = critic_on_reward and not colocate and rm > 0 and critic > 0
+    _need(not on_rm or critic == rm, f"{FLAG_COLOCATE_CR}: critic rank r shares reward rank r's GPU, so {FLAG_CRITIC} "
+          f"= {critic} must equal {FLAG_RM} = {rm}")
+    ref_gpu, rm_gpu, critic_gpu = _side_gpus(world_size, (ref, rm, 0 if on_rm else critic), colocate)
+    return [ref_gpu, rm_gpu, list(rm_gpu) if on_rm else critic_gpu]
 
 
 def _side_gpus(world_size: int, sizes: tuple[int, ...], colocate: bool) -> list[list[int]]:
@@ -220,6 +243,8 @@ def _side_gpus(world_size: int, sizes: tuple[int, ...], colocate: bool) -> list[
         start += 0 if colocate else n
     return out
 FLAG_RM = "--reward.num_nodes x --reward.num_gpus_per_node"
+FLAG_CRITIC = "--critic.num_nodes x --critic.num_gpus_per_node"
+FLAG_COLOCATE_CR = "--train.colocate_critic_reward"
 
 
 def _rank_slots(gpus: list[int], tp: int, pp: int, gpus_per_node: int, bundle_of: dict[int, int],
@@ -346,12 +371,14 @@ def plan_for(cfg, on_gpu: bool) -> PlacementPlan:
     m, t, v, world = cfg.megatron, cfg.train, cfg.vllm, cfg.actor.world_size
     ref = cfg.ref.world_size(world) if cfg.algo.kl.enabled else 0  # no KL: no reference ranks at all
     rm = cfg.reward.world_size(world) if cfg.reward.model_name_or_path else 0
+    critic = cfg.critic.world_size(world) if cfg.advantage_estimator().needs_critic else 0
     etp = v.tensor_parallel_size
     if on_gpu:
         gpn, nodes = t.gpus_per_node, t.num_nodes
     else:
-        gpn, nodes = max(world + ref + rm + v.num_engines * etp, etp, m.tensor_model_parallel_size), None
+        gpn, nodes = max(world + ref + rm + critic + v.num_engines * etp, etp, m.tensor_model_parallel_size), None
     return plan_placement(world_size=world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                           num_engines=v.num_engines, engine_tp=etp, colocate=t.colocate_all, gpus_per_node=gpn,
                           num_nodes=nodes, rollout_gpus=cfg.rollout.num_gpus, ref_world_size=ref,
-                          rm_world_size=rm)
+                          rm_world_size=rm, critic_world_size=critic,
+                          critic_on_reward=t.colocate_critic_reward)

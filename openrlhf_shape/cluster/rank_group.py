@@ -114,13 +114,13 @@ class RankGroup:
         platform: the run's profile (CPU shares and threads of each rank; handed to every rank).
         role: ``actor``; ``reference``: the reference model's ranks (the plan's ``refs``: a torch.distributed world of
             their own), built by :meth:`init_reference`; ``reward``: the reward model's (the plan's ``rms``), built by
-            :meth:`init_value_model`.
+            :meth:`init_value_model`; ``critic``: the critic's (the plan's ``critics``), built by :meth:`init_critic`.
     """
 
     def __init__(self, worker: str, cfg: Any, world_size: int, placement, platform: Platform, role: str = "actor"):
         planned = len(role_slots(placement.plan, role))
         if planned != world_size:
-            flag = {"actor": "--actor", "reference": "--ref", "reward": "--reward"}[role]
+            flag = {"actor": "--actor", "reference": "--ref", "reward": "--reward", "critic": "--critic"}[role]
             raise ValueError(f"placement plan has {planned} ranks, {flag}.num_nodes x {flag}.num_gpus_per_node = "
                              f"{world_size}")
         self.worker, self.cfg, self.world_size, self.platform = worker, cfg, world_size, platform
@@ -128,6 +128,7 @@ class RankGroup:
         self.actors: list = []
         self.value_dir: str | None = None
         self.head_seed: int | None = None
+        self.critic_args: tuple | None = None  # init_critic's arguments: what restart_ranks builds again
         self._spawn()
         self.clock = BusyClock()  # ranks at work (a call in flight); the weight stream is timed by the sync
 
@@ -208,6 +209,7 @@ class RankGroup:
 
     def init_critic(self, hf_dir: str, optim: OptimConfig, value_clip: float | None, head_seed: int | None) -> dict:
         """The critic on every rank (:meth:`RankWorker.init_critic`): ``hf_dir``'s value model with its own optimiser."""
+        self.critic_args = (hf_dir, optim, value_clip, head_seed)
         return self._all("init_critic", hf_dir, optim, value_clip, head_seed)[0]
 
     def train_values(self, batch: ValueBatch) -> dict:

@@ -8,8 +8,9 @@ straddle two nodes.
 
 * Megatron rank ``r`` runs on its bundle with ``num_gpus`` 1 (0.5 when colocated: the engine worker
   on the same bundle takes the other half, so Ray refuses a second rank on that GPU; a third each when the
-  reference model's rank shares the bundle too, a quarter with the reward model's as well). Reference and
-  reward-model rank ``r`` run on their own bundles the same way.
+  reference model's rank shares the bundle too, a quarter with the reward model's as well, a fifth with the
+  critic's). Reference, reward-model and critic rank ``r`` run on their own bundles the same way (a half each when
+  ``--train.colocate_critic_reward`` puts critic and reward model on one GPU).
 * Engine ``e`` at TP 1: the engine actor IS the vLLM worker (in-process executor) and takes the GPU
   share of its bundle. At TP > 1: the engine actor sits on its worker-0 bundle with no GPU, inside
   the node's group with ``placement_group_capture_child_tasks=True``; vLLM's Ray executor then
@@ -106,18 +107,21 @@ class RayPlacement:
             placement_group_capture_child_tasks=capture_child_tasks,
         )
 
-    def _gpu_share(self) -> float:
-        """What each process on a shared GPU takes: rank + engine worker colocated (+ a reference rank), else 1
-        (rounded down, so that the shares of one GPU never add up to more than 1)."""
+    def _gpu_share(self, role: str = "actor") -> float:
+        """What each process on a shared GPU takes: rank + engine worker colocated (+ a reference, reward-model and
+        critic rank), else 1; disaggregated, a half for the critic and the reward model on one GPU
+        (``--train.colocate_critic_reward``). Rounded down, so the shares of one GPU never add up to more than 1."""
         if not self.gpus:
             return 0.0
-        if not self.plan.colocate:
-            return 1.0
-        sharers = 2 + bool(self.plan.refs) + bool(self.plan.rms)
+        plan = self.plan
+        if not plan.colocate:
+            paired = bool(plan.critics) and plan.critics[0].bundle in {s.bundle for s in plan.rms}
+            return 0.5 if paired and role in ("reward", "critic") else 1.0
+        sharers = 2 + bool(plan.refs) + bool(plan.rms) + bool(plan.critics)
         return math.floor(10_000 / sharers) / 10_000
 
-    def rank_gpu_share(self) -> float:
-        return self._gpu_share()
+    def rank_gpu_share(self, role: str = "actor") -> float:
+        return self._gpu_share(role)
 
     def engine_gpu_share(self) -> float:
         """GPU share of each engine worker (vLLM's per-worker GPUs at TP > 1)."""
@@ -126,7 +130,7 @@ class RayPlacement:
     def rank_options(self, rank: int, num_cpus: float, *, role: str = "actor") -> dict[str, Any]:
         """``actor_cls.options(**...)`` for rank ``rank`` of ``role``'s group (:data:`ROLE_SLOTS`)."""
         slot = role_slots(self.plan, role)[rank]
-        return dict(num_cpus=num_cpus, num_gpus=self.rank_gpu_share(), scheduling_strategy=self._strategy(slot.bundle))
+        return dict(num_cpus=num_cpus, num_gpus=self.rank_gpu_share(role), scheduling_strategy=self._strategy(slot.bundle))
 
     def engine_options(self, engine: int, num_cpus: float) -> dict[str, Any]:
         """Options for engine ``engine``'s actor, plus ``env`` (env vars vLLM's Ray executor reads)."""

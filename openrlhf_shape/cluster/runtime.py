@@ -1,6 +1,6 @@
 """Start the trainer's cluster side in one call: placement plan -> placement groups -> training
 rank actors (rendezvous on rank 0's node), the reference model's rank actors (with KL), the reward model's (with
-``--reward.model_name_or_path``) and vLLM engine actors on their bundles -> the weight sync owned by the trainer's engine group -> the colocation lifecycle.
+``--reward.model_name_or_path``), the critic's (with ``--algo.advantage.estimator gae``) and vLLM engine actors on their bundles -> the weight sync owned by the trainer's engine group -> the colocation lifecycle.
 
 The trainer uses this on CPU and GPU alike. On CPU (tests, the demo) the bundles are CPU slots
 (``{"CPU": c}``) on the local node; colocation then runs the same transitions (the ranks' storages
@@ -37,6 +37,7 @@ class ClusterRuntime:
     lifecycle: Lifecycle
     refs: RankGroup | None = None  # the reference model's ranks (--algo.kl.init_coef > 0; --ref.*)
     rms: RankGroup | None = None  # the reward model's ranks (--reward.model_name_or_path; --reward.num_*)
+    critics: RankGroup | None = None  # the critic's ranks (--algo.advantage.estimator gae; --critic.*)
 
     def shutdown(self) -> None:
         try:
@@ -49,11 +50,13 @@ def make_rank_group(cfg, placement, platform: Platform, role: str = "actor") -> 
     """The ranks of ``--actor.backend`` (its record's worker and rank config: ``actor/backends.py``) on
     ``placement``'s bundles under ``platform``. ``role="reference"``: the reference model's ranks (``--ref.*``), the
     same backend and layout, built by ``init_reference`` (forward only, free MoE routing); ``role="reward"``: the
-    reward model's (``--reward.num_*``), built by ``init_value_model``."""
+    reward model's (``--reward.num_*``), built by ``init_value_model``; ``role="critic"``: the critic's
+    (``--critic.num_*``), built by ``init_critic``."""
     from openrlhf_shape.cluster.rank_group import RankGroup
 
     backend, world = cfg.backend(), cfg.actor.world_size
-    world = {"actor": world, "reference": cfg.ref.world_size(world), "reward": cfg.reward.world_size(world)}[role]
+    world = {"actor": world, "reference": cfg.ref.world_size(world), "reward": cfg.reward.world_size(world),
+             "critic": cfg.critic.world_size(world)}[role]
     return RankGroup(backend.worker, backend.rank_config(cfg), world, placement, platform, role=role)
 
 
@@ -74,10 +77,11 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
     r = cfg.rollout
     plan = plan_for(cfg, platform.on_gpu)
     c_rank, c_engine = platform.cpus_per_rank, platform.cpus_per_engine
-    groups = 1 + bool(plan.refs) + bool(plan.rms)  # rank processes on a colocated bundle
-    cpus = (c_rank * groups + c_engine) if plan.colocate else max(c_rank, c_engine)
+    groups = 1 + bool(plan.refs) + bool(plan.rms) + bool(plan.critics)  # rank processes on a colocated bundle
+    paired = 2 if plan.critics and plan.critics[0].bundle in {s.bundle for s in plan.rms} else 1  # critic + reward
+    cpus = (c_rank * groups + c_engine) if plan.colocate else max(c_rank * paired, c_engine)
     placement = RayPlacement(plan, cpus_per_bundle=cpus, gpus=platform.gpus_per_bundle > 0)
-    refs = rms = None
+    refs = rms = critics = None
     try:
         check_shared_output(cfg, placement.rank_node_ids())  # multi-node: checkpoints need a shared filesystem
         engines = start_engines(engine_cfg, cfg.vllm.num_engines, platform=platform, placement=placement, wait_ready=False,
@@ -88,6 +92,8 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
             refs = make_rank_group(cfg, placement, platform, role="reference")
         if plan.rms:  # --reward.model_name_or_path: the reward model's ranks, a world of their own
             rms = make_rank_group(cfg, placement, platform, role="reward")
+        if plan.critics:  # --algo.advantage.estimator gae: the critic's ranks, a world of their own
+            critics = make_rank_group(cfg, placement, platform, role="critic")
         ray.get([h.ready.remote() for h in engines.engines])
         transport, why = resolve_weight_sync(r.weight_sync, plan, platform.on_gpu)
         log.info("weight sync: %s (%s)", transport, why)
@@ -98,10 +104,10 @@ def start_cluster(cfg, engine_cfg, platform: Platform) -> ClusterRuntime:
         placement.remove()
         raise
     lifecycle = Lifecycle(ranks, engines, sync, cfg.vllm.weight_sync_bucket_mb << 20, colocate=plan.colocate, refs=refs,
-                          rms=rms, ref_offload=cfg.ref.offload, rm_offload=cfg.reward.offload)
+                          rms=rms, critics=critics, ref_offload=cfg.ref.offload, rm_offload=cfg.reward.offload)
     if not cfg.train.async_enable:  # the ranks hold the engines' weights until the update: a replacement gets them
         engines.restore_weights = lifecycle.restore_engine
-    return ClusterRuntime(plan, placement, platform, ranks, engines, sync, lifecycle, refs, rms)
+    return ClusterRuntime(plan, placement, platform, ranks, engines, sync, lifecycle, refs, rms, critics)
 
 
 def connect_sync(rt: ClusterRuntime) -> None:
@@ -111,7 +117,7 @@ def connect_sync(rt: ClusterRuntime) -> None:
 
 def restart_ranks(rt: ClusterRuntime, model_dir: str) -> None:
     """A rank died (``--train.max_restarts``): every rank group torn down and started again on its bundles, the models
-    built from ``model_dir`` (the reward model's from its own directory again; the caller then loads the newest
+    built from ``model_dir`` (the reward model's and the critic's from their own directories again; the caller then loads the newest
     complete checkpoint), and the weight sync formed again over the same engines (kept: not restarted) with the new rank 0 as its sender. The lifecycle keeps its phase."""
     rt.ranks.restart()
     log.info("actor: %s", rt.ranks.init_model(model_dir))
@@ -121,4 +127,7 @@ def restart_ranks(rt: ClusterRuntime, model_dir: str) -> None:
     if rt.rms is not None:
         rt.rms.restart()
         log.info("reward model (%d ranks): %s", rt.rms.world_size, rt.rms.init_value_model(rt.rms.value_dir, rt.rms.head_seed))
+    if rt.critics is not None:
+        rt.critics.restart()
+        log.info("critic (%d ranks): %s", rt.critics.world_size, rt.critics.init_critic(*rt.critics.critic_args))
     rt.sync.reconnect(rt.engines.engines, sender=rt.ranks.actors[0])  # the lifecycle holds this same sync

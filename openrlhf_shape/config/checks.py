@@ -48,6 +48,7 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
     _check_loop(cfg, check_paths)
     _check_probes(cfg, estimator)
     _check_kl(cfg, replica)
+    _check_critic_ranks(cfg, replica)
     _check_reward_model(cfg, replica, check_paths)
     _check_reward_shaping(cfg, estimator)
     _check_paths(cfg, check_paths)
@@ -55,9 +56,7 @@ def validate(cfg: "TrainConfig", check_paths: bool = True) -> None:
 
 
 def _check_critic(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
-    """``--critic.*`` only with an estimator that reads a critic (a setting that does nothing is an error). Such an
-    estimator (GAE) needs the critic's rank group, which the trainer does not start yet (issue 50): refused here,
-    once, rather than failing at the first step."""
+    """``--critic.*`` only with an estimator that reads a critic (a setting that does nothing is an error)."""
     given = _changed(dataclasses.asdict(cfg.critic), dataclasses.asdict(type(cfg.critic)()), "critic.")
     given += ["train.colocate_critic_reward"] if cfg.train.colocate_critic_reward else []
     name = cfg.algo.advantage.estimator
@@ -65,10 +64,20 @@ def _check_critic(cfg: "TrainConfig", estimator: AdvantageEstimator) -> None:
           f"only --algo.advantage.estimator {' or '.join(names_with('needs_critic'))} trains a critic, and the run's "
           f"estimator is {name} (OpenRLHF's default is gae, ours shape): pass --algo.advantage.estimator gae, or drop "
           + ", ".join(f"--{g}" for g in given))
-    _need(not estimator.needs_critic, "algo.advantage.estimator",
-          f"{name} needs a critic (a value model trained beside the actor: --critic.*), and this trainer has no critic "
-          "rank group yet (issue 50); use a critic-free estimator: reinforce_baseline, grpo (group_norm), rloo, "
-          "reinforce, dr_grpo or flash_reinforce, or shape")
+
+
+def _check_critic_ranks(cfg: "TrainConfig", mp: int) -> None:
+    """gae's critic ranks: as the reference's (a multiple of the actor's TP x PP x CP ``mp``; colocated, one per actor
+    rank); under ``--train.colocate_critic_reward`` with a reward model, as many as the reward model's."""
+    if not cfg.advantage_estimator().needs_critic:
+        return
+    world = cfg.actor.world_size
+    ranks, rm = cfg.critic.world_size(world), cfg.reward.world_size(world)
+    _check_side_ranks(cfg, "the critic", "critic", ranks, mp, "--critic.*")
+    _need(not (cfg.train.colocate_critic_reward and cfg.reward.model_name_or_path and not cfg.train.colocate_all)
+          or ranks == rm, "train.colocate_critic_reward",
+          f"critic rank r shares reward rank r's GPU (OpenRLHF's rule): --critic.num_nodes x --critic.num_gpus_per_node "
+          f"= {ranks} must equal --reward.num_nodes x --reward.num_gpus_per_node = {rm}")
 
 
 def _changed(ours: dict, default: dict, prefix: str) -> list[str]:

@@ -46,8 +46,8 @@ class OpenRLHFFlag:
     checked_by: tuple[str, ...] = ()
 
 
-_CRITIC = ("the critic of --algo.advantage.estimator gae (any other estimator refuses --critic.* and "
-           "--train.colocate_critic_reward); a run with gae is refused until the critic's rank group lands (issue 50)")
+_CRITIC = ("the critic of --algo.advantage.estimator gae, a rank group of the actor's backend and layout (any other "
+           "estimator refuses --critic.* and --train.colocate_critic_reward)")
 _CRITIC_OPTIM = f"the critic's optimiser, as --actor.*'s; {_CRITIC}"
 _CRITIC_RANKS = ("the critic's ranks (unset: as many as the actor's, as the reference's): OpenRLHF's 1 node x 8 GPUs "
                  "would not fit the one-rank default actor; " + _CRITIC)
@@ -152,19 +152,22 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("critic.num_nodes", 1, OWN, why=_CRITIC_RANKS),
     _f("critic.num_gpus_per_node", 8, OWN, why=_CRITIC_RANKS),
     _f("critic.model_name_or_path", None, SAME, why="where the critic starts (a value head on the policy's "
-       f"architecture); unset: the actor's path (OpenRLHF: a reward model's when one is given); {_CRITIC}"),
+       f"architecture, OpenRLHF's value-model format loads unchanged); unset: the reward model's when one is given, "
+       f"else the actor's (OpenRLHF's rule); {_CRITIC}"),
     _f("critic.value_clip", 0.5, SAME, why=f"the value loss's clip (OpenRLHF's ValueLoss); {_CRITIC}",
        checked_by=(_T_VALUE_LOSS,)),
     _f("critic.freezing_steps", -1, SAME, why="the actor does not train while the critic warms up: as OpenRLHF "
        f"0.11.2, N >= 0 freezes it for the first N + 1 steps (its step count starts at 0), -1 never; {_CRITIC}"),
-    _f("critic.save_value_network", False, SAME, why=f"also save the critic's final weights; {_CRITIC}"),
+    _f("critic.save_value_network", False, SAME, why="also save the critic's final weights, in OpenRLHF's value-model "
+       f"format, where OpenRLHF puts them: <ckpt.output_dir>_critic; {_CRITIC}"),
     *_critic_optim(),
     _f("actor.num_nodes", 1, OWN, why=_ACTOR_RANKS),
     _f("actor.num_gpus_per_node", 8, OWN, why=_ACTOR_RANKS),
     _f("train.colocate_all", False, SAME, why="vLLM engines sleep while the actor ranks train on the same GPUs; with "
        "--train.async_enable, as in OpenRLHF, only the training models share GPUs and the engines get their own"),
     _f("train.colocate_actor_ref", False, REFUSED, why=_REF_COLOCATE),
-    _f("train.colocate_critic_reward", False, SAME, why=f"the critic and the reward model share GPUs; {_CRITIC}"),
+    _f("train.colocate_critic_reward", False, SAME, why="the critic and the reward model share GPUs (critic rank r on "
+       f"reward rank r's GPU, the two worlds equal; without a reward model the critic keeps its own); {_CRITIC}"),
     # ---- vLLM
     _f("vllm.num_engines", None, OWN, why="OpenRLHF's unset means no vLLM (its HF generate); here every rollout and "
        "probe runs on vLLM engines, so at least one"),
@@ -346,7 +349,7 @@ OPENRLHF_PPO_FLAGS: tuple[OpenRLHFFlag, ...] = (
     _f("algo.advantage.estimator", "gae", OWN, ours="algo.advantage.estimator", accept=RegisteredEstimators(),
        why="shape, the paper's method; every registered estimator is accepted (OpenRLHF's with its semantics, "
            "docs/algorithms.md; " + ", ".join(f"{a} is {n}" for a, n in ESTIMATOR_ALIASES.items()) + " here); gae "
-           "computes OpenRLHF's GAE but a run with it is refused until the critic's rank group lands (issue 50)",
+           "trains a critic beside the actor (--critic.*) and computes OpenRLHF's GAE on its values",
        checked_by=(_T_RETURNS, _T_KL_REWARD, _T_GAE)),
     _f("algo.advantage.gamma", 1, SAME,
        why="the return's per-token discount, for the estimators that discount returns (OpenRLHF's reinforce and gae); the others "

@@ -390,9 +390,10 @@ class TrainConfig:
         return dataclasses.replace(actor, **{k: getattr(self.critic, k) for k in _CRITIC_OPTIM})
 
     def critic_model_path(self) -> str:
-        """Where the critic starts: ``--critic.model_name_or_path``, else the actor's (OpenRLHF's rule without a
-        reward model)."""
-        return self.critic.model_name_or_path or self.actor.model_name_or_path
+        """Where the critic starts: ``--critic.model_name_or_path``, else the reward model's
+        (``--reward.model_name_or_path``), else the actor's (OpenRLHF 0.11.2's rule in ``train_ppo_ray``: the reward
+        model's when one is given, the actor's with a remote reward)."""
+        return self.critic.model_name_or_path or self.reward.model_name_or_path or self.actor.model_name_or_path
 
     def backend(self) -> Backend:
         """The record of ``--actor.backend`` (its worker, rank config, model checks, trainer dtype)."""

@@ -31,9 +31,10 @@ from openrlhf_shape.rng import capture_rng, restore_rng
 def _sharded_state_dict(state: ActorState, *, is_loading: bool) -> dict:
     model_sd = state.model.module.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": state.cfg.dist_optimizer_ckpt_format}
-    if state.cfg.use_distributed_optimizer and is_loading:
-        # A fresh distributed optimizer has no Adam state and its ``sharded_state_dict(is_loading=True)``
-        # asserts: zero state with step 0 (the load overwrites it).
+    if state.cfg.use_distributed_optimizer or not is_loading:
+        # A fresh optimizer has no Adam state: the distributed one's ``sharded_state_dict(is_loading=True)`` asserts,
+        # and a save before the first step (--critic.freezing_steps: the actor frozen) would leave the Adam keys out.
+        # Zero state with step 0 is what Adam's first step starts from anyway (a load overwrites it).
         for inner in _inner_optimizers(state.optimizer):
             for p in [p for group in inner.param_groups for p in group["params"]]:
                 st = inner.state[p]
@@ -143,6 +144,11 @@ def _load_optimizer_state(actor: ActorState, state: dict, step: int) -> None:
     shared by all parameters, so bias correction is wrong after resume (silent loss drift). Every
     successful optimizer step updates every parameter, so each ``step`` equals the saved step count.
     """
+    per_param = state.get("state") if isinstance(state, dict) else None
+    if not actor.cfg.use_distributed_optimizer and per_param and "common_step" not in per_param:
+        # mcore saves the shared Adam step only when it is non-zero: a checkpoint before the first step (a frozen
+        # actor, --critic.freezing_steps) has none, and torch's Adam refuses a state without one
+        per_param["common_step"] = torch.tensor(float(step), dtype=torch.float32)
     with _missing_step_tolerated(actor.optimizer):
         actor.optimizer.load_state_dict(state)
     if actor.cfg.use_distributed_optimizer:

@@ -47,6 +47,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Old log-probs and entropy of a SequenceBatch, per sample (and the MoE routing this pass used, under replay).
 LogProbFn = Callable[[SequenceBatch], LogProbs]
+# The critic's raw state values of a SequenceBatch: per sample of response R, [R + 1] float32 (j < R: the state
+# before response token j).
+ValuesFn = Callable[[SequenceBatch], Sequence[torch.Tensor]]
 # Dynamic filtering's refill round: (round r >= 1, prompt groups still missing, the round's StepLog) -> the round's
 # scored, filtered batch (ShapeExperienceMaker.fill).
 RefillRound = Callable[[int, int, StepLog], ExperienceBatch]
@@ -174,15 +177,22 @@ class ShapeExperienceMaker:
             None without a reference model (``--algo.kl.init_coef 0``).
         kl: the KL settings (``--algo.kl.*``, algorithms/kl.py); needed with ``ref_logprobs_fn``. The coefficient
             comes with each batch (:meth:`make_experience`'s ``kl_coef``): the trainer owns its controller.
+        values_fn: the critic's state values of a batch (the critic's ranks, through the lifecycle); needed by an
+            estimator with a critic (``--algo.advantage.estimator gae``), refused without one.
     """
 
     def __init__(self, estimator: AdvantageEstimator, sampling: SamplingConfig, probe: ProbeConfig,
                  engines: Engines, logprobs_fn: LogProbFn, reward: Rewards, tokenizer: Tokenizer, *,
                  shaping: RewardShaping | None = None, rollout_correction: RolloutCorrectionConfig | None = None,
                  agent: AgentRunner | None = None, ref_logprobs_fn: LogProbFn | None = None,
-                 kl: KLPenalty | None = None):
+                 kl: KLPenalty | None = None, values_fn: ValuesFn | None = None):
         if (ref_logprobs_fn is None) != (kl is None):
             raise ValueError("the KL to the reference model needs both the reference's log-probs and the KL settings")
+        if (values_fn is None) == estimator.needs_critic:
+            raise ValueError(f"--algo.advantage.estimator {estimator.name} "
+                             + ("needs the critic's values (values_fn)" if estimator.needs_critic else
+                                "reads no critic: values_fn must be None"))
+        self.values_fn = values_fn
         self.ref_logprobs_fn, self.kl = ref_logprobs_fn, kl
         self.correction = (rollout_correction or RolloutCorrectionConfig()).validate()
         if self.correction.level != "off" and not (sampling.top_p >= 1.0 and sampling.top_k in (-1, 0)):
@@ -280,10 +290,12 @@ class ShapeExperienceMaker:
 
     def old_policy(self, exp: ExperienceBatch, log: StepLog, kl_coef: float | None = None) -> ExperienceBatch:
         """Ranks: ``logprobs`` (old log-probs and entropy), then ``ref_logprobs`` with a reference model, which
-        gives the batch its KL coefficient ``kl_coef``."""
+        gives the batch its KL coefficient ``kl_coef``, then ``values`` with a critic."""
         exp = log.phase("logprobs", self.logprobs, exp)
         if self.ref_logprobs_fn is not None:
             exp = log.phase("ref_logprobs", self.ref_logprobs, exp, kl_coef)
+        if self.values_fn is not None:
+            exp = log.phase("values", self.values, exp)
         return exp
 
     def credit(self, exp: ExperienceBatch, log: StepLog, seed: int | None = None) -> ExperienceBatch:
@@ -461,6 +473,20 @@ class ShapeExperienceMaker:
             metrics["kl"] = metrics["ref/kl/mean"]
         return PhaseOutput(exp, metrics)
 
+    def values(self, exp: ExperienceBatch) -> PhaseOutput:
+        """The critic's values ``[B, T]`` float32 of each response token's state (prompt + the response before it:
+        OpenRLHF's action values), 0 at padding and at an agent's environment replies (GAE's mask); logs
+        ``critic/old_values/mean`` over the policy's tokens."""
+        mask, policy = exp.response_mask, exp.loss_mask()
+        out = self.values_fn(SequenceBatch(sequences=exp.sequences, prompt_lens=exp.prompt_lens,
+                                           temperature=self.sampling.temperature))
+        got, want = [int(v.numel()) - 1 for v in out], mask.sum(-1).tolist()
+        if got != want:
+            raise RuntimeError(f"critic returned values of {got[:8]} states for responses of {want[:8]} tokens")
+        rows = pad_rows([v[:-1].float() for v in out], mask.shape[1])
+        exp.values = torch.where(policy, rows, torch.zeros_like(rows))
+        return PhaseOutput(exp, {"critic/old_values/mean": float(exp.values[policy].mean()) if bool(policy.any()) else 0.0})
+
     def segment(self, exp: ExperienceBatch) -> PhaseOutput:
         """Segment boundaries ``[B, K-1]`` (-1 padded); None for sequence-level estimators."""
         if not self.estimator.needs_segments:
@@ -531,8 +557,10 @@ class ShapeExperienceMaker:
             self.sampling.n,  # filtering drops whole groups, so groups still hold n samples
             max_response_len=self.sampling.max_tokens, entropy=entropy, boundaries=boundaries,
             potentials=potentials, token_rewards=token_rewards, reward_clip_range=self.shaping.clip_range,
+            values=exp.values,
         )
         exp.advantages = res.token_advantages if cols is None else cols.scatter(res.token_advantages)
+        exp.returns = res.returns  # gae: the critic's targets
         metrics = dict(res.metrics)
         if self.kl is not None:
             metrics["kl_coef"] = exp.kl_coef  # the batch's own, which its update applies too

@@ -6,8 +6,8 @@ import time
 from typing import Any, Callable, NamedTuple
 
 # The phases of one step, in order (docs/architecture.md); the run report sums their seconds.
-PHASES = ("generate", "rewards", "logprobs", "ref_logprobs", "segment", "probes", "advantages", "to_update", "train",
-          "sync", "to_rollout", "eval", "checkpoint")
+PHASES = ("generate", "rewards", "logprobs", "ref_logprobs", "values", "segment", "probes", "advantages", "to_update",
+          "train", "sync", "to_rollout", "eval", "checkpoint")
 
 
 class PhaseOutput(NamedTuple):

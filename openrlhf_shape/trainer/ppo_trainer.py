@@ -115,6 +115,7 @@ class ShapeTrainer:
                     raise
                 path = self._restart_ranks(death)
         self._export_hf()
+        self._export_critic()
         return write_report(self.run_dir, self.history, self.run.setup_seconds)
 
     def _fit_from(self, path: str | None, restarted: bool = False) -> None:
@@ -245,11 +246,26 @@ class ShapeTrainer:
         cluster.lifecycle.around_checkpoint(cluster.ranks.export_hf, out)
         log.info("exported the trained policy to %s", out)
 
+    def _export_critic(self) -> None:
+        """``--critic.save_value_network``: the trained critic in OpenRLHF's value-model format (the HF decoder with
+        its value head, loadable as ``--critic.model_name_or_path``) to ``<ckpt.output_dir>_critic``, where OpenRLHF's
+        ``save_model`` puts it, once the run reached ``--train.num_steps`` (as :meth:`_export_hf`, atomically)."""
+        out = self.run_dir + "_critic"
+        critics = self.run.cluster.critics
+        if critics is None or not self.cfg.critic.save_value_network or self._done != self.cfg.train.num_steps:
+            return
+        if os.path.isdir(out) and not any(h["step"] == self._done for h in self.history):
+            return
+        self.run.cluster.lifecycle.around_checkpoint(critics.export_hf, out, who="critic")
+        log.info("exported the trained critic to %s", out)
+
     # ------------------------------------------------------------------ phases of the loop
     def train(self, exp, step: int) -> PhaseOutput:
         """Mini-batch updates over the rollout batch (``train.max_epochs`` passes, shuffled per pass): ``n //
         train.batch_size`` per pass, the ``n % train.batch_size`` samples left over dropped (OpenRLHF's ``drop_last``;
         ``actor/dropped_samples``, per pass), so the run takes exactly ``TrainConfig.total_optimizer_steps`` updates.
+        With a critic (gae) its updates come first, over the same mini-batches (:meth:`_train_critic`); under
+        ``--critic.freezing_steps N`` the actor takes none in steps 1..N+1 (``actor/updates`` 0).
 
         ``data/trained_prompts``: the prompt groups this update trained, in the batch's order (dynamic filtering's
         refills and, asynchronously, the batch made in an earlier window included), as their rows in
@@ -265,23 +281,36 @@ class ShapeTrainer:
         kl, rows = self.run.kl, []
         # the coefficient the batch carries (read once when it was made: trainer/experience.py ref_logprobs)
         term = KLLossTerm(exp.kl_coef, kl.estimator, kl.unbiased_gradient) if kl is not None and kl.in_loss else None
-        for _epoch in range(cfg.train.max_epochs):
-            order = torch.randperm(n, generator=gen).tolist()
-            for start in range(0, n - mb + 1, mb):  # full mini-batches only (drop_last)
-                batch = exp.train_batch(order[start : start + mb], cfg.rollout.temperature, kl_loss=term)
-                rows.append(self.run.cluster.ranks.train_step(batch))
-        out = {f"actor/{k}": v for k, v in _mean_metrics(rows).items()}
+        batches = [order[start : start + mb] for order in (torch.randperm(n, generator=gen).tolist()
+                                                           for _epoch in range(cfg.train.max_epochs))
+                   for start in range(0, n - mb + 1, mb)]  # full mini-batches only (drop_last)
+        out = self._train_critic(exp, batches) if self.run.cluster.critics is not None else {}
+        if step - 1 > cfg.critic.freezing_steps:  # OpenRLHF: the actor trains once global_steps (from 0) > N
+            rows = [self.run.cluster.ranks.train_step(exp.train_batch(b, cfg.rollout.temperature, kl_loss=term))
+                    for b in batches]
+        out.update({f"actor/{k}": v for k, v in _mean_metrics(rows).items()})
         out["actor/updates"] = float(len(rows))
         out["actor/samples"], out["actor/dropped_samples"] = float(n), float(n % mb)
         out["data/trained_prompts"] = [exp.items[i].index for i in range(0, n, cfg.rollout.n_samples_per_prompt)]
         out["actor/skipped_updates"] = float(sum(r.get("skipped", 0.0) for r in rows))
-        if kl is not None:
+        if kl is not None and rows:
             if term is not None:  # OpenRLHF's kl in the loss: the updates' token-mean KL to the reference
                 out["kl"], out["logprobs_diff"] = out["actor/kl"], out["actor/logprobs_diff"]
             # the coefficient for the next step (adaptive: from this step's kl over the step's samples, as OpenRLHF)
             samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             self.kl_controller.update(out.get("kl", exp.metrics.get("kl", 0.0)), samples)
         return PhaseOutput(None, out)
+
+    def _train_critic(self, exp, batches: list[list[int]]) -> dict[str, float]:
+        """gae: one critic update per mini-batch ``batches`` (the actor's, in its order), before the actor's (as
+        OpenRLHF's ppo_train); its metrics under OpenRLHF's names as ``critic/*`` (``critic_loss``, ``values``,
+        ``critic_lr``, ``critic_grad_norm``: means over the updates), ``critic/updates``."""
+        critics, temperature = self.run.cluster.critics, self.cfg.rollout.temperature
+        rows = self.run.cluster.lifecycle.critic_update(
+            lambda: [critics.train_values(exp.value_batch(b, temperature)) for b in batches])
+        out = {f"critic/{k}": v for k, v in _mean_metrics(rows).items()}
+        out["critic/updates"] = float(len(rows))
+        return out
 
     def sync(self, step: int) -> PhaseOutput:
         """Stream the new weights of ``step`` to the engines; the lifecycle (openrlhf_shape/cluster/lifecycle.py)
@@ -343,7 +372,9 @@ class ShapeTrainer:
 
     def save(self, step: int, step_metrics: dict | None = None) -> PhaseOutput:
         """Checkpoint actor + data position (and ``step_metrics``, the step's metrics line so far: a run stopped
-        before it writes the line gets it on resume); keep the newest ``ckpt.max_num`` complete ones."""
+        before it writes the line gets it on resume); keep the newest ``ckpt.max_num`` complete ones. The critic's
+        (gae) goes to ``<step dir>/critic``: written whole first as ``<step dir>.critic.tmp`` (a name the resume's
+        search skips), moved in once the actor's is complete (:func:`critic_checkpoint` finds it either way)."""
         path = os.path.join(self.ckpt_root, f"step_{step:06d}")
         extra = {"step": step, "batcher": self.run.batcher.state_dict(), "time": time.time(),
                  **self.run.schedule.save_pending(self.ckpt_root, step)}  # async: the batches in flight
@@ -352,7 +383,13 @@ class ShapeTrainer:
                                                    "data/epoch": float(self.run.batcher.epoch)})
         if self.kl_controller is not None:  # the adaptive KL coefficient moves every step
             extra["kl_controller"] = self.kl_controller.state_dict()
-        self.run.cluster.lifecycle.around_checkpoint(self.run.cluster.ranks.save_checkpoint, path, extra)
+        cluster = self.run.cluster
+        if cluster.critics is not None:  # complete beside the step's directory first, moved into it once that is
+            cluster.lifecycle.around_checkpoint(cluster.critics.save_checkpoint, path + CRITIC_STAGE, {"step": step},
+                                                who="critic")
+        cluster.lifecycle.around_checkpoint(cluster.ranks.save_checkpoint, path, extra)
+        if cluster.critics is not None:
+            os.replace(path + CRITIC_STAGE, os.path.join(path, "critic"))
         done = sorted(d for d in os.listdir(self.ckpt_root) if d.startswith("step_") and "." not in d)
         for old in done[: -self.cfg.ckpt.max_num]:
             shutil.rmtree(os.path.join(self.ckpt_root, old), ignore_errors=True)
@@ -379,6 +416,7 @@ class ShapeTrainer:
             step = 0
         else:
             step = self._load(path)
+        lifecycle.resumed()  # the side groups to host where they live there, as start() leaves them
         lifecycle.sync_weights(step)  # engines get the resumed weights
         lifecycle.after_sync()  # and the run is in the rollout phase
         return step
@@ -386,6 +424,8 @@ class ShapeTrainer:
     def _load(self, path: str) -> int:
         """Checkpoint ``path`` into the ranks and the driver's state; returns its step."""
         extra = self.run.cluster.ranks.load_checkpoint(path)
+        if self.run.cluster.critics is not None:
+            self.run.cluster.critics.load_checkpoint(critic_checkpoint(path))
         self.run.batcher.load_state_dict(extra["batcher"])
         self.run.schedule.load_pending(extra, self.ckpt_root)
         if self.kl_controller is not None and "kl_controller" in extra:
@@ -443,7 +483,7 @@ class ShapeTrainer:
             run.reward.close()
             run.cluster.engines.shutdown()
             run.cluster.ranks.shutdown()
-            for group in (run.cluster.refs, run.cluster.rms):  # the reference's and reward model's ranks
+            for group in (run.cluster.refs, run.cluster.rms, run.cluster.critics):  # the side groups' ranks
                 if group is not None:
                     group.shutdown()
             run.cluster.shutdown()
@@ -487,6 +527,22 @@ def rank_death(exc: BaseException) -> str | None:
     if sync is not None and sync.who.startswith("actor rank") and isinstance(sync.__cause__, ray.exceptions.RayActorError):
         return f"{sync.who.split(' (')[0]} died during the weight sync ({type(sync.__cause__).__name__})"
     return None
+
+
+CRITIC_STAGE = ".critic.tmp"  # beside a step's directory: its critic, before it moves in (ShapeTrainer.save)
+
+
+def critic_checkpoint(path: str) -> str:
+    """The critic's checkpoint of step directory ``path``: ``<path>/critic``, or, when the run stopped between the
+    actor's publish and the move, ``<path>.critic.tmp``; ``FileNotFoundError`` naming both when neither is complete."""
+    from openrlhf_shape.checkpoint_dir import COMPLETE_MARKER
+
+    for cand in (os.path.join(path, "critic"), path + CRITIC_STAGE):
+        if os.path.isfile(os.path.join(cand, COMPLETE_MARKER)):
+            return cand
+    raise FileNotFoundError(f"{path} holds no complete critic checkpoint (critic/ or {os.path.basename(path)}"
+                            f"{CRITIC_STAGE}): it was written by a run without a critic; resume it with its own "
+                            "--algo.advantage.estimator, or start over (--ckpt.resume none)")
 
 
 def checkpoint_root(cfg: TrainConfig) -> str:

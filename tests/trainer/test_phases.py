@@ -65,8 +65,9 @@ def test_the_loop_runs_the_experience_phases_through_make_experience() -> None:
     mk_phases, mk_calls = _calls(ShapeExperienceMaker.make_experience)
     assert mk_phases == [] and mk_calls["self"] == ["rollout", "credit", "old_policy"]
     stage_phases = [p for stage in ("rollout", "old_policy", "credit") for p in _calls(getattr(ShapeExperienceMaker, stage))[0]]
-    # (ref_logprobs: with a reference model only, --algo.kl.init_coef > 0)
-    assert stage_phases == ["generate", "rewards", "logprobs", "ref_logprobs", "segment", "probes", "advantages"]
+    # (ref_logprobs: with a reference model only, --algo.kl.init_coef > 0; values: with a critic only, gae)
+    assert stage_phases == ["generate", "rewards", "logprobs", "ref_logprobs", "values", "segment", "probes",
+                            "advantages"]
     # dynamic filtering's refill rounds (ShapeExperienceMaker.fill) repeat the first stage's two phases
     assert _calls(ShapeExperienceMaker.refill_round)[0] == ["generate", "rewards"]
     async_calls = [c for name, fn in inspect.getmembers(schedule.OneStepOffSchedule, inspect.isfunction)
