@@ -229,10 +229,10 @@ class Lifecycle:
         self.engines.forget_affinity()
         self.phase = "rollout"
 
-    def around_checkpoint(self, fn, *args, who: str = "megatron") -> Any:
-        """Checkpoints need every state on the device (the distributed checkpoint writes from it). ``who``:
-        ``megatron`` (the actor's ranks) or ``critic`` (the critic's: ``fn`` its save, load or export)."""
-        group = self.ranks if who == "megatron" else self.critics
+    def around_checkpoint(self, fn, *args, critic: bool = False) -> Any:
+        """Checkpoints need every state on the device (the distributed checkpoint writes from it). ``critic``: ``fn``
+        is the critic's save, load or export (its group comes to the device), else the actor ranks'."""
+        who, group = ("critic", self.critics) if critic else ("megatron", self.ranks)
         if self.colocate and self.phase == "rollout":
             self._do(f"{who}.onload(all)", group.onload_states, ALL_STATES)
             try:

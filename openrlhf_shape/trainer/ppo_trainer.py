@@ -256,7 +256,7 @@ class ShapeTrainer:
             return
         if os.path.isdir(out) and not any(h["step"] == self._done for h in self.history):
             return
-        self.run.cluster.lifecycle.around_checkpoint(critics.export_hf, out, who="critic")
+        self.run.cluster.lifecycle.around_checkpoint(critics.export_hf, out, critic=True)
         log.info("exported the trained critic to %s", out)
 
     # ------------------------------------------------------------------ phases of the loop
@@ -386,7 +386,7 @@ class ShapeTrainer:
         cluster = self.run.cluster
         if cluster.critics is not None:  # complete beside the step's directory first, moved into it once that is
             cluster.lifecycle.around_checkpoint(cluster.critics.save_checkpoint, path + CRITIC_STAGE, {"step": step},
-                                                who="critic")
+                                                critic=True)
         cluster.lifecycle.around_checkpoint(cluster.ranks.save_checkpoint, path, extra)
         if cluster.critics is not None:
             os.replace(path + CRITIC_STAGE, os.path.join(path, "critic"))

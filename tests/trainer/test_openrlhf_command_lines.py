@@ -91,7 +91,7 @@ def test_example_command_line_resolves_without_them(name, flags, capsys):
     assert cfg["algo"]["advantage"]["estimator"] == "grpo"  # group_norm: GRPO's group normalisation
     assert cfg["actor"]["num_nodes"] * cfg["actor"]["num_gpus_per_node"] == 8
     # the reference model and the KL in the loss, as the examples ask (k3, colocated on the actor's 8 GPUs)
-    assert cfg["ref"] == {"num_nodes": 1, "num_gpus_per_node": 8}
+    assert cfg["ref"] == {"num_nodes": 1, "num_gpus_per_node": 8, "offload": False}
     assert cfg["algo"]["kl"]["use_loss"] is True and cfg["algo"]["kl"]["estimator"] == "k3"
     assert cfg["algo"]["kl"]["init_coef"] == pytest.approx(1e-6 if name == "grpo" else 1e-3)
     assert cfg["train"]["batch_size"] == 128 and cfg["train"]["colocate_all"] is True
