@@ -7,6 +7,15 @@ checkpointed by schedule).
   own, as a user runs it) stops with the error's message and no traceback, exit code non-zero, and leaves a checkpoint
   of step 1 although the schedule would not have written one (trainer/ppo_trainer.py ``_checkpoint_before_stop``);
   the same command with ``--ckpt.resume auto`` resumes from it and finishes with the uninterrupted run's metrics.
+* The same kill with ``--rollout.max_engine_restarts 1`` (the command's own code in this process) costs a restart,
+  not the run nor its metrics: the group replaces the engine on its bundle, the ranks stream it the weights it held
+  (``Lifecycle.restore_engine``) or the sync that lost it is done again, the lost call is re-sent with its own
+  request seeds, and step 2's line counts the restart (``fault/engine_restarts`` 1); every metric the arithmetic
+  repeats equals the uninterrupted run's: the prompts trained, rewards, lengths, segments, potentials, advantages
+  exactly; losses, gradient norms and log-prob gaps to float noise (the replacement computes from a cold prefix
+  cache, so its kernels see other splits of the same prompt). What differs by nature: times, cache hits
+  (``probe/prefix_cache*``, ``rollout/cached*``), ``fault/*`` and the checkpoint. Without the flag the same kill
+  stops the run (the case above), so the recovery is what makes it pass.
 * A rank killed before the run's first checkpoint (``--train.max_restarts 1``): the restart starts over from step 0
   (its console line says so), the engines kept and given the fresh ranks' initial weights, and the run equals the
   uninterrupted one (the rank-restart module, test_rank_restart_e2e.py, resumes from a checkpoint).
@@ -16,8 +25,11 @@ checkpointed by schedule).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
+import threading
 import time
 
 import pytest
@@ -139,3 +151,73 @@ def test_a_rank_killed_before_any_checkpoint_restarts_from_step_0(tmp_path, unin
     assert [got[s]["fault/rank_restarts"] for s in (1, 2)] == [1.0, 1.0]  # both steps ran after the restart
     drop = lambda m: {s: {k: v for k, v in r.items() if k != "fault/rank_restarts"} for s, r in m.items()}  # noqa: E731
     assert_repeats_the_run(drop(uninterrupted["metrics"]), drop(got))
+
+
+NOISE = {"rel": 1e-4, "abs": 1e-6}  # losses and log-prob gaps: float32 kernels on other cache splits
+DIFFER = ("time", "seconds", "per_s", "MBps", "rss", "cache", "cached", "fault/", "checkpoint")
+
+
+def _engine_pids() -> list[int]:
+    """The pids of this test process's live engine actors (Ray titles an actor's process ``ray::VLLMEngine...``;
+    only descendants of this process: other Ray clusters on the machine run engines too)."""
+    import psutil
+
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.cmdline() and p.cmdline()[0].startswith("ray::VLLMEngine"):
+                pids.append(p.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def _kill_in_step_2(out_dir: str, killed: list[int]) -> threading.Thread:
+    """SIGKILL the run's engine process as soon as step 1's metrics line is written."""
+
+    def run() -> None:
+        path, deadline = os.path.join(out_dir, "metrics.jsonl"), time.monotonic() + 1200
+        while time.monotonic() < deadline:
+            if os.path.exists(path) and any(json.loads(ln).get("step") == 1 for ln in open(path)):
+                pids = _engine_pids()
+                os.kill(pids[0], signal.SIGKILL)
+                killed.extend(pids)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _same(ref: dict, got: dict, step: int) -> None:
+    keys = {k for k in ref if not any(w in k for w in DIFFER)}
+    assert keys == {k for k in got if not any(w in k for w in DIFFER)}, step
+    for k in sorted(keys):
+        a, b = ref[k], got[k]
+        if isinstance(a, float) and not a.is_integer():
+            assert b == pytest.approx(a, **NOISE), (step, k, a, b)
+        else:
+            assert b == a, (step, k, a, b)
+
+
+def test_an_engine_killed_mid_step_costs_a_restart_not_the_run_nor_its_metrics(
+        tmp_path, uninterrupted, tied_model_dir, parity_reward_file, ray_once):
+    """The engine SIGKILLed as step 1's line is written, ``--rollout.max_engine_restarts 1``: against the module's
+    uninterrupted run (without the flag the same kill stops the run: the lost-engine test above)."""
+    run_dir = str(tmp_path / "killed")
+    ref = uninterrupted["metrics"]
+    killed: list[int] = []
+    killer = _kill_in_step_2(run_dir, killed)
+    got = run_in_process(_stop_flags(tied_model_dir, parity_reward_file, run_dir)
+                         + ["--rollout.max_engine_restarts", "1"])
+    killer.join()
+    assert len(killed) == 1, f"engine processes found: {killed}"
+    rows = got["metrics"]
+    assert sorted(rows) == sorted(ref) == [1, 2]
+    assert rows[1]["fault/engine_restarts"] == 0.0 and rows[2]["fault/engine_restarts"] == 1.0
+    assert rows[2]["fault/seconds_lost"] > 0.0
+    assert "engine 0 died during " in got["out"] and "at step 2" in got["out"], got["out"][-3000:]
+    for step in (1, 2):
+        assert rows[step]["data/trained_prompts"] == ref[step]["data/trained_prompts"]
+        _same(ref[step], rows[step], step)

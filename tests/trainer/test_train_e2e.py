@@ -10,15 +10,16 @@ parity reward leaves about half the groups of 2 samples constant, and each step 
 by several tests; a test that needs to change a run
 directory works on a copy (``shutil.copytree``), so no test depends on another. Runs whose command line adds
 nothing run in this process on the test process's Ray (``run_in_process``: the command's own code after its
-flag parsing); the SIGKILLed run runs as a user runs it, ``openrlhf-shape train`` in a process (and Ray) of its
-own, and its resume in this process (a resume on the command line: tests/trainer/test_train_e2e_kl.py's DeepSpeed resume):
+flag parsing); the SIGKILLed runs run as a user runs them, ``openrlhf-shape train`` in a process (and Ray) of
+their own, and the finishing resume in this process (a resume on the command line: tests/trainer/test_train_e2e_kl.py's DeepSpeed resume):
 
 * every step trains a full batch (2 groups x 2 samples) whatever the filter dropped, takes the prompts it consumed
   from the data once each, in order (the checkpoint's data position), and the run takes exactly the LR schedule's
   updates (``TrainConfig.total_optimizer_steps``); the report shows the sample counts;
-* the run report and the HF export; ``convert megatron`` of its last checkpoint equals that export; a run
-  SIGKILLed after its first checkpoint, with a half-written checkpoint planted, resumed with ``--ckpt.resume
-  auto``, repeats steps 2-3 (its step 1 repeats the reference's exactly), refills included.
+* the run report and the HF export; ``convert megatron`` of its last checkpoint equals that export; the same
+  command SIGKILLed twice at seeded points and resumed each time (``--ckpt.resume auto``), then, its newest
+  checkpointed step's line lost and a half-written newer checkpoint planted, finished: every step repeats the
+  reference's exactly, refills included, the lost line written from the checkpoint that kept it.
 * its checkpoint resumed as an asynchronous run's is refused with a message naming the flag, before Ray, the
   engines or the ranks start (the other mode and depth: test_train_e2e_async.py).
 
@@ -120,10 +121,9 @@ def _async_flags(model_dir, reward_file, out_dir):
         "--algo.advantage.is_correction_threshold", "0.8", "1.25"]
 
 
-def _train(flags, module="openrlhf_shape.cli.main", stdout=subprocess.PIPE):
-    """``openrlhf-shape train flags`` in a process (and process group) of its own; ``module``: the command's entry
-    (``support.lossy_checkpoint``: the same command with a deliberate resume bug, the negative control)."""
-    cmd = [sys.executable, "-m", module, "train", *flags]
+def _train(flags, stdout=subprocess.PIPE):
+    """``openrlhf-shape train flags`` in a process (and process group) of its own."""
+    cmd = [sys.executable, "-m", "openrlhf_shape.cli.main", "train", *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -143,26 +143,6 @@ def _finish(proc, timeout=900):
 def _metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return {r["step"]: r for r in map(json.loads, f)}
-
-
-def _kill_after_step_1_checkpoint(proc, out_dir) -> None:
-    """SIGKILL the run ``proc`` (writing to ``out_dir``) and its own Ray processes (raylet, GCS, workers are its
-    descendants; never `ray stop`, which would also end other Ray clusters on this machine) once its step-1
-    checkpoint is complete (two steps ahead of the end, so the kill always lands before the run finishes)."""
-    from openrlhf_shape.checkpoint_dir import latest_checkpoint
-
-    marker_dir, deadline = os.path.join(out_dir, "checkpoints"), time.time() + 900
-    while time.time() < deadline:
-        latest = latest_checkpoint(marker_dir)
-        if latest and latest.endswith("step_000001"):
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be killed:\n{proc.stdout.read()[-4000:]}")
-        time.sleep(0.05)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("no step-1 checkpoint appeared")
-    kill_run(proc)
 
 
 def kill_run(proc) -> None:
@@ -327,49 +307,6 @@ def test_convert_megatron_equals_the_trainers_export(sync_ref, tmp_path):
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, sync_ref, tied_model_dir, parity_reward_file, ray_once):
-    ref = sync_ref["metrics"]
-    # The crashing run: SIGKILL the whole process group once the step-1 checkpoint is complete
-    # (two steps ahead of the end, so the kill always lands before the run finishes).
-    crash_dir = str(tmp_path / "crash")
-    _kill_after_step_1_checkpoint(_train(_sync_flags(tied_model_dir, parity_reward_file, crash_dir)), crash_dir)
-    # The kill lands right after the checkpoint, before or after step 1's metrics line (written after it): made the
-    # harder case every time, the line gone. The resumed run writes the line the checkpoint kept.
-    metrics_path = os.path.join(crash_dir, "metrics.jsonl")
-    with open(metrics_path) as f:
-        lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] != 1]
-    with open(metrics_path, "w") as f:
-        f.writelines(lines)
-    marker_dir = os.path.join(crash_dir, "checkpoints")
-    # A half-written newer checkpoint (what a kill during a save leaves) must be ignored.
-    half = os.path.join(marker_dir, "step_000009")
-    os.makedirs(half)
-    with open(os.path.join(half, "meta.json"), "w") as f:
-        json.dump({"step": 99}, f)
-
-    killed_at = time.time()
-    out = run_in_process(_sync_flags(tied_model_dir, parity_reward_file, crash_dir) + ["--ckpt.resume", "auto"])["out"]
-    notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
-    assert "resumed from" in out and "step_000001" in out, notes + "\n---\n" + out[-3000:]
-    resumed = _metrics(crash_dir)
-    assert sorted(resumed) == [1, 2, 3]
-    assert_engine_ran_trained_policy(resumed)  # the resumed weights reached the engines too
-    # step 1 is the crashed run's line as its checkpoint kept it (not redone); steps 2-3 ran after the restart
-    assert resumed[1]["time"] < killed_at < resumed[2]["time"] < resumed[3]["time"]
-    assert resumed[1]["resume/line_from_checkpoint"] == 1.0 and "resume/line_from_checkpoint" not in resumed[2]
-    # the same command computes the same step: the crashed run's step 1 is the reference's, exactly, as its checkpoint
-    # kept the line (the length alarm's keys included: they once came after the checkpoint and were lost with it)
-    assert len(_computed_keys(ref[1])) > 10
-    assert_repeats_the_run({1: ref[1]}, {1: resumed[1]})
-    for step in (2, 3):
-        for key in COMPARED:
-            assert resumed[step][key] == pytest.approx(ref[step][key], rel=1e-4, abs=1e-6), (step, key)
-        # the rollouts themselves repeat, sample for sample, refills included: every request carries its own seed
-        # (rollout/seeds.py) and the data position comes back with the checkpoint
-        for key in REFILL_KEYS:
-            assert resumed[step][key] == ref[step][key], (step, key)
-
-
 # ---------------------------------------------------------------------------------------------- several kills
 # What a step logs that the same command cannot repeat: the wall clock (``time``, ``time/*``, durations and rates)
 # and the weight sender's resident memory (its process's, which a new process does not share). Everything else must
@@ -406,8 +343,8 @@ def draw_kill_point(rng: random.Random, resumed_from: int, num_steps: int) -> tu
     c a step it has yet to reach: ``mid_step`` (a random moment after step c's line: step c + 1's phases or its
     engines' work beside the update), ``after_checkpoint`` (as soon as step c's checkpoint is complete: its line follows
     within milliseconds, so the kill lands on either side of it; the side without the line is pinned by
-    test_sigkill_then_resume_equals_uninterrupted) or ``in_checkpoint`` (step c's checkpoint half-written). The first two need a step after c, so the kill lands before
-    the run ends."""
+    :func:`lose_the_newest_line`) or ``in_checkpoint`` (step c's checkpoint half-written). The first two need a step
+    after c, so the kill lands before the run ends."""
     later = list(range(resumed_from + 1, num_steps))
     kind = rng.choice(KILL_POINTS if later else KILL_POINTS[-1:])
     return kind, rng.choice(later + [num_steps] if kind == "in_checkpoint" else later)
@@ -444,24 +381,23 @@ def _landing(out_dir: str) -> str:
 
 
 def run_with_kills(flags: list[str], out_dir: str, num_steps: int, kills: int, seed: int, step_seconds: float,
-                   logs_dir: str, points: list[tuple[str, int]] | None = None,
-                   module: str = "openrlhf_shape.cli.main") -> list[str]:
-    """Run the command ``flags`` (``openrlhf-shape train``, ``module``'s entry, writing to ``out_dir``; a run of
-    ``num_steps``) ``kills`` times, each time resumed by the same command from its newest complete checkpoint and
-    SIGKILLed with its Ray (:func:`kill_run`) at a point drawn from ``seed`` (:func:`draw_kill_point`; ``mid_step``
-    waits a random share of ``step_seconds`` first), or at ``points``. The consoles go to ``logs_dir``. Returns where
-    each kill landed; the caller finishes the run."""
+                   logs_dir: str) -> list[str]:
+    """Run the command ``flags`` (``openrlhf-shape train``, writing to ``out_dir``; a run of ``num_steps``) ``kills``
+    times, each time resumed by the same command from its newest complete checkpoint and SIGKILLed with its Ray
+    (:func:`kill_run`) at a point drawn from ``seed`` (:func:`draw_kill_point`; ``mid_step`` waits a random share of
+    ``step_seconds`` first). The consoles go to ``logs_dir`` (``console_<i>.txt``). Returns where each kill landed;
+    the caller finishes the run."""
     rng, landed = random.Random(seed), []
     for i in range(kills):
         resumed_from = _newest_step(out_dir)
         if resumed_from >= num_steps:  # the last kill landed after the run's last checkpoint (a short last step)
             landed.append(f"kill {i + 1}: none left to land, the run's last step checkpointed ({resumed_from})")
             break
-        kind, step = points[i] if points else draw_kill_point(rng, resumed_from, num_steps)
+        kind, step = draw_kill_point(rng, resumed_from, num_steps)
         delay = rng.uniform(0.0, 0.8) * step_seconds if kind == "mid_step" else 0.0
         since, console = time.time(), os.path.join(logs_dir, f"console_{i}.txt")
         with open(console, "w") as out:
-            proc = _train(flags, module=module, stdout=out)
+            proc = _train(flags, stdout=out)
         while not _reached(out_dir, kind, step, since) and proc.poll() is None and time.time() < since + 900:
             time.sleep(0.02)
         time.sleep(delay)
@@ -491,46 +427,101 @@ def median_step_seconds(metrics: dict[int, dict]) -> float:
     return times[len(times) // 2]
 
 
-def check_several_kills(ref: dict, flags: list[str], run_dir: str, logs_dir: str, kills: int, seed: int) -> list[str]:
+def lose_the_newest_line(run_dir: str) -> tuple[int, float]:
+    """Leave ``run_dir`` (a killed run's) as a kill right after its newest complete checkpoint and before that step's
+    line leaves it, the harder side of ``after_checkpoint`` (the line gone: a resume must write the one the checkpoint
+    kept), with a half-written newer checkpoint beside it (no ``COMPLETE``: a resume must ignore it). Returns that
+    step and the time it was done (steps logged later were run after it)."""
+    newest = _newest_step(run_dir)
+    assert newest >= 1, f"no complete checkpoint to resume from: {_landing(run_dir)}"
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] != newest]
+    with open(path, "w") as f:
+        f.writelines(lines)
+    half = os.path.join(run_dir, "checkpoints", "step_000009")
+    os.makedirs(half)
+    with open(os.path.join(half, "meta.json"), "w") as f:
+        json.dump({"step": 99}, f)
+    return newest, time.time()
+
+
+def check_the_kept_line(ref: dict[int, dict], resumed: dict, step: int, lost_at: float) -> None:
+    """The run ``resumed`` (``run_in_process``'s) after :func:`lose_the_newest_line` (at ``lost_at``, of ``step``):
+    it resumed from ``step``'s checkpoint, not the half-written newer one, wrote the line that checkpoint kept (as
+    the killed run computed it: the reference's, exactly) and ran the later steps after the restart."""
+    out, got = resumed["out"], resumed["metrics"]
+    notes = "\n".join(line for line in out.splitlines() if "resum" in line or "checkpoint" in line)
+    assert "resumed from" in out and f"step_{step:06d}" in out, notes + "\n---\n" + out[-3000:]
+    assert_engine_ran_trained_policy(got)  # the resumed weights reached the engines too
+    assert got[step]["time"] < lost_at and got[step]["resume/line_from_checkpoint"] == 1.0
+    later = [s for s in sorted(got) if s > step]
+    assert all(got[s]["time"] > lost_at and "resume/line_from_checkpoint" not in got[s] for s in later), later
+    assert [got[s]["time"] for s in later] == sorted(got[s]["time"] for s in later)
+    # the kept line holds what the step computes (the length alarm's keys included: they once came after the
+    # checkpoint and were lost with it)
+    assert len(_computed_keys(ref[step])) > 10
+    assert_repeats_the_run({step: ref[step]}, {step: got[step]})
+
+
+def check_several_kills(ref: dict, flags: list[str], run_dir: str, logs_dir: str, kills: int, seed: int,
+                        lose_line: bool = False) -> dict:
     """The reference run ``ref`` (a module fixture's: its metrics by step) against the same command (``flags``,
-    writing to ``run_dir``) SIGKILLed ``kills`` times at seeded random points, each followed by a resume, and finished
-    in this process: the same prompts in the same order and the same metrics (:func:`assert_repeats_the_run`).
-    Returns where the kills landed (in the failure message too)."""
+    writing to ``run_dir``: empty, or a copy of the reference cut back by :func:`cut_back_to_step_1`) SIGKILLed
+    ``kills`` times at seeded random points, each followed by a resume, and finished in this process: the same
+    prompts in the same order and the same metrics (:func:`assert_repeats_the_run`). ``lose_line``: the last kill's
+    leftovers made :func:`lose_the_newest_line`'s before the finish, checked by :func:`check_the_kept_line`.
+    Returns the finishing run (``run_in_process``'s)."""
     flags = flags + ["--ckpt.resume", "auto"]
     landed = run_with_kills(flags, run_dir, max(ref["metrics"]), kills, seed, median_step_seconds(ref["metrics"]),
                             logs_dir)
+    lost = lose_the_newest_line(run_dir) if lose_line else None
     out = run_in_process(flags)
     print("\n".join(landed))
     try:
         assert_repeats_the_run(ref["metrics"], out["metrics"])
+        if lost:
+            check_the_kept_line(ref["metrics"], out, *lost)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nkills: {landed}") from None
-    return landed
+    return out
 
 
 def test_several_kills_then_resumes_repeat_the_uninterrupted_run(tmp_path, sync_ref, tied_model_dir,
                                                                  parity_reward_file, ray_once):
     """The synchronous reference's command (refills every few steps) SIGKILLed twice at seeded random points (in a
-    step, in a checkpoint, right after one), resumed each time, then finished: the prompts trained,
-    in order, and every step's metrics but the wall clock's equal the uninterrupted run's exactly."""
+    step, in a checkpoint, right after one; from a fresh start, then from its resume), resumed each time, then
+    finished: the prompts trained, in order, and every step's metrics but the wall clock's equal the uninterrupted
+    run's exactly. Before the finish the last kill's leftovers lose the newest checkpointed step's line and gain a
+    half-written newer checkpoint (:func:`lose_the_newest_line`): the finish resumes from the complete one and writes
+    the line it kept."""
     run_dir = str(tmp_path / "run")
     check_several_kills(sync_ref, _sync_flags(tied_model_dir, parity_reward_file, run_dir), run_dir, str(tmp_path),
-                        kills=2, seed=4801)
+                        kills=2, seed=4801, lose_line=True)
 
 
 def test_several_kills_negative_control_without_the_data_position(tmp_path, sync_ref, tied_model_dir,
                                                                   parity_reward_file, ray_once):
-    """The same check on a run whose checkpoints leave the data position out (tests/support/lossy_checkpoint.py: the
-    command's own code, with the data's start saved as the position), killed once after its step-1 checkpoint and
-    resumed: the check fails at step 2, naming the prompts (the resumed run draws from the data's start again)."""
-    ref, run_dir = sync_ref["metrics"], str(tmp_path / "run")
-    flags = _sync_flags(tied_model_dir, parity_reward_file, run_dir) + ["--ckpt.resume", "auto"]
-    run_with_kills(flags, run_dir, 3, 1, 0, 0.0, str(tmp_path), points=[("after_checkpoint", 1)],
-                   module="support.lossy_checkpoint")
-    got = run_in_process(flags)["metrics"]
+    """The same check on a run whose checkpoint leaves the data position out: the reference's directory as a run
+    stopped after its step-1 checkpoint leaves it (a copy, cut back), that checkpoint's data position set to the
+    data's start (epoch 0, position 0: what a checkpoint that never recorded one resumes from; the weights, the
+    optimizer and the kept line as saved), resumed: the check fails at step 2, naming the prompts (the resumed run
+    draws from the data's start again)."""
+    ref = sync_ref["metrics"]
+    run_dir = _copy_run(sync_ref, tmp_path / "run")
+    cut_back_to_step_1(run_dir)
+    meta_path = os.path.join(run_dir, "checkpoints", "step_000001", "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert meta["extra"]["batcher"]["position"] > 0  # the position the lossless checkpoint recorded
+    meta["extra"]["batcher"].update(epoch=0, position=0)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    got = run_in_process(_sync_flags(tied_model_dir, parity_reward_file, run_dir) + ["--ckpt.resume", "auto"])
+    assert "resumed from" in got["out"] and "position 0" in got["out"], got["out"][-3000:]
     with pytest.raises(AssertionError, match=r"step 2: trained prompts"):
-        assert_repeats_the_run(ref, got)
-    assert got[1]["data/trained_prompts"] == ref[1]["data/trained_prompts"]  # before the resume: the same run
+        assert_repeats_the_run(ref, got["metrics"])
+    assert got["metrics"][1]["data/trained_prompts"] == ref[1]["data/trained_prompts"]  # before the resume: the same
 
 
 # ---------------------------------------------------------------------------------------------- refused resumes
