@@ -31,7 +31,8 @@ around its own forward (``reward_values``, in the rewards phase, while the engin
 its flag. The critic (``critics``, with ``--algo.advantage.estimator gae``) trains, so it has parameters, gradients
 and optimizer states: colocated, all of them are on host except its parameters around its values pass
 (``critic_values``, next to the reference's) and every state around its update (``critic_update``, in the update
-phase) and a checkpoint.
+phase, before the actor's states come back: the two models' optimizer states never share the device) and a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -138,8 +139,10 @@ class Lifecycle:
                 self._do(f"{who}.offload(params)", group.offload_states, ("params",))
 
     def critic_update(self, fn, *args) -> Any:
-        """``fn(*args)``: the critic's updates of a step (its ``train_values`` calls); colocated, every state of the
-        critic is on the device only for them."""
+        """``fn(*args)``: the critic's updates of a step (its ``train_values`` calls), after :meth:`before_update` and
+        before the actor's. Colocated, every state of the critic is on the device only for them, and the actor's come
+        back after them (:meth:`before_update` leaves them on host with a critic): the two models' optimizer states
+        never share the device."""
         if self.colocate:
             self._do("critic.onload(all)", self.critics.onload_states, ALL_STATES)
         try:
@@ -147,6 +150,7 @@ class Lifecycle:
         finally:
             if self.colocate:
                 self._do("critic.offload(all)", self.critics.offload_states, ALL_STATES)
+                self._do("megatron.onload(all)", self.ranks.onload_states, ALL_STATES)
 
     def _forward_only(self, who: str, group, fn, batch) -> Any:
         """``fn(batch)`` on a forward-only group (``who``: its name in :attr:`events`), onloaded around it when it is
@@ -161,10 +165,12 @@ class Lifecycle:
 
     # ---- update -------------------------------------------------------------------------------------
     def before_update(self) -> None:
-        """Rollout -> update: colocated engines sleep, the ranks bring every state back."""
+        """Rollout -> update: colocated engines sleep, the ranks bring every state back (with a critic, after its
+        update: :meth:`critic_update`)."""
         if self.colocate:
             self._do(f"engines.sleep({SLEEP_LEVEL})", self.engines.sleep, SLEEP_LEVEL)
-            self._do("megatron.onload(all)", self.ranks.onload_states, ALL_STATES)
+            if self.critics is None:
+                self._do("megatron.onload(all)", self.ranks.onload_states, ALL_STATES)
         self.phase = "update"
 
     def sync_weights(self, step: int | None = None) -> dict[str, float]:
