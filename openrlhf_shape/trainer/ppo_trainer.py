@@ -115,7 +115,6 @@ class ShapeTrainer:
                     raise
                 path = self._restart_ranks(death)
         self._export_hf()
-        self._export_critic()
         return write_report(self.run_dir, self.history, self.run.setup_seconds)
 
     def _fit_from(self, path: str | None, restarted: bool = False) -> None:
@@ -233,31 +232,22 @@ class ShapeTrainer:
         log.warning("an engine is lost: checkpointed step %d before stopping (%s)", step, path)
 
     def _export_hf(self) -> None:
-        """``--ckpt.save_hf``: the trained policy to ``<run_dir>/hf`` once the run reached ``--train.num_steps``, also
-        by a rerun that resumed at the last step and trained nothing when no export is there (a kill during the
-        export). The rank workers write it atomically (``actor/hf_dir.py``: a ``.tmp`` directory renamed), so an
-        ``hf/`` that exists is whole."""
-        out = os.path.join(self.run_dir, "hf")
-        if not self.cfg.ckpt.save_hf or self._done != self.cfg.train.num_steps:
+        """``--ckpt.save_hf``: the trained policy to ``<run_dir>/hf``; ``--critic.save_value_network``: the trained critic
+        in OpenRLHF's value-model format (loadable as ``--critic.model_name_or_path``) to ``<ckpt.output_dir>_critic``,
+        where OpenRLHF's ``save_model`` puts it. Each once the run reached ``--train.num_steps``, also by a rerun that
+        resumed at the last step and trained nothing when no export is there (a kill during the export). The rank
+        workers write them atomically (``actor/hf_dir.py``: a ``.tmp`` directory renamed), so one that exists is whole."""
+        if self._done != self.cfg.train.num_steps:
             return
-        if os.path.isdir(out) and not any(h["step"] == self._done for h in self.history):
-            return  # this invocation did not train the last step, and its export is whole
         cluster = self.run.cluster
-        cluster.lifecycle.around_checkpoint(cluster.ranks.export_hf, out)
-        log.info("exported the trained policy to %s", out)
-
-    def _export_critic(self) -> None:
-        """``--critic.save_value_network``: the trained critic in OpenRLHF's value-model format (the HF decoder with
-        its value head, loadable as ``--critic.model_name_or_path``) to ``<ckpt.output_dir>_critic``, where OpenRLHF's
-        ``save_model`` puts it, once the run reached ``--train.num_steps`` (as :meth:`_export_hf`, atomically)."""
-        out = self.run_dir + "_critic"
-        critics = self.run.cluster.critics
-        if critics is None or not self.cfg.critic.save_value_network or self._done != self.cfg.train.num_steps:
-            return
-        if os.path.isdir(out) and not any(h["step"] == self._done for h in self.history):
-            return
-        self.run.cluster.lifecycle.around_checkpoint(critics.export_hf, out, critic=True)
-        log.info("exported the trained critic to %s", out)
+        for wanted, out, critic in ((self.cfg.ckpt.save_hf, os.path.join(self.run_dir, "hf"), False),
+                                    (cluster.critics is not None and self.cfg.critic.save_value_network,
+                                     self.run_dir + "_critic", True)):
+            if not wanted or (os.path.isdir(out) and not any(h["step"] == self._done for h in self.history)):
+                continue  # not asked for, or this invocation did not train the last step and the export is whole
+            cluster.lifecycle.around_checkpoint((cluster.critics if critic else cluster.ranks).export_hf, out,
+                                                critic=critic)
+            log.info("exported the trained %s to %s", "critic" if critic else "policy", out)
 
     # ------------------------------------------------------------------ phases of the loop
     def train(self, exp, step: int) -> PhaseOutput:
