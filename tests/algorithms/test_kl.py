@@ -5,7 +5,6 @@ own functions on the same inputs (its ``models/utils.py`` and ``kl_controller.py
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -20,6 +19,7 @@ from openrlhf_shape.algorithms.kl import (
     kl_penalty_returns,
     masked_sample_mean,
 )
+from support.modules import load_file
 
 # The worked batch: two responses of 3 and 2 tokens (right-padded to 4); padding holds junk on purpose.
 LOGP = torch.tensor([[-1.0, -0.5, -2.0, -9.0], [-0.2, -3.0, -7.0, 3.0]])
@@ -40,10 +40,7 @@ def _load_openrlhf(relpath: str, name: str):
     """One OpenRLHF 0.11.2 source file as a module (by path: its package __init__ needs flash-attn)."""
     import openrlhf
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(openrlhf.__file__), relpath))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(os.path.join(os.path.dirname(openrlhf.__file__), relpath), name)
 
 
 @pytest.fixture(scope="module")

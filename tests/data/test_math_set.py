@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
 from collections import Counter
@@ -13,16 +12,14 @@ from pathlib import Path
 import pytest
 
 from openrlhf_shape.data.prompts import bundled_math_path
+from support.modules import load_file
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_math_set.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("make_math_set", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(SCRIPT)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from openrlhf_shape.rollout.engine import Generation
+from support.modules import load_file
 
 
 class ScriptedBackend:
@@ -55,7 +55,4 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 def load_script(name: str):
     """A script of ``scripts/`` (``name`` without ``.py``) imported as a module (scripts are not a package)."""
     path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(path)

@@ -6,7 +6,6 @@ here, the lock drift check, the script's lint, and that the Dockerfile really ca
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import re
@@ -16,20 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from support.modules import load_file
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "docker" / "check_imports.py"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 LOCK = "requirements/gpu.lock.txt"
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("check_imports", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ci = _load_script()
+ci = load_file(SCRIPT)
 sys.path.insert(0, str(REPO / "scripts"))
 import check_gpu_requirements as chk  # noqa: E402
 

@@ -14,6 +14,7 @@ import pytest
 from openrlhf_shape.cli.main import main
 from openrlhf_shape.planner.memory import megatron_update_peak_bytes
 from openrlhf_shape.planner.model import MODELS_DIR, ModelShape, resolve_model_config
+from support.modules import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
@@ -105,11 +106,7 @@ def test_console_script_exit_code(tmp_path):
 
 
 def test_sizing_doc_is_generated_from_the_planner():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cluster_sizing", REPO / "scripts" / "cluster_sizing.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_file(REPO / "scripts" / "cluster_sizing.py")
     committed = (REPO / "docs" / "cluster_sizing.md").read_text()
     assert committed == script.generate(), "regenerate: python scripts/cluster_sizing.py > docs/cluster_sizing.md"
 

@@ -22,6 +22,7 @@ from openrlhf_shape.platform import detect_platform
 from openrlhf_shape.rollout.agent_batch import agent_metrics, episodes_to_batch, parse_episode
 from openrlhf_shape.rollout.agents import AgentRunner
 from openrlhf_shape.rollout.engine import SamplingConfig
+from support.modules import load_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,12 +58,7 @@ def items(tiny_tokenizer):
 
 def _agent_module(name: str):
     """An agent file of ``agent_files/`` as a module (its constants: the environment's fixed texts)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, os.path.join(AGENTS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(os.path.join(AGENTS, f"{name}.py"))
 
 
 def _episodes(engines, tok, items, path, sampling, seed):

@@ -10,7 +10,6 @@
 * the held-out eval judges its responses on the same reward path (``eval/accuracy`` = the file's scores).
 """
 
-import importlib.util
 import json
 import os
 import threading
@@ -30,6 +29,7 @@ from openrlhf_shape.rollout import EngineConfig, EngineGroup, ProbeConfig, Sampl
 from openrlhf_shape.rollout.probes import ProbeSuffixes, build_probe_prompt, estimate_potentials
 from openrlhf_shape.trainer.experience import ShapeExperienceMaker
 from openrlhf_shape.trainer.phases import StepLog
+from support.modules import load_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -59,9 +59,7 @@ def strict_file(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def strict(strict_file):
     """The file's own ``reward_func`` (imported here, not through our loader): the verdicts to compare with."""
-    spec = importlib.util.spec_from_file_location("strict_reward", strict_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_file(strict_file, "strict_reward")
     return lambda q, p: float(module.reward_func([q], [p], ["?"])["rewards"][0])
 
 

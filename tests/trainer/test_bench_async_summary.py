@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
+from support.modules import load_file
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_async.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_async", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(SCRIPT)
 
 
 def _row(step, t, tokens, eng, rank, **more):

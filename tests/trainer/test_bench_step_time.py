@@ -4,7 +4,6 @@ variants' flags against the preset, and one tiny end-to-end run of the script wh
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.modules import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_step_time.py"
@@ -20,10 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_step_time.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_step_time", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(SCRIPT)
 
 
 def _write_run(path: Path, step_s: float, generate: float, probes: float | None, extra: dict | None = None) -> str:
