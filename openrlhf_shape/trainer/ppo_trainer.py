@@ -240,13 +240,13 @@ class ShapeTrainer:
         if self._done != self.cfg.train.num_steps:
             return
         cluster = self.run.cluster
-        for wanted, out, critic in ((self.cfg.ckpt.save_hf, os.path.join(self.run_dir, "hf"), False),
-                                    (cluster.critics is not None and self.cfg.critic.save_value_network,
-                                     self.run_dir + "_critic", True)):
+        for wanted, out, group, critic in (
+                (self.cfg.ckpt.save_hf, os.path.join(self.run_dir, "hf"), cluster.ranks, False),
+                (cluster.critics is not None and self.cfg.critic.save_value_network, self.run_dir + "_critic",
+                 cluster.critics, True)):
             if not wanted or (os.path.isdir(out) and not any(h["step"] == self._done for h in self.history)):
                 continue  # not asked for, or this invocation did not train the last step and the export is whole
-            cluster.lifecycle.around_checkpoint((cluster.critics if critic else cluster.ranks).export_hf, out,
-                                                critic=critic)
+            cluster.lifecycle.around_checkpoint(group.export_hf, out, critic=critic)
             log.info("exported the trained %s to %s", "critic" if critic else "policy", out)
 
     # ------------------------------------------------------------------ phases of the loop
